@@ -1,0 +1,294 @@
+"""The engine's synchronous client of the kvcached daemon.
+
+Made for an engine's scheduler thread: every call that waits has a bound (``timeout_s``) and
+raises ``DaemonUnavailable`` naming what it waited for, never hangs. Releases and backup
+commits are sent without waiting (they are off the request's critical path); their error
+replies, if any, are collected as they arrive and handed out by ``poll_errors()``. A
+background thread sends heartbeats on its own socket so that a long forward pass does not
+look like a dead engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import zmq
+
+from proto import codec
+from proto.errors import ErrorCode
+from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
+from proto.paths import default_socket_path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+MAX_PENDING_ASYNC = 100_000
+
+
+class DaemonUnavailable(Exception):
+    """The daemon is not there or did not answer in time."""
+
+
+class DaemonError(Exception):
+    """The daemon refused a request: ``code`` and ``message`` say why."""
+
+    def __init__(self, code: int, message: str, kind: MsgKind | None = None):
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass
+        self.code = code
+        self.message = message
+        self.kind = kind
+        name = getattr(code, "name", str(code))
+        super().__init__(f"{kind.name if kind else 'request'} refused: {name}: {message}")
+
+
+class AttachInfo(NamedTuple):
+    session_id: int
+    namespace_id: int
+    shm_path: str
+    arena_offset_bytes: int
+    num_pages: int
+    bytes_per_page: int
+    heartbeat_interval_s: float
+    session_timeout_s: float
+    max_frame_bytes: int
+    daemon_pid: int
+    protocol_version: int
+
+
+class MatchReply(NamedTuple):
+    hit_tokens: dict[str, int]
+    lease_id: int | None
+    host_page_ids: list[int]
+    backup_start_token: int
+    backup_page_ids: list[int]
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {array.shape}")
+    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must fit in int32")
+    return array.astype("<i4", copy=False).tobytes()
+
+
+class _Channel:
+    """One DEALER socket with request ids and bounded waits (not thread-safe: one per thread)."""
+
+    def __init__(self, context: zmq.Context, socket_path: str, timeout_s: float):
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 100_000)
+        self.socket.connect(f"ipc://{socket_path}")
+        self._request_ids = itertools.count(1)
+        self.pending_async: dict[int, MsgKind] = {}
+        self.async_errors: list[DaemonError] = []
+
+    def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
+        request_id = next(self._request_ids)
+        try:
+            self.socket.send(codec.encode(kind, request_id, body), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"cannot send {kind.name} to ipc://{self.socket_path}: "
+                                    "the daemon is not reading (send queue full)") from None
+        return request_id
+
+    def send_async(self, kind: MsgKind, body: dict[str, Any]) -> None:
+        request_id = self.send(kind, body)
+        if len(self.pending_async) < MAX_PENDING_ASYNC:
+            self.pending_async[request_id] = kind
+
+    def request(self, kind: MsgKind, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        request_id = self.send(kind, body)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self.socket.poll(max(1, int(remaining_ms))):
+                raise DaemonUnavailable(
+                    f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
+                    f"within timeout_s={timeout_s} (is it running?)")
+            frame = codec.decode(self.socket.recv())
+            if frame.request_id == request_id:
+                if frame.kind == MsgKind.ERROR:
+                    raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
+                return frame.body
+            self._absorb(frame)
+
+    def drain(self) -> None:
+        """Collect replies to earlier fire-and-forget requests without waiting."""
+        while self.socket.poll(0):
+            self._absorb(codec.decode(self.socket.recv()))
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every fire-and-forget request has been answered."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending_async:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self.socket.poll(max(1, int(remaining_ms))):
+                raise DaemonUnavailable(f"{len(self.pending_async)} releases/commits unanswered by the daemon "
+                                        f"at ipc://{self.socket_path} within timeout_s={timeout_s}")
+            self._absorb(codec.decode(self.socket.recv()))
+
+    def _absorb(self, frame: codec.Frame) -> None:
+        kind = self.pending_async.pop(frame.request_id, None)
+        if kind is not None and frame.kind == MsgKind.ERROR:
+            error = DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
+            logger.warning("%s", error)
+            self.async_errors.append(error)
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class KVCacheClient:
+    """An engine's session with the daemon; see ``connect``."""
+
+    def __init__(self, socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 client_name: str = ""):
+        self.socket_path = socket_path or default_socket_path()
+        if not os.path.exists(self.socket_path):
+            raise DaemonUnavailable(f"no kvcached daemon socket at {self.socket_path} "
+                                    "(start one with `kvcached serve`)")
+        self.timeout_s = timeout_s
+        self.client_name = client_name
+        self._context = zmq.Context()
+        self._channel = _Channel(self._context, self.socket_path, timeout_s)
+        self.info: AttachInfo | None = None
+        self.geometry: KVGeometry | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self._stop_heartbeats = threading.Event()
+        self._session_lost: str | None = None
+        self._closed = False
+
+    # ---- session ----------------------------------------------------------------------------
+
+    def attach(self, geometry: KVGeometry) -> AttachInfo:
+        if self.info is not None:
+            raise RuntimeError("already attached")
+        geometry.validate()
+        body = self._channel.request(MsgKind.ATTACH, {
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "geometry": geometry.to_wire(),
+            "client_name": self.client_name,
+        })
+        self.info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+        self.geometry = geometry
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="kvcached-heartbeat",
+                                                  daemon=True)
+        self._heartbeat_thread.start()
+        return self.info
+
+    def _heartbeat_loop(self) -> None:
+        assert self.info is not None
+        interval_s = self.info.heartbeat_interval_s
+        channel = _Channel(self._context, self.socket_path, timeout_s=max(interval_s, 0.05))
+        try:
+            while not self._stop_heartbeats.wait(interval_s):
+                try:
+                    channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id})
+                except DaemonError as exc:
+                    self._session_lost = str(exc)
+                    logger.error("kvcached session lost: %s", exc)
+                    return
+                except DaemonUnavailable as exc:
+                    logger.warning("%s", exc)
+        finally:
+            channel.close()
+
+    def _session(self) -> int:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        if self.info is None:
+            raise RuntimeError("attach() first")
+        if self._session_lost is not None:
+            raise DaemonUnavailable(f"the daemon no longer knows this session: {self._session_lost}")
+        return self.info.session_id
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False) -> MatchReply:
+        """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
+        and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
+        body = self._channel.request(MsgKind.MATCH, {
+            "session_id": self._session(),
+            "token_ids": token_bytes(token_ids),
+            "reserve_backup": reserve_backup,
+        })
+        return MatchReply(**{f: body[f] for f in MatchReply._fields})
+
+    def release(self, lease_id: int) -> None:
+        self._channel.send_async(MsgKind.RELEASE, {"session_id": self._session(), "lease_id": lease_id})
+
+    def commit_backup(self, lease_id: int, host_page_ids: Sequence[int]) -> None:
+        self._channel.send_async(MsgKind.BACKUP_COMMIT, {
+            "session_id": self._session(), "lease_id": lease_id,
+            "host_page_ids": [int(p) for p in host_page_ids]})
+
+    def status(self, check_integrity: bool = False) -> dict[str, Any]:
+        return self._channel.request(MsgKind.STATUS, {"check_integrity": check_integrity})
+
+    def poll_errors(self) -> list[DaemonError]:
+        """Error replies to releases and commits received so far (each handed out once)."""
+        self._channel.drain()
+        errors, self._channel.async_errors = self._channel.async_errors, []
+        return errors
+
+    def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
+        """Wait for every release/commit reply; returns their errors like ``poll_errors``."""
+        self._channel.flush(self.timeout_s if timeout_s is None else timeout_s)
+        return self.poll_errors()
+
+    def request_raw(self, kind: MsgKind, body: dict[str, Any]) -> dict[str, Any]:
+        """Send any body of any kind and wait for the reply (diagnostics and tests)."""
+        return self._channel.request(kind, body)
+
+    def detach(self) -> None:
+        if self.info is None or self._closed:
+            return
+        self._stop_heartbeats.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join()
+        try:
+            self._channel.request(MsgKind.DETACH, {"session_id": self.info.session_id})
+        finally:
+            self.info = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.detach()
+        except (DaemonUnavailable, DaemonError) as exc:
+            logger.warning("detach on close failed: %s", exc)
+        finally:
+            self._stop_heartbeats.set()
+            if self._heartbeat_thread is not None:
+                self._heartbeat_thread.join()
+            self._channel.close()
+            self._context.term()
+            self._closed = True
+
+    def __enter__(self) -> "KVCacheClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def connect(socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+            client_name: str = "") -> KVCacheClient:
+    """Connect to the daemon at ``socket_path`` (default: the per-user path); then ``attach``."""
+    return KVCacheClient(socket_path, timeout_s, client_name)

@@ -1,0 +1,101 @@
+"""``kvcached serve`` runs the daemon; ``kvcached status`` asks a running one how it is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from kvcached.config import DaemonConfig, parse_size
+from proto.paths import default_socket_path
+
+logger = logging.getLogger(__name__)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = DaemonConfig.__dataclass_fields__
+    parser = argparse.ArgumentParser(prog="kvcached", description="Hierarchical KV-cache sidecar daemon")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--socket", help=f"ipc socket path (default: {default_socket_path()})")
+    serve.add_argument("--l2-size", type=_size, help="shared pinned host pool size, e.g. 64GiB "
+                       "(default: 1 GiB or half of free /dev/shm, whichever is less)")
+    serve.add_argument("--l3-path", help="local file for the L3 tier (default: a temporary file)")
+    serve.add_argument("--l3-size", type=_size, help="L3 file size, e.g. 1TiB")
+    serve.add_argument("--max-namespaces", type=int,
+                       help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
+    serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+
+    status = commands.add_parser("status", help="print the daemon's status")
+    status.add_argument("--socket", help="ipc socket path of the daemon")
+    status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
+    status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted")
+    status.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --follow")
+    status.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait for the daemon")
+    status.add_argument("--check-integrity", action="store_true", help="also run the daemon's integrity check")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvcached.server.loop import run
+    from kvcached.server.shm import StartupError
+
+    try:
+        config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
+                                       l3_bytes=args.l3_size, max_namespaces=args.max_namespaces,
+                                       log_level=args.log_level)
+    except ValueError as exc:
+        print(f"kvcached: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(config)
+    except StartupError as exc:
+        print(f"kvcached: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvcached.server.status import DaemonUnavailable, StatusClient, render_table
+
+    socket_path = args.socket or default_socket_path()
+    try:
+        with StatusClient(socket_path, timeout_s=args.timeout_s) as client:
+            while True:
+                snapshot = client.status(check_integrity=args.check_integrity)
+                if args.json:
+                    print(json.dumps(snapshot, sort_keys=True), flush=True)
+                else:
+                    if args.follow:
+                        print(f"--- {time.strftime('%H:%M:%S')}")
+                    print(render_table(snapshot), flush=True)
+                if not args.follow:
+                    return 0
+                time.sleep(args.interval_s)
+    except DaemonUnavailable as exc:
+        print(f"kvcached: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _status(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Render a status snapshot (the STATUS reply) as a human table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcached.config import format_size
+
+
+def render_table(snapshot: dict[str, Any]) -> str:
+    daemon = snapshot.get("daemon", {})
+    lines = [
+        f"kvcached pid {daemon.get('pid')}  socket {daemon.get('socket')}  up {daemon.get('uptime_s', 0):.0f}s  "
+        f"L2 {format_size(daemon.get('l2_bytes', 0))}",
+        f"sessions {len(snapshot.get('sessions', []))}  leases {snapshot.get('leases', 0)}"
+        + (f"  integrity {snapshot['integrity']}" if "integrity" in snapshot else ""),
+        "",
+        f"{'ns':>3} {'model':<24} {'tier':<4} {'page':>10} {'capacity':>9} {'free':>9} {'owned':>9} "
+        f"{'protected':>9} {'evictable':>9} {'private':>9}",
+    ]
+    for namespace in snapshot.get("namespaces", []):
+        for tier, info in namespace["tiers"].items():
+            lines.append(
+                f"{namespace['namespace_id']:>3} {namespace['geometry']['model_id'][:24]:<24} {tier:<4} "
+                f"{format_size(namespace['bytes_per_page']):>10} {info['capacity_pages']:>9} {info['free_pages']:>9} "
+                f"{info['owned_pages']:>9} {info['protected_pages']:>9} {info['evictable_pages']:>9} "
+                f"{info['private_pages']:>9}")
+    if not snapshot.get("namespaces"):
+        lines.append("    (no engine has attached yet)")
+    sessions = snapshot.get("sessions", [])
+    if sessions:
+        lines += ["", f"{'session':<17} {'pid':>8} {'ns':>3} {'leases':>6} {'age_s':>8}  name"]
+        for session in sessions:
+            lines.append(f"{session['session_id']:<17} {session['pid']:>8} {session['namespace_id']:>3} "
+                         f"{session['leases']:>6} {session['age_s']:>8.1f}  {session['client_name']}")
+    metrics = snapshot.get("metrics", {})
+    if metrics:
+        lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
+    return "\n".join(lines)
+
+
+class DaemonUnavailable(Exception):
+    pass
+
+
+class StatusClient:
+    """What ``kvcached status`` uses: one DEALER socket, STATUS requests with a bounded wait."""
+
+    def __init__(self, socket_path: str, timeout_s: float):
+        import os
+
+        import zmq
+
+        if not os.path.exists(socket_path):
+            raise DaemonUnavailable(f"no kvcached daemon socket at {socket_path}")
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(f"ipc://{socket_path}")
+        self._next_id = 1
+
+    def status(self, check_integrity: bool = False) -> dict[str, Any]:
+        from proto import codec
+        from proto.messages import MsgKind
+
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        self._socket.send(codec.encode(MsgKind.STATUS, request_id, {"check_integrity": check_integrity}))
+        while True:
+            if not self._socket.poll(int(self.timeout_s * 1000)):
+                raise DaemonUnavailable(f"no status reply from ipc://{self.socket_path} "
+                                        f"within timeout_s={self.timeout_s} (is the daemon running?)")
+            frame = codec.decode(self._socket.recv())
+            if frame.request_id == request_id:
+                if frame.kind == MsgKind.ERROR:
+                    raise DaemonUnavailable(f"status refused: {frame.body}")
+                return frame.body
+
+    def close(self) -> None:
+        self._socket.close(0)
+        self._context.term()
+
+    def __enter__(self) -> "StatusClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""Request bodies and their validation.
+
+Every field a peer sends is checked here, on the receiving side, before any state is touched.
+New fields go last and carry defaults, so older peers keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from proto.errors import ErrorCode, ProtocolError
+from proto.messages import KVGeometry, MsgKind
+
+MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
+MAX_PAGE_IDS_PER_REQUEST = 1 << 20
+MAX_ID = 2**63 - 1
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_FRAME, message)
+
+
+def _int(body: dict, name: str, lo: int = 0, hi: int = MAX_ID, default: Any = dataclasses.MISSING) -> int:
+    value = body.get(name, default)
+    if value is dataclasses.MISSING:
+        raise _bad(f"missing field {name!r}")
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if type(value) is not bool:
+        raise _bad(f"{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _str(body: dict, name: str, max_len: int, default: Any = dataclasses.MISSING) -> str:
+    value = body.get(name, default)
+    if value is dataclasses.MISSING:
+        raise _bad(f"missing field {name!r}")
+    if not isinstance(value, str) or len(value) > max_len:
+        raise _bad(f"{name} must be a string of at most {max_len} characters")
+    return value
+
+
+def _token_bytes(body: dict, name: str) -> bytes:
+    value = body.get(name)
+    if not isinstance(value, bytes):
+        raise _bad(f"{name} must be bytes of little-endian int32 token ids")
+    if len(value) % 4:
+        raise _bad(f"{name} has {len(value)} bytes, not a multiple of 4")
+    if len(value) // 4 > MAX_TOKENS_PER_REQUEST:
+        raise _bad(f"{name} holds more than {MAX_TOKENS_PER_REQUEST} tokens")
+    return value
+
+
+def _page_ids(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if not isinstance(value, list) or len(value) > MAX_PAGE_IDS_PER_REQUEST:
+        raise _bad(f"{name} must be a list of at most {MAX_PAGE_IDS_PER_REQUEST} page ids")
+    for page_id in value:
+        if type(page_id) is not int:
+            raise _bad(f"{name} must hold integers, got {page_id!r}")
+    return value
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Attach:
+    kind: ClassVar[MsgKind] = MsgKind.ATTACH
+    protocol_version: int
+    pid: int
+    geometry: KVGeometry
+    client_name: str = ""
+
+    @classmethod
+    def parse(cls, body: dict) -> "Attach":
+        return cls(
+            protocol_version=_int(body, "protocol_version", 0, 2**31),
+            pid=_int(body, "pid", 0, 2**31),
+            geometry=KVGeometry.from_wire(body.get("geometry")),
+            client_name=_str(body, "client_name", 256, ""),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionRequest:
+    """Detach and heartbeat: just the session."""
+
+    session_id: int
+
+    @classmethod
+    def parse(cls, body: dict) -> "SessionRequest":
+        return cls(session_id=_int(body, "session_id"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    kind: ClassVar[MsgKind] = MsgKind.MATCH
+    session_id: int
+    token_ids: bytes
+    reserve_backup: bool = False   # also reserve private L2 pages for the pages the daemon lacks
+
+    @classmethod
+    def parse(cls, body: dict) -> "Match":
+        return cls(
+            session_id=_int(body, "session_id"),
+            token_ids=_token_bytes(body, "token_ids"),
+            reserve_backup=_bool(body, "reserve_backup", False),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    kind: ClassVar[MsgKind] = MsgKind.RELEASE
+    session_id: int
+    lease_id: int
+
+    @classmethod
+    def parse(cls, body: dict) -> "Release":
+        return cls(session_id=_int(body, "session_id"), lease_id=_int(body, "lease_id"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupCommit:
+    kind: ClassVar[MsgKind] = MsgKind.BACKUP_COMMIT
+    session_id: int
+    lease_id: int
+    host_page_ids: list[int]   # the reserved pages that were written, a prefix of the reservation
+
+    @classmethod
+    def parse(cls, body: dict) -> "BackupCommit":
+        return cls(
+            session_id=_int(body, "session_id"),
+            lease_id=_int(body, "lease_id"),
+            host_page_ids=_page_ids(body, "host_page_ids"),
+        )
