@@ -1,0 +1,10 @@
+import pytest
+
+from tests.integration.daemon_proc import DaemonProcess
+
+
+@pytest.fixture
+def daemon():
+    process = DaemonProcess().start()
+    yield process
+    process.cleanup()

@@ -1,0 +1,85 @@
+"""Start and stop a real ``kvcached serve`` process for tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("KVCACHED_SOCKET", None)
+    return env
+
+
+class DaemonProcess:
+    def __init__(self, l2_size: str = "64MiB", extra_args: tuple[str, ...] = (), socket_dir: str | None = None):
+        # ipc:// paths must stay short (sun_path is 108 bytes), so not under pytest's tmp_path.
+        self.socket_dir = socket_dir or tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+        self.socket_path = os.path.join(self.socket_dir, "kvcached.sock")
+        self.args = [sys.executable, "-m", "kvcached.cli", "serve", "--socket", self.socket_path,
+                     "--l2-size", l2_size, *extra_args]
+        self.log_path = os.path.join(self.socket_dir, "daemon.log")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 20.0) -> "DaemonProcess":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, env=child_env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=REPO_ROOT)
+        # Ready means: this process answers STATUS on the socket (a stale socket file may exist already).
+        from kvcached.server.status import DaemonUnavailable, StatusClient
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon did not answer on its socket within {timeout_s} s: {self.log()}")
+            if os.path.exists(self.socket_path):
+                try:
+                    with StatusClient(self.socket_path, timeout_s=0.2) as client:
+                        if client.status()["daemon"]["pid"] == self.proc.pid:
+                            break
+                except DaemonUnavailable:
+                    pass
+            time.sleep(0.02)
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(signal.SIGKILL)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        # A daemon killed on purpose leaves its segment behind; do not leak it into /dev/shm.
+        from kvcached.server.shm import segment_name
+
+        try:
+            os.unlink(os.path.join("/dev/shm", segment_name(self.socket_path)))
+        except FileNotFoundError:
+            pass

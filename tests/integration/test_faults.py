@@ -1,0 +1,147 @@
+"""Peers that die: leases of a killed engine are reclaimed, a dead daemon is reported, nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from engine_client.client import DaemonUnavailable, connect
+from kvcached.server.shm import segment_name
+from proto.messages import KVGeometry
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+
+GEOMETRY = KVGeometry("fault-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from engine_client.client import connect
+    from proto.messages import KVGeometry
+    geometry = KVGeometry(**eval(sys.argv[2]))
+    client = connect(sys.argv[1], timeout_s=5.0, client_name="holder")
+    client.attach(geometry)
+    rng = np.random.default_rng(int(sys.argv[3]))
+    tokens = rng.integers(0, 50_000, size=64, dtype=np.int32)
+    first = client.match(tokens, reserve_backup=True)
+    client.commit_backup(first.lease_id, first.backup_page_ids)
+    assert client.flush() == []
+    held = client.match(tokens, reserve_backup=False)        # a lease on the committed pages
+    more = client.match(rng.integers(0, 50_000, size=64, dtype=np.int32), reserve_backup=True)
+    print(f"READY {len(held.host_page_ids)} {len(more.backup_page_ids)}", flush=True)
+    time.sleep(600)
+""")
+
+
+def start_holder(socket_path: str, seed: int) -> tuple[subprocess.Popen, int, int]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, socket_path, repr(GEOMETRY.to_wire()), str(seed)],
+                            env=child_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    assert line and line[0] == "READY", f"holder failed to start: {line}"
+    return proc, int(line[1]), int(line[2])
+
+
+def l2(status: dict) -> dict:
+    (namespace,) = status["namespaces"]
+    return namespace["tiers"]["l2"]
+
+
+def test_sigkilled_engine_loses_leases_within_two_seconds(daemon):
+    """An engine killed with SIGKILL while holding leases has them reclaimed within 2 s; its pages become evictable."""
+    holder, locked_pages, private_pages = start_holder(daemon.socket_path, seed=1)
+    with connect(daemon.socket_path, timeout_s=5.0, client_name="observer") as observer:
+        before = observer.status(check_integrity=True)
+        assert before["integrity"] == "ok"
+        assert before["leases"] == 2
+        assert l2(before)["protected_pages"] == locked_pages > 0
+        assert l2(before)["private_pages"] == private_pages > 0
+        assert l2(before)["evictable_pages"] == 0
+
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        killed_at = time.monotonic()
+        while True:
+            status = observer.status(check_integrity=True)
+            if status["leases"] == 0:
+                break
+            assert time.monotonic() - killed_at < 2.0, f"leases still held 2 s after SIGKILL: {status}"
+            time.sleep(0.05)
+        assert status["integrity"] == "ok"
+        assert status["sessions"] == []
+        assert l2(status)["protected_pages"] == 0
+        assert l2(status)["private_pages"] == 0
+        assert l2(status)["evictable_pages"] == locked_pages
+        assert status["metrics"]["leases_reclaimed"] == 2
+
+
+def test_client_raises_when_daemon_is_killed(daemon):
+    """With the daemon SIGKILLed, a match raises DaemonUnavailable within its timeout instead of hanging."""
+    client = connect(daemon.socket_path, timeout_s=1.0)
+    client.attach(GEOMETRY)
+    daemon.stop(signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="within timeout_s=1.0"):
+        client.match(np.arange(16, dtype=np.int32))
+    assert time.monotonic() - started < 2.0
+    client.close()       # must not hang either
+
+
+def test_connect_without_daemon_is_a_clear_error(tmp_path):
+    """Connecting to a socket path where no daemon listens raises at once, naming the path."""
+    path = str(tmp_path / "nobody.sock")
+    with pytest.raises(DaemonUnavailable, match="nobody.sock"):
+        connect(path)
+
+
+def test_sigterm_removes_segment_socket_and_lock():
+    """SIGTERM (and SIGINT) shut the daemon down cleanly: exit 0, segment, socket and lock file gone."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        daemon = DaemonProcess().start()
+        segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        try:
+            assert os.path.exists(segment)
+            assert os.stat(segment).st_mode & 0o777 == 0o600
+            assert os.stat(daemon.socket_dir).st_mode & 0o777 == 0o700
+            assert daemon.stop(sig) == 0, daemon.log()
+            assert not os.path.exists(segment)
+            assert not os.path.exists(daemon.socket_path)
+            assert not os.path.exists(daemon.socket_path + ".lock")
+        finally:
+            daemon.cleanup()
+
+
+def test_stale_segment_of_killed_daemon_is_cleaned_at_next_start():
+    """A daemon killed with SIGKILL leaves its segment; the next daemon on that socket removes and recreates it."""
+    first = DaemonProcess().start()
+    segment = os.path.join("/dev/shm", segment_name(first.socket_path))
+    first_inode = os.stat(segment).st_ino
+    first.stop(signal.SIGKILL)
+    assert os.path.exists(segment), "SIGKILL cannot clean up; the segment should still be there"
+    second = DaemonProcess(socket_dir=first.socket_dir).start()
+    try:
+        assert "removing stale L2 segment" in second.log()
+        assert os.stat(segment).st_ino != first_inode
+        with connect(second.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+            assert client.status(check_integrity=True)["integrity"] == "ok"
+    finally:
+        assert second.stop() == 0
+        second.cleanup()
+    assert not os.path.exists(segment)
+
+
+def test_second_daemon_on_same_socket_is_refused(daemon):
+    """A second daemon on a socket that is being served exits with a clear error and leaves the first intact."""
+    second = DaemonProcess(socket_dir=daemon.socket_dir)
+    second.log_path = os.path.join(daemon.socket_dir, "second.log")
+    with pytest.raises(RuntimeError, match="another kvcached daemon"):
+        second.start()
+    with connect(daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        assert client.status(check_integrity=True)["integrity"] == "ok"

@@ -1,0 +1,186 @@
+"""Bad input over the real wire: each gets an error reply to that peer only, and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from engine_client.client import DaemonError, connect
+from proto import codec
+from proto.errors import ErrorCode
+from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
+
+GEOMETRY = KVGeometry("test-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
+
+
+class RawPeer:
+    """A peer that can send anything, bypassing the client's own checks."""
+
+    def __init__(self, socket_path: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"ipc://{socket_path}")
+
+    def send_raw(self, payload: bytes, timeout_s: float = 5.0) -> codec.Frame:
+        self.socket.send(payload)
+        assert self.socket.poll(int(timeout_s * 1000)), "the daemon did not answer"
+        return codec.decode(self.socket.recv(), max_frame_bytes=1 << 30)
+
+    def request(self, kind: int, body, request_id: int = 7) -> codec.Frame:
+        return self.send_raw(msgpack.packb([kind, request_id, body], use_bin_type=True))
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+
+@pytest.fixture
+def peer(daemon):
+    raw = RawPeer(daemon.socket_path)
+    yield raw
+    raw.close()
+
+
+@pytest.fixture
+def bystander(daemon):
+    """An attached engine that must keep being served while another peer misbehaves."""
+    client = connect(daemon.socket_path, timeout_s=5.0, client_name="bystander")
+    client.attach(GEOMETRY)
+    yield client
+    client.close()
+
+
+def assert_still_serving(client, daemon) -> None:
+    tokens = np.random.default_rng().integers(0, 50_000, size=32, dtype=np.int32)
+    reply = client.match(tokens)
+    assert reply.hit_tokens["l2"] == 0
+    assert daemon.alive()
+    assert client.status(check_integrity=True)["integrity"] == "ok"
+
+
+def attach_body(**overrides):
+    body = {"protocol_version": PROTOCOL_VERSION, "pid": 1, "geometry": GEOMETRY.to_wire()}
+    body.update(overrides)
+    return body
+
+
+def assert_error(frame: codec.Frame, code: ErrorCode, request_id: int | None = 7) -> None:
+    assert frame.kind == MsgKind.ERROR, frame
+    assert frame.body["code"] == code, frame.body
+    assert isinstance(frame.body["message"], str) and frame.body["message"]
+    if request_id is not None:
+        assert frame.request_id == request_id
+
+
+def test_malformed_msgpack_gets_bad_frame(daemon, peer, bystander):
+    """Bytes that are not msgpack get a BAD_FRAME error reply; the daemon keeps serving others."""
+    assert_error(peer.send_raw(b"\xc1\xff\x00garbage"), ErrorCode.BAD_FRAME, request_id=0)
+    assert_error(peer.send_raw(msgpack.packb({"not": "an array"})), ErrorCode.BAD_FRAME, request_id=0)
+    assert_error(peer.request(MsgKind.MATCH, ["body", "is", "a", "list"]), ErrorCode.BAD_FRAME)
+    assert_still_serving(bystander, daemon)
+
+
+def test_unknown_kind_gets_unknown_kind(daemon, peer, bystander):
+    """A message kind the protocol does not define, or a reply kind sent as a request, is refused."""
+    assert_error(peer.request(250, {}), ErrorCode.UNKNOWN_KIND)
+    assert_error(peer.request(MsgKind.REPLY, {}), ErrorCode.UNKNOWN_KIND)
+    assert_still_serving(bystander, daemon)
+
+
+def test_wrong_protocol_version_is_refused(daemon, peer, bystander):
+    """Attach with another protocol version gets VERSION_MISMATCH and creates no session."""
+    assert_error(peer.request(MsgKind.ATTACH, attach_body(protocol_version=PROTOCOL_VERSION + 1)),
+                 ErrorCode.VERSION_MISMATCH)
+    assert len(bystander.status()["sessions"]) == 1
+    assert_still_serving(bystander, daemon)
+
+
+@pytest.mark.parametrize("geometry_change", [
+    {"dtype": "int7"},
+    {"num_layers": 0},
+    {"num_kv_heads": -1},
+    {"page_size": "16"},
+    {"tp_rank": 3, "tp_size": 2},
+    {"num_layers": 1024, "head_dim": 4096, "num_kv_heads": 1024},   # one page larger than the arena
+])
+def test_bad_geometry_is_refused(daemon, peer, bystander, geometry_change):
+    """An invalid geometry, or one whose page cannot fit the pool, gets GEOMETRY_MISMATCH."""
+    geometry = dict(GEOMETRY.to_wire(), **geometry_change)
+    assert_error(peer.request(MsgKind.ATTACH, attach_body(geometry=geometry)), ErrorCode.GEOMETRY_MISMATCH)
+    assert_still_serving(bystander, daemon)
+
+
+def test_missing_and_mistyped_fields_are_refused(daemon, peer, bystander):
+    """Each field a peer sends is validated: missing or mistyped fields get BAD_FRAME."""
+    session_id = bystander.info.session_id
+    assert_error(peer.request(MsgKind.ATTACH, {"protocol_version": PROTOCOL_VERSION, "pid": 1}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id, "token_ids": b"abc"}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id, "token_ids": [1, 2, 3]}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.RELEASE, {"session_id": session_id, "lease_id": -1}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.BACKUP_COMMIT, {"session_id": session_id, "lease_id": 1,
+                                                      "host_page_ids": ["x"]}), ErrorCode.BAD_FRAME)
+    assert_still_serving(bystander, daemon)
+
+
+def test_unknown_session_is_refused(daemon, peer, bystander):
+    """A request naming a session the daemon never issued gets NOT_ATTACHED."""
+    assert_error(peer.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b"\x00" * 16}), ErrorCode.NOT_ATTACHED)
+    assert_still_serving(bystander, daemon)
+
+
+def test_oversize_frame_is_refused(daemon, peer, bystander):
+    """A frame over max_frame_bytes gets FRAME_TOO_LARGE, not a disconnect or a crash."""
+    huge = {"session_id": bystander.info.session_id, "token_ids": b"\x01\x00\x00\x00" * (5 << 20)}
+    assert_error(peer.request(MsgKind.MATCH, huge), ErrorCode.FRAME_TOO_LARGE)
+    assert_still_serving(bystander, daemon)
+
+
+def test_page_ids_out_of_range_or_not_leased(daemon, bystander):
+    """Commit with page ids out of range gets BAD_PAGES; pages of another lease or session get NOT_LEASED."""
+    other = connect(daemon.socket_path, timeout_s=5.0, client_name="other")
+    other.attach(GEOMETRY)
+    try:
+        tokens = np.random.default_rng().integers(0, 50_000, size=64, dtype=np.int32)
+        mine = bystander.match(tokens, reserve_backup=True)
+        theirs = other.match(tokens[::-1].copy(), reserve_backup=True)
+        assert mine.backup_page_ids and theirs.backup_page_ids
+        num_pages = bystander.info.num_pages
+
+        with pytest.raises(DaemonError) as error:
+            bystander.request_raw(MsgKind.BACKUP_COMMIT, {"session_id": bystander.info.session_id,
+                                                          "lease_id": mine.lease_id, "host_page_ids": [num_pages]})
+        assert error.value.code == ErrorCode.BAD_PAGES
+        with pytest.raises(DaemonError) as error:
+            bystander.request_raw(MsgKind.BACKUP_COMMIT, {"session_id": bystander.info.session_id,
+                                                          "lease_id": mine.lease_id,
+                                                          "host_page_ids": theirs.backup_page_ids})
+        assert error.value.code == ErrorCode.NOT_LEASED
+        with pytest.raises(DaemonError) as error:     # someone else's lease
+            bystander.request_raw(MsgKind.RELEASE, {"session_id": bystander.info.session_id,
+                                                    "lease_id": theirs.lease_id})
+        assert error.value.code == ErrorCode.NOT_LEASED
+        # The refused requests changed nothing: both leases are still live and intact.
+        status = bystander.status(check_integrity=True)
+        assert status["integrity"] == "ok" and status["leases"] == 2
+        bystander.release(mine.lease_id)
+        other.release(theirs.lease_id)
+        assert bystander.flush() == [] and other.flush() == []
+    finally:
+        other.close()
+    assert_still_serving(bystander, daemon)
+
+
+def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander):
+    """The second release of a lease gets UNKNOWN_LEASE, delivered through poll/flush, not raised inline."""
+    tokens = np.random.default_rng().integers(0, 50_000, size=16, dtype=np.int32)
+    reply = bystander.match(tokens, reserve_backup=True)
+    bystander.release(reply.lease_id)
+    bystander.release(reply.lease_id)      # does not block or raise here
+    errors = bystander.flush()
+    assert [e.code for e in errors] == [ErrorCode.UNKNOWN_LEASE]
+    assert errors[0].kind == MsgKind.RELEASE
+    assert_still_serving(bystander, daemon)
