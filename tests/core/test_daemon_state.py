@@ -1,0 +1,246 @@
+"""DaemonState in-process: leases, backups, eviction under pressure, session expiry, integrity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.tiers import IntegrityError, Tier
+from proto.errors import ErrorCode, ProtocolError
+from proto.messages import KVGeometry
+
+# 131072-byte pages: a 2 MiB arena holds exactly 16 pages of 8 tokens.
+GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
+PAGE = GEOMETRY.page_size
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock):
+    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5, clock=clock)
+
+
+def tokens(rng, num_pages: int) -> bytes:
+    return rng.integers(0, 1 << 30, size=num_pages * PAGE, dtype=np.int32).tobytes()
+
+
+def back_up(state, session_id, token_bytes) -> list[int]:
+    reply = state.match(session_id, token_bytes, reserve_backup=True)
+    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+    state.check_integrity()
+    return reply.backup_page_ids
+
+
+def test_backup_then_match_returns_the_committed_pages(state):
+    """Pages committed by one session are what a later match of the same prefix (by another session) returns."""
+    rng = np.random.default_rng()
+    a, namespace = state.attach(GEOMETRY, pid=1)
+    b, _ = state.attach(GEOMETRY, pid=2)
+    assert namespace.num_pages == 16
+    prefix = tokens(rng, 5)
+    committed = back_up(state, a.session_id, prefix)
+    assert len(committed) == 5
+
+    reply = state.match(b.session_id, prefix + tokens(rng, 1)[: 4 * 3])   # plus a partial page
+    state.check_integrity()
+    assert reply.hit_tokens == {"l2": 5 * PAGE}
+    assert reply.host_page_ids == committed
+    assert namespace.tree.protected_pages(Tier.L2) == 5
+    state.release(b.session_id, reply.lease_id)
+    state.check_integrity()
+    assert namespace.tree.protected_pages(Tier.L2) == 0
+
+
+def test_extending_a_cached_prefix_reserves_only_missing_pages(state):
+    """A reservation covers only the pages after the L2 hit; committing it extends the cached prefix."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    head, tail = tokens(rng, 3), tokens(rng, 2)
+    first = back_up(state, session.session_id, head)
+    reply = state.match(session.session_id, head + tail, reserve_backup=True)
+    assert reply.hit_tokens["l2"] == 3 * PAGE and reply.backup_start_token == 3 * PAGE
+    assert len(reply.backup_page_ids) == 2
+    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
+    state.check_integrity()
+    again = state.match(session.session_id, head + tail)
+    assert again.host_page_ids == first + reply.backup_page_ids
+    state.release(session.session_id, again.lease_id)
+    state.check_integrity()
+
+
+def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock):
+    """When L2 is full, a reservation evicts least-recently-used prefixes; a prefix under a lease survives."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefixes = []
+    for _ in range(3):                      # 3 x 5 pages of 16
+        prefixes.append(tokens(rng, 5))
+        back_up(state, session.session_id, prefixes[-1])
+        clock.advance(1.0)
+        state.heartbeat(session.session_id)
+    leased = state.match(session.session_id, prefixes[0])      # oldest, but leased now
+    clock.advance(1.0)
+    state.heartbeat(session.session_id)
+    state.check_integrity()
+
+    newcomer = tokens(rng, 6)               # needs 5 more pages than are free: evicts one prefix
+    reply = state.match(session.session_id, newcomer, reserve_backup=True)
+    state.check_integrity()
+    assert len(reply.backup_page_ids) == 6
+    hits = [state.match(session.session_id, p).hit_tokens["l2"] // PAGE for p in prefixes]
+    # prefixes[0] is leased: kept although oldest. prefixes[1] is the LRU unleased one: evicted.
+    assert hits == [5, 0, 5]
+    assert state.metrics.counters["evicted_pages_l2"] == 5
+    for lease in list(state.leases.values()):
+        state.release(session.session_id, lease.lease_id)
+    state.check_integrity()
+
+
+def test_reservation_is_best_effort_when_everything_is_leased(state):
+    """With every L2 page tree-owned and locked, a reservation gets as many pages as are free (here none)."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 16)
+    back_up(state, session.session_id, prefix)
+    held = state.match(session.session_id, prefix)
+    reply = state.match(session.session_id, tokens(rng, 2), reserve_backup=True)
+    assert reply.backup_page_ids == [] and reply.lease_id is None
+    assert state.metrics.counters["backup_reserve_failures"] == 1
+    state.release(session.session_id, held.lease_id)
+    state.check_integrity()
+
+
+def test_release_twice_and_foreign_lease_are_refused_without_change(state):
+    """Releasing a lease twice raises UNKNOWN_LEASE; touching another session's lease raises NOT_LEASED."""
+    rng = np.random.default_rng()
+    a, namespace = state.attach(GEOMETRY, pid=1)
+    b, _ = state.attach(GEOMETRY, pid=2)
+    reply = state.match(a.session_id, tokens(rng, 2), reserve_backup=True)
+    with pytest.raises(ProtocolError) as error:
+        state.release(b.session_id, reply.lease_id)
+    assert error.value.code == ErrorCode.NOT_LEASED
+    with pytest.raises(ProtocolError) as error:
+        state.commit_backup(b.session_id, reply.lease_id, reply.backup_page_ids)
+    assert error.value.code == ErrorCode.NOT_LEASED
+    state.check_integrity()
+    assert namespace.l2_allocator.num_free == 14
+    state.release(a.session_id, reply.lease_id)
+    with pytest.raises(ProtocolError) as error:
+        state.release(a.session_id, reply.lease_id)
+    assert error.value.code == ErrorCode.UNKNOWN_LEASE
+    state.check_integrity()
+    assert namespace.l2_allocator.num_free == 16
+
+
+def test_commit_checks_page_ids(state):
+    """Commit refuses out-of-range ids (BAD_PAGES) and ids that are not a prefix of the reservation (NOT_LEASED)."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    reply = state.match(session.session_id, tokens(rng, 3), reserve_backup=True)
+    with pytest.raises(ProtocolError) as error:
+        state.commit_backup(session.session_id, reply.lease_id, [16])
+    assert error.value.code == ErrorCode.BAD_PAGES
+    with pytest.raises(ProtocolError) as error:
+        state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids[1:])
+    assert error.value.code == ErrorCode.NOT_LEASED
+    state.check_integrity()
+    # A prefix of the reservation is fine: the rest returns to the free pool.
+    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids[:2])
+    state.check_integrity()
+    assert namespace.tree.owned_pages(Tier.L2) == 2 and namespace.l2_allocator.num_free == 14
+
+
+def test_concurrent_backups_of_one_prefix_keep_one_copy(state):
+    """Two sessions backing up the same prefix: the second commit's pages are duplicates and return to the pool."""
+    rng = np.random.default_rng()
+    a, namespace = state.attach(GEOMETRY, pid=1)
+    b, _ = state.attach(GEOMETRY, pid=2)
+    prefix = tokens(rng, 4)
+    first = state.match(a.session_id, prefix, reserve_backup=True)
+    second = state.match(b.session_id, prefix, reserve_backup=True)
+    assert set(first.backup_page_ids).isdisjoint(second.backup_page_ids)
+    state.commit_backup(a.session_id, first.lease_id, first.backup_page_ids)
+    result = state.commit_backup(b.session_id, second.lease_id, second.backup_page_ids)
+    state.check_integrity()
+    assert result.new_pages == 0 and result.duplicate_pages == 4
+    assert namespace.tree.owned_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 12
+
+
+def test_expired_session_loses_its_leases(state, clock):
+    """A session silent for longer than session_timeout_s is ended and every lease it held is reclaimed."""
+    rng = np.random.default_rng()
+    dead, namespace = state.attach(GEOMETRY, pid=1)
+    alive, _ = state.attach(GEOMETRY, pid=2)
+    prefix = tokens(rng, 4)
+    back_up(state, dead.session_id, prefix)
+    state.match(dead.session_id, prefix)
+    state.match(dead.session_id, tokens(rng, 3), reserve_backup=True)
+    assert namespace.tree.protected_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 9
+    clock.advance(1.0)
+    state.heartbeat(alive.session_id)
+    assert state.expire_sessions() == []
+    clock.advance(1.0)
+    state.heartbeat(alive.session_id)
+    assert state.expire_sessions() == [dead.session_id]
+    state.check_integrity()
+    assert state.leases == {}
+    assert namespace.tree.protected_pages(Tier.L2) == 0
+    assert namespace.tree.evictable_pages(Tier.L2) == 4
+    assert namespace.l2_allocator.num_free == 12
+    with pytest.raises(ProtocolError) as error:
+        state.match(dead.session_id, prefix)
+    assert error.value.code == ErrorCode.NOT_ATTACHED
+
+
+def test_namespaces_are_isolated(state):
+    """Engines with different geometry never see each other's pages; a geometry that needs a new arena
+    when none is left is refused."""
+    rng = np.random.default_rng()
+    two = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
+    a, ns_a = two.attach(GEOMETRY, pid=1)
+    other = KVGeometry("other-model", 4, 4, 128, "float32", 8)
+    b, ns_b = two.attach(other, pid=2)
+    assert ns_a is not ns_b and ns_b.arena_offset_bytes == 2 << 20
+    prefix = tokens(rng, 2)
+    back_up(two, a.session_id, prefix)
+    assert two.match(b.session_id, prefix).hit_tokens["l2"] == 0
+    with pytest.raises(ProtocolError) as error:
+        two.attach(KVGeometry("third", 4, 4, 128, "float32", 8), pid=3)
+    assert error.value.code == ErrorCode.OUT_OF_SPACE
+    two.check_integrity()
+
+
+def test_integrity_check_detects_a_page_both_owned_and_free(state):
+    """check_integrity fails when a tree-owned page is also in the free pool (a leak waiting to corrupt data)."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    committed = back_up(state, session.session_id, tokens(rng, 2))
+    namespace.l2_allocator.free([committed[0]])
+    with pytest.raises(IntegrityError, match="both owned and free"):
+        state.check_integrity()
+
+
+def test_integrity_check_detects_a_lost_private_page(state):
+    """check_integrity fails when a reserved page is neither owned, free nor private (capacity accounting)."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    reply = state.match(session.session_id, tokens(rng, 2), reserve_backup=True)
+    state.leases[reply.lease_id].private_page_ids.pop()
+    with pytest.raises(IntegrityError, match="capacity"):
+        state.check_integrity()
