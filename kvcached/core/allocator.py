@@ -1,0 +1,170 @@
+"""Page allocator over ids 0..num_pages-1 (L2 pages and L3 slots) that prefers contiguous runs.
+
+Contiguity matters on both tiers: one DMA covers a run of L2 pages, and one pwrite/preadv
+covers a run of L3 slots. So free space is kept as maximal runs of consecutive ids:
+  - `_run_starts`: sorted starts, to find the runs next to a freed id by bisection;
+  - `_start_to_length`: the run at each start;
+  - `_runs_by_length`: sorted (length, start) pairs, to find the best-fitting run by bisection.
+Every operation costs O(log runs) searches plus list inserts/pops (memmove of at most a few
+thousand pointers), never O(num_pages).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import operator
+from typing import Iterable
+
+from kvcached.core.tiers import IntegrityError
+
+logger = logging.getLogger(__name__)
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        num_pages = operator.index(num_pages)
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self._num_pages = num_pages
+        self._num_free = 0
+        self._run_starts: list[int] = []
+        self._start_to_length: dict[int, int] = {}
+        self._runs_by_length: list[tuple[int, int]] = []
+        if num_pages:
+            self._add_run(0, num_pages)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def can_allocate(self, n: int) -> bool:
+        return 1 <= n <= self._num_free
+
+    def largest_free_run(self) -> int:
+        return self._runs_by_length[-1][0] if self._runs_by_length else 0
+
+    def free_page_ids(self) -> set[int]:
+        free: set[int] = set()
+        for start, length in self._start_to_length.items():
+            free.update(range(start, start + length))
+        return free
+
+    # ---- allocate / free -----------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n page ids, or None when fewer than n are free.
+
+        The smallest free run that holds all n wins (lowest start on ties), so large runs stay
+        whole for large requests. Failing that, whole runs are taken largest-first; the last,
+        partial piece is again taken best-fit, which leaves the larger runs intact.
+        """
+        n = operator.index(n)
+        if n < 1:
+            raise ValueError(f"allocate needs n >= 1, got {n}")
+        if n > self._num_free:
+            return None
+        page_ids: list[int] = []
+        remaining = n
+        while remaining:
+            # (remaining, -1) sorts before every run of length `remaining`: the lowest start wins.
+            index = bisect.bisect_left(self._runs_by_length, (remaining, -1))
+            if index < len(self._runs_by_length):
+                length, start = self._runs_by_length[index]
+                self._remove_run(start)
+                if length > remaining:
+                    self._add_run(start + remaining, length - remaining)
+                page_ids.extend(range(start, start + remaining))
+                break
+            longest = self._runs_by_length[-1][0]
+            index = bisect.bisect_left(self._runs_by_length, (longest, -1))
+            length, start = self._runs_by_length[index]
+            self._remove_run(start)
+            page_ids.extend(range(start, start + length))
+            remaining -= length
+        return page_ids
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        """Return pages; ValueError (and nothing changed) on out-of-range, repeated or already-free ids."""
+        ids = [operator.index(page_id) for page_id in page_ids]
+        for page_id in ids:
+            if not 0 <= page_id < self._num_pages:
+                raise ValueError(f"page id {page_id} out of range [0, {self._num_pages})")
+        if len(set(ids)) != len(ids):
+            raise ValueError("page ids repeated in one free() call")
+        for page_id in ids:
+            if self._is_free(page_id):
+                raise ValueError(f"page id {page_id} is already free")
+        ids.sort()
+        run_start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                self._free_run(ids[run_start], i - run_start)
+                run_start = i
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        starts = self._run_starts
+        if any(starts[i] >= starts[i + 1] for i in range(len(starts) - 1)):
+            raise IntegrityError("run starts not strictly sorted")
+        if set(starts) != set(self._start_to_length) or len(starts) != len(self._start_to_length):
+            raise IntegrityError("run starts and run lengths disagree")
+        total = 0
+        previous_end = -1
+        for start in starts:
+            length = self._start_to_length[start]
+            if length < 1 or start < 0 or start + length > self._num_pages:
+                raise IntegrityError(f"run [{start}, {start + length}) out of range")
+            # Equal would mean two touching runs that should have been merged.
+            if start <= previous_end:
+                raise IntegrityError(f"run at {start} overlaps or touches the previous run")
+            previous_end = start + length
+            total += length
+        if total != self._num_free:
+            raise IntegrityError(f"free count {self._num_free} != sum of runs {total}")
+        expected = sorted((length, start) for start, length in self._start_to_length.items())
+        if expected != self._runs_by_length:
+            raise IntegrityError("length index disagrees with the runs")
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _is_free(self, page_id: int) -> bool:
+        index = bisect.bisect_right(self._run_starts, page_id) - 1
+        if index < 0:
+            return False
+        start = self._run_starts[index]
+        return page_id < start + self._start_to_length[start]
+
+    def _free_run(self, start: int, length: int) -> None:
+        # The caller checked that no id in [start, start+length) is free, so the only runs that
+        # can touch this one end exactly at `start` or begin exactly at `start + length`.
+        index = bisect.bisect_left(self._run_starts, start)
+        end = start + length
+        if index < len(self._run_starts) and self._run_starts[index] == end:
+            end += self._start_to_length[end]
+            self._remove_run(start + length)
+        if index > 0:
+            previous = self._run_starts[index - 1]
+            if previous + self._start_to_length[previous] == start:
+                self._remove_run(previous)
+                start = previous
+        self._add_run(start, end - start)
+
+    def _add_run(self, start: int, length: int) -> None:
+        bisect.insort(self._run_starts, start)
+        self._start_to_length[start] = length
+        bisect.insort(self._runs_by_length, (length, start))
+        self._num_free += length
+
+    def _remove_run(self, start: int) -> None:
+        length = self._start_to_length.pop(start)
+        del self._run_starts[bisect.bisect_left(self._run_starts, start)]
+        del self._runs_by_length[bisect.bisect_left(self._runs_by_length, (length, start))]
+        self._num_free -= length

@@ -1,0 +1,496 @@
+"""One radix tree per namespace over page-aligned token ids, with per-tier residency.
+
+Design notes
+- Keys are the int32 little-endian bytes of token ids, whole pages only. A node's child map is
+  keyed by the bytes of the child's first page, so a step down is one dict lookup and a whole
+  edge is compared with one `bytes.startswith(key, offset)` (a memcmp, no copy).
+- Each node holds, per tier, its page ids (None = not resident), a ref count and an LRU time.
+  Residency is prefix-closed (a node resident in a tier has its parent resident there; the root
+  counts as resident everywhere), so a tier's hit is the resident run from the root down.
+- Ref counts: lock() adds one to a node and all its ancestors, so a parent's count is >= each
+  child's and a node with ref_count 0 has a whole subtree with ref_count 0 in that tier.
+- Splitting keeps the original node object as the LOWER (deeper) half and inserts a new upper
+  node above it. A caller that holds a node (e.g. locked through a lease) therefore still holds
+  the node that ends where it ended, and its heap entries stay valid.
+- Eviction uses one lazy min-heap per tier of (last_access, seq, node). Invariant: every node
+  that is evictable in a tier has an entry whose time equals its current last_access there;
+  stale entries are skipped when popped, and the heap is rebuilt once it holds many more
+  entries than the tree has nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import operator
+import time
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from kvcached.core.tiers import IntegrityError, Tier
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_DTYPE = np.dtype("<i4")
+_TOKEN_BYTES = _TOKEN_DTYPE.itemsize
+
+
+class TreeNode:
+    __slots__ = ("parent", "children", "key", "num_pages", "page_ids", "ref_count",
+                 "last_access", "num_resident_children")
+
+    def __init__(self, parent: TreeNode | None, key: bytes, num_pages: int,
+                 tiers: Sequence[Tier], now: float):
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.key = key
+        self.num_pages = num_pages
+        self.page_ids: dict[Tier, list[int] | None] = dict.fromkeys(tiers)
+        self.ref_count: dict[Tier, int] = dict.fromkeys(tiers, 0)
+        self.last_access: dict[Tier, float] = dict.fromkeys(tiers, now)
+        # Children resident in each tier; a node with none is a leaf for that tier's eviction.
+        self.num_resident_children: dict[Tier, int] = dict.fromkeys(tiers, 0)
+
+    def is_resident(self, tier: Tier) -> bool:
+        return self.page_ids[tier] is not None
+
+    def __repr__(self) -> str:
+        resident = ",".join(t.label for t, ids in self.page_ids.items() if ids is not None)
+        return f"TreeNode(num_pages={self.num_pages}, resident=[{resident}])"
+
+
+class MatchResult(NamedTuple):
+    hit_tokens: dict[Tier, int]
+    page_ids: dict[Tier, list[int]]
+    last_node: dict[Tier, TreeNode | None]
+    matched_tokens: int
+
+
+class InsertResult(NamedTuple):
+    new_pages: int
+    duplicate_page_ids: list[int]
+    last_node: TreeNode | None
+
+
+class PrefixTree:
+    def __init__(self, page_size: int, tiers: Sequence[Tier] = (Tier.L2, Tier.L3),
+                 clock: Callable[[], float] = time.monotonic):
+        page_size = operator.index(page_size)
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        tiers = tuple(Tier(t) for t in tiers)
+        if not tiers or len(set(tiers)) != len(tiers):
+            raise ValueError(f"tiers must be distinct and non-empty, got {tiers}")
+        self.page_size = page_size
+        self.tiers = tiers
+        self._clock = clock
+        self._page_bytes = page_size * _TOKEN_BYTES
+        self._root = TreeNode(None, b"", 0, tiers, clock())
+        for tier in tiers:
+            self._root.page_ids[tier] = []    # the root holds no pages but counts as resident
+        self._num_nodes = 0                   # excluding the root
+        self._owned_page_ids: dict[Tier, set[int]] = {t: set() for t in tiers}
+        self._num_protected_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
+        self._evict_heaps: dict[Tier, list[tuple[float, int, TreeNode]]] = {t: [] for t in tiers}
+        self._heap_seq = itertools.count()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, not counting the root."""
+        return self._num_nodes
+
+    def owned_pages(self, tier: Tier) -> int:
+        return len(self._owned_page_ids[tier])
+
+    def protected_pages(self, tier: Tier) -> int:
+        """Resident pages with ref_count > 0 in `tier`: these cannot be evicted."""
+        return self._num_protected_pages[tier]
+
+    def evictable_pages(self, tier: Tier) -> int:
+        """Resident pages with ref_count 0: all of them can be freed by evict() (leaves first)."""
+        return len(self._owned_page_ids[tier]) - self._num_protected_pages[tier]
+
+    # ---- match ---------------------------------------------------------------------------
+
+    def match(self, token_ids) -> MatchResult:
+        """Longest cached prefix (page-aligned) per tier; splits the last node at the match end."""
+        data = self._token_bytes(token_ids)
+        page_bytes = self._page_bytes
+        end = len(data)
+        node = self._root
+        path: list[TreeNode] = []
+        pos = 0
+        while pos < end:
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            if data.startswith(key, pos):
+                path.append(child)
+                pos += len(key)
+                node = child
+                continue
+            # The edge matches only partly: split it at the last matching page boundary, so
+            # every hit is made of whole nodes.
+            num_common = self._num_common_pages(data, pos, key)
+            child = self._split(child, num_common)
+            path.append(child)
+            pos += num_common * page_bytes
+            break
+
+        now = self._clock()
+        hit_tokens: dict[Tier, int] = {}
+        page_ids: dict[Tier, list[int]] = {}
+        last_node: dict[Tier, TreeNode | None] = {}
+        for tier in self.tiers:
+            tier_page_ids: list[int] = []
+            deepest = None
+            for path_node in path:
+                node_page_ids = path_node.page_ids[tier]
+                if node_page_ids is None:
+                    break
+                tier_page_ids.extend(node_page_ids)
+                path_node.last_access[tier] = now
+                deepest = path_node
+            hit_tokens[tier] = len(tier_page_ids) * self.page_size
+            page_ids[tier] = tier_page_ids
+            last_node[tier] = deepest
+            if deepest is not None:
+                # Only the deepest hit node can be evictable: each shallower one has a resident
+                # child on the path. Its LRU time changed, so it needs a fresh heap entry.
+                self._push_if_evictable(deepest, tier)
+        return MatchResult(hit_tokens, page_ids, last_node, pos // _TOKEN_BYTES)
+
+    # ---- lock / unlock -------------------------------------------------------------------
+
+    def lock(self, node: TreeNode, tier: Tier) -> None:
+        """Protect node and its ancestors in `tier` from eviction (ref_count += 1)."""
+        self._check_lockable(node, tier)
+        current = node
+        while current is not None:
+            current.ref_count[tier] += 1
+            if current.ref_count[tier] == 1:
+                self._num_protected_pages[tier] += current.num_pages
+            current = current.parent
+
+    def unlock(self, node: TreeNode, tier: Tier) -> None:
+        """Undo one lock(); ValueError (nothing changed) if the node is not locked."""
+        self._check_lockable(node, tier)
+        # Ancestors' counts are >= the node's, so checking the node covers the whole path.
+        if node.ref_count[tier] < 1:
+            raise ValueError(f"unlock of a node that is not locked in {tier.label}")
+        current = node
+        while current is not None:
+            current.ref_count[tier] -= 1
+            if current.ref_count[tier] == 0:
+                self._num_protected_pages[tier] -= current.num_pages
+            current = current.parent
+        # Ancestors keep a resident child (this path), so only the node itself can become evictable.
+        self._push_if_evictable(node, tier)
+
+    # ---- insert --------------------------------------------------------------------------
+
+    def insert(self, token_ids, tier: Tier, page_ids: Sequence[int],
+               start_page: int = 0) -> InsertResult:
+        """Make pages [start_page, start_page + len(page_ids)) of token_ids resident in `tier`.
+
+        token_ids must cover at least those pages (extra tokens are ignored). The prefix
+        [0, start_page) must already be resident in `tier`. Pages the tree already holds in
+        `tier` are kept; the caller's ids for them come back in duplicate_page_ids to be freed.
+        """
+        tier = self._check_tier(tier)
+        start_page = operator.index(start_page)
+        if start_page < 0:
+            raise ValueError(f"start_page must be >= 0, got {start_page}")
+        new_page_ids = [operator.index(p) for p in page_ids]
+        total_pages = start_page + len(new_page_ids)
+        data = self._token_bytes(token_ids)
+        page_bytes = self._page_bytes
+        if len(data) < total_pages * page_bytes:
+            raise ValueError(f"token_ids cover {len(data) // page_bytes} pages, "
+                             f"insert needs {total_pages}")
+        data = data[:total_pages * page_bytes]
+        if any(p < 0 for p in new_page_ids):
+            raise ValueError("page ids must be >= 0")
+        if len(set(new_page_ids)) != len(new_page_ids):
+            raise ValueError("page ids repeated in one insert")
+        owned = self._owned_page_ids[tier]
+        already_owned = [p for p in new_page_ids if p in owned]
+        if already_owned:
+            raise ValueError(f"page ids already owned by the tree in {tier.label}: {already_owned[:8]}")
+        resident_pages = self._resident_prefix_pages(data, tier, start_page)
+        if resident_pages < start_page:
+            raise ValueError(f"prefix of {start_page} pages is not resident in {tier.label} "
+                             f"(only {resident_pages})")
+        if total_pages == 0:
+            return InsertResult(0, [], None)
+
+        now = self._clock()
+        node = self._root
+        page = 0
+        new_pages = 0
+        duplicate_page_ids: list[int] = []
+        while page < total_pages:
+            pos = page * page_bytes
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                # Validation above guarantees page >= start_page here.
+                child = TreeNode(node, data[pos:], total_pages - page, self.tiers, now)
+                node.children[data[pos:pos + page_bytes]] = child
+                self._num_nodes += 1
+                self._make_resident(child, tier, new_page_ids[page - start_page:])
+                new_pages += total_pages - page
+                node = child
+                break
+            num_common = self._num_common_pages(data, pos, child.key)
+            if num_common < child.num_pages:
+                child = self._split(child, num_common)
+            if child.is_resident(tier):
+                # Our ids for the part of this node at or after start_page are duplicates.
+                first_ours = max(page, start_page) - start_page
+                end_ours = page + num_common - start_page
+                if end_ours > first_ours:
+                    duplicate_page_ids.extend(new_page_ids[first_ours:end_ours])
+            else:
+                # A node not resident in `tier` lies wholly at or after start_page (validated).
+                self._make_resident(
+                    child, tier, new_page_ids[page - start_page:page - start_page + num_common])
+                new_pages += num_common
+            child.last_access[tier] = now
+            node = child
+            page += num_common
+        node.last_access[tier] = now
+        # Every other node on the path has a resident child (the next one), so only the last
+        # node can be evictable, and its LRU time just changed.
+        self._push_if_evictable(node, tier)
+        return InsertResult(new_pages, duplicate_page_ids, node)
+
+    # ---- evict ---------------------------------------------------------------------------
+
+    def evict(self, tier: Tier, num_pages: int) -> list[int]:
+        """Free least-recently-used unlocked leaves of `tier` until num_pages freed or none left."""
+        tier = self._check_tier(tier)
+        num_pages = operator.index(num_pages)
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        heap = self._evict_heaps[tier]
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            last_access, _, node = heapq.heappop(heap)
+            if last_access != node.last_access[tier] or not self._is_evictable(node, tier):
+                continue                      # stale entry
+            node_page_ids = node.page_ids[tier]
+            freed.extend(node_page_ids)
+            self._owned_page_ids[tier].difference_update(node_page_ids)
+            node.page_ids[tier] = None
+            parent = node.parent
+            parent.num_resident_children[tier] -= 1
+            self._remove_if_empty(node)
+            if parent is not self._root:
+                self._push_if_evictable(parent, tier)
+        return freed
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def check_integrity(self) -> dict[Tier, set[int]]:
+        """Check every invariant from scratch; returns the page ids the tree owns per tier."""
+        root = self._root
+        page_bytes = self._page_bytes
+        if root.parent is not None or root.key != b"" or root.num_pages != 0:
+            raise IntegrityError("root must have no parent, no key and no pages")
+        owned: dict[Tier, set[int]] = {t: set() for t in self.tiers}
+        protected = dict.fromkeys(self.tiers, 0)
+        num_page_ids = dict.fromkeys(self.tiers, 0)
+        num_nodes = 0
+        for node in self._iter_nodes():
+            num_resident_children = dict.fromkeys(self.tiers, 0)
+            for map_key, child in node.children.items():
+                if child.parent is not node:
+                    raise IntegrityError(f"{child!r} is in a child map but its parent link differs")
+                if child.key[:page_bytes] != map_key:
+                    raise IntegrityError(f"{child!r} is keyed by bytes other than its first page")
+                for tier in self.tiers:
+                    if child.page_ids[tier] is not None:
+                        num_resident_children[tier] += 1
+            if node.num_resident_children != num_resident_children:
+                raise IntegrityError(f"{node!r} counts resident children {node.num_resident_children}"
+                                     f", recount gives {num_resident_children}")
+            for tier in self.tiers:
+                if node.ref_count[tier] < 0:
+                    raise IntegrityError(f"{node!r} has negative ref_count in {tier.label}")
+            if node is root:
+                for tier in self.tiers:
+                    if node.page_ids[tier] != []:
+                        raise IntegrityError("root must be resident with no pages in every tier")
+                continue
+            num_nodes += 1
+            parent = node.parent
+            if parent is None or parent.children.get(node.key[:page_bytes]) is not node:
+                raise IntegrityError(f"{node!r} is not in its parent's child map")
+            if node.num_pages < 1 or len(node.key) != node.num_pages * page_bytes:
+                raise IntegrityError(f"{node!r} key of {len(node.key)} bytes is not "
+                                     f"num_pages * {page_bytes} with num_pages >= 1")
+            if not node.children and all(ids is None for ids in node.page_ids.values()):
+                raise IntegrityError(f"{node!r} is empty: no residency and no children")
+            for tier in self.tiers:
+                node_page_ids = node.page_ids[tier]
+                if node.ref_count[tier] > parent.ref_count[tier]:
+                    raise IntegrityError(f"{node!r} ref_count exceeds its parent's in {tier.label}")
+                if node_page_ids is None:
+                    if node.ref_count[tier] != 0:
+                        raise IntegrityError(f"{node!r} is locked in {tier.label} but not resident")
+                    continue
+                if parent.page_ids[tier] is None:
+                    raise IntegrityError(f"{node!r} is resident in {tier.label} but its parent is not")
+                if len(node_page_ids) != node.num_pages:
+                    raise IntegrityError(f"{node!r} has {len(node_page_ids)} page ids in "
+                                         f"{tier.label} for {node.num_pages} pages")
+                if node_page_ids and min(node_page_ids) < 0:
+                    raise IntegrityError(f"{node!r} holds a negative page id in {tier.label}")
+                # Summing lengths and comparing with the set size finds repeats in one pass.
+                owned[tier].update(node_page_ids)
+                num_page_ids[tier] += len(node_page_ids)
+                if node.ref_count[tier] > 0:
+                    protected[tier] += node.num_pages
+        if num_nodes != self._num_nodes:
+            raise IntegrityError(f"num_nodes {self._num_nodes} != recount {num_nodes}")
+        for tier in self.tiers:
+            if len(owned[tier]) != num_page_ids[tier]:
+                raise IntegrityError(f"{num_page_ids[tier] - len(owned[tier])} page ids appear "
+                                     f"more than once in {tier.label}")
+            if owned[tier] != self._owned_page_ids[tier]:
+                raise IntegrityError(f"owned page ids of {tier.label} disagree with a recount")
+            if protected[tier] != self._num_protected_pages[tier]:
+                raise IntegrityError(f"protected pages of {tier.label}: {self._num_protected_pages[tier]}"
+                                     f" != recount {protected[tier]}")
+            self._check_evict_heap(tier)
+        return owned
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _token_bytes(self, token_ids) -> bytes:
+        tokens = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
+        if tokens.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+        num_aligned = len(tokens) - len(tokens) % self.page_size
+        return tokens[:num_aligned].tobytes()
+
+    def _num_common_pages(self, data: bytes, pos: int, key: bytes) -> int:
+        """Whole pages shared by data[pos:] and key (the first page is known to match)."""
+        num_bytes = min(len(key), len(data) - pos)
+        if data.startswith(key[:num_bytes], pos):
+            return num_bytes // self._page_bytes
+        ours = np.frombuffer(data, dtype=_TOKEN_DTYPE, count=num_bytes // _TOKEN_BYTES,
+                             offset=pos)
+        theirs = np.frombuffer(key, dtype=_TOKEN_DTYPE, count=num_bytes // _TOKEN_BYTES)
+        first_mismatch = int(np.argmax(ours != theirs))
+        return first_mismatch // self.page_size
+
+    def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Split node after num_pages; returns the new upper node (the original stays below it)."""
+        assert 0 < num_pages < node.num_pages, (num_pages, node.num_pages)
+        split_bytes = num_pages * self._page_bytes
+        parent = node.parent
+        upper = TreeNode(parent, node.key[:split_bytes], num_pages, self.tiers, 0.0)
+        for tier in self.tiers:
+            node_page_ids = node.page_ids[tier]
+            if node_page_ids is not None:
+                upper.page_ids[tier] = node_page_ids[:num_pages]
+                node.page_ids[tier] = node_page_ids[num_pages:]
+                upper.num_resident_children[tier] = 1
+            # Both halves carry the node's locks, so an unlock through either stays balanced;
+            # the protected-page total is unchanged (the same pages, now on two nodes).
+            upper.ref_count[tier] = node.ref_count[tier]
+            upper.last_access[tier] = node.last_access[tier]
+        node.key = node.key[split_bytes:]
+        node.num_pages -= num_pages
+        node.parent = upper
+        upper.children[node.key[:self._page_bytes]] = node
+        parent.children[upper.key[:self._page_bytes]] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _make_resident(self, node: TreeNode, tier: Tier, page_ids: list[int]) -> None:
+        assert node.page_ids[tier] is None and len(page_ids) == node.num_pages
+        node.page_ids[tier] = page_ids
+        self._owned_page_ids[tier].update(page_ids)
+        node.parent.num_resident_children[tier] += 1
+
+    def _remove_if_empty(self, node: TreeNode) -> None:
+        """Drop node, then its emptied ancestors, while they hold nothing in any tier."""
+        while node is not self._root and not node.children and all(
+                ids is None for ids in node.page_ids.values()):
+            parent = node.parent
+            del parent.children[node.key[:self._page_bytes]]
+            node.parent = None
+            self._num_nodes -= 1
+            node = parent
+
+    def _is_evictable(self, node: TreeNode, tier: Tier) -> bool:
+        return (node.parent is not None and node.page_ids[tier] is not None
+                and node.ref_count[tier] == 0 and node.num_resident_children[tier] == 0)
+
+    def _push_if_evictable(self, node: TreeNode, tier: Tier) -> None:
+        if not self._is_evictable(node, tier):
+            return
+        heap = self._evict_heaps[tier]
+        heapq.heappush(heap, (node.last_access[tier], next(self._heap_seq), node))
+        if len(heap) > 2 * self._num_nodes + 64:
+            self._rebuild_evict_heap(tier)
+
+    def _rebuild_evict_heap(self, tier: Tier) -> None:
+        heap = [(node.last_access[tier], next(self._heap_seq), node)
+                for node in self._iter_nodes() if self._is_evictable(node, tier)]
+        heapq.heapify(heap)
+        self._evict_heaps[tier] = heap
+
+    def _check_evict_heap(self, tier: Tier) -> None:
+        fresh = {id(node) for last_access, _, node in self._evict_heaps[tier]
+                 if last_access == node.last_access[tier]}
+        for node in self._iter_nodes():
+            if self._is_evictable(node, tier) and id(node) not in fresh:
+                raise IntegrityError(f"evictable {node!r} has no current entry in the "
+                                     f"{tier.label} eviction heap")
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _resident_prefix_pages(self, data: bytes, tier: Tier, limit_pages: int) -> int:
+        """Pages of data's prefix resident in `tier`, counted up to at least limit_pages (no mutation)."""
+        page_bytes = self._page_bytes
+        node = self._root
+        pos = 0
+        while pos < limit_pages * page_bytes:
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None or child.page_ids[tier] is None:
+                break
+            num_common = self._num_common_pages(data, pos, child.key)
+            pos += num_common * page_bytes
+            if num_common < child.num_pages:
+                break
+            node = child
+        return pos // page_bytes
+
+    def _check_tier(self, tier: Tier) -> Tier:
+        if tier not in self.tiers:
+            raise ValueError(f"tier {tier!r} is not one of this tree's tiers {self.tiers}")
+        return Tier(tier)
+
+    def _check_lockable(self, node: TreeNode, tier: Tier) -> None:
+        self._check_tier(tier)
+        if node is self._root:
+            raise ValueError("the root cannot be locked or unlocked")
+        if node.parent is None or node.page_ids[tier] is None:
+            raise ValueError(f"{node!r} is not resident in {tier.label} (or not in the tree)")

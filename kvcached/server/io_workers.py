@@ -1,0 +1,425 @@
+"""L3 I/O: the storage file, page moves between the L2 arena and L3 slots, and the file thread pool.
+
+Design notes:
+- Bytes move with pwrite/preadv straight between the mmap'ed L2 arena and the file, through
+  memoryview slices: no serialisation, no intermediate copies.
+- One system-call loop per extent: a run where both the L2 pages and the slots are consecutive
+  (`coalesce_extents`). A loop, because the kernel may move fewer bytes than asked.
+- No fsync: the L3 metadata lives only in this process, so the file's content is worthless after
+  a crash, and durability would only cost time.
+- O_DIRECT (opt-in): reads AND writes go through one O_DIRECT descriptor. L2 already caches L3,
+  so a page-cache copy would hold the same bytes twice in host memory, and mixing buffered writes
+  with direct reads makes the kernel flush dirty pages before each direct read. A plain
+  descriptor is kept beside it for ftruncate/fstat. O_DIRECT needs every offset, length and
+  buffer address aligned to DIRECT_IO_ALIGNMENT_BYTES; the L2 arena is page-aligned mmap
+  memory, so in practice the condition is on `bytes_per_page` and the region offsets.
+- Fault injection: `_pwrite` and `_preadv` are the module's only references to os.pwrite and
+  os.preadv; tests monkeypatch them to inject ENOSPC, EIO or short transfers. Truncating or
+  unlinking the file underneath needs no seam: tests do it for real.
+- asyncio lives only in IoExecutor; the functions above it are plain blocking calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from kvcached.core.storage import SlotLayout, coalesce_extents
+
+logger = logging.getLogger(__name__)
+
+DIRECT_IO_ALIGNMENT_BYTES = 4096
+FILE_MODE = 0o600  # the file holds every engine's KV bytes: private to the daemon's user
+
+# Fault-injection seam (see the module note): looked up at call time, so monkeypatching works.
+_pwrite = os.pwrite
+_preadv = os.preadv
+
+
+class ShortReadError(OSError):
+    """The file ended before a slot's bytes did (it was truncated underneath, or a read went past
+    its end). The destination pages hold partial data and must not be published."""
+
+    def __init__(self, path: str, offset: int, expected_bytes: int, read_bytes: int):
+        super().__init__(
+            errno.EIO,
+            f"short read at offset {offset}: expected {expected_bytes} bytes, got {read_bytes} before end of file",
+            path,
+        )
+        self.offset = offset
+        self.expected_bytes = expected_bytes
+        self.read_bytes = read_bytes
+
+
+class IoResult(NamedTuple):
+    num_bytes: int
+    num_extents: int
+    seconds: float  # time in the system calls (service time), not validation or queueing
+
+
+class StorageFile:
+    """The L3 file: a fixed size, sparse until written, content discarded at open.
+
+    Build with `StorageFile.open`. Thread-safe for concurrent page I/O (pwrite/preadv carry
+    their own offsets). `close()` refuses new I/O, then waits for I/O in flight, so a
+    descriptor is never closed (and its number reused) under a running transfer.
+    """
+
+    def __init__(self, path: str, size_bytes: int, o_direct: bool, fd: int, direct_fd: int | None,
+                 is_temporary: bool):
+        # Private: use StorageFile.open, which owns the failure handling of a half-built file.
+        self._path = path
+        self._size_bytes = size_bytes
+        self._o_direct = o_direct
+        self._fd = fd
+        self._direct_fd = direct_fd
+        self._is_temporary = is_temporary
+        self._cond = threading.Condition()
+        self._num_inflight_io = 0
+        self._closing = False  # new I/O refused
+        self._closed = False  # descriptors closed
+        if is_temporary:
+            atexit.register(self._remove_at_exit)
+
+    @classmethod
+    def open(cls, path: str | None, size_bytes: int, o_direct: bool = False,
+             temp_dir: str | None = None) -> StorageFile:
+        """Create or open `path` (mode 0600) and size it to exactly `size_bytes`, discarding old
+        content. Without a path, a temporary file in `temp_dir` (default: the system temp dir)
+        that is removed on close, or at interpreter exit if never closed."""
+        if not isinstance(size_bytes, int) or size_bytes <= 0:
+            raise ValueError(f"size_bytes must be a positive int, got {size_bytes!r}")
+        if o_direct and size_bytes % DIRECT_IO_ALIGNMENT_BYTES:
+            raise ValueError(
+                f"size_bytes {size_bytes} is not a multiple of {DIRECT_IO_ALIGNMENT_BYTES}, which O_DIRECT needs"
+            )
+        is_temporary = path is None
+        if is_temporary:
+            fd, path = tempfile.mkstemp(prefix="kvcached-l3-", suffix=".bin", dir=temp_dir)  # mode 0600
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        direct_fd = None
+        try:
+            os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode otherwise
+            # Truncate to 0 first so no byte of a previous run survives below size_bytes.
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size_bytes)
+            if o_direct:
+                try:
+                    direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        raise OSError(exc.errno, "the file system does not support O_DIRECT", path) from exc
+                    raise
+        except BaseException:
+            os.close(fd)
+            if is_temporary:
+                _unlink_quietly(path)
+            raise
+        logger.info("L3 file %s: %d bytes, o_direct=%s, temporary=%s", path, size_bytes, o_direct, is_temporary)
+        return cls(path, size_bytes, o_direct, fd, direct_fd, is_temporary)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    @property
+    def o_direct(self) -> bool:
+        return self._o_direct
+
+    @property
+    def is_temporary(self) -> bool:
+        return self._is_temporary
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def io_fd(self) -> int:
+        """The descriptor page reads and writes use (the O_DIRECT one when o_direct)."""
+        return self._fd if self._direct_fd is None else self._direct_fd
+
+    @property
+    def num_inflight_io(self) -> int:
+        return self._num_inflight_io
+
+    @contextlib.contextmanager
+    def _io_in_flight(self) -> Iterator[int]:
+        """Hold the file open for one transfer; yields the descriptor to use."""
+        with self._cond:
+            if self._closing:
+                raise ValueError(f"{self._path}: the storage file is closed")
+            self._num_inflight_io += 1
+        try:
+            yield self.io_fd
+        finally:
+            with self._cond:
+                self._num_inflight_io -= 1
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Refuse new I/O, wait up to `timeout_s` for I/O in flight, close the descriptors, and
+        remove a temporary file. Idempotent; the file may already be gone."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            if not self._cond.wait_for(lambda: self._num_inflight_io == 0, timeout=timeout_s):
+                raise TimeoutError(
+                    f"closing {self._path}: {self._num_inflight_io} I/O calls still in flight after {timeout_s} s"
+                )
+            self._closed = True
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+        os.close(self._fd)
+        if self._is_temporary:
+            _unlink_quietly(self._path)
+            atexit.unregister(self._remove_at_exit)
+        logger.info("L3 file %s closed", self._path)
+
+    def _remove_at_exit(self) -> None:
+        if not self._closed:
+            _unlink_quietly(self._path)
+
+    def check_integrity(self) -> None:
+        """The file still has its size (nobody truncated it underneath) and the I/O count is sane."""
+        if self._num_inflight_io < 0:
+            raise AssertionError(f"{self._path}: negative in-flight I/O count {self._num_inflight_io}")
+        if self._closed:
+            if self._num_inflight_io:
+                raise AssertionError(f"{self._path}: closed with {self._num_inflight_io} I/O calls in flight")
+            return
+        actual_size_bytes = os.fstat(self._fd).st_size
+        if actual_size_bytes != self._size_bytes:
+            raise AssertionError(
+                f"{self._path}: file is {actual_size_bytes} bytes, expected {self._size_bytes} (changed underneath)"
+            )
+
+    def __enter__(self) -> StorageFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"StorageFile(path={self._path!r}, size_bytes={self._size_bytes}, o_direct={self._o_direct}, "
+                f"closed={self._closed})")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # removed underneath: the goal is met
+        pass
+
+
+@contextlib.contextmanager
+def _byte_view(buffer: Any) -> Iterator[memoryview]:
+    """A flat byte view of `buffer`, released on exit so no export outlives the call (an mmap
+    with a live export refuses to close)."""
+    with memoryview(buffer) as view:
+        if not view.c_contiguous:
+            raise ValueError("the arena buffer must be C-contiguous")
+        if view.format == "B" and view.ndim == 1:
+            yield view
+        else:
+            with view.cast("B") as flat:
+                yield flat
+
+
+def _check_transfer(storage: StorageFile, layout: SlotLayout, arena: memoryview, bytes_per_page: int,
+                    l2_page_ids: Sequence[int], slot_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Validate a whole transfer before the first byte moves, so bad input never half-writes."""
+    if bytes_per_page != layout.bytes_per_page:
+        raise ValueError(f"bytes_per_page {bytes_per_page} differs from the slot layout's {layout.bytes_per_page}")
+    if layout.end_offset > storage.size_bytes:
+        raise ValueError(f"slot region ends at byte {layout.end_offset}, past the file's {storage.size_bytes} bytes")
+    num_arena_pages = len(arena) // bytes_per_page
+    for page_id in l2_page_ids:
+        if page_id >= num_arena_pages:
+            raise ValueError(f"L2 page {page_id} out of range [0, {num_arena_pages})")
+    for slot in slot_ids:
+        layout.offset(slot)  # raises ValueError when out of range
+    if len(set(dst_ids)) != len(dst_ids):
+        raise ValueError("destination page ids repeat: two sources would race into one page")
+    if storage.o_direct:
+        _check_direct_alignment(layout, arena, bytes_per_page)
+
+
+def _check_direct_alignment(layout: SlotLayout, arena: memoryview, bytes_per_page: int) -> None:
+    align = DIRECT_IO_ALIGNMENT_BYTES
+    if bytes_per_page % align:
+        raise ValueError(f"O_DIRECT needs bytes_per_page to be a multiple of {align}, got {bytes_per_page}")
+    if layout.region_offset % align:
+        raise ValueError(f"O_DIRECT needs the slot region offset to be a multiple of {align}, "
+                         f"got {layout.region_offset}")
+    # numpy reads the address of read-only buffers too (ctypes.from_buffer needs writable ones).
+    arena_address = np.frombuffer(arena, dtype=np.uint8).ctypes.data
+    if arena_address % align:
+        raise ValueError(f"O_DIRECT needs the arena's address to be a multiple of {align}, got {arena_address:#x}")
+
+
+def _pwrite_all(path: str, fd: int, view: memoryview, file_offset: int) -> None:
+    num_done_bytes = 0
+    while num_done_bytes < len(view):
+        with view[num_done_bytes:] as rest:
+            num_written_bytes = _pwrite(fd, rest, file_offset + num_done_bytes)
+        if num_written_bytes == 0:
+            # pwrite reporting no progress on a regular file means the disk is full.
+            raise OSError(errno.ENOSPC, f"no space: wrote 0 bytes at offset {file_offset + num_done_bytes}", path)
+        num_done_bytes += num_written_bytes
+
+
+def _preadv_all(storage: StorageFile, fd: int, view: memoryview, file_offset: int) -> None:
+    num_done_bytes = 0
+    while num_done_bytes < len(view):
+        with view[num_done_bytes:] as rest:
+            num_read_bytes = _preadv(fd, [rest], file_offset + num_done_bytes)
+        if num_read_bytes == 0:  # end of file: it was truncated underneath
+            raise ShortReadError(storage.path, file_offset, len(view), num_done_bytes)
+        num_done_bytes += num_read_bytes
+
+
+def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_page: int,
+                l2_page_ids: Sequence[int], slot_ids: Sequence[int]) -> IoResult:
+    """Copy L2 page `l2_page_ids[i]` of the arena `src` into slot `slot_ids[i]` of `layout`.
+
+    `src` is the whole L2 arena (page p = bytes [p*bytes_per_page, (p+1)*bytes_per_page)).
+    Raises ValueError on bad input before any byte moves, OSError (ENOSPC, EIO, ...) from the
+    file; after an OSError the slots hold undefined bytes and must not be published.
+    """
+    extents = coalesce_extents(l2_page_ids, slot_ids)
+    with _byte_view(src) as arena:
+        _check_transfer(storage, layout, arena, bytes_per_page, l2_page_ids, slot_ids, dst_ids=slot_ids)
+        with storage._io_in_flight() as fd:
+            start_s = time.perf_counter()
+            for extent in extents:
+                arena_start = extent.src_start * bytes_per_page
+                with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
+                    _pwrite_all(storage.path, fd, view, layout.offset(extent.dst_start))
+            seconds = time.perf_counter() - start_s
+    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds)
+
+
+def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_page: int,
+               slot_ids: Sequence[int], l2_page_ids: Sequence[int]) -> IoResult:
+    """Copy slot `slot_ids[i]` of `layout` into L2 page `l2_page_ids[i]` of the arena `dst`.
+
+    Raises ValueError on bad input before any byte moves, ShortReadError when the file ends
+    early, OSError from the file; after any error the L2 pages hold partial data and must not
+    be published.
+    """
+    extents = coalesce_extents(slot_ids, l2_page_ids)
+    with _byte_view(dst) as arena:
+        if arena.readonly:
+            raise ValueError("read_pages needs a writable arena")
+        _check_transfer(storage, layout, arena, bytes_per_page, l2_page_ids, slot_ids, dst_ids=l2_page_ids)
+        with storage._io_in_flight() as fd:
+            start_s = time.perf_counter()
+            for extent in extents:
+                arena_start = extent.dst_start * bytes_per_page
+                with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
+                    _preadv_all(storage, fd, view, layout.offset(extent.src_start))
+            seconds = time.perf_counter() - start_s
+    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds)
+
+
+class IoExecutor:
+    """A bounded thread pool for blocking file I/O, awaited from asyncio.
+
+    At most `max_workers` jobs run at once; more wait in the pool's queue (callers bound how
+    many they submit: every job holds reserved pages). Invariant: when `run` returns or raises,
+    its job is finished or will never start — even when the awaiting task is cancelled — so the
+    caller may free or publish the job's pages at that point.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "kvcached-io"):
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
+        self._max_workers = max_workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix)
+        self._lock = threading.Lock()
+        self._num_inflight = 0  # submitted and not finished (queued or running)
+        self._num_running = 0  # in a worker thread now
+        self._is_shut_down = False
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_inflight
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        with self._lock:
+            self._num_running += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._num_running -= 1
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on a worker thread and return its result (or raise its exception)."""
+        if self._is_shut_down:
+            raise RuntimeError("IoExecutor is shut down")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._num_inflight += 1
+        try:
+            # What loop.run_in_executor does, keeping the concurrent future: only its cancel()
+            # tells whether the job had started (the asyncio wrapper's cancel always succeeds).
+            pool_job = self._pool.submit(self._call, fn, args)
+            job = asyncio.wrap_future(pool_job, loop=loop)
+            try:
+                # shield: a cancelled caller must not cancel a job that is already running.
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                if pool_job.done() or pool_job.cancel():
+                    raise  # finished, or cancelled before it started: nothing touches the pages
+                # The job runs on: wait it out so the caller never frees pages under a live copy.
+                while not job.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([job])
+                if not job.cancelled() and job.exception() is not None:
+                    logger.warning("I/O job %r failed after its caller was cancelled: %r", fn, job.exception())
+                raise
+        finally:
+            with self._lock:
+                self._num_inflight -= 1
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse new jobs; queued jobs still run. With `wait`, block until all jobs finished
+        (this blocks the calling thread, the event loop if called from it)."""
+        self._is_shut_down = True
+        self._pool.shutdown(wait=wait)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            num_inflight, num_running = self._num_inflight, self._num_running
+        if not 0 <= num_running <= min(num_inflight, self._max_workers):
+            raise AssertionError(
+                f"IoExecutor counts broken: {num_running} running, {num_inflight} in flight, "
+                f"{self._max_workers} workers"
+            )

@@ -1,0 +1,593 @@
+"""Tests for the L3 I/O layer: page moves between an mmap'ed arena and the storage file, faults,
+the storage file's life cycle, and the I/O thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import random
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from kvcached.core.storage import SlotLayout
+from kvcached.server import io_workers
+from kvcached.server.io_workers import (
+    IoExecutor,
+    IoResult,
+    ShortReadError,
+    StorageFile,
+    read_pages,
+    write_pages,
+)
+
+BYTES_PER_PAGE = 8192  # a multiple of 4096, so the same geometry works with O_DIRECT
+NUM_ARENA_PAGES = 32
+# Not a multiple of BYTES_PER_PAGE, so a formula that forgets region_offset is caught.
+LAYOUT = SlotLayout(region_offset=3 * 4096, bytes_per_page=BYTES_PER_PAGE, num_slots=24)
+FILE_SIZE_BYTES = LAYOUT.end_offset + 4096
+
+
+class Arena:
+    """An L2 arena like the daemon's: a shared-memory file, mmap'ed, full of fresh random bytes."""
+
+    def __init__(self, num_pages: int = NUM_ARENA_PAGES, bytes_per_page: int = BYTES_PER_PAGE):
+        self.bytes_per_page = bytes_per_page
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="kvcached-test-arena-", dir=shm_dir)
+        try:
+            os.ftruncate(fd, num_pages * bytes_per_page)
+            self.mm = mmap.mmap(fd, num_pages * bytes_per_page)
+        finally:
+            os.close(fd)
+        self.mm[:] = os.urandom(num_pages * bytes_per_page)
+        self.view = memoryview(self.mm)
+
+    def page(self, page_id: int) -> bytes:
+        return bytes(self.view[page_id * self.bytes_per_page:(page_id + 1) * self.bytes_per_page])
+
+    def close(self) -> None:
+        # mmap.close raises BufferError if any view of it is still alive: this also checks that
+        # the I/O functions released every slice they took, on success and on error.
+        self.view.release()
+        self.mm.close()
+        os.unlink(self.path)
+
+
+@pytest.fixture
+def arena():
+    arena = Arena()
+    yield arena
+    arena.close()
+
+
+@pytest.fixture
+def storage(tmp_path):
+    storage = StorageFile.open(str(tmp_path / "l3.bin"), FILE_SIZE_BYTES)
+    storage.check_integrity()
+    yield storage
+    storage.close()
+    storage.check_integrity()
+
+
+def _open_direct_or_skip(path: str, size_bytes: int = FILE_SIZE_BYTES) -> StorageFile:
+    try:
+        return StorageFile.open(path, size_bytes, o_direct=True)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip(f"no O_DIRECT on the file system of {path}")
+        raise
+
+
+def _file_bytes(path: str, offset: int, num_bytes: int) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(num_bytes)
+
+
+def _roundtrip(storage: StorageFile, arena: Arena, src_page_ids, slot_ids, dst_page_ids):
+    """Write src pages to slots, read the slots into dst pages; return both IoResults."""
+    expected = [arena.page(page_id) for page_id in src_page_ids]
+    # The destination pages must differ before the read, or equality afterwards proves nothing.
+    assert all(arena.page(dst) != page for dst, page in zip(dst_page_ids, expected))
+    write_result = write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, src_page_ids, slot_ids)
+    storage.check_integrity()
+    read_result = read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, slot_ids, dst_page_ids)
+    storage.check_integrity()
+    for dst, page in zip(dst_page_ids, expected):
+        assert arena.page(dst) == page, f"L2 page {dst} differs from its source after the round trip"
+    return write_result, read_result
+
+
+def test_contiguous_roundtrip_is_bit_exact_in_one_extent(storage, arena):
+    """8 contiguous pages -> 8 contiguous slots -> 8 other contiguous pages: bit-exact, 1 extent each way."""
+    write_result, read_result = _roundtrip(storage, arena, list(range(0, 8)), list(range(8, 16)),
+                                           list(range(16, 24)))
+    assert write_result.num_extents == 1 and read_result.num_extents == 1
+    assert write_result.num_bytes == read_result.num_bytes == 8 * BYTES_PER_PAGE
+
+
+def test_fragmented_roundtrip_is_bit_exact_with_one_extent_per_page(storage, arena):
+    """Alternating source pages into consecutive slots, read back into alternating other pages: 8 extents each way."""
+    write_result, read_result = _roundtrip(storage, arena, list(range(0, 16, 2)), list(range(8)),
+                                           list(range(17, 33, 2)))
+    assert write_result.num_extents == 8 and read_result.num_extents == 8
+
+
+def test_random_page_maps_roundtrip_bit_exact(tmp_path):
+    """Random permutations of pages and slots (mixed runs) round-trip bit for bit into different pages."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    rng = random.Random(seed)
+    for _ in range(5):
+        arena = Arena()
+        try:
+            with StorageFile.open(str(tmp_path / "l3.bin"), FILE_SIZE_BYTES) as storage:
+                num_pages = rng.randrange(1, NUM_ARENA_PAGES // 2 + 1)
+                page_ids = rng.sample(range(NUM_ARENA_PAGES), 2 * num_pages)
+                src_page_ids, dst_page_ids = page_ids[:num_pages], page_ids[num_pages:]
+                if rng.random() < 0.5:  # sometimes long runs, to mix merged and single extents
+                    src_page_ids.sort()
+                slot_ids = rng.sample(range(LAYOUT.num_slots), num_pages)
+                _roundtrip(storage, arena, src_page_ids, slot_ids, dst_page_ids)
+        finally:
+            arena.close()
+
+
+def test_slots_land_at_their_layout_offsets(storage, arena):
+    """After write_pages, the file holds page i's bytes exactly at layout.offset(slot i)."""
+    src_page_ids, slot_ids = [5, 6, 30], [23, 0, 11]
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, src_page_ids, slot_ids)
+    for page_id, slot in zip(src_page_ids, slot_ids):
+        assert _file_bytes(storage.path, LAYOUT.offset(slot), BYTES_PER_PAGE) == arena.page(page_id)
+    storage.check_integrity()
+
+
+def test_two_regions_in_one_file_keep_their_own_bytes(tmp_path, arena):
+    """Two namespaces' regions side by side: writing both and reading each back gives each its own pages."""
+    first = SlotLayout(region_offset=0, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
+    second = SlotLayout(region_offset=first.end_offset, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
+    with StorageFile.open(str(tmp_path / "l3.bin"), second.end_offset) as storage:
+        first_pages, second_pages = [arena.page(p) for p in range(0, 4)], [arena.page(p) for p in range(4, 8)]
+        write_pages(storage, first, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [0, 1, 2, 3])
+        write_pages(storage, second, arena.view, BYTES_PER_PAGE, [4, 5, 6, 7], [0, 1, 2, 3])
+        read_pages(storage, first, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [10, 11, 12, 13])
+        read_pages(storage, second, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [20, 21, 22, 23])
+        assert [arena.page(p) for p in range(10, 14)] == first_pages
+        assert [arena.page(p) for p in range(20, 24)] == second_pages
+        storage.check_integrity()
+
+
+def test_open_discards_old_content_sets_size_and_mode(tmp_path):
+    """Opening an existing file empties it, sizes it exactly and makes it 0600."""
+    path = tmp_path / "old.bin"
+    path.write_bytes(os.urandom(3 * FILE_SIZE_BYTES))
+    os.chmod(path, 0o644)
+    with StorageFile.open(str(path), FILE_SIZE_BYTES) as storage:
+        assert os.path.getsize(path) == FILE_SIZE_BYTES
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert _file_bytes(str(path), 0, FILE_SIZE_BYTES) == bytes(FILE_SIZE_BYTES)
+        storage.check_integrity()
+
+
+def test_temp_file_is_removed_on_close_and_close_is_idempotent(tmp_path):
+    """Without a path, a 0600 temp file in temp_dir exists while open and is gone after close; close twice is fine."""
+    storage = StorageFile.open(None, FILE_SIZE_BYTES, temp_dir=str(tmp_path))
+    assert storage.is_temporary and os.path.dirname(storage.path) == str(tmp_path)
+    assert os.path.getsize(storage.path) == FILE_SIZE_BYTES
+    assert stat.S_IMODE(os.stat(storage.path).st_mode) == 0o600
+    storage.check_integrity()
+    storage.close()
+    assert not os.path.exists(storage.path)
+    storage.close()
+    assert storage.closed
+    storage.check_integrity()
+
+
+def test_temp_file_is_removed_at_interpreter_exit(tmp_path):
+    """A temp file never closed is removed when the interpreter exits."""
+    code = (
+        "from kvcached.server.io_workers import StorageFile\n"
+        f"storage = StorageFile.open(None, 4096, temp_dir={str(tmp_path)!r})\n"
+        "print(storage.path)\n"
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True,
+                            timeout=60, check=True)
+    path = result.stdout.strip()
+    assert path.startswith(str(tmp_path))
+    assert not os.path.exists(path)
+
+
+def test_short_read_on_truncated_file_raises(storage, arena):
+    """A file truncated underneath (mid-slot and before a slot) makes read_pages raise ShortReadError."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(8)))
+    os.truncate(storage.path, LAYOUT.offset(5) + BYTES_PER_PAGE // 2)  # cuts slot 5 in half
+    with pytest.raises(AssertionError, match="changed underneath"):
+        storage.check_integrity()
+    with pytest.raises(ShortReadError) as excinfo:
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(16, 24)))
+    assert excinfo.value.read_bytes == 5 * BYTES_PER_PAGE + BYTES_PER_PAGE // 2
+    assert excinfo.value.expected_bytes == 8 * BYTES_PER_PAGE
+    with pytest.raises(ShortReadError):  # a slot wholly past the end: the first read returns 0 bytes
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [7], [25])
+    assert storage.num_inflight_io == 0
+    os.truncate(storage.path, FILE_SIZE_BYTES)  # restore, so the fixture's closing check passes
+    storage.check_integrity()
+
+
+def test_read_after_unlink_still_returns_the_data(tmp_path, arena):
+    """A file unlinked underneath keeps its data for the open descriptor, and close still succeeds."""
+    storage = StorageFile.open(None, FILE_SIZE_BYTES, temp_dir=str(tmp_path))
+    os.unlink(storage.path)
+    _roundtrip(storage, arena, [1, 2, 3], [4, 5, 6], [10, 12, 14])
+    storage.close()
+    storage.check_integrity()
+
+
+def test_zero_byte_write_raises_enospc(storage, arena, monkeypatch):
+    """pwrite reporting 0 bytes written raises OSError(ENOSPC)."""
+    monkeypatch.setattr(io_workers, "_pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError) as excinfo:
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [0, 1])
+    assert excinfo.value.errno == errno.ENOSPC
+    assert storage.num_inflight_io == 0
+    storage.check_integrity()
+
+
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EIO])
+def test_write_errors_propagate(storage, arena, monkeypatch, error_number):
+    """An OSError from pwrite (disk full, I/O error) reaches the caller with its errno."""
+    def failing_pwrite(fd, data, offset):
+        raise OSError(error_number, os.strerror(error_number))
+
+    monkeypatch.setattr(io_workers, "_pwrite", failing_pwrite)
+    with pytest.raises(OSError) as excinfo:
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [0])
+    assert excinfo.value.errno == error_number
+    assert storage.num_inflight_io == 0
+    storage.check_integrity()
+
+
+def test_read_io_error_propagates(storage, arena, monkeypatch):
+    """An EIO from preadv reaches the caller as OSError(EIO)."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [0])
+
+    def failing_preadv(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(io_workers, "_preadv", failing_preadv)
+    with pytest.raises(OSError) as excinfo:
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [1])
+    assert excinfo.value.errno == errno.EIO
+    assert storage.num_inflight_io == 0
+    storage.check_integrity()
+
+
+def test_partial_transfers_are_continued(storage, arena, monkeypatch):
+    """When pwrite and preadv move at most 1000 bytes per call, the loops still move every byte."""
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+    num_calls = {"pwrite": 0, "preadv": 0}
+
+    def short_pwrite(fd, data, offset):
+        num_calls["pwrite"] += 1
+        return real_pwrite(fd, data[:1000], offset)
+
+    def short_preadv(fd, buffers, offset):
+        num_calls["preadv"] += 1
+        return real_preadv(fd, [buffers[0][:1000]], offset)
+
+    monkeypatch.setattr(io_workers, "_pwrite", short_pwrite)
+    monkeypatch.setattr(io_workers, "_preadv", short_preadv)
+    _roundtrip(storage, arena, [0, 1, 9], [2, 3, 20], [12, 13, 30])
+    num_bytes = 3 * BYTES_PER_PAGE
+    assert num_calls["pwrite"] >= num_bytes // 1000 and num_calls["preadv"] >= num_bytes // 1000
+
+
+def test_injected_short_read_raises_and_reports_progress(storage, arena, monkeypatch):
+    """A read that stops early (part of the bytes, then end of file) raises ShortReadError with the bytes read."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [0, 1])
+    real_preadv = os.preadv
+    calls = []
+
+    def truncating_preadv(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > 1:
+            return 0  # end of file
+        return real_preadv(fd, [buffers[0][:4096]], offset)
+
+    monkeypatch.setattr(io_workers, "_preadv", truncating_preadv)
+    with pytest.raises(ShortReadError) as excinfo:
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [10, 11])
+    assert excinfo.value.read_bytes == 4096 and excinfo.value.offset == LAYOUT.offset(0)
+    storage.check_integrity()
+
+
+def test_bad_input_raises_before_any_byte_moves(storage, arena):
+    """Out-of-range ids, mismatched page sizes, a region past the file end and repeated destinations
+    raise ValueError, and the file is untouched (the valid first pages were not written)."""
+    before = _file_bytes(storage.path, 0, FILE_SIZE_BYTES)
+    bad_calls = [
+        ([0, 1], [0, LAYOUT.num_slots]),                # slot out of range, last in the map
+        ([0, NUM_ARENA_PAGES], [0, 1]),                 # L2 page out of range
+        ([0, 1], [3, 3]),                               # two pages into one slot
+    ]
+    for l2_page_ids, slot_ids in bad_calls:
+        with pytest.raises(ValueError):
+            write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, l2_page_ids, slot_ids)
+    with pytest.raises(ValueError, match="bytes_per_page"):
+        write_pages(storage, LAYOUT, arena.view, 4096, [0], [0])
+    too_big = SlotLayout(region_offset=0, bytes_per_page=BYTES_PER_PAGE, num_slots=FILE_SIZE_BYTES // BYTES_PER_PAGE + 1)
+    with pytest.raises(ValueError, match="past the file"):
+        write_pages(storage, too_big, arena.view, BYTES_PER_PAGE, [0], [0])
+    assert _file_bytes(storage.path, 0, FILE_SIZE_BYTES) == before
+    storage.check_integrity()
+
+
+def test_read_refuses_bad_destinations(storage, arena):
+    """read_pages refuses a read-only arena and two slots into one L2 page, leaving the arena unchanged."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [0, 1])
+    arena_before = bytes(arena.view)
+    with memoryview(bytes(arena.view)) as read_only_view:
+        with pytest.raises(ValueError, match="writable"):
+            read_pages(storage, LAYOUT, read_only_view, BYTES_PER_PAGE, [0], [5])
+    with pytest.raises(ValueError, match="repeat"):
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [5, 5])
+    assert bytes(arena.view) == arena_before
+    storage.check_integrity()
+
+
+def test_closed_storage_refuses_io(tmp_path, arena):
+    """After close, page I/O raises ValueError instead of touching a stale descriptor."""
+    storage = StorageFile.open(str(tmp_path / "l3.bin"), FILE_SIZE_BYTES)
+    storage.close()
+    with pytest.raises(ValueError, match="closed"):
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [0])
+    with pytest.raises(ValueError, match="closed"):
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [1])
+    storage.check_integrity()
+
+
+def test_close_waits_for_io_in_flight(storage, arena, monkeypatch):
+    """close() does not close the descriptor under a running pwrite: it times out while one runs, succeeds after."""
+    started, release = threading.Event(), threading.Event()
+    real_pwrite = os.pwrite
+
+    def blocking_pwrite(fd, data, offset):
+        started.set()
+        assert release.wait(10)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(io_workers, "_pwrite", blocking_pwrite)
+    results = []
+    writer = threading.Thread(target=lambda: results.append(
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0], [0])))
+    writer.start()
+    assert started.wait(10)
+    with pytest.raises(TimeoutError, match="in flight"):
+        storage.close(timeout_s=0.05)
+    assert not storage.closed and storage.num_inflight_io == 1
+    storage.check_integrity()
+    with pytest.raises(ValueError, match="closed"):  # closing already refuses new I/O
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [1], [1])
+    release.set()
+    storage.close(timeout_s=10)
+    writer.join(10)
+    assert storage.closed and len(results) == 1 and results[0].num_bytes == BYTES_PER_PAGE
+
+
+def test_o_direct_roundtrip_is_bit_exact(tmp_path, arena):
+    """With O_DIRECT, fragmented and contiguous maps round-trip bit for bit."""
+    with _open_direct_or_skip(str(tmp_path / "l3.bin")) as storage:
+        _roundtrip(storage, arena, [0, 2, 4, 5, 6], [0, 1, 2, 3, 4], [20, 21, 22, 23, 24])
+        _roundtrip(storage, arena, [8, 9, 10], [10, 12, 11], [1, 3, 7])
+        storage.check_integrity()
+
+
+def test_o_direct_short_read_on_unaligned_truncation_raises(tmp_path, arena):
+    """With O_DIRECT, a file truncated mid-slot at an unaligned size raises ShortReadError."""
+    with _open_direct_or_skip(str(tmp_path / "l3.bin")) as storage:
+        write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [0, 1])
+        os.truncate(storage.path, LAYOUT.offset(1) + 1000)
+        with pytest.raises(ShortReadError):
+            read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1], [10, 11])
+        os.truncate(storage.path, FILE_SIZE_BYTES)
+        storage.check_integrity()
+
+
+def test_o_direct_alignment_is_validated(tmp_path, arena):
+    """O_DIRECT refuses an unaligned file size, page size, region offset or arena address with ValueError."""
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        StorageFile.open(str(tmp_path / "odd.bin"), FILE_SIZE_BYTES + 512, o_direct=True)
+    with _open_direct_or_skip(str(tmp_path / "l3.bin")) as storage:
+        odd_page = SlotLayout(region_offset=0, bytes_per_page=4096 + 512, num_slots=4)
+        with pytest.raises(ValueError, match="bytes_per_page"):
+            write_pages(storage, odd_page, arena.view, 4096 + 512, [0], [0])
+        odd_region = SlotLayout(region_offset=512, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
+        with pytest.raises(ValueError, match="region offset"):
+            read_pages(storage, odd_region, arena.view, BYTES_PER_PAGE, [0], [0])
+        with arena.view[512:512 + 4 * BYTES_PER_PAGE] as unaligned_arena:
+            with pytest.raises(ValueError, match="address"):
+                write_pages(storage, LAYOUT, unaligned_arena, BYTES_PER_PAGE, [0], [0])
+        storage.check_integrity()
+    # The same unaligned geometry is fine without O_DIRECT.
+    with StorageFile.open(str(tmp_path / "buffered.bin"), FILE_SIZE_BYTES) as storage:
+        expected = bytes(arena.view[512:512 + BYTES_PER_PAGE])
+        with arena.view[512:512 + 4 * BYTES_PER_PAGE] as unaligned_arena:
+            write_pages(storage, odd_region, unaligned_arena, BYTES_PER_PAGE, [0], [0])
+        assert _file_bytes(storage.path, 512, BYTES_PER_PAGE) == expected
+
+
+# --- IoExecutor ---------------------------------------------------------------------------
+
+
+def test_executor_runs_jobs_off_the_loop_thread():
+    """run() executes the job on a worker thread, returns its result and re-raises its exception."""
+    async def main():
+        executor = IoExecutor(max_workers=2)
+        try:
+            loop_thread_id = threading.get_ident()
+            job_thread_id = await executor.run(threading.get_ident)
+            assert job_thread_id != loop_thread_id
+            assert await executor.run(divmod, 17, 5) == (3, 2)
+            with pytest.raises(ZeroDivisionError):
+                await executor.run(divmod, 1, 0)
+            assert executor.num_inflight == 0
+            executor.check_integrity()
+        finally:
+            executor.shutdown()
+
+    asyncio.run(main())
+
+
+def test_executor_bounds_concurrency():
+    """With max_workers=2 and 6 blocked jobs, exactly 2 run and all 6 are counted in flight until released."""
+    async def main():
+        executor = IoExecutor(max_workers=2)
+        release = threading.Event()
+        lock = threading.Lock()
+        num_running = [0]
+        max_num_running = [0]
+
+        def job(index):
+            with lock:
+                num_running[0] += 1
+                max_num_running[0] = max(max_num_running[0], num_running[0])
+            assert release.wait(10)
+            with lock:
+                num_running[0] -= 1
+            return index
+
+        try:
+            tasks = [asyncio.ensure_future(executor.run(job, index)) for index in range(6)]
+            deadline = time.monotonic() + 10
+            while executor.num_running < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)  # room for a third job to start, if the bound were broken
+            assert executor.num_running == 2 and max_num_running[0] == 2
+            assert executor.num_inflight == 6
+            executor.check_integrity()
+            release.set()
+            assert await asyncio.gather(*tasks) == list(range(6))
+            assert max_num_running[0] == 2
+            assert executor.num_inflight == 0 and executor.num_running == 0
+            executor.check_integrity()
+        finally:
+            release.set()
+            executor.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelled_caller_of_a_running_job_waits_for_it():
+    """Cancelling the task awaiting a running job does not end the task until the job has finished."""
+    async def main():
+        executor = IoExecutor(max_workers=1)
+        started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+        def job():
+            started.set()
+            assert release.wait(10)
+            finished.set()
+
+        try:
+            task = asyncio.ensure_future(executor.run(job))
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done()  # the job still runs: the caller must not reuse its pages yet
+            assert executor.num_inflight == 1
+            executor.check_integrity()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert finished.is_set()
+            assert executor.num_inflight == 0
+            executor.check_integrity()
+        finally:
+            release.set()
+            executor.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelled_queued_job_never_runs():
+    """Cancelling the caller of a job still queued ends the caller at once, and the job never runs."""
+    async def main():
+        executor = IoExecutor(max_workers=1)
+        started, release = threading.Event(), threading.Event()
+        queued_job_ran = threading.Event()
+
+        def blocker():
+            started.set()
+            assert release.wait(10)
+
+        try:
+            blocking_task = asyncio.ensure_future(executor.run(blocker))
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            queued_task = asyncio.ensure_future(executor.run(queued_job_ran.set))
+            await asyncio.sleep(0.01)
+            assert executor.num_inflight == 2
+            queued_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued_task
+            assert executor.num_inflight == 1
+            executor.check_integrity()
+            release.set()
+            await blocking_task
+            executor.shutdown(wait=True)
+            assert not queued_job_ran.is_set()
+            executor.check_integrity()
+        finally:
+            release.set()
+            executor.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shut_down_executor_refuses_jobs():
+    """After shutdown, run() raises RuntimeError."""
+    async def main():
+        executor = IoExecutor(max_workers=1)
+        executor.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            await executor.run(time.monotonic)
+        executor.check_integrity()
+
+    asyncio.run(main())
+
+
+def test_invalid_max_workers_raises():
+    """A pool needs at least one worker."""
+    with pytest.raises(ValueError):
+        IoExecutor(max_workers=0)
+
+
+def test_concurrent_reads_and_writes_through_the_executor(storage, arena):
+    """Writes and reads of disjoint slots run concurrently on the pool and every page arrives bit-exact."""
+    async def main():
+        executor = IoExecutor(max_workers=4)
+        try:
+            expected = {dst: arena.page(src) for src, dst in zip(range(0, 12), range(12, 24))}
+            writes = [executor.run(write_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE,
+                                   [src], [slot]) for src, slot in zip(range(0, 12), range(12))]
+            write_results = await asyncio.gather(*writes)
+            assert all(isinstance(result, IoResult) and result.num_extents == 1 for result in write_results)
+            reads = [executor.run(read_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE,
+                                  [slot], [dst]) for slot, dst in zip(range(12), range(12, 24))]
+            await asyncio.gather(*reads)
+            assert {dst: arena.page(dst) for dst in expected} == expected
+            executor.check_integrity()
+        finally:
+            executor.shutdown()
+
+    asyncio.run(main())
+    storage.check_integrity()
