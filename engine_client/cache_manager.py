@@ -1,0 +1,239 @@
+"""The engine side of a request's path: match (L1, then the daemon), restore, publish, back up.
+
+    plan = manager.prepare(token_ids)     # L1 match + ONE round trip to the daemon (+ restore)
+    ... the engine prefills tokens [plan.num_cached_tokens, len) into plan.new_l1_page_ids ...
+    manager.finish(plan)                  # publish the new full pages in L1, back them up to L2
+
+Ordering, per SPEC: a restore's transfer completes, then its pages are published in the L1
+index, and only then does the request's cached length include them. A backup's transfer
+completes before its commit is sent, so the daemon never publishes pages that are not written.
+The daemon lease of a plan locks the matched L2 prefix (the backup is inserted below it) and owns
+the reserved backup pages; it ends by commit or release, never by being forgotten: ``abort`` and
+``close`` end it too, and the daemon reclaims it if this process dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine_client.client import KVCacheClient
+from engine_client.l1_index import L1PrefixIndex
+from engine_client.l1_pool import L1Pool
+from engine_client.shared_pool import SharedHostPool
+from engine_client.transfer import TransferEngine
+from proto.messages import KVGeometry
+
+logger = logging.getLogger(__name__)
+
+RESTORE_POLICIES = ("always", "never")
+
+
+class L1Full(Exception):
+    """Not enough L1 pages for the request, even after evicting every unlocked cached page."""
+
+
+@dataclasses.dataclass(eq=False)      # identity: two plans are never the same request
+class RequestPlan:
+    token_ids: np.ndarray
+    num_cached_tokens: int              # tokens whose KV is in L1 now (a multiple of page_size)
+    l1_page_ids: list[int]              # L1 pages holding tokens [0, num_cached_tokens)
+    new_l1_page_ids: list[int]          # L1 pages for tokens [num_cached_tokens, len), for the prefill
+    l1_hit_tokens: int                  # of num_cached_tokens, how many were already in L1
+    restored_tokens: int                # of num_cached_tokens, how many were restored from L2
+    l2_hit_tokens: int
+    lease_id: int | None
+    backup_start_token: int
+    backup_page_ids: list[int]
+    restore_seconds: float = 0.0
+    finished: bool = False
+
+
+class CacheManager:
+    def __init__(self, client: KVCacheClient, l1_pool: L1Pool, host_pool: SharedHostPool,
+                 transfer: TransferEngine, restore_policy: str = "always"):
+        if restore_policy not in RESTORE_POLICIES:
+            raise ValueError(f"restore_policy must be one of {RESTORE_POLICIES}")
+        self.client = client
+        self.l1_pool = l1_pool
+        self.host_pool = host_pool
+        self.transfer = transfer
+        self.geometry = l1_pool.geometry
+        self.page_size = self.geometry.page_size
+        self.l1_index = L1PrefixIndex(self.page_size)
+        self.restore_policy = restore_policy
+        self._open_plans: list[RequestPlan] = []
+
+    @classmethod
+    def attach(cls, client: KVCacheClient, geometry: KVGeometry, num_l1_pages: int,
+               device: str | torch.device = "cpu", backend: str = "torch",
+               restore_policy: str = "always") -> "CacheManager":
+        """Attach ``client`` with ``geometry``, make the L1 pool, and map (and on a GPU, pin) the L2 pool."""
+        info = client.attach(geometry)
+        l1_pool = L1Pool(geometry, num_l1_pages, device)
+        host_pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
+                                        pin=l1_pool.kv.device.type == "cuda")
+        try:
+            transfer = TransferEngine(l1_pool, host_pool, backend=backend)
+        except BaseException:
+            host_pool.close()
+            raise
+        return cls(client, l1_pool, host_pool, transfer, restore_policy)
+
+    # ---- per request ----------------------------------------------------------------------------
+
+    def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
+        tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("token_ids must be a non-empty 1-D sequence")
+        page_size = self.page_size
+        l1_match = self.l1_index.match(tokens)
+        l1_page_ids = list(l1_match.page_ids)
+        self.l1_index.lock(l1_page_ids)
+        reply = None
+        try:
+            reply = self.client.match(tokens, reserve_backup=backup)
+            l2_hit_tokens = reply.hit_tokens["l2"]
+            restored_tokens, restore_seconds = 0, 0.0
+            if l2_hit_tokens > l1_match.num_tokens and self.restore_policy == "always":
+                first_page = l1_match.num_tokens // page_size
+                host_page_ids = reply.host_page_ids[first_page: l2_hit_tokens // page_size]
+                restored_page_ids, restore_seconds = self._restore(tokens, first_page, host_page_ids)
+                l1_page_ids += restored_page_ids
+                restored_tokens = len(restored_page_ids) * page_size
+            lease_id = reply.lease_id
+            if lease_id is not None and not reply.backup_page_ids:
+                self.client.release(lease_id)      # nothing to back up: the read lock is done
+                lease_id = None
+            num_cached_tokens = len(l1_page_ids) * page_size
+            num_new_pages = -(-(len(tokens) - num_cached_tokens) // page_size)
+            new_l1_page_ids = self._allocate_l1(num_new_pages)
+        except BaseException:
+            self.l1_index.unlock(l1_page_ids)
+            if reply is not None and reply.lease_id is not None:
+                self.client.release(reply.lease_id)
+            raise
+        plan = RequestPlan(
+            token_ids=tokens, num_cached_tokens=num_cached_tokens, l1_page_ids=l1_page_ids,
+            new_l1_page_ids=new_l1_page_ids, l1_hit_tokens=l1_match.num_tokens,
+            restored_tokens=restored_tokens, l2_hit_tokens=l2_hit_tokens, lease_id=lease_id,
+            backup_start_token=reply.backup_start_token,
+            backup_page_ids=list(reply.backup_page_ids) if lease_id is not None else [],
+            restore_seconds=restore_seconds,
+        )
+        self._open_plans.append(plan)
+        return plan
+
+    def _restore(self, tokens: np.ndarray, first_page: int, host_page_ids: list[int]) -> tuple[list[int], float]:
+        """Copy L2 pages into new L1 pages; publish them in the L1 index once the copy is complete."""
+        l1_page_ids = self._allocate_l1(len(host_page_ids))
+        try:
+            transfer = self.transfer.restore(host_page_ids, l1_page_ids)
+            transfer.wait()
+        except BaseException:
+            self.l1_pool.free(l1_page_ids)
+            raise
+        end = (first_page + len(l1_page_ids)) * self.page_size
+        duplicates = self.l1_index.insert(tokens[:end], l1_page_ids, start_page=first_page)
+        # The prefix was locked and absent before the restore; nobody else inserts in between.
+        assert not duplicates, "restored pages were already cached in L1"
+        self.l1_index.lock(l1_page_ids)
+        return l1_page_ids, transfer.seconds
+
+    def finish(self, plan: RequestPlan) -> int:
+        """After the prefill: publish the new full pages in L1 and back up what the daemon lacks.
+
+        Returns how many pages were backed up."""
+        self._check_open(plan)
+        page_size = self.page_size
+        full_pages = len(plan.token_ids) // page_size
+        num_known = len(plan.l1_page_ids)
+        new_full = plan.new_l1_page_ids[: full_pages - num_known]
+        tail = plan.new_l1_page_ids[full_pages - num_known:]
+        all_pages = plan.l1_page_ids + new_full
+        backed_up = 0
+        try:
+            if plan.lease_id is not None:
+                start = plan.backup_start_token // page_size
+                count = min(len(plan.backup_page_ids), full_pages - start)
+                host_page_ids = plan.backup_page_ids[:count]
+                if count > 0:
+                    self.transfer.backup(all_pages[start:start + count], host_page_ids).wait()
+                self.client.commit_backup(plan.lease_id, host_page_ids)
+                plan.lease_id = None
+                backed_up = count
+        finally:
+            if plan.lease_id is not None:
+                self.client.release(plan.lease_id)
+                plan.lease_id = None
+            if new_full:
+                duplicates = self.l1_index.insert(plan.token_ids[: full_pages * page_size], new_full,
+                                                  start_page=num_known)
+                if duplicates:
+                    self.l1_pool.free(duplicates)
+            self.l1_index.unlock(plan.l1_page_ids)
+            if tail:
+                self.l1_pool.free(tail)
+            self._close_plan(plan)
+        return backed_up
+
+    def abort(self, plan: RequestPlan) -> None:
+        """Give up a request: end its lease, free its new pages, unlock its cached ones."""
+        self._check_open(plan)
+        if plan.lease_id is not None:
+            self.client.release(plan.lease_id)
+            plan.lease_id = None
+        self.l1_index.unlock(plan.l1_page_ids)
+        self.l1_pool.free(plan.new_l1_page_ids)
+        self._close_plan(plan)
+
+    def _check_open(self, plan: RequestPlan) -> None:
+        if plan.finished:
+            raise ValueError("this request plan is already finished or aborted")
+
+    def _close_plan(self, plan: RequestPlan) -> None:
+        plan.finished = True
+        self._open_plans.remove(plan)
+
+    def _allocate_l1(self, num_pages: int) -> list[int]:
+        if num_pages == 0:
+            return []
+        if not self.l1_pool.can_allocate(num_pages):
+            evicted = self.l1_index.evict(num_pages - self.l1_pool.num_free)
+            if evicted:
+                self.l1_pool.free(evicted)
+        page_ids = self.l1_pool.allocate(num_pages)
+        if page_ids is None:
+            raise L1Full(f"need {num_pages} L1 pages, {self.l1_pool.num_free} free after evicting "
+                         "every unlocked cached page")
+        return page_ids
+
+    # ---- introspection and shutdown ---------------------------------------------------------------
+
+    def read_tokens_kv(self, page_ids: Sequence[int]) -> torch.Tensor:
+        """The KV of the given L1 pages in page-major order [n, 2, L, P, H, D] (a copy, for checks)."""
+        index = torch.as_tensor(list(page_ids), dtype=torch.long, device=self.l1_pool.kv.device)
+        return self.l1_pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def check_integrity(self) -> None:
+        self.l1_pool.check_integrity()
+        self.l1_index.check_integrity()
+        self.transfer.check_integrity()
+        cached = {p for p in range(self.l1_pool.num_pages) if self.l1_index.contains_page(p)}
+        in_plans = {p for plan in self._open_plans for p in plan.new_l1_page_ids}
+        free = {p for p in range(self.l1_pool.num_pages) if self.l1_pool.is_free(p)}
+        if cached & free or in_plans & free or cached & in_plans:
+            raise AssertionError("an L1 page is at once cached, free or owned by a request")
+        if len(cached) + len(free) + len(in_plans) != self.l1_pool.num_pages:
+            raise AssertionError("L1 pages are leaked: cached + free + in requests != capacity")
+
+    def close(self) -> None:
+        for plan in list(self._open_plans):
+            self.abort(plan)
+        self.transfer.close()
+        self.host_pool.close()
+        self.client.close()
