@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable
 
 import zmq
-import zmq.asyncio
 
 from kvcached.config import DaemonConfig
 from kvcached.core.daemon import ArenaPlan, DaemonState
@@ -35,7 +34,7 @@ HARD_FRAME_FACTOR = 4
 
 
 class Server:
-    def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.asyncio.Socket,
+    def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment):
         self.config = config
         self.state = state
@@ -55,18 +54,26 @@ class Server:
         }
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(self._receive_loop(), name="receive"),
-                 asyncio.create_task(self._reap_loop(), name="reap")]
+        # The socket is read from a reader callback, not through zmq.asyncio: a future per
+        # message costs more than the request itself. ZeroMQ's FD is edge-triggered, so each
+        # wake-up drains every queued message until EAGAIN.
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.socket.getsockopt(zmq.FD), self._on_readable)
+        loop.call_soon(self._on_readable)     # messages queued before the reader was added
+        reaper = asyncio.create_task(self._reap_loop(), name="reap")
         try:
             await self.stop_event.wait()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.remove_reader(self.socket.getsockopt(zmq.FD))
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
 
-    async def _receive_loop(self) -> None:
+    def _on_readable(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart(copy=True)
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
             if len(frames) != 2:
                 # A DEALER sends [identity, payload]; anything else has no single payload to answer.
                 if frames:
@@ -199,7 +206,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None] | None = None
         state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
                             session_timeout_s=config.session_timeout_s)
 
-        context = zmq.asyncio.Context()
+        context = zmq.Context()
         resources.callback(context.term)
         socket = context.socket(zmq.ROUTER)
         resources.callback(socket.close, 0)

@@ -1,0 +1,146 @@
+"""Match round trip, measured from another process, against plain ZeroMQ + msgpack.
+
+The daemon holds 10,000 prefixes in its tree; the client matches a 64-token and an 8,192-token
+prefix (both cached, so each match also creates a lease that is released without waiting, as an
+engine does). The baseline, in the same run: a plain synchronous ZeroMQ ROUTER server in another
+process that decodes the same msgpack request and answers with a small msgpack reply.
+
+    python -m bench.bench_rpc [--iterations 5000] [--prefixes 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import tempfile
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from bench.common import percentile, print_table, write_result
+from engine_client.client import connect
+from proto.messages import KVGeometry
+from tests.integration.daemon_proc import DaemonProcess
+
+# Tiny pages so that 10,000 prefixes fit in a modest pool; the wire cost does not depend on them.
+GEOMETRY = KVGeometry("rpc-bench", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=16)
+LOAD_PREFIX_TOKENS = 128
+
+
+def plain_server(socket_path: str, ready) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(f"ipc://{socket_path}")
+    ready.set()
+    while True:
+        identity, payload = socket.recv_multipart()
+        kind, request_id, body = msgpack.unpackb(payload, raw=False)
+        if kind == 0:
+            break
+        reply = {"hit_tokens": {"l2": len(body["token_ids"]) // 4}, "lease_id": 1,
+                 "host_page_ids": list(range(len(body["token_ids"]) // 64)),
+                 "backup_start_token": 0, "backup_page_ids": []}
+        socket.send_multipart([identity, msgpack.packb([64, request_id, reply], use_bin_type=True)])
+    socket.close(0)
+    context.term()
+
+
+def time_plain(token_bytes: bytes, iterations: int, warmup: int) -> list[float]:
+    path = os.path.join(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"), "plain.sock")
+    ready = multiprocessing.Event()
+    server = multiprocessing.Process(target=plain_server, args=(path, ready), daemon=True)
+    server.start()
+    ready.wait(10)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(f"ipc://{path}")
+    samples = []
+    for i in range(warmup + iterations):
+        started = time.perf_counter()
+        socket.send(msgpack.packb([4, i + 1, {"session_id": 1, "token_ids": token_bytes,
+                                              "reserve_backup": False}], use_bin_type=True))
+        msgpack.unpackb(socket.recv(), raw=False)
+        if i >= warmup:
+            samples.append((time.perf_counter() - started) * 1e6)
+    socket.send(msgpack.packb([0, 0, {}]))
+    server.join(10)
+    socket.close(0)
+    context.term()
+    return samples
+
+
+def time_kvcached(client, tokens: np.ndarray, iterations: int, warmup: int) -> list[float]:
+    samples = []
+    for i in range(warmup + iterations):
+        started = time.perf_counter()
+        reply = client.match(tokens)
+        elapsed = time.perf_counter() - started
+        assert reply.hit_tokens["l2"] == len(tokens), reply.hit_tokens
+        client.release(reply.lease_id)      # off the critical path, as in an engine
+        if i >= warmup:
+            samples.append(elapsed * 1e6)
+    assert client.flush() == []
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=5000)
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--prefixes", type=int, default=10_000)
+    parser.add_argument("--machine", default=None)
+    args = parser.parse_args()
+
+    daemon = DaemonProcess(l2_size="256MiB", extra_args=("--max-namespaces", "1", "--log-level", "WARNING")).start()
+    try:
+        client = connect(daemon.socket_path, timeout_s=10.0, client_name="bench-rpc")
+        client.attach(GEOMETRY)
+        rng = np.random.default_rng(0)
+        started = time.perf_counter()
+        for _ in range(args.prefixes):
+            tokens = rng.integers(0, 150_000, size=LOAD_PREFIX_TOKENS, dtype=np.int32)
+            reply = client.match(tokens, reserve_backup=True)
+            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        targets = {n: rng.integers(0, 150_000, size=n, dtype=np.int32) for n in (64, 8192)}
+        for tokens in targets.values():
+            reply = client.match(tokens, reserve_backup=True)
+            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        assert client.flush(timeout_s=60) == []
+        load_seconds = time.perf_counter() - started
+        status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok", status["integrity"]
+        nodes = status["namespaces"][0]["tree_nodes"]
+
+        rows, raw = [], {}
+        for num_tokens, tokens in targets.items():
+            ours = time_kvcached(client, tokens, args.iterations, args.warmup)
+            plain = time_plain(tokens.astype("<i4").tobytes(), args.iterations, args.warmup)
+            row = {
+                "tokens": num_tokens,
+                "p50_us": percentile(ours, 50), "p99_us": percentile(ours, 99),
+                "baseline_p50_us": percentile(plain, 50), "baseline_p99_us": percentile(plain, 99),
+            }
+            row["ratio_p50"] = row["p50_us"] / row["baseline_p50_us"]
+            rows.append(row)
+            raw[str(num_tokens)] = {"kvcached_us": ours, "baseline_us": plain}
+        assert client.status(check_integrity=True)["integrity"] == "ok"
+        client.close()
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+    print(f"{args.prefixes} prefixes in the tree ({nodes} nodes), loaded in {load_seconds:.1f} s")
+    print_table(rows, ["tokens", "p50_us", "p99_us", "baseline_p50_us", "baseline_p99_us", "ratio_p50"])
+    path = write_result("rpc", {
+        "target": "p50_us <= 1.5 * baseline_p50_us",
+        "prefixes_in_tree": args.prefixes, "tree_nodes": nodes, "iterations": args.iterations,
+        "rows": rows, "raw_samples_us": raw,
+    }, machine=args.machine)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

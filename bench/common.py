@@ -1,0 +1,92 @@
+"""Shared by the benchmarks: percentiles, a result table, and JSON results with provenance."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Any, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    if not ordered:
+        raise ValueError("no samples")
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def machine_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            if "H200" in name:
+                return "h200"
+            return name.lower().replace(" ", "-")
+    except ImportError:
+        pass
+    return "cpu-" + platform.node().split(".")[0]
+
+
+def versions() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
+    for module in ("torch", "triton", "zmq", "msgpack", "uvloop", "numpy"):
+        try:
+            imported = __import__(module)
+            info[module] = getattr(imported, "__version__", "?")
+        except ImportError:
+            info[module] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    info["cpu_count"] = os.cpu_count()
+    return info
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def write_result(name: str, payload: dict[str, Any], machine: str | None = None) -> str:
+    machine = machine or machine_name()
+    directory = os.path.join(RESULTS_DIR, machine)
+    os.makedirs(directory, exist_ok=True)
+    document = {
+        "benchmark": name,
+        "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        **payload,
+    }
+    path = os.path.join(directory, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return path
