@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from engine_client.client import connect
 from proto.messages import KVGeometry
@@ -90,3 +91,14 @@ def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones():
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+@pytest.mark.gpu
+def test_gpu_engines_restore_bit_for_bit(daemon, tmp_path):
+    """The same end to end with L1 on the GPU and the shared segment pinned: restores are bit for bit."""
+    state_path = str(tmp_path / "a.pt")
+    run_engine(daemon.socket_path, "backup", state_path, seed=7, device="cuda")
+    restore = run_engine(daemon.socket_path, "restore", state_path, device="cuda")
+    assert restore["pinned"]
+    for result in restore["results"]:
+        assert result["bit_exact"] and not result["same_pages_as_source"], result
