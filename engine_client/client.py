@@ -76,13 +76,27 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {array.shape}")
-    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+    if array.dtype == _WIRE_TOKEN_DTYPE:       # the engine's usual case: no checks, no copy
+        return array.tobytes()
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {array.dtype}")
+    if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
         raise ValueError("token ids must fit in int32")
-    return array.astype("<i4", copy=False).tobytes()
+    return array.astype(_WIRE_TOKEN_DTYPE).tobytes()
+
+
+_WIRE_TOKEN_DTYPE = np.dtype("<i4")
+_INT32 = np.iinfo(np.int32)
 
 
 class _Channel:
-    """One DEALER socket with request ids and bounded waits (not thread-safe: one per thread)."""
+    """One DEALER socket with request ids and bounded waits (not thread-safe: one per thread).
+
+    Fire-and-forget requests (releases, commits) ask the daemon not to acknowledge success, so
+    they cost the daemon one handler call and no reply; an error still gets a reply, matched
+    here to its request by id. The daemon handles one socket's requests in order, so the reply
+    to any later request proves every earlier one was handled: that is how ``flush`` works.
+    """
 
     def __init__(self, context: zmq.Context, socket_path: str, timeout_s: float):
         self.socket_path = socket_path
@@ -90,6 +104,7 @@ class _Channel:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)
+        self._rcvtimeo_ms = -2
         self.socket.connect(f"ipc://{socket_path}")
         self._request_ids = itertools.count(1)
         self.pending_async: dict[int, MsgKind] = {}
@@ -105,6 +120,7 @@ class _Channel:
         return request_id
 
     def send_async(self, kind: MsgKind, body: dict[str, Any]) -> None:
+        body["ack"] = False
         request_id = self.send(kind, body)
         if len(self.pending_async) < MAX_PENDING_ASYNC:
             self.pending_async[request_id] = kind
@@ -114,39 +130,48 @@ class _Channel:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self.socket.poll(max(1, int(remaining_ms))):
+            frame = self._receive(deadline)
+            if frame is None:
                 raise DaemonUnavailable(
                     f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
                     f"within timeout_s={timeout_s} (is it running?)")
-            frame = codec.decode(self.socket.recv())
+            self._absorb(frame)
             if frame.request_id == request_id:
                 if frame.kind == MsgKind.ERROR:
                     raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
                 return frame.body
-            self._absorb(frame)
+
+    def _receive(self, deadline: float) -> codec.Frame | None:
+        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        if remaining_ms != self._rcvtimeo_ms:     # one blocking recv; no poll() per reply
+            self.socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
+            self._rcvtimeo_ms = remaining_ms
+        try:
+            return codec.decode(self.socket.recv())
+        except zmq.Again:
+            return None
 
     def drain(self) -> None:
-        """Collect replies to earlier fire-and-forget requests without waiting."""
-        while self.socket.poll(0):
-            self._absorb(codec.decode(self.socket.recv()))
-
-    def flush(self, timeout_s: float) -> None:
-        """Wait until every fire-and-forget request has been answered."""
-        deadline = time.monotonic() + timeout_s
-        while self.pending_async:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self.socket.poll(max(1, int(remaining_ms))):
-                raise DaemonUnavailable(f"{len(self.pending_async)} releases/commits unanswered by the daemon "
-                                        f"at ipc://{self.socket_path} within timeout_s={timeout_s}")
-            self._absorb(codec.decode(self.socket.recv()))
+        """Collect error replies to earlier fire-and-forget requests without waiting."""
+        while True:
+            try:
+                frame = codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._absorb(frame)
 
     def _absorb(self, frame: codec.Frame) -> None:
-        kind = self.pending_async.pop(frame.request_id, None)
-        if kind is not None and frame.kind == MsgKind.ERROR:
-            error = DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
-            logger.warning("%s", error)
-            self.async_errors.append(error)
+        if frame.kind == MsgKind.ERROR:
+            kind = self.pending_async.pop(frame.request_id, None)
+            if kind is not None:
+                error = DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
+                logger.warning("%s", error)
+                self.async_errors.append(error)
+        if frame.request_id in self.pending_async or not self.pending_async:
+            return
+        # Any reply answers every earlier request on this socket: those handled without error are done.
+        for request_id in [r for r in self.pending_async if r < frame.request_id]:
+            del self.pending_async[request_id]
 
     def close(self) -> None:
         self.socket.close(0)
@@ -247,8 +272,10 @@ class KVCacheClient:
         return errors
 
     def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
-        """Wait for every release/commit reply; returns their errors like ``poll_errors``."""
-        self._channel.flush(self.timeout_s if timeout_s is None else timeout_s)
+        """Wait until the daemon has handled every release/commit sent so far; returns their errors
+        like ``poll_errors``."""
+        if self._channel.pending_async and self.info is not None:
+            self._channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id}, timeout_s)
         return self.poll_errors()
 
     def request_raw(self, kind: MsgKind, body: dict[str, Any]) -> dict[str, Any]:

@@ -119,10 +119,12 @@ class Release:
     kind: ClassVar[MsgKind] = MsgKind.RELEASE
     session_id: int
     lease_id: int
+    ack: bool = True          # False: reply only on error (the engine does not wait for it)
 
     @classmethod
     def parse(cls, body: dict) -> "Release":
-        return cls(session_id=_int(body, "session_id"), lease_id=_int(body, "lease_id"))
+        return cls(session_id=_int(body, "session_id"), lease_id=_int(body, "lease_id"),
+                   ack=_bool(body, "ack", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,7 @@ class BackupCommit:
     session_id: int
     lease_id: int
     host_page_ids: list[int]   # the reserved pages that were written, a prefix of the reservation
+    ack: bool = True
 
     @classmethod
     def parse(cls, body: dict) -> "BackupCommit":
@@ -138,4 +141,5 @@ class BackupCommit:
             session_id=_int(body, "session_id"),
             lease_id=_int(body, "lease_id"),
             host_page_ids=_page_ids(body, "host_page_ids"),
+            ack=_bool(body, "ack", True),
         )

@@ -42,7 +42,7 @@ class Server:
         self.segment = segment
         self.started_at = time.time()
         self.stop_event = asyncio.Event()
-        self._handlers: dict[MsgKind, Callable[[dict], dict[str, Any]]] = {
+        self._handlers: dict[MsgKind, Callable[[dict], dict[str, Any] | None]] = {
             MsgKind.ATTACH: self._attach,
             MsgKind.DETACH: self._detach,
             MsgKind.HEARTBEAT: self._heartbeat,
@@ -92,7 +92,8 @@ class Server:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
             reply = handler(frame.body)
-            self._send(identity, MsgKind.REPLY, request_id, reply)
+            if reply is not None:      # None: a request that asked for no success reply
+                self._send(identity, MsgKind.REPLY, request_id, reply)
         except ProtocolError as exc:
             if request_id == 0:
                 request_id = codec.peek_request_id(payload)
@@ -160,14 +161,15 @@ class Server:
         request = Match.parse(body)
         return self.state.match(request.session_id, request.token_ids, reserve_backup=True).to_wire()
 
-    def _release(self, body: dict) -> dict[str, Any]:
+    def _release(self, body: dict) -> dict[str, Any] | None:
         request = Release.parse(body)
         self.state.release(request.session_id, request.lease_id)
-        return {}
+        return {} if request.ack else None
 
-    def _commit(self, body: dict) -> dict[str, Any]:
+    def _commit(self, body: dict) -> dict[str, Any] | None:
         request = BackupCommit.parse(body)
-        return self.state.commit_backup(request.session_id, request.lease_id, request.host_page_ids).to_wire()
+        reply = self.state.commit_backup(request.session_id, request.lease_id, request.host_page_ids)
+        return reply.to_wire() if request.ack else None
 
     def _status(self, body: dict) -> dict[str, Any]:
         snapshot = self.state.status()

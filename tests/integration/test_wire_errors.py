@@ -184,3 +184,23 @@ def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander):
     assert [e.code for e in errors] == [ErrorCode.UNKNOWN_LEASE]
     assert errors[0].kind == MsgKind.RELEASE
     assert_still_serving(bystander, daemon)
+
+
+def test_unacknowledged_release_replies_only_on_error(daemon, bystander):
+    """A release sent with ack=False gets no reply when it succeeds, and an error reply when it fails."""
+    tokens = np.random.default_rng().integers(0, 50_000, size=16, dtype=np.int32)
+    reply = bystander.match(tokens, reserve_backup=True)
+    peer = RawPeer(daemon.socket_path)
+    try:
+        session_id = bystander.info.session_id
+        body = {"session_id": session_id, "lease_id": reply.lease_id, "ack": False}
+        peer.socket.send(msgpack.packb([MsgKind.RELEASE, 21, body], use_bin_type=True))
+        peer.socket.send(msgpack.packb([MsgKind.RELEASE, 22, body], use_bin_type=True))   # now unknown
+        barrier = peer.request(MsgKind.HEARTBEAT, {"session_id": session_id}, request_id=23)
+        # The first release succeeded silently; the second's error arrives before the barrier reply.
+        assert_error(barrier, ErrorCode.UNKNOWN_LEASE, request_id=22)
+        after = codec.decode(peer.socket.recv())
+        assert after.kind == MsgKind.REPLY and after.request_id == 23
+    finally:
+        peer.close()
+    assert bystander.status(check_integrity=True)["leases"] == 0
