@@ -262,6 +262,10 @@ class KVCacheClient:
             "session_id": self._session(), "lease_id": lease_id,
             "host_page_ids": [int(p) for p in host_page_ids]})
 
+    def report(self, report: dict[str, Any]) -> None:
+        """Tell the daemon facts about this engine (e.g. transfer backends); shown in its status."""
+        self._channel.send_async(MsgKind.ENGINE_REPORT, {"session_id": self._session(), "report": report})
+
     def status(self, check_integrity: bool = False) -> dict[str, Any]:
         return self._channel.request(MsgKind.STATUS, {"check_integrity": check_integrity})
 

@@ -30,6 +30,7 @@ class MsgKind(enum.IntEnum):
     BACKUP_RESERVE = 6
     BACKUP_COMMIT = 7
     STATUS = 8
+    ENGINE_REPORT = 9      # engine facts for status: transfer backends and their timings
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65

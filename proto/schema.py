@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import msgpack
+
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry, MsgKind
 
@@ -143,3 +145,23 @@ class BackupCommit:
             host_page_ids=_page_ids(body, "host_page_ids"),
             ack=_bool(body, "ack", True),
         )
+
+
+MAX_REPORT_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineReport:
+    kind: ClassVar[MsgKind] = MsgKind.ENGINE_REPORT
+    session_id: int
+    report: dict           # free-form facts, shown as-is in the daemon's status
+    ack: bool = True
+
+    @classmethod
+    def parse(cls, body: dict) -> "EngineReport":
+        report = body.get("report")
+        if not isinstance(report, dict):
+            raise _bad("report must be a map")
+        if len(msgpack.packb(report, use_bin_type=True)) > MAX_REPORT_BYTES:
+            raise _bad(f"report is larger than {MAX_REPORT_BYTES} bytes")
+        return cls(session_id=_int(body, "session_id"), report=report, ack=_bool(body, "ack", True))

@@ -158,6 +158,9 @@ class DaemonState:
     def heartbeat(self, session_id: int) -> None:
         self.session(session_id)
 
+    def engine_report(self, session_id: int, report: dict) -> None:
+        self.session(session_id).report = report
+
     def detach(self, session_id: int) -> int:
         """End a session and reclaim its leases; returns how many leases were reclaimed."""
         session = self.session(session_id)
@@ -376,7 +379,7 @@ class DaemonState:
             "sessions": [
                 {"session_id": f"{s.session_id:x}", "pid": s.pid, "client_name": s.client_name,
                  "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
-                 "age_s": round(self.clock() - s.attached_at, 3)}
+                 "age_s": round(self.clock() - s.attached_at, 3), "report": s.report}
                 for s in self.sessions.values()
             ],
             "leases": len(self.leases),

@@ -60,3 +60,4 @@ class Session:
     attached_at: float
     last_seen: float
     lease_ids: set[int] = dataclasses.field(default_factory=set)
+    report: dict = dataclasses.field(default_factory=dict)      # the engine's last ENGINE_REPORT

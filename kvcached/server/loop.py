@@ -24,7 +24,7 @@ from kvcached.server.shm import DaemonLock, SharedSegment, ensure_private_dir, s
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.schema import Attach, BackupCommit, Match, Release, SessionRequest
+from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Server:
             MsgKind.RELEASE: self._release,
             MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
+            MsgKind.ENGINE_REPORT: self._engine_report,
         }
 
     async def run(self) -> None:
@@ -170,6 +171,11 @@ class Server:
         request = BackupCommit.parse(body)
         reply = self.state.commit_backup(request.session_id, request.lease_id, request.host_page_ids)
         return reply.to_wire() if request.ack else None
+
+    def _engine_report(self, body: dict) -> dict[str, Any] | None:
+        request = EngineReport.parse(body)
+        self.state.engine_report(request.session_id, request.report)
+        return {} if request.ack else None
 
     def _status(self, body: dict) -> dict[str, Any]:
         snapshot = self.state.status()

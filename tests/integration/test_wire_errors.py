@@ -204,3 +204,17 @@ def test_unacknowledged_release_replies_only_on_error(daemon, bystander):
     finally:
         peer.close()
     assert bystander.status(check_integrity=True)["leases"] == 0
+
+
+def test_engine_report_shows_in_status(daemon, bystander):
+    """An engine's report (e.g. its chosen transfer backends) appears under its session in the status."""
+    bystander.report({"transfer": {"d2h": "triton", "h2d": "torch"}})
+    assert bystander.flush() == []
+    (session,) = bystander.status()["sessions"]
+    assert session["report"] == {"transfer": {"d2h": "triton", "h2d": "torch"}}
+    peer = RawPeer(daemon.socket_path)
+    try:
+        too_big = {"session_id": bystander.info.session_id, "report": {"x": "y" * 70_000}}
+        assert_error(peer.request(MsgKind.ENGINE_REPORT, too_big), ErrorCode.BAD_FRAME)
+    finally:
+        peer.close()
