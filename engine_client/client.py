@@ -70,6 +70,7 @@ class MatchReply(NamedTuple):
     host_page_ids: list[int]
     backup_start_token: int
     backup_page_ids: list[int]
+    promoted_tokens: int = 0
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -244,15 +245,17 @@ class KVCacheClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False) -> MatchReply:
+    def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
+              promote_l3: bool = True) -> MatchReply:
         """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
         and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
         body = self._channel.request(MsgKind.MATCH, {
             "session_id": self._session(),
             "token_ids": token_bytes(token_ids),
             "reserve_backup": reserve_backup,
+            "promote_l3": promote_l3,
         })
-        return MatchReply(**{f: body[f] for f in MatchReply._fields})
+        return MatchReply(**{f: body[f] for f in MatchReply._fields if f in body})
 
     def release(self, lease_id: int) -> None:
         self._channel.send_async(MsgKind.RELEASE, {"session_id": self._session(), "lease_id": lease_id})

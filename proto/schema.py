@@ -106,6 +106,7 @@ class Match:
     session_id: int
     token_ids: bytes
     reserve_backup: bool = False   # also reserve private L2 pages for the pages the daemon lacks
+    promote_l3: bool = True        # read pages only L3 holds into L2 before replying
 
     @classmethod
     def parse(cls, body: dict) -> "Match":
@@ -113,6 +114,7 @@ class Match:
             session_id=_int(body, "session_id"),
             token_ids=_token_bytes(body, "token_ids"),
             reserve_backup=_bool(body, "reserve_backup", False),
+            promote_l3=_bool(body, "promote_l3", True),
         )
 
 

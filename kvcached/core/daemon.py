@@ -22,6 +22,7 @@ import numpy as np
 
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.leases import Lease, LeaseState, Session
+from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
 from proto.errors import ErrorCode, ProtocolError
@@ -54,7 +55,14 @@ class Namespace:
     num_pages: int
     tree: PrefixTree
     l2_allocator: PageAllocator
+    l3_region_offset_bytes: int = 0
+    l3_allocator: PageAllocator | None = None      # None: no L3 for this namespace
     session_ids: set[int] = dataclasses.field(default_factory=set)
+
+    def allocator(self, tier: Tier) -> PageAllocator:
+        allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
+        assert allocator is not None, f"namespace {self.namespace_id} has no {tier.label}"
+        return allocator
 
 
 class MatchReply(NamedTuple):
@@ -63,6 +71,7 @@ class MatchReply(NamedTuple):
     host_page_ids: list[int]        # L2 pages of the hit prefix, in order
     backup_start_token: int
     backup_page_ids: list[int]      # private L2 pages to back up pages from backup_start_token on
+    promoted_tokens: int = 0        # of the L2 hit, tokens just promoted from L3 for this match
 
     def to_wire(self) -> dict[str, Any]:
         return self._asdict()
@@ -91,11 +100,16 @@ class Metrics:
 
 class DaemonState:
     def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic):
         if arena_plan.arena_bytes <= 0:
             raise ValueError(f"L2 segment of {arena_plan.segment_bytes} bytes is too small for "
                              f"{arena_plan.max_namespaces} namespaces")
+        if l3_plan is not None and l3_plan.max_namespaces != arena_plan.max_namespaces:
+            raise ValueError("L2 and L3 plans must have the same number of namespaces")
         self.arena_plan = arena_plan
+        self.l3_plan = l3_plan if l3_plan is not None and l3_plan.arena_bytes > 0 else None
+        self.moves: dict[int, TierMove] = {}
+        self._move_ids = itertools.count(1)
         self.session_timeout_s = session_timeout_s
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
@@ -134,18 +148,22 @@ class DaemonState:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
                                 f"one page of this geometry ({geometry.bytes_per_page} bytes) does not fit "
                                 f"in an L2 arena of {self.arena_plan.arena_bytes} bytes")
+        num_slots = self.l3_plan.arena_bytes // geometry.bytes_per_page if self.l3_plan else 0
+        tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
         namespace = Namespace(
             namespace_id=index,
             geometry=geometry,
             arena_offset_bytes=self.arena_plan.arena_offset(index),
             num_pages=num_pages,
-            tree=PrefixTree(geometry.page_size, tiers=(Tier.L2,), clock=self.clock),
+            tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock),
             l2_allocator=PageAllocator(num_pages),
+            l3_region_offset_bytes=self.l3_plan.arena_offset(index) if num_slots else 0,
+            l3_allocator=PageAllocator(num_slots) if num_slots else None,
         )
         self.namespaces[index] = namespace
         self.geometry_to_namespace[geometry] = namespace
-        logger.info("namespace %d: %s, %d L2 pages of %d bytes", index, geometry, num_pages,
-                    geometry.bytes_per_page)
+        logger.info("namespace %d: %s, %d L2 pages and %d L3 slots of %d bytes", index, geometry, num_pages,
+                    num_slots, geometry.bytes_per_page)
         return namespace
 
     def session(self, session_id: int) -> Session:
@@ -188,7 +206,8 @@ class DaemonState:
 
     # ---- match, release, commit ----------------------------------------------------------
 
-    def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False) -> MatchReply:
+    def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
+              promoted_tokens: int = 0) -> MatchReply:
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
@@ -197,6 +216,7 @@ class DaemonState:
         token_ids = token_ids[: num_pages * page_size]
 
         result = namespace.tree.match(token_ids)
+        hits = {tier.label: count for tier, count in result.hit_tokens.items()}
         hit_tokens = result.hit_tokens[Tier.L2]
         locked_node = result.last_node[Tier.L2]
         host_page_ids = list(result.page_ids[Tier.L2])
@@ -204,6 +224,8 @@ class DaemonState:
         self.metrics.add("matches")
         self.metrics.add("match_tokens", num_pages * page_size)
         self.metrics.add("hit_tokens_l2", hit_tokens)
+        if Tier.L3 in result.hit_tokens:
+            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3])
 
         # Lock the hit before reserving: the reservation may evict, and must not evict our own hit.
         if locked_node is not None:
@@ -213,7 +235,7 @@ class DaemonState:
             backup_page_ids = self._reserve_l2(namespace, num_pages - hit_pages)
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
         if locked_node is None and not backup_page_ids:
-            return MatchReply({Tier.L2.label: hit_tokens}, None, host_page_ids, hit_tokens, [])
+            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -226,19 +248,25 @@ class DaemonState:
         )
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
-        return MatchReply({Tier.L2.label: hit_tokens}, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids)
+        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens)
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
-        """Best effort: evict LRU L2 leaves if needed, then reserve as many pages as are free, up to num_pages."""
-        allocator = namespace.l2_allocator
+        page_ids = self._reserve(namespace, Tier.L2, num_pages)
+        if not page_ids:
+            self.metrics.add("backup_reserve_failures")
+        return page_ids
+
+    def _reserve(self, namespace: Namespace, tier: Tier, num_pages: int) -> list[int]:
+        """Best effort: evict the tier's LRU leaves if needed, then reserve as many pages as are
+        free, up to num_pages (possibly none). Locked nodes are never evicted."""
+        allocator = namespace.allocator(tier)
         if not allocator.can_allocate(num_pages):
-            evicted = namespace.tree.evict(Tier.L2, num_pages - allocator.num_free)
+            evicted = namespace.tree.evict(tier, num_pages - allocator.num_free)
             if evicted:
                 allocator.free(evicted)
-                self.metrics.add("evicted_pages_l2", len(evicted))
+                self.metrics.add(f"evicted_pages_{tier.label}", len(evicted))
         count = min(num_pages, allocator.num_free)
         if count == 0:
-            self.metrics.add("backup_reserve_failures")
             return []
         page_ids = allocator.allocate(count)
         assert page_ids is not None
@@ -259,8 +287,11 @@ class DaemonState:
         self._end_lease(lease, LeaseState.RELEASED)
         self.metrics.add("leases_released")
 
-    def commit_backup(self, session_id: int, lease_id: int, host_page_ids: list[int]) -> CommitReply:
-        """Publish the backed-up pages (a prefix of the lease's reservation) and end the lease."""
+    def commit_backup(self, session_id: int, lease_id: int,
+                      host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
+        """Publish the backed-up pages (a prefix of the lease's reservation) and end the lease.
+
+        Also returns the write-through of the committed path to L3, when there is one to run."""
         _, lease = self._lease_of(session_id, lease_id)
         namespace = self.namespaces[lease.namespace_id]
         for page_id in host_page_ids:
@@ -281,11 +312,95 @@ class DaemonState:
             kept = set(host_page_ids) - set(inserted.duplicate_page_ids)
             lease.private_page_ids = [p for p in lease.private_page_ids if p not in kept]
             new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
+        path_tokens = lease.token_ids[:num_tokens]
         self._end_lease(lease, LeaseState.COMMITTED)
         self.metrics.add("backup_commits")
         self.metrics.add("backup_pages_committed", new_pages)
         self.metrics.add("backup_pages_duplicate", duplicates)
-        return CommitReply(new_pages, duplicates)
+        write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
+        return CommitReply(new_pages, duplicates), write_through
+
+    # ---- moves between tiers (L3) ------------------------------------------------------------
+
+    def plan_write_through(self, namespace: Namespace, token_ids: np.ndarray) -> TierMove | None:
+        """H2S: copy the L2 pages of this path that L3 lacks into newly reserved L3 slots."""
+        if namespace.l3_allocator is None:
+            return None
+        result = namespace.tree.match(token_ids)
+        page_size = namespace.geometry.page_size
+        l2_pages = result.hit_tokens[Tier.L2] // page_size
+        l3_pages = result.hit_tokens[Tier.L3] // page_size
+        if l3_pages >= l2_pages:
+            return None
+        return self._plan_move(namespace, result, token_ids, Tier.L2, Tier.L3, l3_pages, l2_pages)
+
+    def plan_promotion(self, session_id: int, token_bytes: bytes) -> TierMove | None:
+        """S2H: before a match, read the L3 pages beyond the L2 hit into newly reserved L2 pages."""
+        session = self.session(session_id)
+        namespace = self.namespaces[session.namespace_id]
+        if namespace.l3_allocator is None:
+            return None
+        page_size = namespace.geometry.page_size
+        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        token_ids = token_ids[: len(token_ids) // page_size * page_size]
+        result = namespace.tree.match(token_ids)
+        l2_pages = result.hit_tokens[Tier.L2] // page_size
+        l3_pages = result.hit_tokens[Tier.L3] // page_size
+        if l3_pages <= l2_pages:
+            return None
+        return self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, l2_pages, l3_pages)
+
+    def _plan_move(self, namespace: Namespace, result, token_ids: np.ndarray, source: Tier,
+                   destination: Tier, start_page: int, end_page: int) -> TierMove | None:
+        # Lock the source pages and the destination's resident prefix before reserving: the
+        # reservation may evict, and must not evict what this move reads or inserts below.
+        locks = [(node, tier) for node, tier in ((result.last_node[source], source),
+                                                 (result.last_node[destination], destination))
+                 if node is not None]
+        for node, tier in locks:
+            namespace.tree.lock(node, tier)
+        private_page_ids = self._reserve(namespace, destination, end_page - start_page)
+        if not private_page_ids:
+            for node, tier in locks:
+                namespace.tree.unlock(node, tier)
+            self.metrics.add(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space")
+            return None
+        count = len(private_page_ids)
+        page_size = namespace.geometry.page_size
+        move = TierMove(
+            op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=source,
+            destination=destination, token_ids=token_ids[: (start_page + count) * page_size].copy(),
+            start_page=start_page, source_page_ids=result.page_ids[source][start_page:start_page + count],
+            private_page_ids=private_page_ids, locks=locks)
+        self.moves[move.op_id] = move
+        return move
+
+    def finish_move(self, move: TierMove, ok: bool) -> int:
+        """Publish a completed move's pages in the tree, or return them on failure.
+
+        Returns the number of pages the destination tier gained. Once published, the pages
+        belong to the tree: nothing that happens to a session later frees them."""
+        namespace = self.namespaces[move.namespace_id]
+        allocator = namespace.allocator(move.destination)
+        gained = 0
+        if ok:
+            move.transition(OpState.PUBLISHED)
+            inserted = namespace.tree.insert(move.token_ids, move.destination, move.private_page_ids,
+                                             start_page=move.start_page)
+            if inserted.duplicate_page_ids:      # someone published the same pages meanwhile
+                allocator.free(inserted.duplicate_page_ids)
+            gained = inserted.new_pages
+            self.metrics.add(f"{move.direction}_pages_published", gained)
+        else:
+            move.transition(OpState.FAILED)
+            allocator.free(move.private_page_ids)
+            self.metrics.add(f"{move.direction}_failures")
+        move.private_page_ids = []
+        for node, tier in move.locks:
+            namespace.tree.unlock(node, tier)
+        move.locks = []
+        del self.moves[move.op_id]
+        return gained
 
     def _end_lease(self, lease: Lease, new_state: LeaseState) -> None:
         lease.transition(new_state)
@@ -317,62 +432,80 @@ class DaemonState:
             self._check_namespace(namespace)
 
     def _check_namespace(self, namespace: Namespace) -> None:
-        owned = namespace.tree.check_integrity()[Tier.L2]
-        namespace.l2_allocator.check_integrity()
-        free = namespace.l2_allocator.free_page_ids()
-        private: set[int] = set()
-        expected_refs: collections.Counter[int] = collections.Counter()
+        owned_by_tier = namespace.tree.check_integrity()
+        expected_refs: dict[Tier, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         nodes_by_id = {}
-        for lease in self.leases.values():
-            if lease.namespace_id != namespace.namespace_id:
-                continue
-            overlap = private.intersection(lease.private_page_ids)
-            if overlap or len(set(lease.private_page_ids)) != len(lease.private_page_ids):
-                raise IntegrityError(f"private pages reserved twice: {sorted(overlap)[:8]}")
-            private.update(lease.private_page_ids)
-            node = lease.locked_node
+        private_by_tier: dict[Tier, list[int]] = collections.defaultdict(list)
+
+        def expect_lock(node, tier: Tier) -> None:
             while node is not None and node.parent is not None:
-                expected_refs[id(node)] += 1
+                expected_refs[tier][id(node)] += 1
                 nodes_by_id[id(node)] = node
                 node = node.parent
-        for a_name, a, b_name, b in (("owned", owned, "free", free), ("owned", owned, "private", private),
-                                     ("free", free, "private", private)):
-            both = a & b
-            if both:
-                raise IntegrityError(f"namespace {namespace.namespace_id}: pages both {a_name} and {b_name}: "
-                                     f"{sorted(both)[:8]}")
-        total = len(owned) + len(free) + len(private)
-        if total != namespace.num_pages:
-            raise IntegrityError(f"namespace {namespace.namespace_id}: owned {len(owned)} + free {len(free)} + "
-                                 f"private {len(private)} != capacity {namespace.num_pages}")
-        for node_id, node in nodes_by_id.items():
-            if node.ref_count[Tier.L2] != expected_refs[node_id]:
-                raise IntegrityError(f"node ref_count {node.ref_count[Tier.L2]} != {expected_refs[node_id]} "
-                                     "locks held by active leases")
-        if sum(expected_refs.values()) == 0 and namespace.tree.protected_pages(Tier.L2) != 0:
-            raise IntegrityError("pages are protected but no lease locks them")
+
+        for lease in self.leases.values():
+            if lease.namespace_id == namespace.namespace_id:
+                private_by_tier[Tier.L2].extend(lease.private_page_ids)
+                expect_lock(lease.locked_node, Tier.L2)
+        for move in self.moves.values():
+            if move.namespace_id == namespace.namespace_id:
+                if move.state is not OpState.PENDING:
+                    raise IntegrityError(f"move {move.op_id} is {move.state} but still tracked")
+                private_by_tier[move.destination].extend(move.private_page_ids)
+                for node, tier in move.locks:
+                    expect_lock(node, tier)
+
+        for tier, owned in owned_by_tier.items():
+            allocator = namespace.allocator(tier)
+            allocator.check_integrity()
+            free = allocator.free_page_ids()
+            private = set(private_by_tier[tier])
+            where = f"namespace {namespace.namespace_id} {tier.label}"
+            if len(private) != len(private_by_tier[tier]):
+                raise IntegrityError(f"{where}: a private page is reserved twice")
+            for a_name, a, b_name, b in (("owned", owned, "free", free), ("owned", owned, "private", private),
+                                         ("free", free, "private", private)):
+                both = a & b
+                if both:
+                    raise IntegrityError(f"{where}: pages both {a_name} and {b_name}: {sorted(both)[:8]}")
+            total = len(owned) + len(free) + len(private)
+            if total != allocator.num_pages:
+                raise IntegrityError(f"{where}: owned {len(owned)} + free {len(free)} + private {len(private)} "
+                                     f"!= capacity {allocator.num_pages}")
+            for node_id, count in expected_refs[tier].items():
+                node = nodes_by_id[node_id]
+                if node.ref_count[tier] != count:
+                    raise IntegrityError(f"{where}: node ref_count {node.ref_count[tier]} != {count} locks held "
+                                         "by leases and pending moves")
+            if not expected_refs[tier] and namespace.tree.protected_pages(tier) != 0:
+                raise IntegrityError(f"{where}: pages are protected but nothing locks them")
+
+    def _tier_status(self, namespace: Namespace, tier: Tier) -> dict[str, int]:
+        private = sum(len(m.private_page_ids) for m in self.moves.values()
+                      if m.namespace_id == namespace.namespace_id and m.destination is tier)
+        if tier is Tier.L2:
+            private += sum(len(l.private_page_ids) for l in self.leases.values()
+                           if l.namespace_id == namespace.namespace_id)
+        allocator = namespace.allocator(tier)
+        return {
+            "capacity_pages": allocator.num_pages,
+            "free_pages": allocator.num_free,
+            "owned_pages": namespace.tree.owned_pages(tier),
+            "protected_pages": namespace.tree.protected_pages(tier),
+            "evictable_pages": namespace.tree.evictable_pages(tier),
+            "private_pages": private,
+        }
 
     def status(self) -> dict[str, Any]:
         namespaces = []
         for namespace in self.namespaces.values():
             tree = namespace.tree
-            private = sum(len(l.private_page_ids) for l in self.leases.values()
-                          if l.namespace_id == namespace.namespace_id)
             namespaces.append({
                 "namespace_id": namespace.namespace_id,
                 "geometry": namespace.geometry.to_wire(),
                 "bytes_per_page": namespace.geometry.bytes_per_page,
                 "sessions": len(namespace.session_ids),
-                "tiers": {
-                    Tier.L2.label: {
-                        "capacity_pages": namespace.num_pages,
-                        "free_pages": namespace.l2_allocator.num_free,
-                        "owned_pages": tree.owned_pages(Tier.L2),
-                        "protected_pages": tree.protected_pages(Tier.L2),
-                        "evictable_pages": tree.evictable_pages(Tier.L2),
-                        "private_pages": private,
-                    },
-                },
+                "tiers": {tier.label: self._tier_status(namespace, tier) for tier in tree.tiers},
                 "tree_nodes": tree.num_nodes,
             })
         return {
@@ -383,6 +516,8 @@ class DaemonState:
                 for s in self.sessions.values()
             ],
             "leases": len(self.leases),
+            "pending": {"h2s": sum(m.direction == "h2s" for m in self.moves.values()),
+                        "s2h": sum(m.direction == "s2h" for m in self.moves.values())},
             "namespaces": namespaces,
             "metrics": self.metrics.snapshot(),
         }

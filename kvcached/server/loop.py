@@ -12,15 +12,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import inspect
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import zmq
 
 from kvcached.config import DaemonConfig
 from kvcached.core.daemon import ArenaPlan, DaemonState
-from kvcached.server.shm import DaemonLock, SharedSegment, ensure_private_dir, segment_name
+from kvcached.core.storage import SlotLayout
+from kvcached.core.tier_ops import TierMove
+from kvcached.core.tiers import Tier
+from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
+from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_private_dir, segment_name
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, MsgKind
@@ -35,13 +40,17 @@ HARD_FRAME_FACTOR = 4
 
 class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
-                 segment: SharedSegment):
+                 segment: SharedSegment, storage: StorageFile | None = None,
+                 executor: IoExecutor | None = None):
         self.config = config
         self.state = state
         self.socket = socket
         self.segment = segment
+        self.storage = storage
+        self.executor = executor
         self.started_at = time.time()
         self.stop_event = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
         self._handlers: dict[MsgKind, Callable[[dict], dict[str, Any] | None]] = {
             MsgKind.ATTACH: self._attach,
             MsgKind.DETACH: self._detach,
@@ -68,6 +77,10 @@ class Server:
             loop.remove_reader(self.socket.getsockopt(zmq.FD))
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
+            # Pending tier moves: each waits for its I/O to finish, then returns its private pages.
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _on_readable(self) -> None:
         while True:
@@ -93,7 +106,9 @@ class Server:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
             reply = handler(frame.body)
-            if reply is not None:      # None: a request that asked for no success reply
+            if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
+                self._spawn(self._reply_later(identity, request_id, reply))
+            elif reply is not None:           # None: a request that asked for no success reply
                 self._send(identity, MsgKind.REPLY, request_id, reply)
         except ProtocolError as exc:
             if request_id == 0:
@@ -106,6 +121,63 @@ class Server:
             self.state.metrics.add("errors_internal")
             self._send(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    async def _reply_later(self, identity: bytes, request_id: int, reply: Awaitable[dict[str, Any]]) -> None:
+        try:
+            self._send(identity, MsgKind.REPLY, request_id, await reply)
+        except ProtocolError as exc:
+            self.state.metrics.add(f"errors_{exc.code.name.lower()}")
+            self._send(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
+        except asyncio.CancelledError:
+            self._send(identity, MsgKind.ERROR, request_id,
+                       codec.error_body(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+            raise
+        except Exception as exc:
+            logger.exception("internal error while finishing a request")
+            self.state.metrics.add("errors_internal")
+            self._send(identity, MsgKind.ERROR, request_id,
+                       codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run_move(self, move: TierMove) -> bool:
+        """Run one tier move's file I/O off the loop; publish it on success, return its pages on failure."""
+        assert self.storage is not None and self.executor is not None
+        namespace = self.state.namespaces[move.namespace_id]
+        bytes_per_page = namespace.geometry.bytes_per_page
+        assert namespace.l3_allocator is not None
+        layout = SlotLayout(namespace.l3_region_offset_bytes, bytes_per_page, namespace.l3_allocator.num_pages)
+        arena_start = namespace.arena_offset_bytes
+        arena_end = arena_start + namespace.num_pages * bytes_per_page
+        metrics = self.state.metrics
+        direction = move.direction
+        enqueued_s = time.perf_counter()
+        ok = False
+        try:
+            with memoryview(self.segment.mapping) as whole, whole[arena_start:arena_end] as arena:
+                if move.destination is Tier.L3:
+                    result = await self.executor.run(write_pages, self.storage, layout, arena, bytes_per_page,
+                                                     move.source_page_ids, move.private_page_ids)
+                else:
+                    result = await self.executor.run(read_pages, self.storage, layout, arena, bytes_per_page,
+                                                     move.source_page_ids, move.private_page_ids)
+            ok = True
+            end_to_end_s = time.perf_counter() - enqueued_s
+            metrics.add(f"{direction}_count")
+            metrics.add(f"{direction}_bytes", result.num_bytes)
+            metrics.add(f"{direction}_seconds", result.seconds)
+            metrics.add(f"{direction}_extents", result.num_extents)
+            metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
+            metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
+        except (OSError, ValueError) as exc:
+            logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
+        finally:
+            self.state.finish_move(move, ok)
+        return ok
 
     def _send(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
         try:
@@ -154,9 +226,26 @@ class Server:
         self.state.heartbeat(SessionRequest.parse(body).session_id)
         return {}
 
-    def _match(self, body: dict) -> dict[str, Any]:
+    def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
+        if request.promote_l3 and self.storage is not None:
+            move = self.state.plan_promotion(request.session_id, request.token_ids)
+            if move is not None:
+                return self._match_after_promotion(request, move)
         return self.state.match(request.session_id, request.token_ids, request.reserve_backup).to_wire()
+
+    async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
+        """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
+        namespace = self.state.namespaces[move.namespace_id]
+        num_pages = len(move.private_page_ids)
+        ok = await self._run_move(move)
+        if ok:
+            self.state.metrics.add("promotions")
+        else:
+            self.state.metrics.add("restore_fallbacks")     # the engine recomputes what L3 could not give
+        promoted_tokens = num_pages * namespace.geometry.page_size if ok else 0
+        return self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                promoted_tokens).to_wire()
 
     def _backup_reserve(self, body: dict) -> dict[str, Any]:
         request = Match.parse(body)
@@ -169,13 +258,32 @@ class Server:
 
     def _commit(self, body: dict) -> dict[str, Any] | None:
         request = BackupCommit.parse(body)
-        reply = self.state.commit_backup(request.session_id, request.lease_id, request.host_page_ids)
+        reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
+                                                        request.host_page_ids)
+        if write_through is not None:
+            self._spawn(self._run_move(write_through))
         return reply.to_wire() if request.ack else None
 
     def _engine_report(self, body: dict) -> dict[str, Any] | None:
         request = EngineReport.parse(body)
         self.state.engine_report(request.session_id, request.report)
         return {} if request.ack else None
+
+    def _io_status(self) -> dict[str, Any]:
+        counters = self.state.metrics.counters
+        io = {}
+        for direction in ("h2s", "s2h"):
+            count, seconds, num_bytes = (counters[f"{direction}_{k}"] for k in ("count", "seconds", "bytes"))
+            io[direction] = {
+                "count": count, "bytes": num_bytes, "seconds": round(seconds, 6),
+                "gibps": round(num_bytes / seconds / 2**30, 3) if seconds > 0 else 0.0,
+                "extents": counters[f"{direction}_extents"],
+                "failures": counters[f"{direction}_failures"],
+                "mean_queue_wait_s": round(counters[f"{direction}_queue_wait_seconds"] / count, 6) if count else 0.0,
+                "mean_end_to_end_s": round(counters[f"{direction}_end_to_end_seconds"] / count, 6) if count else 0.0,
+            }
+        io["in_flight"] = self.executor.num_inflight if self.executor else 0
+        return io
 
     def _status(self, body: dict) -> dict[str, Any]:
         snapshot = self.state.status()
@@ -186,6 +294,7 @@ class Server:
             except Exception as exc:
                 logger.error("integrity check failed: %s", exc)
                 snapshot["integrity"] = f"FAILED: {exc}"
+        snapshot["io"] = self._io_status()
         snapshot["daemon"] = {
             "pid": os.getpid(),
             "socket": self.config.socket_path,
@@ -193,6 +302,10 @@ class Server:
             "l2_segment": self.segment.path,
             "l2_bytes": self.segment.size_bytes,
             "max_namespaces": self.config.max_namespaces,
+            "l3_file": self.storage.path if self.storage else None,
+            "l3_bytes": self.storage.size_bytes if self.storage else 0,
+            "l3_o_direct": self.storage.o_direct if self.storage else False,
+            "io_threads": self.executor.max_workers if self.executor else 0,
             "protocol_version": PROTOCOL_VERSION,
         }
         snapshot["time"] = time.time()
@@ -211,8 +324,18 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None] | None = None
             os.unlink(config.socket_path)      # stale: we hold the lock
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
         resources.callback(segment.close)
+        storage = executor = None
+        if config.l3_bytes > 0:
+            try:
+                storage = StorageFile.open(config.l3_path, config.l3_bytes, o_direct=config.l3_o_direct)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
+            resources.callback(storage.close)
+            executor = IoExecutor(config.io_threads)
+            resources.callback(executor.shutdown)      # closed before the file and the segment
         state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
-                            session_timeout_s=config.session_timeout_s)
+                            session_timeout_s=config.session_timeout_s,
+                            l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None)
 
         context = zmq.Context()
         resources.callback(context.term)
@@ -226,7 +349,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None] | None = None
         resources.callback(_unlink_quietly, config.socket_path)
         os.chmod(config.socket_path, 0o600)
 
-        server = Server(config, state, socket, segment)
+        server = Server(config, state, socket, segment, storage, executor)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, server.stop_event.set)
             resources.callback(loop.remove_signal_handler, signum)

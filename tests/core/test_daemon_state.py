@@ -176,7 +176,7 @@ def test_concurrent_backups_of_one_prefix_keep_one_copy(state):
     second = state.match(b.session_id, prefix, reserve_backup=True)
     assert set(first.backup_page_ids).isdisjoint(second.backup_page_ids)
     state.commit_backup(a.session_id, first.lease_id, first.backup_page_ids)
-    result = state.commit_backup(b.session_id, second.lease_id, second.backup_page_ids)
+    result, _ = state.commit_backup(b.session_id, second.lease_id, second.backup_page_ids)
     state.check_integrity()
     assert result.new_pages == 0 and result.duplicate_pages == 4
     assert namespace.tree.owned_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 12

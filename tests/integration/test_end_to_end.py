@@ -77,7 +77,7 @@ def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones():
         assert status["integrity"] == "ok"
         hits = []
         for tokens in prefixes:
-            probe = writer.match(tokens)
+            probe = writer.match(tokens, promote_l3=False)     # look at L2 alone
             hits.append(probe.hit_tokens["l2"])
             if probe.lease_id is not None:
                 writer.release(probe.lease_id)

@@ -1,0 +1,61 @@
+"""Pending moves between the daemon's tiers, as explicit state machines.
+
+    write-through (H2S):  L2 -> H2S_PENDING -> L2+L3
+    promotion     (S2H):  L3 -> S2H_PENDING -> L2+L3
+
+A pending op locks its source (the tree node whose pages it reads, in the source tier) and the
+resident prefix it will be inserted below, and owns private destination pages/slots. It ends
+exactly once: PUBLISHED (destination pages now belong to the tree) or FAILED (private pages go
+back to the allocator). The legal transitions are listed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from kvcached.core.tiers import Tier
+from kvcached.core.tree import TreeNode
+
+
+class OpState(enum.Enum):
+    PENDING = "pending"
+    PUBLISHED = "published"
+    FAILED = "failed"
+
+
+_LEGAL_TRANSITIONS = {
+    OpState.PENDING: frozenset({OpState.PUBLISHED, OpState.FAILED}),
+    OpState.PUBLISHED: frozenset(),
+    OpState.FAILED: frozenset(),
+}
+
+
+class IllegalOpTransition(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class TierMove:
+    """Copy pages [start_page, start_page + n) of a path from ``source`` to ``destination`` tier."""
+
+    op_id: int
+    namespace_id: int
+    source: Tier
+    destination: Tier
+    token_ids: Any                       # np.ndarray[int32]: the path, up to start_page + n pages
+    start_page: int
+    source_page_ids: list[int]           # in the source tier, locked through source_node
+    private_page_ids: list[int]          # reserved in the destination tier
+    locks: list[tuple[TreeNode, Tier]]   # released when the op ends
+    state: OpState = OpState.PENDING
+
+    @property
+    def direction(self) -> str:
+        return "h2s" if self.destination is Tier.L3 else "s2h"
+
+    def transition(self, new_state: OpState) -> None:
+        if new_state not in _LEGAL_TRANSITIONS[self.state]:
+            raise IllegalOpTransition(f"op {self.op_id}: {self.state.value} -> {new_state.value}")
+        self.state = new_state

@@ -1,0 +1,195 @@
+"""DaemonState with an L3 tier: write-through, promotion, per-tier eviction, ownership on failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.tier_ops import IllegalOpTransition, OpState
+from kvcached.core.tiers import Tier
+from proto.messages import KVGeometry
+from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
+
+# 16 L2 pages and 32 L3 slots of 131072 bytes.
+L3_PLAN = ArenaPlan(4 << 20, 1)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock):
+    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5, l3_plan=L3_PLAN, clock=clock)
+
+
+def commit(state, session_id, token_bytes):
+    """Back up a prefix to L2; returns its L2 pages and the write-through it started (not yet run)."""
+    reply = state.match(session_id, token_bytes, reserve_backup=True)
+    _, write_through = state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+    state.check_integrity()
+    return reply.backup_page_ids, write_through
+
+
+def l2_l3_hits(state, session_id, token_bytes):
+    reply = state.match(session_id, token_bytes)
+    if reply.lease_id is not None:
+        state.release(session_id, reply.lease_id)
+    return reply.hit_tokens["l2"] // PAGE, reply.hit_tokens["l3"] // PAGE
+
+
+def test_write_through_publishes_l3_only_after_success(state):
+    """A commit plans an H2S move of the new pages; L3 residency appears only when the move is published."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 4)
+    l2_pages, move = commit(state, session.session_id, prefix)
+    assert move is not None and move.direction == "h2s"
+    assert move.source_page_ids == l2_pages and len(move.private_page_ids) == 4
+    assert l2_l3_hits(state, session.session_id, prefix) == (4, 0)
+    assert namespace.tree.protected_pages(Tier.L2) == 4      # the source is locked while it is read
+    state.check_integrity()
+    assert state.finish_move(move, ok=True) == 4
+    state.check_integrity()
+    assert l2_l3_hits(state, session.session_id, prefix) == (4, 4)
+    assert namespace.tree.protected_pages(Tier.L2) == 0
+    with pytest.raises(IllegalOpTransition):
+        move.transition(OpState.FAILED)
+
+
+def test_failed_write_through_returns_slots(state):
+    """A failed H2S returns its private slots; the prefix stays in L2 only."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 3)
+    _, move = commit(state, session.session_id, prefix)
+    state.finish_move(move, ok=False)
+    state.check_integrity()
+    assert namespace.l3_allocator.num_free == 32
+    assert l2_l3_hits(state, session.session_id, prefix) == (3, 0)
+    assert state.metrics.counters["h2s_failures"] == 1
+
+
+def test_only_the_missing_suffix_is_written_through(state):
+    """Extending a prefix already in L3 writes only the new pages."""
+    rng = np.random.default_rng()
+    session, _ = state.attach(GEOMETRY, pid=1)
+    head, tail = tokens(rng, 3), tokens(rng, 2)
+    _, move = commit(state, session.session_id, head)
+    state.finish_move(move, ok=True)
+    _, move = commit(state, session.session_id, head + tail)
+    assert move.start_page == 3 and len(move.private_page_ids) == 2
+    state.finish_move(move, ok=True)
+    state.check_integrity()
+    assert l2_l3_hits(state, session.session_id, head + tail) == (5, 5)
+
+
+def test_promotion_restores_l2_residency_from_l3(state, clock):
+    """After L2 evicts a prefix that L3 still holds, a promotion reads it into new L2 pages and a
+    match then hits it in L2; L3 residency is untouched by the L2 eviction."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 5)
+    _, move = commit(state, session.session_id, prefix)
+    state.finish_move(move, ok=True)
+    clock.advance(1)
+    state.heartbeat(session.session_id)
+    filler = tokens(rng, 16)                 # needs all of L2: evicts the prefix from L2 only
+    _, move = commit(state, session.session_id, filler)
+    assert l2_l3_hits(state, session.session_id, prefix) == (0, 5)
+    state.finish_move(move, ok=True)
+    state.check_integrity()
+
+    promotion = state.plan_promotion(session.session_id, prefix)
+    assert promotion is not None and promotion.direction == "s2h"
+    assert promotion.start_page == 0 and len(promotion.private_page_ids) == 5
+    state.check_integrity()
+    assert state.finish_move(promotion, ok=True) == 5
+    state.check_integrity()
+    reply = state.match(session.session_id, prefix)
+    assert reply.hit_tokens == {"l2": 5 * PAGE, "l3": 5 * PAGE}
+    assert reply.host_page_ids == promotion.private_page_ids or len(reply.host_page_ids) == 5
+    state.release(session.session_id, reply.lease_id)
+    state.check_integrity()
+
+
+def test_published_promotion_survives_the_sessions_death(state, clock):
+    """Once a promotion is published its L2 pages belong to the tree: the requesting session dying
+    before it restores (its lease reclaimed) does not free them."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    keeper, _ = state.attach(GEOMETRY, pid=2)
+    prefix = tokens(rng, 4)
+    _, move = commit(state, session.session_id, prefix)
+    state.finish_move(move, ok=True)
+    _, move = commit(state, session.session_id, tokens(rng, 16))    # evicts the prefix from L2
+    state.finish_move(move, ok=True)
+    promotion = state.plan_promotion(session.session_id, prefix)
+    state.finish_move(promotion, ok=True)
+    reply = state.match(session.session_id, prefix)              # the engine's lease on the promoted pages
+    promoted = reply.host_page_ids
+    clock.advance(2)
+    state.heartbeat(keeper.session_id)
+    assert state.expire_sessions() == [session.session_id]       # dies before its H2D
+    state.check_integrity()
+    assert l2_l3_hits(state, keeper.session_id, prefix) == (4, 4)
+    owned = namespace.tree.check_integrity()[Tier.L2]
+    assert set(promoted) <= owned
+
+
+def test_failed_promotion_falls_back_without_leaks(state):
+    """A failed S2H returns its private L2 pages; L3 still holds the prefix; nothing is published."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 4)
+    _, move = commit(state, session.session_id, prefix)
+    state.finish_move(move, ok=True)
+    _, move = commit(state, session.session_id, tokens(rng, 16))
+    state.finish_move(move, ok=True)
+    promotion = state.plan_promotion(session.session_id, prefix)
+    private = set(promotion.private_page_ids)
+    state.finish_move(promotion, ok=False)
+    state.check_integrity()
+    assert not state.moves
+    assert private <= namespace.l2_allocator.free_page_ids()
+    assert namespace.l2_allocator.num_free + namespace.tree.owned_pages(Tier.L2) == namespace.num_pages
+    assert l2_l3_hits(state, session.session_id, prefix) == (0, 4)
+    assert state.metrics.counters["s2h_failures"] == 1
+
+
+def test_l3_evicts_its_own_lru_and_nodes_leave_only_when_no_tier_holds_them(state, clock):
+    """L3 pressure evicts L3's least recently used pages; a node still in L2 stays in the tree,
+    a node in no tier leaves it."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    old = tokens(rng, 12)
+    _, move = commit(state, session.session_id, old)
+    state.finish_move(move, ok=True)
+    clock.advance(1)
+    state.heartbeat(session.session_id)
+    newer = tokens(rng, 6)
+    _, move = commit(state, session.session_id, newer)           # L2 full now (16 pages)
+    state.finish_move(move, ok=True)
+    clock.advance(1)
+    state.heartbeat(session.session_id)
+    big = tokens(rng, 16)                                          # L2: evicts both; L3: 34 > 32 -> evicts old
+    _, move = commit(state, session.session_id, big)
+    state.finish_move(move, ok=True)
+    state.check_integrity()
+    assert state.metrics.counters["evicted_pages_l3"] == 12
+    assert l2_l3_hits(state, session.session_id, old) == (0, 0)
+    assert l2_l3_hits(state, session.session_id, newer) == (0, 6)
+    assert namespace.tree.owned_pages(Tier.L3) == 22
+    assert namespace.tree.num_nodes == 2                           # old left the tree entirely
+
+
+def test_no_l3_means_no_moves():
+    """Without an L3 plan the daemon plans no write-through and no promotion."""
+    rng = np.random.default_rng()
+    state = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5)
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    _, move = commit(state, session.session_id, tokens(rng, 2))
+    assert move is None and namespace.l3_allocator is None
+    assert state.plan_promotion(session.session_id, tokens(rng, 2)) is None
