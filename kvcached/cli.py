@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--l2-size", type=_size, help="shared pinned host pool size, e.g. 64GiB "
                        "(default: 1 GiB or half of free /dev/shm, whichever is less)")
     serve.add_argument("--l3-path", help="local file for the L3 tier (default: a temporary file)")
-    serve.add_argument("--l3-size", type=_size, help="L3 file size, e.g. 1TiB")
+    serve.add_argument("--l3-size", type=_size, help="L3 file size, e.g. 1TiB; 0 turns L3 off "
+                       "(default 4 GiB, a sparse file)")
+    serve.add_argument("--l3-o-direct", action="store_true", default=None,
+                       help="read and write the L3 file with O_DIRECT (bypass the page cache)")
+    serve.add_argument("--io-threads", type=int, help=f"L3 file I/O threads (default {defaults['io_threads'].default})")
     serve.add_argument("--max-namespaces", type=int,
                        help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
@@ -52,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
-                                       l3_bytes=args.l3_size, max_namespaces=args.max_namespaces,
+                                       l3_bytes=args.l3_size, l3_o_direct=args.l3_o_direct,
+                                       io_threads=args.io_threads, max_namespaces=args.max_namespaces,
                                        log_level=args.log_level)
     except ValueError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)

@@ -75,6 +75,8 @@ class DaemonConfig:
             raise ValueError("heartbeat_interval_s must be positive and below session_timeout_s")
         if self.l3_bytes < 0:
             raise ValueError("l3_bytes must be >= 0")
+        if not 1 <= self.io_threads <= 256:
+            raise ValueError("io_threads must be in 1..256")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":
@@ -86,6 +88,8 @@ class DaemonConfig:
         }
         if env.get("KVCACHED_L3_SIZE"):
             values["l3_bytes"] = parse_size(env["KVCACHED_L3_SIZE"])
+        if env.get("KVCACHED_L3_O_DIRECT"):
+            values["l3_o_direct"] = env["KVCACHED_L3_O_DIRECT"].lower() in ("1", "true", "yes")
         if env.get("KVCACHED_MAX_NAMESPACES"):
             values["max_namespaces"] = int(env["KVCACHED_MAX_NAMESPACES"])
         values.update({k: v for k, v in overrides.items() if v is not None})

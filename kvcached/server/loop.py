@@ -312,8 +312,10 @@ class Server:
         return snapshot
 
 
-async def serve(config: DaemonConfig, on_ready: Callable[[], None] | None = None) -> None:
-    """Run the daemon until SIGTERM/SIGINT; every resource is released on the way out."""
+async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
+                install_signal_handlers: bool = True) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or ``server.stop_event``); every resource is released
+    on the way out. ``on_ready`` gets the running server once the socket is bound."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as resources:
         socket_dir = os.path.dirname(os.path.abspath(config.socket_path))
@@ -350,13 +352,14 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None] | None = None
         os.chmod(config.socket_path, 0o600)
 
         server = Server(config, state, socket, segment, storage, executor)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, server.stop_event.set)
-            resources.callback(loop.remove_signal_handler, signum)
+        if install_signal_handlers:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, server.stop_event.set)
+                resources.callback(loop.remove_signal_handler, signum)
         logger.info("kvcached serving on ipc://%s (pid %d, L2 %d bytes, %d namespaces)",
                     config.socket_path, os.getpid(), config.l2_bytes, config.max_namespaces)
         if on_ready is not None:
-            on_ready()
+            on_ready(server)
         await server.run()
         logger.info("kvcached shutting down")
 
@@ -366,7 +369,7 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def run(config: DaemonConfig, on_ready: Callable[[], None] | None = None) -> None:
+def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works if it is missing

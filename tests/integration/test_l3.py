@@ -1,0 +1,194 @@
+"""L3 over the real wire: restore from L3 after L2 eviction, faults that fall back to recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine_client.client import connect
+from kvcached.config import DaemonConfig
+from kvcached.server import io_workers
+from kvcached.server.loop import serve
+from tests.integration.daemon_proc import DaemonProcess
+from tests.integration.engine_proc import GEOMETRY
+from tests.integration.test_end_to_end import run_engine
+
+PAGE = GEOMETRY.page_size
+
+
+def wait_for_write_through(client, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.status(check_integrity=True)
+        if status["pending"]["h2s"] == 0:
+            return status
+        assert time.monotonic() < deadline, f"write-through still pending: {status['pending']}"
+        time.sleep(0.02)
+
+
+def fill_l2(client, num_pages: int, rng) -> None:
+    """Back up unrelated prefixes until num_pages new pages were committed (evicting older ones)."""
+    tokens = rng.integers(0, 150_000, size=num_pages * PAGE, dtype=np.int32)
+    reply = client.match(tokens, reserve_backup=True)
+    assert len(reply.backup_page_ids) == num_pages
+    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    assert client.flush() == []
+
+
+def l2_l3(client, tokens) -> tuple[int, int]:
+    reply = client.match(tokens, promote_l3=False)
+    if reply.lease_id is not None:
+        client.release(reply.lease_id)
+    return reply.hit_tokens["l2"], reply.hit_tokens["l3"]
+
+
+def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path):
+    """Engine A backs up three prefixes; L2 pressure evicts them (L3 keeps them); engine B's match
+    promotes them from L3 and restores them bit for bit into different L1 pages."""
+    daemon = DaemonProcess(l2_size="2MiB", extra_args=("--max-namespaces", "1")).start()
+    try:
+        state_path = str(tmp_path / "a.pt")
+        backup = run_engine(daemon.socket_path, "backup", state_path, seed=int.from_bytes(os.urandom(4), "little"))
+        with connect(daemon.socket_path, timeout_s=5.0, client_name="filler") as filler:
+            filler.attach(GEOMETRY)
+            status = wait_for_write_through(filler)
+            assert status["io"]["h2s"]["bytes"] == backup["pages"] * GEOMETRY.bytes_per_page
+            capacity = status["namespaces"][0]["tiers"]["l2"]["capacity_pages"]
+            fill_l2(filler, capacity, np.random.default_rng())
+            status = wait_for_write_through(filler)
+            assert status["namespaces"][0]["tiers"]["l2"]["owned_pages"] == capacity
+
+        restore = run_engine(daemon.socket_path, "restore", state_path)
+        for result in restore["results"]:
+            assert result["bit_exact"] and not result["same_pages_as_source"], result
+            assert result["restored_tokens"] == result["tokens"] // PAGE * PAGE
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            status = observer.status(check_integrity=True)
+        assert status["integrity"] == "ok"
+        assert status["metrics"]["promotions"] >= 3
+        assert status["io"]["s2h"]["bytes"] == backup["pages"] * GEOMETRY.bytes_per_page
+        assert status["io"]["s2h"]["failures"] == 0
+    finally:
+        assert daemon.stop() == 0
+        daemon.cleanup()
+
+
+def test_temporary_l3_file_is_removed_at_exit():
+    """Without --l3-path the L3 file is a temporary file that exists while the daemon runs and is gone after."""
+    daemon = DaemonProcess().start()
+    try:
+        with connect(daemon.socket_path, timeout_s=5.0) as client:
+            status = client.status()
+        path = status["daemon"]["l3_file"]
+        assert path and os.path.exists(path)
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert daemon.stop() == 0
+        assert not os.path.exists(path)
+    finally:
+        daemon.cleanup()
+
+
+def evicted_prefix(client, rng) -> np.ndarray:
+    """A prefix that is in L3 but no longer in L2."""
+    tokens = rng.integers(0, 150_000, size=6 * PAGE, dtype=np.int32)
+    reply = client.match(tokens, reserve_backup=True)
+    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    assert client.flush() == []
+    status = wait_for_write_through(client)
+    fill_l2(client, status["namespaces"][0]["tiers"]["l2"]["capacity_pages"], rng)
+    wait_for_write_through(client)
+    assert l2_l3(client, tokens) == (0, 6 * PAGE)
+    return tokens
+
+
+def test_l3_file_truncated_underneath_falls_back_to_recompute():
+    """With the L3 file truncated under the daemon, a promotion's short read fails: the match
+    replies with what L2 has (nothing), counts the fallback, publishes nothing, keeps serving."""
+    socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    l3_path = os.path.join(socket_dir, "l3.bin")
+    daemon = DaemonProcess(l2_size="2MiB", socket_dir=socket_dir,
+                           extra_args=("--max-namespaces", "1", "--l3-path", l3_path, "--l3-size", "64MiB")).start()
+    try:
+        with connect(daemon.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+            tokens = evicted_prefix(client, np.random.default_rng())
+            os.truncate(l3_path, 0)
+            reply = client.match(tokens)
+            assert reply.hit_tokens["l2"] == 0 and reply.promoted_tokens == 0
+            status = client.status(check_integrity=True)
+            assert status["integrity"] == "ok"
+            assert status["metrics"]["restore_fallbacks"] == 1
+            assert status["io"]["s2h"]["failures"] == 1
+            assert status["namespaces"][0]["tiers"]["l2"]["private_pages"] == 0
+            assert l2_l3(client, tokens)[0] == 0          # nothing half-read was published
+    finally:
+        assert daemon.stop() == 0
+        daemon.cleanup()
+
+
+@pytest.fixture
+def inprocess_daemon():
+    """The daemon's real loop and socket in a thread of this process, so faults can be injected into its I/O."""
+    socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    config = DaemonConfig(socket_path=os.path.join(socket_dir, "kvcached.sock"), l2_bytes=2 << 20,
+                          l3_bytes=64 << 20, max_namespaces=1)
+    ready = threading.Event()
+    servers = []
+
+    def on_ready(server):
+        servers.append((asyncio.get_running_loop(), server))
+        ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve(config, on_ready, install_signal_handlers=False)))
+    thread.start()
+    assert ready.wait(20), "in-process daemon did not start"
+    yield config
+    loop, server = servers[0]
+    loop.call_soon_threadsafe(server.stop_event.set)
+    thread.join(20)
+    assert not thread.is_alive()
+    os.rmdir(socket_dir)
+
+
+def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monkeypatch):
+    """EIO on an L3 read: the match falls back to L2 only and private pages return. ENOSPC on an L3
+    write: the write-through fails, nothing gains L3 residency, the slots return. The daemon keeps serving."""
+    with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        rng = np.random.default_rng()
+        tokens = evicted_prefix(client, rng)
+
+        def failing_preadv(*args):
+            raise OSError(errno.EIO, "injected read error")
+
+        monkeypatch.setattr(io_workers, "_preadv", failing_preadv)
+        reply = client.match(tokens)
+        assert reply.hit_tokens["l2"] == 0 and reply.promoted_tokens == 0
+        status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok" and status["io"]["s2h"]["failures"] == 1
+        assert status["metrics"]["restore_fallbacks"] == 1
+
+        monkeypatch.setattr(io_workers, "_pwrite", lambda fd, data, offset: 0)     # a full disk
+        fresh = rng.integers(0, 150_000, size=3 * PAGE, dtype=np.int32)
+        reply = client.match(fresh, reserve_backup=True)
+        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        assert client.flush() == []
+        status = wait_for_write_through(client)
+        assert status["integrity"] == "ok" and status["io"]["h2s"]["failures"] == 1
+        assert l2_l3(client, fresh) == (3 * PAGE, 0)
+        l3 = status["namespaces"][0]["tiers"]["l3"]
+        assert l3["private_pages"] == 0 and l3["free_pages"] + l3["owned_pages"] == l3["capacity_pages"]
+
+        monkeypatch.undo()                  # the disk recovers: the next promotion works
+        reply = client.match(tokens)
+        assert reply.hit_tokens["l2"] == 6 * PAGE and reply.promoted_tokens == 6 * PAGE
+        client.release(reply.lease_id)
+        assert client.flush() == []
+        assert client.status(check_integrity=True)["integrity"] == "ok"
