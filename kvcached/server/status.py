@@ -12,7 +12,9 @@ def render_table(snapshot: dict[str, Any]) -> str:
     lines = [
         f"kvcached pid {daemon.get('pid')}  socket {daemon.get('socket')}  up {daemon.get('uptime_s', 0):.0f}s  "
         f"L2 {format_size(daemon.get('l2_bytes', 0))}",
-        f"sessions {len(snapshot.get('sessions', []))}  leases {snapshot.get('leases', 0)}"
+        f"sessions {len(snapshot.get('sessions', []))}  leases {snapshot.get('leases', 0)}  "
+        f"pending h2s {snapshot.get('pending', {}).get('h2s', 0)} s2h {snapshot.get('pending', {}).get('s2h', 0)}  "
+        f"L3 {format_size(daemon.get('l3_bytes', 0))} {daemon.get('l3_file') or '(off)'}"
         + (f"  integrity {snapshot['integrity']}" if "integrity" in snapshot else ""),
         "",
         f"{'ns':>3} {'model':<24} {'tier':<4} {'page':>10} {'capacity':>9} {'free':>9} {'owned':>9} "
@@ -33,6 +35,15 @@ def render_table(snapshot: dict[str, Any]) -> str:
         for session in sessions:
             lines.append(f"{session['session_id']:<17} {session['pid']:>8} {session['namespace_id']:>3} "
                          f"{session['leases']:>6} {session['age_s']:>8.1f}  {session['client_name']}")
+    io = snapshot.get("io", {})
+    if io.get("h2s", {}).get("count") or io.get("s2h", {}).get("count"):
+        lines += ["", f"{'io':<4} {'count':>7} {'bytes':>10} {'GiB/s':>7} {'extents':>8} {'failures':>8} "
+                      f"{'queue_s':>9} {'e2e_s':>9}"]
+        for direction in ("h2s", "s2h"):
+            d = io[direction]
+            lines.append(f"{direction:<4} {d['count']:>7} {format_size(d['bytes']):>10} {d['gibps']:>7.2f} "
+                         f"{d['extents']:>8} {d['failures']:>8} {d['mean_queue_wait_s']:>9.4f} "
+                         f"{d['mean_end_to_end_s']:>9.4f}")
     metrics = snapshot.get("metrics", {})
     if metrics:
         lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
