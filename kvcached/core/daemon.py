@@ -207,7 +207,13 @@ class DaemonState:
     # ---- match, release, commit ----------------------------------------------------------
 
     def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
-              promoted_tokens: int = 0) -> MatchReply:
+              promote_l3: bool = False, promoted_tokens: int = 0) -> MatchReply | TierMove:
+        """The hit per tier, a lease on the L2 hit and, with reserve_backup, private L2 pages for
+        the pages the daemon lacks.
+
+        With promote_l3, when L3 holds more of the prefix than L2, returns instead the S2H move
+        that must run first (planned from the same tree walk); the caller runs it, finishes it,
+        then matches again without promote_l3."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
@@ -216,6 +222,12 @@ class DaemonState:
         token_ids = token_ids[: num_pages * page_size]
 
         result = namespace.tree.match(token_ids)
+        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
+            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2,
+                                   result.hit_tokens[Tier.L2] // page_size,
+                                   result.hit_tokens[Tier.L3] // page_size)
+            if move is not None:
+                return move
         hits = {tier.label: count for tier, count in result.hit_tokens.items()}
         hit_tokens = result.hit_tokens[Tier.L2]
         locked_node = result.last_node[Tier.L2]
@@ -335,20 +347,13 @@ class DaemonState:
         return self._plan_move(namespace, result, token_ids, Tier.L2, Tier.L3, l3_pages, l2_pages)
 
     def plan_promotion(self, session_id: int, token_bytes: bytes) -> TierMove | None:
-        """S2H: before a match, read the L3 pages beyond the L2 hit into newly reserved L2 pages."""
-        session = self.session(session_id)
-        namespace = self.namespaces[session.namespace_id]
-        if namespace.l3_allocator is None:
-            return None
-        page_size = namespace.geometry.page_size
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
-        token_ids = token_ids[: len(token_ids) // page_size * page_size]
-        result = namespace.tree.match(token_ids)
-        l2_pages = result.hit_tokens[Tier.L2] // page_size
-        l3_pages = result.hit_tokens[Tier.L3] // page_size
-        if l3_pages <= l2_pages:
-            return None
-        return self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, l2_pages, l3_pages)
+        """S2H: the move that reads the L3 pages beyond the L2 hit into new L2 pages, if any."""
+        outcome = self.match(session_id, token_bytes, promote_l3=True)
+        if isinstance(outcome, TierMove):
+            return outcome
+        if outcome.lease_id is not None:
+            self.release(session_id, outcome.lease_id)
+        return None
 
     def _plan_move(self, namespace: Namespace, result, token_ids: np.ndarray, source: Tier,
                    destination: Tier, start_page: int, end_page: int) -> TierMove | None:

@@ -228,11 +228,11 @@ class Server:
 
     def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
-        if request.promote_l3 and self.storage is not None:
-            move = self.state.plan_promotion(request.session_id, request.token_ids)
-            if move is not None:
-                return self._match_after_promotion(request, move)
-        return self.state.match(request.session_id, request.token_ids, request.reserve_backup).to_wire()
+        outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                   promote_l3=request.promote_l3 and self.storage is not None)
+        if isinstance(outcome, TierMove):
+            return self._match_after_promotion(request, outcome)
+        return outcome.to_wire()
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
@@ -244,12 +244,16 @@ class Server:
         else:
             self.state.metrics.add("restore_fallbacks")     # the engine recomputes what L3 could not give
         promoted_tokens = num_pages * namespace.geometry.page_size if ok else 0
-        return self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                promoted_tokens).to_wire()
+        outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                   promoted_tokens=promoted_tokens)
+        assert not isinstance(outcome, TierMove)
+        return outcome.to_wire()
 
     def _backup_reserve(self, body: dict) -> dict[str, Any]:
         request = Match.parse(body)
-        return self.state.match(request.session_id, request.token_ids, reserve_backup=True).to_wire()
+        outcome = self.state.match(request.session_id, request.token_ids, reserve_backup=True)
+        assert not isinstance(outcome, TierMove)
+        return outcome.to_wire()
 
     def _release(self, body: dict) -> dict[str, Any] | None:
         request = Release.parse(body)
