@@ -161,7 +161,7 @@ def main() -> None:
         if os.path.exists(l3_path):
             os.unlink(l3_path)
     print_table(rows, ["tokens", "path", "gbps", "limit_gbps", "ratio", "extents"])
-    path = write_result("l3", {
+    path = write_result("l3_o_direct" if args.o_direct else "l3", {
         "geometry": geometry.to_wire(), "device": device, "o_direct": args.o_direct,
         "target": "promotion ratio >= 0.9 at >= 1000 tokens (raw = dd-style 64 MiB O_DIRECT reads, cold cache)",
         "rows": rows, "raw_samples": raw,

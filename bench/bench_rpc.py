@@ -22,7 +22,7 @@ import zmq
 
 from bench.common import percentile, print_table, write_result
 from engine_client.client import connect
-from proto.messages import KVGeometry
+from proto.messages import KVGeometry, MsgKind
 from tests.integration.daemon_proc import DaemonProcess
 
 # Tiny pages so that 10,000 prefixes fit in a modest pool; the wire cost does not depend on them.
@@ -126,6 +126,15 @@ def main() -> None:
             row["ratio_p50"] = row["p50_us"] / row["baseline_p50_us"]
             rows.append(row)
             raw[str(num_tokens)] = {"kvcached_us": ours, "baseline_us": plain}
+        # Diagnostic: the smallest request (a heartbeat) isolates the loop's own cost from the match's.
+        session = {"session_id": client.info.session_id}
+        heartbeat = []
+        for i in range(args.warmup + args.iterations):
+            started = time.perf_counter()
+            client.request_raw(MsgKind.HEARTBEAT, session)
+            if i >= args.warmup:
+                heartbeat.append((time.perf_counter() - started) * 1e6)
+        raw["heartbeat"] = {"kvcached_us": heartbeat}
         assert client.status(check_integrity=True)["integrity"] == "ok"
         client.close()
     finally:
@@ -134,10 +143,11 @@ def main() -> None:
 
     print(f"{args.prefixes} prefixes in the tree ({nodes} nodes), loaded in {load_seconds:.1f} s")
     print_table(rows, ["tokens", "p50_us", "p99_us", "baseline_p50_us", "baseline_p99_us", "ratio_p50"])
+    print(f"heartbeat round trip p50 {percentile(heartbeat, 50):.1f} us")
     path = write_result("rpc", {
         "target": "p50_us <= 1.5 * baseline_p50_us",
         "prefixes_in_tree": args.prefixes, "tree_nodes": nodes, "iterations": args.iterations,
-        "rows": rows, "raw_samples_us": raw,
+        "rows": rows, "heartbeat_p50_us": percentile(heartbeat, 50), "raw_samples_us": raw,
     }, machine=args.machine)
     print(f"wrote {path}")
 
