@@ -18,6 +18,9 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID = 2**63 - 1
 
 
+_KIND_BY_VALUE = {int(kind): kind for kind in MsgKind}   # a dict lookup is cheaper than MsgKind(value)
+
+
 class Frame(NamedTuple):
     kind: MsgKind
     request_id: int
@@ -44,10 +47,10 @@ def decode(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         raise ProtocolError(ErrorCode.BAD_FRAME, f"request_id must be a non-negative integer, got {request_id!r}")
     if type(kind) is not int:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"kind must be an integer, got {kind!r}")
-    try:
-        kind = MsgKind(kind)
-    except ValueError:
-        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind}") from None
+    known_kind = _KIND_BY_VALUE.get(kind)
+    if known_kind is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind}")
+    kind = known_kind
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "body must be a map")
     return Frame(kind, request_id, body)

@@ -74,7 +74,9 @@ class MatchReply(NamedTuple):
     promoted_tokens: int = 0        # of the L2 hit, tokens just promoted from L3 for this match
 
     def to_wire(self) -> dict[str, Any]:
-        return self._asdict()
+        return {"hit_tokens": self.hit_tokens, "lease_id": self.lease_id, "host_page_ids": self.host_page_ids,
+                "backup_start_token": self.backup_start_token, "backup_page_ids": self.backup_page_ids,
+                "promoted_tokens": self.promoted_tokens}
 
 
 class CommitReply(NamedTuple):

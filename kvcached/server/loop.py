@@ -1,19 +1,29 @@
-"""The daemon's I/O layer: an asyncio (uvloop) loop around one ZeroMQ ROUTER socket.
+"""The daemon's I/O layer: one ZeroMQ ROUTER socket, an asyncio (uvloop) loop, file I/O threads.
 
 It decodes a frame, calls one ``DaemonState`` method, and replies to the sender only. Every
 request gets a reply or an error reply; a bad frame never reaches the state and never stops
-the loop. One ``contextlib.ExitStack`` owns every resource, so they close once, in reverse
+the daemon. One ``contextlib.ExitStack`` owns every resource, so they close once, in reverse
 order of creation, also when start-up fails halfway.
+
+Threads. The ROUTER socket belongs to one socket thread that blocks in ``zmq_poll`` and
+handles each request as it arrives: waking an event loop for every message cost more than the
+request itself (a match is a few microseconds of state work). The asyncio loop owns time and
+file I/O: the session reaper, and tier moves (L2<->L3) that await the I/O thread pool; a reply
+that waits for such a move is handed back to the socket thread through an outbox and an
+inproc wake-up socket, since a ZeroMQ socket is used by one thread only. ``state_lock`` makes
+every touch of ``DaemonState`` exclusive; nothing awaits while holding it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import inspect
 import signal
+import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -50,7 +60,18 @@ class Server:
         self.executor = executor
         self.started_at = time.time()
         self.stop_event = asyncio.Event()
+        self.state_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._socket_thread: threading.Thread | None = None
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._stopping = False
+        context = socket.context
+        self._wake_address = f"inproc://kvcached-wake-{id(self)}"
+        self._wake_receiver = context.socket(zmq.PAIR)
+        self._wake_receiver.bind(self._wake_address)
+        self._wake_sender = context.socket(zmq.PAIR)
+        self._wake_sender.connect(self._wake_address)
         self._handlers: dict[MsgKind, Callable[[dict], dict[str, Any] | None]] = {
             MsgKind.ATTACH: self._attach,
             MsgKind.DETACH: self._detach,
@@ -64,38 +85,60 @@ class Server:
         }
 
     async def run(self) -> None:
-        # The socket is read from a reader callback, not through zmq.asyncio: a future per
-        # message costs more than the request itself. ZeroMQ's FD is edge-triggered, so each
-        # wake-up drains every queued message until EAGAIN.
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self.socket.getsockopt(zmq.FD), self._on_readable)
-        loop.call_soon(self._on_readable)     # messages queued before the reader was added
+        self._loop = asyncio.get_running_loop()
+        self._socket_thread = threading.Thread(target=self._socket_loop, name="kvcached-socket", daemon=True)
+        self._socket_thread.start()
         reaper = asyncio.create_task(self._reap_loop(), name="reap")
         try:
             await self.stop_event.wait()
         finally:
-            loop.remove_reader(self.socket.getsockopt(zmq.FD))
+            self._stopping = True
+            self._wake_sender.send(b"", flags=zmq.NOBLOCK)
+            await self._loop.run_in_executor(None, self._socket_thread.join)
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
             # Pending tier moves: each waits for its I/O to finish, then returns its private pages.
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._wake_sender.close(0)
+            self._wake_receiver.close(0)
 
-    def _on_readable(self) -> None:
+    def _socket_loop(self) -> None:
+        try:
+            poller = zmq.Poller()
+            poller.register(self.socket, zmq.POLLIN)
+            poller.register(self._wake_receiver, zmq.POLLIN)
+            while True:
+                ready = dict(poller.poll())
+                if self._wake_receiver in ready:
+                    while self._wake_receiver.poll(0):
+                        self._wake_receiver.recv()
+                    with self.state_lock:       # _send_frames may count a dropped reply
+                        while self._outbox:
+                            self._send_frames(self._outbox.popleft())
+                    if self._stopping:
+                        return
+                if self.socket in ready:
+                    self._receive_all()
+        except Exception:
+            logger.exception("the socket thread failed; stopping the daemon")
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.stop_event.set)
+
+    def _receive_all(self) -> None:
         while True:
             try:
                 frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                # A DEALER sends [identity, payload]; anything else has no single payload to answer.
-                if frames:
+            with self.state_lock:
+                if len(frames) == 2:
+                    self._handle(frames[0], frames[1])
+                elif frames:
+                    # A DEALER sends [identity, payload]; anything else has no single payload to answer.
                     self._send(frames[0], MsgKind.ERROR, 0,
                                codec.error_body(ErrorCode.BAD_FRAME, f"expected one frame, got {len(frames) - 1}"))
-                continue
-            identity, payload = frames
-            self._handle(identity, payload)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         request_id = 0
@@ -107,7 +150,7 @@ class Server:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
             reply = handler(frame.body)
             if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
-                self._spawn(self._reply_later(identity, request_id, reply))
+                self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
             elif reply is not None:           # None: a request that asked for no success reply
                 self._send(identity, MsgKind.REPLY, request_id, reply)
         except ProtocolError as exc:
@@ -123,20 +166,37 @@ class Server:
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
     async def _reply_later(self, identity: bytes, request_id: int, reply: Awaitable[dict[str, Any]]) -> None:
+        """Runs on the event loop; the reply goes out through the socket thread."""
         try:
-            self._send(identity, MsgKind.REPLY, request_id, await reply)
+            body = await reply
+            self._post(identity, MsgKind.REPLY, request_id, body)
         except ProtocolError as exc:
-            self.state.metrics.add(f"errors_{exc.code.name.lower()}")
-            self._send(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
+            with self.state_lock:
+                self.state.metrics.add(f"errors_{exc.code.name.lower()}")
+            self._post(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
         except asyncio.CancelledError:
-            self._send(identity, MsgKind.ERROR, request_id,
+            self._post(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
             raise
         except Exception as exc:
             logger.exception("internal error while finishing a request")
-            self.state.metrics.add("errors_internal")
-            self._send(identity, MsgKind.ERROR, request_id,
+            with self.state_lock:
+                self.state.metrics.add("errors_internal")
+            self._post(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _post(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
+        """Send from the event loop: queue the frames and wake the socket thread."""
+        self._outbox.append([identity, codec.encode(kind, request_id, body)])
+        try:
+            self._wake_sender.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass      # the socket thread has wake-ups queued already; it drains the whole outbox
+
+    def _spawn_threadsafe(self, coroutine: Awaitable[Any]) -> None:
+        """From the socket thread: run a coroutine on the event loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._spawn, coroutine)
 
     def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -167,21 +227,27 @@ class Server:
                                                      move.source_page_ids, move.private_page_ids)
             ok = True
             end_to_end_s = time.perf_counter() - enqueued_s
-            metrics.add(f"{direction}_count")
-            metrics.add(f"{direction}_bytes", result.num_bytes)
-            metrics.add(f"{direction}_seconds", result.seconds)
-            metrics.add(f"{direction}_extents", result.num_extents)
-            metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
-            metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
+            with self.state_lock:
+                metrics.add(f"{direction}_count")
+                metrics.add(f"{direction}_bytes", result.num_bytes)
+                metrics.add(f"{direction}_seconds", result.seconds)
+                metrics.add(f"{direction}_extents", result.num_extents)
+                metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
+                metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
         except (OSError, ValueError) as exc:
             logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
         finally:
-            self.state.finish_move(move, ok)
+            with self.state_lock:
+                self.state.finish_move(move, ok)
         return ok
 
     def _send(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
+        """Send from the socket thread."""
+        self._send_frames([identity, codec.encode(kind, request_id, body)])
+
+    def _send_frames(self, frames: list[bytes]) -> None:
         try:
-            self.socket.send_multipart([identity, codec.encode(kind, request_id, body)], flags=zmq.NOBLOCK)
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             # The peer is not reading; we never block the loop on one engine.
             self.state.metrics.add("replies_dropped")
@@ -193,7 +259,8 @@ class Server:
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(REAPER_INTERVAL_S)
-            self.state.expire_sessions()
+            with self.state_lock:
+                self.state.expire_sessions()
 
     # ---- handlers: body in, reply body out ------------------------------------------------
 
@@ -239,13 +306,12 @@ class Server:
         namespace = self.state.namespaces[move.namespace_id]
         num_pages = len(move.private_page_ids)
         ok = await self._run_move(move)
-        if ok:
-            self.state.metrics.add("promotions")
-        else:
-            self.state.metrics.add("restore_fallbacks")     # the engine recomputes what L3 could not give
         promoted_tokens = num_pages * namespace.geometry.page_size if ok else 0
-        outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                   promoted_tokens=promoted_tokens)
+        with self.state_lock:
+            # On failure the engine recomputes what L3 could not give.
+            self.state.metrics.add("promotions" if ok else "restore_fallbacks")
+            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                       promoted_tokens=promoted_tokens)
         assert not isinstance(outcome, TierMove)
         return outcome.to_wire()
 
@@ -265,7 +331,7 @@ class Server:
         reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
                                                         request.host_page_ids)
         if write_through is not None:
-            self._spawn(self._run_move(write_through))
+            self._spawn_threadsafe(self._run_move(write_through))
         return reply.to_wire() if request.ack else None
 
     def _engine_report(self, body: dict) -> dict[str, Any] | None:
