@@ -50,8 +50,9 @@ SMALL = KVGeometry("pressure-model", num_layers=4, num_kv_heads=4, head_dim=64, 
 
 def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones():
     """Over the wire, with a 32-page L2: backing up more than fits evicts the least recently used
-    prefixes, while a prefix another engine holds a lease on stays, whatever its age."""
-    daemon = DaemonProcess(l2_size="2MiB", extra_args=("--max-namespaces", "1")).start()
+    prefixes, while a prefix another engine holds a lease on stays, whatever its age.
+    (L3 is off: a write-through in flight also protects its source pages, which would blur the LRU order.)"""
+    daemon = DaemonProcess(l2_size="2MiB", extra_args=("--max-namespaces", "1", "--l3-size", "0")).start()
     try:
         rng = np.random.default_rng()
         writer = connect(daemon.socket_path, timeout_s=5.0, client_name="writer")
