@@ -348,6 +348,7 @@ class Server:
                 "count": count, "bytes": num_bytes, "seconds": round(seconds, 6),
                 "gibps": round(num_bytes / seconds / 2**30, 3) if seconds > 0 else 0.0,
                 "extents": counters[f"{direction}_extents"],
+                "extents_per_io": round(counters[f"{direction}_extents"] / count, 3) if count else 0.0,
                 "failures": counters[f"{direction}_failures"],
                 "mean_queue_wait_s": round(counters[f"{direction}_queue_wait_seconds"] / count, 6) if count else 0.0,
                 "mean_end_to_end_s": round(counters[f"{direction}_end_to_end_seconds"] / count, 6) if count else 0.0,

@@ -192,3 +192,26 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
         client.release(reply.lease_id)
         assert client.flush() == []
         assert client.status(check_integrity=True)["integrity"] == "ok"
+
+
+def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
+    """Removing the L3 file's name does not lose data: the daemon's open descriptor still reads it,
+    so a promotion of an evicted prefix succeeds and nothing is counted as a failure."""
+    socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    l3_path = os.path.join(socket_dir, "l3.bin")
+    daemon = DaemonProcess(l2_size="2MiB", socket_dir=socket_dir,
+                           extra_args=("--max-namespaces", "1", "--l3-path", l3_path, "--l3-size", "64MiB")).start()
+    try:
+        with connect(daemon.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+            tokens = evicted_prefix(client, np.random.default_rng())
+            os.unlink(l3_path)
+            reply = client.match(tokens)
+            assert reply.hit_tokens["l2"] == 6 * PAGE and reply.promoted_tokens == 6 * PAGE
+            client.release(reply.lease_id)
+            status = client.status(check_integrity=True)
+            assert status["integrity"] == "ok" and status["io"]["s2h"]["failures"] == 0
+            assert status["io"]["s2h"]["extents_per_io"] == 1.0     # contiguous slots into contiguous pages
+    finally:
+        assert daemon.stop() == 0
+        daemon.cleanup()
