@@ -108,13 +108,19 @@ def evicted_prefix(client, rng) -> np.ndarray:
     return tokens
 
 
-def test_l3_file_truncated_underneath_falls_back_to_recompute():
-    """With the L3 file truncated under the daemon, a promotion's short read fails: the match
-    replies with what L2 has (nothing), counts the fallback, publishes nothing, keeps serving."""
+def start_daemon_with_l3_file() -> tuple[DaemonProcess, str]:
+    """A daemon with a 32-page L2 and an L3 file at a path the test knows."""
     socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     l3_path = os.path.join(socket_dir, "l3.bin")
     daemon = DaemonProcess(l2_size="2MiB", socket_dir=socket_dir,
-                           extra_args=("--max-namespaces", "1", "--l3-path", l3_path, "--l3-size", "64MiB")).start()
+                           extra_args=("--max-namespaces", "1", "--l3-path", l3_path, "--l3-size", "64MiB"))
+    return daemon.start(), l3_path
+
+
+def test_l3_file_truncated_underneath_falls_back_to_recompute():
+    """With the L3 file truncated under the daemon, a promotion's short read fails: the match
+    replies with what L2 has (nothing), counts the fallback, publishes nothing, keeps serving."""
+    daemon, l3_path = start_daemon_with_l3_file()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
@@ -197,10 +203,7 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
 def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
     """Removing the L3 file's name does not lose data: the daemon's open descriptor still reads it,
     so a promotion of an evicted prefix succeeds and nothing is counted as a failure."""
-    socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    l3_path = os.path.join(socket_dir, "l3.bin")
-    daemon = DaemonProcess(l2_size="2MiB", socket_dir=socket_dir,
-                           extra_args=("--max-namespaces", "1", "--l3-path", l3_path, "--l3-size", "64MiB")).start()
+    daemon, l3_path = start_daemon_with_l3_file()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
