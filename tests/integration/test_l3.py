@@ -109,7 +109,7 @@ def evicted_prefix(client, rng) -> np.ndarray:
 
 
 def start_daemon_with_l3_file() -> tuple[DaemonProcess, str]:
-    """A daemon with a 32-page L2 and an L3 file at a path the test knows."""
+    """A daemon with a 2 MiB L2 (256 pages of this geometry) and a 64 MiB L3 file at a known path."""
     socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     l3_path = os.path.join(socket_dir, "l3.bin")
     daemon = DaemonProcess(l2_size="2MiB", socket_dir=socket_dir,
