@@ -67,26 +67,46 @@ class CacheManager:
         self.l1_index = L1PrefixIndex(self.page_size)
         self.restore_policy = restore_policy
         self._open_plans: list[RequestPlan] = []
+        self._pin_report_pending = False
 
     @classmethod
     def attach(cls, client: KVCacheClient, geometry: KVGeometry, num_l1_pages: int,
-               device: str | torch.device = "cpu", backend: str = "torch",
-               restore_policy: str = "always") -> "CacheManager":
-        """Attach ``client`` with ``geometry``, make the L1 pool, and map (and on a GPU, pin) the L2 pool."""
+               device: str | torch.device = "cpu", backend: str = "auto",
+               restore_policy: str = "always", pin_in_background: bool = True) -> "CacheManager":
+        """Attach ``client`` with ``geometry``, make the L1 pool, and map (and on a GPU, pin) the L2 pool.
+
+        ``backend`` picks the page gather/scatter ("auto" times torch against Triton on this
+        geometry). On a GPU the L2 pool is pinned in the background by default: attach returns
+        once it is mapped, and a transfer waits only for the pinned chunks it touches. The daemon
+        is told the chosen backends and the pinning time (``kvcached status``)."""
         info = client.attach(geometry)
         l1_pool = L1Pool(geometry, num_l1_pages, device)
+        is_cuda = l1_pool.kv.device.type == "cuda"
         host_pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
-                                        pin=l1_pool.kv.device.type == "cuda")
+                                        pin=is_cuda, pin_in_background=pin_in_background,
+                                        device=l1_pool.kv.device if is_cuda else None)
         try:
             transfer = TransferEngine(l1_pool, host_pool, backend=backend)
         except BaseException:
             host_pool.close()
             raise
-        return cls(client, l1_pool, host_pool, transfer, restore_policy)
+        manager = cls(client, l1_pool, host_pool, transfer, restore_policy)
+        manager._report_transfer_facts()
+        return manager
+
+    def _report_transfer_facts(self) -> None:
+        """Tell the daemon the transfer backends and the pinning state; again once pinning is done."""
+        pinned = self.host_pool.is_pinned
+        self.client.report({"transfer": self.transfer.backend_report(),
+                            "pin_seconds": self.host_pool.pin_seconds if pinned else None,
+                            "pin": self.host_pool.pin_report()})
+        self._pin_report_pending = self.host_pool.pin_requested and not pinned
 
     # ---- per request ----------------------------------------------------------------------------
 
     def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
+        if self._pin_report_pending and self.host_pool.is_pinned:
+            self._report_transfer_facts()
         tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError("token_ids must be a non-empty 1-D sequence")

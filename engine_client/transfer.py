@@ -2,22 +2,36 @@
 
 Design note. L1 keeps the attention layout `[2, L, N, P, H, D]`; L2 is page-major `[n, 2, L, P, H, D]`.
 Every transfer packs the selected pages page-major in a device buffer, so that the host side is a
-single copy:
+single DMA:
 
-    backup  (D2H): gather L1 pages -> packed device buffer -> one copy -> L2 pages
-    restore (H2D): L2 pages -> one copy -> packed device buffer -> scatter into L1 pages
+    backup  (D2H): gather L1 pages -> packed device buffer -> one DMA -> L2 pages
+    restore (H2D): L2 pages -> one DMA -> packed device buffer -> scatter into L1 pages
 
-When the L2 pages are one ascending run, that copy goes straight to or from their slice of the
-shared mapping. Otherwise it goes through a pinned staging buffer plus one host-side index copy:
-for a restore the host gathers into staging before the DMA; for a backup the host scatters out of
+When the L2 pages are one ascending run, the DMA goes straight to or from their slice of the
+shared mapping (cut only where the pool's pinned chunks meet: one copy must not span two
+registrations). Otherwise it goes through a pinned staging buffer plus one host-side copy: for a
+restore the host gathers into staging before the DMA; for a backup the host scatters out of
 staging after the DMA has completed, which happens in the thread that polls the transfer
-(`Transfer.done()` / `wait()`): a backup is complete only once that has run.
+(`Transfer.done()` / `wait()`): a backup is complete only once that has run. The host-side copy
+moves runs of consecutive L2 pages as whole blocks, split across `host_copy_threads` threads
+(numpy copies release the GIL), because one thread's memcpy is slower than the DMA: on the H200
+machine one thread copied ~6 GB/s, and a 3,500-token backup of pages that are all apart ran at
+9 / 16 / 19 GB/s with 4 / 8 / 16 threads. `fragmented_copy="dma_per_run"` instead issues one DMA
+per run straight between the packed buffer and the pool (no staging, no host copy): 35-37 GB/s for
+the same worst case (bench/results/h200/transfer.json, layout "fragmented/dma").
 
 CUDA ordering. Each engine has a private transfer stream. It first waits on the caller's current
 stream (which produced the L1 pages being backed up, or last used the pages being restored into),
 then copies the page-index tensors to the device from pinned memory, runs the gather or scatter and
 the DMA, and records a completion event. Buffers a pending transfer uses (workspace, index
 tensors, host views) are owned by its `Transfer` until completion, so nothing is reused early.
+With a pool pinned in the background, a direct DMA first waits (on the host) until the chunks it
+touches are pinned.
+
+Backends. `torch` (index_select / index_copy_) and `triton` (engine_client.kernels) pack and unpack
+pages; `auto` times both on this engine's geometry when the engine is built and keeps the faster
+per direction (the gather for backups, the scatter for restores); `backend_report()` says what was
+chosen and why. An explicitly named backend that cannot run raises; only `auto` falls back.
 
 Bits, not numbers. Pages are moved through same-width integer views of the tensors, which makes
 every copy bit-exact and keeps dtypes such as float8 (that some torch ops lack) off the copy path.
@@ -29,15 +43,19 @@ staging on ties. Not thread-safe: one engine thread drives a TransferEngine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-import operator
+import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
+from engine_client import kernels
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
 
@@ -48,6 +66,23 @@ _BITS_DTYPE_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: to
 
 _MAX_IDLE_WORKSPACES = 1
 
+AUTO = "auto"
+DIRECTIONS = ("D2H", "H2D")
+FRAGMENTED_COPIES = ("staging", "dma_per_run")
+# `auto` times each backend on this many scattered L1 pages (a few hundred MiB for an 8B model):
+# enough for the kernels to reach their steady bandwidth, small enough to take milliseconds.
+AUTO_TIMING_PAGES = 64
+_AUTO_WARMUP_CALLS = 2          # the first call compiles the Triton kernel
+_AUTO_TIMED_CALLS = 5
+
+# A host-side copy gives each thread at least this much; below it, handing work over costs more
+# than it saves.
+_MIN_BYTES_PER_COPY_THREAD = 4 << 20
+
+
+def default_host_copy_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
 
 # ---- backends ----------------------------------------------------------------------------------
 
@@ -57,7 +92,8 @@ class TransferBackend(Protocol):
 
     gather:  out[i] = l1_kv[:, :, page_ids[i]]            out: [n, 2, L, P, H, D]
     scatter: l1_kv[:, :, page_ids[i]] = packed[i]          packed: [n, 2, L, P, H, D]
-    page_ids is an int64 tensor on l1_kv's device; scatter's page ids are distinct.
+    page_ids is an int64 tensor on l1_kv's device, already checked on the host to be in range;
+    scatter's page ids are distinct.
     """
 
     name: str
@@ -80,31 +116,58 @@ class TorchBackend:
         l1_kv.index_copy_(2, page_ids, packed.permute(1, 2, 0, 3, 4, 5))
 
 
-_BACKEND_FACTORIES: dict[str, Callable[[], TransferBackend]] = {"torch": TorchBackend}
+class TritonBackend:
+    """The Triton kernels of engine_client.kernels (interpreted on CPU tensors, for tests).
+
+    The transfer engine has checked the ids on the host, so the kernels' bounds check, which costs
+    a device synchronization, is skipped.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if not kernels.triton_available():
+            raise RuntimeError("the triton transfer backend needs the triton package, which is not installed")
+
+    def gather(self, l1_kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+        kernels.gather_pages(l1_kv, page_ids, out, check_bounds=False)
+
+    def scatter(self, packed: torch.Tensor, page_ids: torch.Tensor, l1_kv: torch.Tensor) -> None:
+        kernels.scatter_pages(packed, page_ids, l1_kv, check_bounds=False)
+
+
+_BACKEND_FACTORIES: dict[str, Callable[[], TransferBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
 
 
 def register_backend(name: str, factory: Callable[[], TransferBackend]) -> None:
-    """Make a backend selectable by name (the Triton kernels register themselves this way)."""
-    if name in _BACKEND_FACTORIES:
+    """Make a backend selectable by name."""
+    if name in _BACKEND_FACTORIES or name == AUTO:
         raise ValueError(f"transfer backend {name!r} is already registered")
     _BACKEND_FACTORIES[name] = factory
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKEND_FACTORIES)
+    return sorted([*_BACKEND_FACTORIES, AUTO])
 
 
 # ---- transfers ---------------------------------------------------------------------------------
 
 
 class _Workspace:
-    """A packed page-major device buffer and, once needed, host staging of the same shape."""
+    """A packed page-major device buffer, its page-index buffers and, once needed, host staging.
 
-    __slots__ = ("num_pages", "packed", "staging")
+    The page ids go host -> device through `ids_host` (pinned, so the copy is asynchronous) into
+    `ids_device`; both are reused with the workspace, which no other transfer touches until this
+    one has completed.
+    """
 
-    def __init__(self, num_pages: int, packed: torch.Tensor):
+    __slots__ = ("num_pages", "packed", "ids_host", "ids_device", "staging")
+
+    def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor):
         self.num_pages = num_pages
         self.packed = packed
+        self.ids_host = ids_host
+        self.ids_device = ids_device
         self.staging: torch.Tensor | None = None
 
 
@@ -183,27 +246,57 @@ class TransferEngine:
     transfer has completed (`drain()`), the host pool can be closed.
     """
 
-    def __init__(self, l1_pool: L1Pool, host_pool: SharedHostPool, backend: str = "torch"):
+    def __init__(self, l1_pool: L1Pool, host_pool: SharedHostPool, backend: str = "torch",
+                 host_copy_threads: int | None = None, fragmented_copy: str = "staging",
+                 max_dma_bytes: int | None = None):
+        """``fragmented_copy`` says how L2 pages that are not one run move: "staging" (one DMA to
+        pinned staging plus the host-side copy, the default) or "dma_per_run" (one DMA per run of
+        consecutive L2 pages, straight between the packed buffer and the pool; no host copy).
+        ``max_dma_bytes`` cuts direct DMAs into pieces of at most that many bytes (None: cut only
+        at pinned-chunk boundaries), so the copy engine starts on the first piece while the later
+        ones are still being submitted."""
+        if fragmented_copy not in FRAGMENTED_COPIES:
+            raise ValueError(f"fragmented_copy must be one of {FRAGMENTED_COPIES}, got {fragmented_copy!r}")
+        if max_dma_bytes is not None and (type(max_dma_bytes) is not int or max_dma_bytes < 1):
+            raise ValueError(f"max_dma_bytes must be a positive integer or None, got {max_dma_bytes!r}")
         if l1_pool.geometry != host_pool.geometry:
             raise ValueError(f"L1 pool geometry {l1_pool.geometry} differs from host pool "
                              f"geometry {host_pool.geometry}")
-        factory = _BACKEND_FACTORIES.get(backend)
-        if factory is None:
+        if backend != AUTO and backend not in _BACKEND_FACTORIES:
             raise ValueError(f"unknown transfer backend {backend!r}; available: {available_backends()}")
-        self.backend: TransferBackend = factory()
+        if host_copy_threads is None:
+            host_copy_threads = default_host_copy_threads()
+        if type(host_copy_threads) is not int or host_copy_threads < 1:
+            raise ValueError(f"host_copy_threads must be a positive integer, got {host_copy_threads!r}")
         self.l1_pool = l1_pool
         self.host_pool = host_pool
         self.device = l1_pool.kv.device
         self.bytes_per_page = l1_pool.geometry.bytes_per_page
+        self.host_copy_threads = host_copy_threads
+        self.fragmented_copy = fragmented_copy
+        self.max_dma_bytes = max_dma_bytes
         self._page_shape = l1_pool.geometry.page_shape
         self._bits_dtype = _BITS_DTYPE_BY_ITEMSIZE[l1_pool.kv.element_size()]
         self._l1_bits = l1_pool.kv.view(self._bits_dtype)
         self._is_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
+        self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle_workspaces: list[_Workspace] = []
         self._transfer_to_workspace: dict[Transfer, _Workspace] = {}
         self.num_workspaces_created = 0
         self.num_stagings_created = 0
+        if self._is_cuda and not host_pool.pin_requested:
+            logger.warning("the shared host pool is not pinned: copies to and from it will be slow and synchronous")
+        self.gather_backend: TransferBackend
+        self.scatter_backend: TransferBackend
+        if backend == AUTO:
+            self.gather_backend, self.scatter_backend, self._backend_report = self._choose_fastest_backends()
+        else:
+            # An explicitly named backend is used as is: if it cannot run, construction or the
+            # transfer raises; nothing falls back behind the caller's back.
+            self.gather_backend = self.scatter_backend = _BACKEND_FACTORIES[backend]()
+            self._backend_report = {"requested": backend, "chosen": {"D2H": backend, "H2D": backend}}
+        logger.info("transfer backends: %s", self._backend_report)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -216,6 +309,22 @@ class TransferEngine:
         """Copy host pages into L1 pages (H2D); l1_page_ids[i] receives host_page_ids[i]."""
         l1_ids, host_ids = self._checked_ids(l1_page_ids, host_page_ids, destination="l1")
         return self._submit("H2D", l1_ids, host_ids)
+
+    def backend_report(self) -> dict[str, Any]:
+        """The requested backend, the one chosen per direction (D2H gathers, H2D scatters) and, for
+        `auto`, the timings (ms per call, median) it chose by. Plain types, for ENGINE_REPORT."""
+        return {key: (dict(value) if isinstance(value, dict) else value)
+                for key, value in self._backend_report.items()}
+
+    def set_host_copy_threads(self, num_threads: int) -> None:
+        """How many threads share each host-side copy from the next transfer on (benchmarks sweep it)."""
+        if type(num_threads) is not int or num_threads < 1:
+            raise ValueError(f"host_copy_threads must be a positive integer, got {num_threads!r}")
+        self.drain()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
+        self.host_copy_threads = num_threads
 
     @property
     def num_in_flight(self) -> int:
@@ -231,9 +340,12 @@ class TransferEngine:
             transfer.wait()
 
     def close(self) -> None:
-        """Drain, then drop the idle workspaces."""
+        """Drain, then drop the idle workspaces and stop the host-copy threads."""
         self.drain()
         self._idle_workspaces.clear()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
 
     def check_integrity(self) -> None:
         """Idle and busy workspaces are distinct, shapes agree, at most one is idle."""
@@ -244,26 +356,102 @@ class TransferEngine:
         for ws in all_workspaces:
             assert tuple(ws.packed.shape) == (ws.num_pages, *self._page_shape)
             assert ws.packed.device == self.device and ws.packed.dtype == self._bits_dtype
+            assert tuple(ws.ids_host.shape) == tuple(ws.ids_device.shape) == (ws.num_pages,)
+            assert ws.ids_host.device.type == "cpu" and ws.ids_device.device == self.device
             if ws.staging is not None:
                 assert tuple(ws.staging.shape) == tuple(ws.packed.shape)
                 assert ws.staging.device.type == "cpu" and ws.staging.dtype == self._bits_dtype
         for transfer in self._transfer_to_workspace:
             assert transfer._seconds is None, "a completed transfer still holds its workspace"
 
+    # ---- backend choice ------------------------------------------------------------------------
+
+    def _choose_fastest_backends(self) -> tuple[TransferBackend, TransferBackend, dict[str, Any]]:
+        torch_backend = TorchBackend()
+        report: dict[str, Any] = {"requested": AUTO, "chosen": {"D2H": "torch", "H2D": "torch"}}
+        if not self._is_cuda:
+            # Off the GPU the Triton kernels only run in Triton's interpreter, orders of magnitude
+            # slower than torch: nothing to time.
+            report["reason"] = "cpu: the Triton kernels only run interpreted off the GPU"
+            return torch_backend, torch_backend, report
+        candidates: dict[str, TransferBackend] = {"torch": torch_backend}
+        errors: dict[str, str] = {}
+        if kernels.triton_available():
+            candidates["triton"] = TritonBackend()
+        else:
+            errors["triton"] = "the triton package is not installed"
+        timings_ms, timing_errors = self._time_backends(candidates)
+        errors.update(timing_errors)
+        if not timings_ms["D2H"] or not timings_ms["H2D"]:
+            raise RuntimeError(f"no transfer backend could run on {self.device}: {errors}")
+        chosen = {direction: min(timings_ms[direction], key=timings_ms[direction].get)
+                  for direction in DIRECTIONS}
+        report.update(chosen=chosen, timed_pages=min(AUTO_TIMING_PAGES, self.l1_pool.num_pages),
+                      timings_ms={d: {name: round(ms, 4) for name, ms in timings_ms[d].items()}
+                                  for d in DIRECTIONS})
+        if errors:
+            report["errors"] = errors
+            logger.warning("transfer backends left out of the auto choice: %s", errors)
+        return candidates[chosen["D2H"]], candidates[chosen["H2D"]], report
+
+    def _time_backends(self, candidates: dict[str, TransferBackend]
+                       ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+        """Median ms per call of each backend's gather (D2H) and scatter (H2D) on scattered L1 pages.
+
+        The scatter writes back the very bits the gather just read from the same pages, so the L1
+        pool's contents are unchanged (ordered after the caller's stream, like any transfer).
+        """
+        assert self._stream is not None
+        num_pages = min(AUTO_TIMING_PAGES, self.l1_pool.num_pages)
+        shuffled = torch.randperm(self.l1_pool.num_pages, generator=torch.Generator().manual_seed(0))
+        timings_ms: dict[str, dict[str, float]] = {direction: {} for direction in DIRECTIONS}
+        errors: dict[str, str] = {}
+        packed = self._new_device_buffer(num_pages)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            page_ids = shuffled[:num_pages].to(self.device)
+            for name, backend in candidates.items():
+                try:
+                    timings_ms["D2H"][name] = self._median_ms(
+                        lambda: backend.gather(self._l1_bits, page_ids, packed))
+                    timings_ms["H2D"][name] = self._median_ms(
+                        lambda: backend.scatter(packed, page_ids, self._l1_bits))
+                except Exception as error:   # auto only: a backend that cannot run is left out
+                    self._stream.synchronize()
+                    for direction in DIRECTIONS:
+                        timings_ms[direction].pop(name, None)
+                    errors[name] = f"{type(error).__name__}: {error}"
+        # The caller's later work on these L1 pages follows the timing runs.
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return timings_ms, errors
+
+    def _median_ms(self, launch: Callable[[], None]) -> float:
+        assert self._stream is not None
+        events = []
+        for call in range(_AUTO_WARMUP_CALLS + _AUTO_TIMED_CALLS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
+            launch()
+            end.record(self._stream)
+            if call >= _AUTO_WARMUP_CALLS:
+                events.append((start, end))
+        self._stream.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
     # ---- submission ----------------------------------------------------------------------------
 
-    def _submit(self, direction: str, l1_ids: list[int], host_ids: list[int]) -> Transfer:
+    def _submit(self, direction: str, l1_ids: np.ndarray, host_ids: np.ndarray) -> Transfer:
         num_pages = len(l1_ids)
         transfer = Transfer(direction, num_pages, num_pages * self.bytes_per_page, self._release)
         if num_pages == 0:
             transfer._complete(block=False)
             return transfer
-        first_host_id = _first_of_ascending_run(host_ids)
-        needs_staging = first_host_id is None
+        host_runs = _runs_of_consecutive_ids(host_ids)
+        needs_staging = len(host_runs) > 1 and self.fragmented_copy == "staging"
         workspace = self._acquire_workspace(num_pages, needs_staging)
         self._transfer_to_workspace[transfer] = workspace
         try:
-            self._enqueue(transfer, workspace, l1_ids, host_ids, first_host_id)
+            self._enqueue(transfer, workspace, l1_ids, host_runs, needs_staging)
         except BaseException:
             # Nothing was published. Let whatever reached the stream finish before the workspace
             # can be reused, then complete the transfer so that nothing stays pending.
@@ -275,44 +463,64 @@ class TransferEngine:
             raise
         return transfer
 
-    def _enqueue(self, transfer: Transfer, workspace: _Workspace, l1_ids: list[int],
-                 host_ids: list[int], first_host_id: int | None) -> None:
+    def _enqueue(self, transfer: Transfer, workspace: _Workspace, l1_ids: np.ndarray,
+                 host_runs: list[tuple[int, int, int]], needs_staging: bool) -> None:
         num_pages = len(l1_ids)
+        bytes_per_page = self.bytes_per_page
         packed = workspace.packed[:num_pages]
-        host_pages = self.host_pool.pages.view(self._bits_dtype)
-        # Pinned, so the copy to the device below is asynchronous; kept alive by transfer._refs.
-        l1_ids_host = torch.tensor(l1_ids, dtype=torch.int64, pin_memory=self._is_cuda)
-        if first_host_id is not None:
-            host_slice = host_pages[first_host_id:first_host_id + num_pages]
-            transfer._refs.append(host_slice)
+        packed_bytes = packed.view(torch.uint8).view(-1)
+        host_bytes = self.host_pool.byte_view()
+        ids_host = workspace.ids_host[:num_pages]
+        ids_device = workspace.ids_device[:num_pages]
+        ids_host.numpy()[:] = l1_ids
+        transfer._refs.extend((packed, ids_host, ids_device))
+
+        # (host bytes, device bytes) pairs that the DMA copies: per run of host pages (one run when
+        # they are contiguous), cut where one pinned chunk of the pool ends and the next begins.
+        dma_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not needs_staging:
+            for position, host_start, length in host_runs:
+                start = host_start * bytes_per_page
+                end = start + length * bytes_per_page
+                to_packed = position * bytes_per_page - start
+                # With background pinning, the chunks may not be registered yet: no DMA before they are.
+                self.host_pool.wait_pinned(start, end)
+                for chunk_start, chunk_end in self.host_pool.chunk_pieces(start, end):
+                    for piece_start, piece_end in _cut(chunk_start, chunk_end, self.max_dma_bytes):
+                        dma_pairs.append((host_bytes[piece_start:piece_end],
+                                          packed_bytes[piece_start + to_packed:piece_end + to_packed]))
         else:
             assert workspace.staging is not None
-            staging = workspace.staging[:num_pages]
-            host_ids_cpu = torch.tensor(host_ids, dtype=torch.int64)
-            transfer._refs.extend((staging, host_ids_cpu))
-        transfer._refs.extend((packed, l1_ids_host))
-
-        if transfer.direction == "H2D" and first_host_id is None:
-            # The workspace is not in use by any other transfer, so its staging is free to fill now.
-            started = time.perf_counter()
-            torch.index_select(host_pages, 0, host_ids_cpu, out=staging)
-            transfer._host_seconds += time.perf_counter() - started
-        if transfer.direction == "D2H" and first_host_id is None:
-            def scatter_staging_into_host_pages() -> None:
-                host_pages.index_copy_(0, host_ids_cpu, staging)
-            transfer._finish = scatter_staging_into_host_pages
+            staging_bytes = workspace.staging[:num_pages].view(torch.uint8).view(-1)
+            dma_pairs.append((staging_bytes, packed_bytes))
+            # (host offset, staging offset, bytes) for each run of consecutive host pages.
+            segments = [(host_start * bytes_per_page, position * bytes_per_page, length * bytes_per_page)
+                        for position, host_start, length in host_runs]
+            host_array = host_bytes.numpy()
+            staging_array = staging_bytes.numpy()
+            transfer._refs.extend((host_array, staging_array))
+            if transfer.direction == "H2D":
+                # The workspace is not in use by any other transfer, so its staging is free to fill now.
+                started = time.perf_counter()
+                self._copy_segments(staging_array, host_array, [(s, h, n) for h, s, n in segments])
+                transfer._host_seconds += time.perf_counter() - started
+            else:
+                def scatter_staging_into_host_pages() -> None:
+                    self._copy_segments(host_array, staging_array, segments)
+                transfer._finish = scatter_staging_into_host_pages
+        transfer._refs.extend(pair[0] for pair in dma_pairs)
 
         with self._on_transfer_stream(transfer):
-            l1_ids_device = l1_ids_host.to(self.device, non_blocking=True)
-            transfer._refs.append(l1_ids_device)
+            if ids_device.data_ptr() != ids_host.data_ptr():
+                ids_device.copy_(ids_host, non_blocking=True)
             if transfer.direction == "D2H":
-                self.backend.gather(self._l1_bits, l1_ids_device, packed)
-                destination = host_slice if first_host_id is not None else staging
-                destination.copy_(packed, non_blocking=True)
+                self.gather_backend.gather(self._l1_bits, ids_device, packed)
+                for host_piece, device_piece in dma_pairs:
+                    host_piece.copy_(device_piece, non_blocking=True)
             else:
-                source = host_slice if first_host_id is not None else staging
-                packed.copy_(source, non_blocking=True)
-                self.backend.scatter(packed, l1_ids_device, self._l1_bits)
+                for host_piece, device_piece in dma_pairs:
+                    device_piece.copy_(host_piece, non_blocking=True)
+                self.scatter_backend.scatter(packed, ids_device, self._l1_bits)
 
     @contextlib.contextmanager
     def _on_transfer_stream(self, transfer: Transfer):
@@ -336,6 +544,29 @@ class TransferEngine:
         transfer._start_event = start_event
         transfer._end_event = end_event
 
+    # ---- host-side copies ----------------------------------------------------------------------
+
+    def _copy_segments(self, destination: np.ndarray, source: np.ndarray,
+                       segments: list[tuple[int, int, int]]) -> None:
+        """destination[d:d+n] = source[s:s+n] for each (d, s, n), split across the copy threads."""
+        total_bytes = sum(num_bytes for _, _, num_bytes in segments)
+        num_tasks = min(self.host_copy_threads, max(1, total_bytes // _MIN_BYTES_PER_COPY_THREAD))
+        tasks = _split_segments(segments, -(-total_bytes // num_tasks))
+        if len(tasks) == 1:
+            _copy_byte_segments(destination, source, tasks[0])
+            return
+        if self._copy_pool is None:
+            self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+                self.host_copy_threads - 1, thread_name_prefix="kvcached-copy")
+        futures = [self._copy_pool.submit(_copy_byte_segments, destination, source, task) for task in tasks[1:]]
+        try:
+            _copy_byte_segments(destination, source, tasks[0])     # the calling thread takes a share too
+        finally:
+            # Every share must be finished before the buffers can be reused, error or not.
+            concurrent.futures.wait(futures)
+        for future in futures:
+            future.result()
+
     # ---- workspaces ----------------------------------------------------------------------------
 
     def _acquire_workspace(self, num_pages: int, needs_staging: bool) -> _Workspace:
@@ -345,7 +576,9 @@ class TransferEngine:
             workspace = min(fitting, key=lambda ws: (ws.num_pages, needs_staging and ws.staging is None))
             self._idle_workspaces.remove(workspace)
         else:
-            workspace = _Workspace(num_pages, self._new_device_buffer(num_pages))
+            ids_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=self._is_cuda)
+            ids_device = torch.empty(num_pages, dtype=torch.int64, device=self.device) if self._is_cuda else ids_host
+            workspace = _Workspace(num_pages, self._new_device_buffer(num_pages), ids_host, ids_device)
             self.num_workspaces_created += 1
         if needs_staging and workspace.staging is None:
             # Pinned so the DMA is asynchronous; sized like the workspace so it is never too small.
@@ -372,38 +605,80 @@ class TransferEngine:
     # ---- validation ----------------------------------------------------------------------------
 
     def _checked_ids(self, l1_page_ids: Sequence[int], host_page_ids: Sequence[int],
-                     destination: str) -> tuple[list[int], list[int]]:
-        l1_ids = _page_id_list("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
-        host_ids = _page_id_list("host_page_ids", host_page_ids, self.host_pool.num_pages)
+                     destination: str) -> tuple[np.ndarray, np.ndarray]:
+        l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
+        host_ids = _page_id_array("host_page_ids", host_page_ids, self.host_pool.num_pages)
         if len(l1_ids) != len(host_ids):
             raise ValueError(f"l1_page_ids has {len(l1_ids)} pages but host_page_ids has {len(host_ids)}")
         # Two sources written into one destination page would race; sources may repeat.
         destination_name, destination_ids = (
             ("host_page_ids", host_ids) if destination == "host" else ("l1_page_ids", l1_ids))
-        seen: set[int] = set()
-        for page_id in destination_ids:
-            if page_id in seen:
-                raise ValueError(f"destination {destination_name} lists page {page_id} more than once")
-            seen.add(page_id)
+        if len(destination_ids) > 1:
+            values, counts = np.unique(destination_ids, return_counts=True)
+            if counts.max() > 1:
+                raise ValueError(f"destination {destination_name} lists page {int(values[counts > 1][0])} "
+                                 "more than once")
         return l1_ids, host_ids
 
 
-def _page_id_list(name: str, page_ids: Sequence[int] | torch.Tensor, num_pages: int) -> list[int]:
+def _page_id_array(name: str, page_ids: Sequence[int] | np.ndarray | torch.Tensor, num_pages: int) -> np.ndarray:
+    """The ids as an int64 array, checked in one vectorized pass (a prefix has hundreds of pages)."""
     if isinstance(page_ids, torch.Tensor):
-        if page_ids.dim() != 1 or page_ids.is_floating_point() or page_ids.is_complex():
+        if page_ids.dim() != 1 or page_ids.is_floating_point() or page_ids.is_complex() \
+                or page_ids.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor")
-        page_ids = page_ids.tolist()
-    ids = [operator.index(page_id) for page_id in page_ids]
-    for page_id in ids:
-        if not 0 <= page_id < num_pages:
-            raise ValueError(f"{name} holds page {page_id}, out of range 0..{num_pages - 1}")
+        ids = page_ids.detach().cpu().numpy()
+    else:
+        ids = np.asarray(page_ids)
+    if ids.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got {ids.dtype} with shape {ids.shape}")
+    ids = ids.astype(np.int64, copy=False)
+    out_of_range = (ids < 0) | (ids >= num_pages)
+    if out_of_range.any():
+        raise ValueError(f"{name} holds page {int(ids[out_of_range][0])}, out of range 0..{num_pages - 1}")
     return ids
 
 
-def _first_of_ascending_run(page_ids: list[int]) -> int | None:
-    """The first id if the ids are consecutive and ascending, else None."""
-    first = page_ids[0]
-    for offset, page_id in enumerate(page_ids):
-        if page_id != first + offset:
-            return None
-    return first
+def _runs_of_consecutive_ids(page_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    """(position, first id, length) for each maximal run where page_ids[i + 1] == page_ids[i] + 1."""
+    ids = np.asarray(page_ids, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+    ends = np.concatenate((starts[1:], [len(ids)]))
+    return [(int(start), int(ids[start]), int(end - start)) for start, end in zip(starts, ends)]
+
+
+def _cut(start: int, end: int, max_bytes: int | None) -> list[tuple[int, int]]:
+    """[start, end) as consecutive pieces of at most max_bytes (one piece when max_bytes is None)."""
+    if max_bytes is None:
+        return [(start, end)]
+    return [(piece_start, min(piece_start + max_bytes, end)) for piece_start in range(start, end, max_bytes)]
+
+
+def _split_segments(segments: list[tuple[int, int, int]],
+                    bytes_per_task: int) -> list[list[tuple[int, int, int]]]:
+    """Cut (destination, source, bytes) segments into tasks of about bytes_per_task bytes each."""
+    assert bytes_per_task > 0
+    tasks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = bytes_per_task
+    for destination, source, num_bytes in segments:
+        while num_bytes > 0:
+            take = min(num_bytes, room)
+            current.append((destination, source, take))
+            destination, source, num_bytes, room = destination + take, source + take, num_bytes - take, room - take
+            if room == 0:
+                tasks.append(current)
+                current, room = [], bytes_per_task
+    if current or not tasks:
+        tasks.append(current)
+    return tasks
+
+
+def _copy_byte_segments(destination: np.ndarray, source: np.ndarray,
+                        segments: list[tuple[int, int, int]]) -> None:
+    for destination_start, source_start, num_bytes in segments:
+        # numpy copies of plain bytes run without the GIL, so several threads copy at once.
+        np.copyto(destination[destination_start:destination_start + num_bytes],
+                  source[source_start:source_start + num_bytes])

@@ -4,18 +4,21 @@ workspace reuse. Runs on CPU here; the "cuda" cases run the same checks on a GPU
 from __future__ import annotations
 
 import mmap
+import threading
 import uuid
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
+from engine_client import kernels, transfer as transfer_module
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
-from engine_client.transfer import (TorchBackend, TransferEngine, WorkspaceInfo, available_backends,
-                                    register_backend)
+from engine_client.transfer import (TorchBackend, TransferEngine, TritonBackend, WorkspaceInfo,
+                                    available_backends, register_backend)
 from proto.messages import KVGeometry
-from tests.engine_client.test_shared_pool import shm_segment
+from tests.engine_client.test_shared_pool import CHUNK_BYTES, FakeCuda, shm_segment
 
 ALL_DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -25,6 +28,9 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 L1_SOURCE_PAGES = [7, 2, 9, 4]
 L1_DESTINATION_PAGES = [0, 11, 5, 3]          # disjoint from the sources
 HOST_PAGES = {"contiguous": [3, 4, 5, 6], "fragmented": [8, 1, 5, 2]}
+needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton), "auto"]
 
 
 def make_geometry(dtype: str) -> KVGeometry:
@@ -60,23 +66,31 @@ class Setup(NamedTuple):
 
 @pytest.fixture
 def make_setup():
-    """Builds an L1 pool and a host pool over a real /dev/shm segment, both filled with random data."""
+    """Builds an L1 pool and a host pool over a real /dev/shm segment, both filled with random data.
+
+    The host pool is pinned on CUDA; pin options (pin_chunk_bytes, pin_in_background, ...) pin it on
+    CPU too, which needs the CUDA calls stood in for (see FakeCuda)."""
     cleanups = []
 
     def build(dtype: str = "bfloat16", device: str = "cpu", num_l1_pages: int = 12, num_host_pages: int = 10,
-              backend: str = "torch", seed: int = 0) -> Setup:
+              backend: str = "torch", seed: int = 0, host_copy_threads: int | None = None,
+              fragmented_copy: str = "staging", max_dma_bytes: int | None = None, **pin_options) -> Setup:
         geometry = make_geometry(dtype)
         offset = mmap.ALLOCATIONGRANULARITY        # a region after another namespace's, as in the daemon
         segment = shm_segment(offset + num_host_pages * geometry.bytes_per_page + mmap.ALLOCATIONGRANULARITY)
         path = segment.__enter__()
         cleanups.append(lambda: segment.__exit__(None, None, None))
-        host_pool = SharedHostPool.open(path, offset, num_host_pages, geometry, pin=device == "cuda")
+        if pin_options and device == "cpu":
+            pin_options.setdefault("device", 0)
+        host_pool = SharedHostPool.open(path, offset, num_host_pages, geometry,
+                                        pin=device == "cuda" or bool(pin_options), **pin_options)
         cleanups.append(host_pool.close)
         l1_pool = L1Pool(geometry, num_l1_pages, device)
         generator = torch.Generator().manual_seed(seed)
         fill_random_(l1_pool.kv, generator)
         fill_random_(host_pool.pages, generator)
-        engine = TransferEngine(l1_pool, host_pool, backend=backend)
+        engine = TransferEngine(l1_pool, host_pool, backend=backend, host_copy_threads=host_copy_threads,
+                                fragmented_copy=fragmented_copy, max_dma_bytes=max_dma_bytes)
         cleanups.append(engine.close)
         return Setup(l1_pool, host_pool, engine)
 
@@ -135,12 +149,14 @@ def test_restore_writes_each_host_page_into_its_l1_page_and_nothing_else(make_se
     assert same_bits(setup.host_pool.pages, host_before)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("host_layout", sorted(HOST_PAGES))
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-def test_backup_then_restore_into_different_pages_round_trips(make_setup, dtype, host_layout, device):
-    """Backing up L1 pages and restoring them into different L1 pages reproduces the originals bit for bit."""
-    setup = make_setup(dtype, device, seed=7)
+def test_backup_then_restore_into_different_pages_round_trips(make_setup, dtype, host_layout, device, backend):
+    """Backing up L1 pages and restoring them into different L1 pages reproduces the originals bit for bit,
+    with every backend."""
+    setup = make_setup(dtype, device, seed=7, backend=backend)
     host_page_ids = HOST_PAGES[host_layout]
     originals = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].clone()
 
@@ -153,23 +169,55 @@ def test_backup_then_restore_into_different_pages_round_trips(make_setup, dtype,
     assert same_bits(setup.l1_pool.kv[:, :, L1_SOURCE_PAGES], originals)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_backup_waits_for_work_already_queued_on_the_callers_stream(make_setup, device):
-    """Pages written on the caller's stream just before a backup are what the backup copies."""
-    setup = make_setup("bfloat16", device)
-    fresh = torch.empty_like(setup.l1_pool.kv[:, :, L1_SOURCE_PAGES])
-    fill_random_(fresh, torch.Generator().manual_seed(99))
-    source_page_ids = torch.tensor(L1_SOURCE_PAGES, device=device)
+def transfer_after_late_caller_write(setup: Setup, device: str, direction: str, host_layout: str) -> bool:
+    """Queue, on the caller's stream and behind ~0.1 s of GPU sleep, a write to the L1 pages a transfer
+    uses, then run the transfer at once. True if the transfer was ordered after that write: a backup
+    copied the freshly written pages; a restore's pages were not overwritten by the late write."""
+    host_page_ids = HOST_PAGES[host_layout]
+    l1_page_ids = L1_SOURCE_PAGES if direction == "D2H" else L1_DESTINATION_PAGES
+    late = torch.empty_like(setup.l1_pool.kv[:, :, l1_page_ids])
+    fill_random_(late, torch.Generator().manual_seed(99))
+    page_index = torch.tensor(l1_page_ids, device=device)
     # Warm up (first allocations and lazy kernel loading synchronize the device) without changing L1.
-    setup.l1_pool.kv.index_copy_(2, source_page_ids, setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].clone())
-    setup.engine.backup(L1_SOURCE_PAGES, HOST_PAGES["fragmented"]).wait()
+    setup.l1_pool.kv.index_copy_(2, page_index, setup.l1_pool.kv[:, :, l1_page_ids].clone())
+    setup.engine.backup(l1_page_ids, host_page_ids).wait()
+    host_before = setup.host_pool.pages.clone()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)    # keeps the caller's stream busy, so the write below lands late
-    setup.l1_pool.kv.index_copy_(2, source_page_ids, fresh)     # queued, no host synchronization
-    setup.engine.backup(L1_SOURCE_PAGES, HOST_PAGES["fragmented"]).wait()
+    setup.l1_pool.kv.index_copy_(2, page_index, late)       # queued, no host synchronization
+    if direction == "D2H":
+        setup.engine.backup(l1_page_ids, host_page_ids).wait()
+        setup.check_integrity()
+        return same_bits(setup.host_pool.pages[host_page_ids], late.permute(2, 0, 1, 3, 4, 5))
+    setup.engine.restore(host_page_ids, l1_page_ids).wait()
     setup.check_integrity()
-    assert same_bits(setup.host_pool.pages[HOST_PAGES["fragmented"]], fresh.permute(2, 0, 1, 3, 4, 5))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    restored = setup.l1_pool.kv[:, :, l1_page_ids].permute(2, 0, 1, 3, 4, 5)
+    return same_bits(restored, host_before[host_page_ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("host_layout", sorted(HOST_PAGES))
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_transfers_are_ordered_after_work_already_queued_on_the_callers_stream(make_setup, device, direction,
+                                                                               host_layout):
+    """A backup copies L1 pages written on the caller's stream just before it; a restore lands after a
+    write to its destination pages queued on the caller's stream just before it."""
+    setup = make_setup("bfloat16", device, backend="triton" if kernels.triton_available() else "torch")
+    assert transfer_after_late_caller_write(setup, device, direction, host_layout)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_without_the_wait_on_the_callers_stream_the_ordering_test_fails(make_setup, monkeypatch, direction):
+    """Control for the test above: with the transfer stream's wait on the caller's stream removed, the
+    late caller write and the transfer race and the check fails, so that test can catch a missing wait."""
+    setup = make_setup("bfloat16", "cuda")
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, stream: None)
+    assert not transfer_after_late_caller_write(setup, "cuda", direction, "fragmented")
 
 
 @pytest.mark.gpu
@@ -362,3 +410,270 @@ def test_host_pool_closes_only_after_transfers_complete(make_setup):
     transfer.wait()
     setup.host_pool.close()
     assert setup.host_pool.closed
+
+
+# ---- backends ------------------------------------------------------------------------------------
+
+
+def test_auto_on_cpu_chooses_torch_without_timing(make_setup):
+    """On CPU, auto uses torch in both directions and says why in its report, with no timings."""
+    setup = make_setup(backend="auto")
+    report = setup.engine.backend_report()
+    assert report["requested"] == "auto" and report["chosen"] == {"D2H": "torch", "H2D": "torch"}
+    assert "timings_ms" not in report and "cpu" in report["reason"]
+    assert setup.engine.gather_backend.name == setup.engine.scatter_backend.name == "torch"
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_an_explicit_backend_is_used_in_both_directions_and_reported(make_setup, backend):
+    """An explicitly named backend does both the gather and the scatter, and the report names it for both."""
+    setup = make_setup(backend=backend)
+    assert setup.engine.gather_backend.name == setup.engine.scatter_backend.name == backend
+    assert setup.engine.backend_report() == {"requested": backend, "chosen": {"D2H": backend, "H2D": backend}}
+
+
+def test_triton_requested_without_triton_raises(make_setup, monkeypatch):
+    """Asking for the triton backend where triton is missing raises RuntimeError instead of using torch."""
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        make_setup(backend="triton")
+
+
+def test_a_failing_explicit_backend_raises_and_leaves_nothing_in_flight(make_setup):
+    """When the chosen backend's kernel fails, backup() raises that error (no silent fallback), the
+    transfer is not left pending and host pages are unchanged."""
+
+    class BrokenBackend(TorchBackend):
+        name = "broken"
+
+        def gather(self, l1_kv, page_ids, out):
+            raise RuntimeError("gather kernel failed (on purpose)")
+
+    name = f"broken-{uuid.uuid4().hex}"
+    register_backend(name, BrokenBackend)
+    setup = make_setup(backend=name)
+    host_before = setup.host_pool.pages.clone()
+    with pytest.raises(RuntimeError, match="on purpose"):
+        setup.engine.backup([1, 2], [3, 4])
+    setup.check_integrity()
+    assert setup.engine.num_in_flight == 0
+    assert same_bits(setup.host_pool.pages, host_before)
+
+
+def test_auto_cannot_be_registered_and_is_listed():
+    """'auto' is always among the available backends and cannot be taken by a registration."""
+    assert {"auto", "torch", "triton"} <= set(available_backends())
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("auto", TorchBackend)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_auto_times_both_backends_keeps_the_faster_per_direction_and_leaves_l1_unchanged(make_setup):
+    """On a GPU, auto times torch and triton for the gather (D2H) and the scatter (H2D), chooses the one
+    with the smaller median per direction, and leaves the L1 pool bit for bit as it was."""
+    geometry = make_geometry("bfloat16")
+    l1_pool = L1Pool(geometry, 80, "cuda")
+    fill_random_(l1_pool.kv, torch.Generator().manual_seed(5))
+    l1_before = l1_pool.kv.clone()
+    setup = make_setup("bfloat16", "cuda")
+    engine = TransferEngine(l1_pool, setup.host_pool, backend="auto")
+    try:
+        report = engine.backend_report()
+        torch.cuda.synchronize()
+        assert same_bits(l1_pool.kv, l1_before)
+        assert report["timed_pages"] == transfer_module.AUTO_TIMING_PAGES
+        for direction, backend in (("D2H", engine.gather_backend), ("H2D", engine.scatter_backend)):
+            timings = report["timings_ms"][direction]
+            assert set(timings) == {"torch", "triton"} and all(ms > 0 for ms in timings.values())
+            assert report["chosen"][direction] == min(timings, key=timings.get) == backend.name
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_auto_leaves_out_a_backend_that_fails(make_setup, monkeypatch):
+    """If a candidate fails while being timed, auto picks among the others and reports the failure."""
+    def broken_gather(self, l1_kv, page_ids, out):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(TritonBackend, "gather", broken_gather)
+    setup = make_setup("bfloat16", "cuda", backend="auto")
+    report = setup.engine.backend_report()
+    assert report["chosen"] == {"D2H": "torch", "H2D": "torch"}
+    assert "no kernel today" in report["errors"]["triton"]
+    setup.engine.backup([1, 2], [8, 3]).wait()
+    assert same_bits(setup.host_pool.pages[[8, 3]], setup.l1_pool.kv[:, :, [1, 2]].permute(2, 0, 1, 3, 4, 5))
+
+
+# ---- host-side copies and pinned chunks ------------------------------------------------------------
+
+
+def test_runs_of_consecutive_ids():
+    """Runs are maximal ascending-by-one stretches, as (position, first id, length), in order."""
+    assert transfer_module._runs_of_consecutive_ids([8, 9, 10, 1, 5, 6, 2]) == [
+        (0, 8, 3), (3, 1, 1), (4, 5, 2), (6, 2, 1)]
+    assert transfer_module._runs_of_consecutive_ids([4]) == [(0, 4, 1)]
+
+
+def test_split_segments_keeps_every_byte_once_in_order_and_bounds_each_task():
+    """Splitting segments into tasks keeps their bytes in order, cuts segments where needed, and gives no
+    task more than the share."""
+    segments = [(100, 0, 7), (0, 7, 2), (50, 9, 12)]
+    tasks = transfer_module._split_segments(segments, 5)
+    assert all(sum(n for *_, n in task) <= 5 for task in tasks) and len(tasks) == 5
+    flat = [(d + i, s + i) for task in tasks for d, s, n in task for i in range(n)]
+    expected = [(d + i, s + i) for d, s, n in segments for i in range(n)]
+    assert flat == expected
+
+
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_fragmented_host_copies_split_across_threads_are_bit_exact(make_setup, monkeypatch, direction):
+    """With the host-side copy split across threads (pieces smaller than a page), a fragmented backup or
+    restore still moves every page bit for bit and touches nothing else."""
+    monkeypatch.setattr(transfer_module, "_MIN_BYTES_PER_COPY_THREAD", 100)
+    setup = make_setup(host_copy_threads=3, num_host_pages=10)
+    host_page_ids = [8, 9, 1, 5, 6, 2, 0]
+    l1_page_ids = [7, 2, 9, 4, 10, 0, 11]
+    l1_before = setup.l1_pool.kv.clone()
+    host_before = setup.host_pool.pages.clone()
+    if direction == "D2H":
+        setup.engine.backup(l1_page_ids, host_page_ids).wait()
+    else:
+        setup.engine.restore(host_page_ids, l1_page_ids).wait()
+    setup.check_integrity()
+    assert setup.engine._copy_pool is not None        # the copy really went through the threads
+    if direction == "D2H":
+        expected_host = host_before.clone()
+        expected_host[host_page_ids] = l1_before[:, :, l1_page_ids].permute(2, 0, 1, 3, 4, 5)
+        assert same_bits(setup.host_pool.pages, expected_host)
+        assert same_bits(setup.l1_pool.kv, l1_before)
+    else:
+        expected_l1 = l1_before.clone()
+        expected_l1[:, :, l1_page_ids] = host_before[host_page_ids].permute(1, 2, 0, 3, 4, 5)
+        assert same_bits(setup.l1_pool.kv, expected_l1)
+        assert same_bits(setup.host_pool.pages, host_before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_transfers_cut_at_pinned_chunk_boundaries_are_bit_exact(monkeypatch, make_setup, device):
+    """With the host pool pinned in chunks smaller than a page, a contiguous backup and restore whose bytes
+    cross several chunk boundaries (mid-page) still move every page bit for bit."""
+    if device == "cpu":
+        FakeCuda().install(monkeypatch)
+    setup = make_setup(device=device, num_host_pages=10, pin_chunk_bytes=CHUNK_BYTES)
+    host_page_ids = list(range(1, 9))
+    assert len(setup.host_pool.chunk_pieces(1 * setup.engine.bytes_per_page, 9 * setup.engine.bytes_per_page)) > 2
+    originals = setup.l1_pool.kv[:, :, [11, 2, 9, 4, 0, 7, 5, 1]].clone()
+    setup.engine.backup([11, 2, 9, 4, 0, 7, 5, 1], host_page_ids).wait()
+    setup.check_integrity()
+    assert same_bits(setup.host_pool.pages[host_page_ids], originals.permute(2, 0, 1, 3, 4, 5))
+    setup.engine.restore(host_page_ids, [3, 6, 8, 10, 0, 2, 4, 5]).wait()
+    setup.check_integrity()
+    assert same_bits(setup.l1_pool.kv[:, :, [3, 6, 8, 10, 0, 2, 4, 5]], originals)
+
+
+def test_a_direct_transfer_waits_until_its_chunks_are_pinned_and_a_staged_one_does_not(monkeypatch, make_setup):
+    # (monkeypatch first: its stand-ins must outlive the pool, which make_setup closes at teardown)
+    """While the pool is pinned in the background, a backup straight into host pages blocks until their
+    chunks are pinned; a fragmented backup (host-side copy, no DMA into the pool) does not wait."""
+    fake = FakeCuda(hold=True).install(monkeypatch)
+    setup = make_setup(num_host_pages=10, pin_chunk_bytes=CHUNK_BYTES, pin_in_background=True, pin_threads=1)
+    try:
+        setup.engine.backup([0, 1], [9, 2]).wait()          # fragmented: done with nothing pinned
+        assert same_bits(setup.host_pool.pages[[9, 2]], setup.l1_pool.kv[:, :, [0, 1]].permute(2, 0, 1, 3, 4, 5))
+        done = threading.Event()
+
+        def back_up_directly() -> None:
+            setup.engine.backup([3, 4, 5], [5, 6, 7]).wait()
+            done.set()
+
+        worker = threading.Thread(target=back_up_directly)
+        worker.start()
+        assert not done.wait(0.3)                             # its chunks are not pinned yet
+        for chunk in range(len(setup.host_pool.chunk_pieces(0, setup.host_pool.nbytes))):
+            fake.release(chunk)
+        worker.join(10)
+        assert done.is_set()
+        setup.check_integrity()
+        assert same_bits(setup.host_pool.pages[[5, 6, 7]], setup.l1_pool.kv[:, :, [3, 4, 5]].permute(2, 0, 1, 3, 4, 5))
+    finally:
+        for chunk in range(64):
+            fake.release(chunk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fragmented_pages_by_one_dma_per_run_round_trip_without_staging(monkeypatch, make_setup, device, chunked):
+    """With fragmented_copy="dma_per_run", a fragmented backup and restore (runs of several lengths, the
+    pool optionally pinned in chunks smaller than a page) move every page bit for bit, touch no other
+    host page and never allocate staging."""
+    pin_options = {}
+    if chunked:
+        if device == "cpu":
+            FakeCuda().install(monkeypatch)
+        pin_options = {"pin_chunk_bytes": CHUNK_BYTES}
+    setup = make_setup(device=device, fragmented_copy="dma_per_run", **pin_options)
+    host_page_ids = [8, 9, 1, 5, 6, 7, 2]
+    originals = setup.l1_pool.kv[:, :, [7, 2, 9, 4, 10, 0, 11]].clone()
+    host_before = setup.host_pool.pages.clone()
+    setup.engine.backup([7, 2, 9, 4, 10, 0, 11], host_page_ids).wait()
+    setup.check_integrity()
+    untouched = [page for page in range(setup.host_pool.num_pages) if page not in host_page_ids]
+    assert same_bits(setup.host_pool.pages[untouched], host_before[untouched])
+    assert same_bits(setup.host_pool.pages[host_page_ids], originals.permute(2, 0, 1, 3, 4, 5))
+    setup.engine.restore(host_page_ids, [1, 3, 5, 6, 8, 11, 4]).wait()
+    setup.check_integrity()
+    assert same_bits(setup.l1_pool.kv[:, :, [1, 3, 5, 6, 8, 11, 4]], originals)
+    assert setup.engine.num_stagings_created == 0
+
+
+def test_unknown_fragmented_copy_is_refused(make_setup):
+    """A fragmented_copy other than "staging" or "dma_per_run" raises ValueError."""
+    setup = make_setup()
+    with pytest.raises(ValueError, match="fragmented_copy"):
+        TransferEngine(setup.l1_pool, setup.host_pool, fragmented_copy="carrier-pigeon")
+
+
+def test_page_ids_may_be_numpy_arrays_but_not_booleans(make_setup):
+    """Integer numpy arrays are accepted as page ids; boolean tensors and float arrays are refused."""
+    setup = make_setup()
+    setup.engine.backup(np.array([3, 4], dtype=np.int32), np.array([7, 0], dtype=np.uint16)).wait()
+    assert same_bits(setup.host_pool.pages[[7, 0]], setup.l1_pool.kv[:, :, [3, 4]].permute(2, 0, 1, 3, 4, 5))
+    with pytest.raises(ValueError, match="integer tensor"):
+        setup.engine.backup(torch.tensor([True]), [2])
+    with pytest.raises(TypeError, match="integers"):
+        setup.engine.backup(np.array([1.0]), [2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_dma_bytes", [1000, 1536, 5000])
+def test_direct_dmas_cut_into_pieces_are_bit_exact(monkeypatch, make_setup, device, max_dma_bytes):
+    """With max_dma_bytes smaller than a page, one page, or a few pages (and the pool pinned in chunks),
+    a contiguous backup and restore still move every page bit for bit and touch nothing else."""
+    if device == "cpu":
+        FakeCuda().install(monkeypatch)
+    setup = make_setup(device=device, max_dma_bytes=max_dma_bytes, pin_chunk_bytes=CHUNK_BYTES)
+    host_page_ids = [2, 3, 4, 5, 6, 7]
+    originals = setup.l1_pool.kv[:, :, [9, 1, 4, 0, 11, 6]].clone()
+    host_before = setup.host_pool.pages.clone()
+    setup.engine.backup([9, 1, 4, 0, 11, 6], host_page_ids).wait()
+    setup.check_integrity()
+    assert same_bits(setup.host_pool.pages[host_page_ids], originals.permute(2, 0, 1, 3, 4, 5))
+    assert same_bits(setup.host_pool.pages[[0, 1, 8, 9]], host_before[[0, 1, 8, 9]])
+    setup.engine.restore(host_page_ids, [3, 5, 7, 8, 10, 2]).wait()
+    setup.check_integrity()
+    assert same_bits(setup.l1_pool.kv[:, :, [3, 5, 7, 8, 10, 2]], originals)
+
+
+def test_cut_splits_a_range_into_bounded_pieces(make_setup):
+    """_cut covers [start, end) with consecutive pieces no longer than max_bytes; None keeps it whole; a
+    non-positive max_dma_bytes is refused."""
+    assert transfer_module._cut(10, 35, 10) == [(10, 20), (20, 30), (30, 35)]
+    assert transfer_module._cut(10, 35, None) == [(10, 35)]
+    setup = make_setup()
+    with pytest.raises(ValueError, match="max_dma_bytes"):
+        TransferEngine(setup.l1_pool, setup.host_pool, max_dma_bytes=0)
