@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--l3-o-direct", action="store_true", default=None,
                        help="read and write the L3 file with O_DIRECT (bypass the page cache)")
     serve.add_argument("--io-threads", type=int, help=f"L3 file I/O threads (default {defaults['io_threads'].default})")
+    serve.add_argument("--spin-us", type=int, help="busy-poll the socket this many microseconds after a "
+                       f"request before sleeping (default {defaults['socket_spin_us'].default}; 0: never)")
     serve.add_argument("--max-namespaces", type=int,
                        help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
@@ -57,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
                                        l3_bytes=args.l3_size, l3_o_direct=args.l3_o_direct,
-                                       io_threads=args.io_threads, max_namespaces=args.max_namespaces,
+                                       io_threads=args.io_threads, socket_spin_us=args.spin_us,
+                                       max_namespaces=args.max_namespaces,
                                        log_level=args.log_level)
     except ValueError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)

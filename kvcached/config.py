@@ -63,6 +63,7 @@ class DaemonConfig:
     session_timeout_s: float = 1.5      # a dead engine loses its leases within 2 s
     max_frame_bytes: int = 16 << 20
     io_threads: int = 4
+    socket_spin_us: int = 100           # busy-poll the socket this long after a request (0: never)
     shm_dir: str = SHM_DIR
     log_level: str = "INFO"
 
@@ -75,6 +76,8 @@ class DaemonConfig:
             raise ValueError("heartbeat_interval_s must be positive and below session_timeout_s")
         if self.l3_bytes < 0:
             raise ValueError("l3_bytes must be >= 0")
+        if not 0 <= self.socket_spin_us <= 100_000:
+            raise ValueError("socket_spin_us must be in 0..100000")
         if not 1 <= self.io_threads <= 256:
             raise ValueError("io_threads must be in 1..256")
 

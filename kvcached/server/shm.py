@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import stat
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,26 @@ def ensure_private_dir(path: str) -> None:
         raise StartupError(f"socket directory {path} belongs to uid {info.st_uid}, not to us ({os.getuid()})")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         logger.warning("socket directory %s is writable by others (mode %o)", path, info.st_mode & 0o777)
+
+
+# Linux 5.14+: fault every page in writable, as a write would, without changing its bytes.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_TOUCH_CHUNK_BYTES = 64 << 20
+
+
+def _touch_every_page(mapping: mmap.mmap, size_bytes: int) -> None:
+    """Make tmpfs zero-fill every page now, in the daemon, rather than on the first engine's
+    attach: fallocated tmpfs pages are cleared at first touch, which was measured to make a first
+    attach of 16 GiB take 5.6 s instead of 1 s."""
+    started = time.perf_counter()
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except OSError:         # older kernels: write zeros, which is what the pages hold anyway
+        zeros = bytes(_TOUCH_CHUNK_BYTES)
+        for offset in range(0, size_bytes, _TOUCH_CHUNK_BYTES):
+            end = min(offset + _TOUCH_CHUNK_BYTES, size_bytes)
+            mapping[offset:end] = zeros[: end - offset]
+    logger.info("L2 segment: %d bytes populated in %.2f s", size_bytes, time.perf_counter() - started)
 
 
 class DaemonLock:
@@ -98,6 +119,7 @@ class SharedSegment:
                         "choose a smaller --l2-size or enlarge the shared-memory filesystem") from None
                 raise
             mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _touch_every_page(mapping, size_bytes)
         except BaseException:
             os.close(fd)
             os.unlink(path)
