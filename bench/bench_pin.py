@@ -1,7 +1,8 @@
 """How long an engine's attach takes to map and pin a large L2 pool, and how to make it short.
 
-The segment is made the way the daemon makes it (a /dev/shm file filled with posix_fallocate); its
-creation is timed apart, since the daemon pays it once at start, not the engine. Then, for each
+The segment is made by the daemon's own code (kvcached.server.shm.SharedSegment: a /dev/shm file,
+posix_fallocate, then every page touched); its creation is timed apart, since the daemon pays it
+once at start, not the engine. Then, for each
 pool size, the engine-side ways to map and pin it, each on a fresh mapping of the same segment:
 
     populate+register   mmap(MAP_POPULATE), then one cudaHostRegister of everything (the old way)
@@ -15,8 +16,8 @@ pool size, the engine-side ways to map and pin it, each on a fresh mapping of th
                         reported: the return, the first chunk pinned, all chunks pinned
 
 The first attach after the segment is created is reported apart: tmpfs zeroes fallocated pages at
-first touch, so that attach also pays for zeroing the segment (and, on a VM that grows its memory
-on use, for that growth); the warm methods run after it, in rounds.
+first touch, which the daemon now does at creation so that this attach does not pay for it; the
+warm methods run after it, in rounds.
 
 Also measured once: DMA bandwidth through a pinned pool within one chunk and across a chunk
 boundary, against a cudaHostAlloc'd buffer, to show cutting copies at chunk edges costs nothing.
@@ -38,6 +39,7 @@ import torch
 from bench.common import print_table, write_result
 from engine_client import shared_pool
 from engine_client.shared_pool import PIN_CHUNK_BYTES, SharedHostPool
+from kvcached.server.shm import SharedSegment
 from proto.messages import KVGeometry
 
 # Qwen3-8B pages; the pool size is what matters here, the geometry only sizes the pages.
@@ -45,15 +47,11 @@ GEOMETRY = KVGeometry("Qwen/Qwen3-8B", num_layers=36, num_kv_heads=8, head_dim=1
 GIB = 1 << 30
 
 
-def create_segment(directory: str, num_bytes: int) -> tuple[str, float]:
-    path = os.path.join(directory, f"kvcached-pinbench-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def create_segment(directory: str, num_bytes: int) -> tuple[SharedSegment, float]:
+    """The daemon's own code path: create, fallocate, map, and touch every page."""
     started = time.perf_counter()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, num_bytes)
-    finally:
-        os.close(fd)
-    return path, time.perf_counter() - started
+    segment = SharedSegment.create(directory, f"kvcached-pinbench-{os.getpid()}-{uuid.uuid4().hex[:8]}", num_bytes)
+    return segment, time.perf_counter() - started
 
 
 def time_single_register(path: str, num_bytes: int, populate: bool) -> dict:
@@ -179,12 +177,13 @@ def main() -> None:
             print(f"skipping {size_gib} GiB: {args.dir} has {shutil.disk_usage(args.dir).free} bytes free")
             rows.append({"size_gib": size_gib, "method": "skipped", "note": f"{args.dir} too small"})
             continue
-        path, create_s = create_segment(args.dir, num_bytes)
-        print(f"{size_gib} GiB segment created (posix_fallocate) in {create_s:.2f} s")
-        rows.append({"size_gib": size_gib, "method": "daemon: create segment (posix_fallocate)", "attach_s": create_s})
+        segment, create_s = create_segment(args.dir, num_bytes)
+        path = segment.path
+        print(f"{size_gib} GiB segment created by the daemon's code (fallocate + touch) in {create_s:.2f} s")
+        rows.append({"size_gib": size_gib, "method": "daemon: create segment (fallocate + touch)", "attach_s": create_s})
         try:
-            # First the engine attach that meets the freshly created segment: posix_fallocate on
-            # tmpfs leaves the pages to be zeroed at first touch, so this attach pays for that.
+            # First the engine attach that meets the freshly created segment (tmpfs zeroes
+            # fallocated pages at first touch; the daemon now touches them when it creates it).
             default_threads = shared_pool.default_pin_threads()
             row = {"size_gib": size_gib, "method": f"first attach after create: chunks-{default_threads}",
                    **time_pool(path, num_pages, None, True, False)}
@@ -214,7 +213,7 @@ def main() -> None:
             if size_index == 0:
                 dma_rows = measure_dma(path, num_pages, args.dma_mib << 20, repeats=5)
         finally:
-            os.unlink(path)
+            segment.close()        # unmaps and unlinks
 
     print_table(rows, ["size_gib", "method", "repeat", "attach_s", "first_chunk_s", "all_pinned_s", "pin_s", "unpin_s",
                        "map_s", "register_s"])
