@@ -33,6 +33,18 @@ def commit(state, session_id, token_bytes):
     return reply.backup_page_ids, write_through
 
 
+def only_in_l3(state, session_id, rng, num_pages: int) -> bytes:
+    """Back up a prefix, write it through, then fill L2 so that only L3 still holds it."""
+    prefix = tokens(rng, num_pages)
+    _, move = commit(state, session_id, prefix)
+    state.finish_move(move, ok=True)
+    _, move = commit(state, session_id, tokens(rng, 16))       # all of L2: evicts the prefix there
+    state.finish_move(move, ok=True)
+    state.check_integrity()
+    assert l2_l3_hits(state, session_id, prefix) == (0, num_pages)
+    return prefix
+
+
 def l2_l3_hits(state, session_id, token_bytes):
     reply = state.match(session_id, token_bytes)
     if reply.lease_id is not None:
@@ -121,11 +133,7 @@ def test_published_promotion_survives_the_sessions_death(state, clock):
     rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     keeper, _ = state.attach(GEOMETRY, pid=2)
-    prefix = tokens(rng, 4)
-    _, move = commit(state, session.session_id, prefix)
-    state.finish_move(move, ok=True)
-    _, move = commit(state, session.session_id, tokens(rng, 16))    # evicts the prefix from L2
-    state.finish_move(move, ok=True)
+    prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
     promotion = state.plan_promotion(session.session_id, prefix)
     state.finish_move(promotion, ok=True)
     reply = state.match(session.session_id, prefix)              # the engine's lease on the promoted pages
@@ -143,11 +151,7 @@ def test_failed_promotion_falls_back_without_leaks(state):
     """A failed S2H returns its private L2 pages; L3 still holds the prefix; nothing is published."""
     rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
-    prefix = tokens(rng, 4)
-    _, move = commit(state, session.session_id, prefix)
-    state.finish_move(move, ok=True)
-    _, move = commit(state, session.session_id, tokens(rng, 16))
-    state.finish_move(move, ok=True)
+    prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
     promotion = state.plan_promotion(session.session_id, prefix)
     private = set(promotion.private_page_ids)
     state.finish_move(promotion, ok=False)
