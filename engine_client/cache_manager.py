@@ -14,6 +14,7 @@ the reserved backup pages; it ends by commit or release, never by being forgotte
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Sequence
@@ -21,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine_client.client import KVCacheClient
+from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.l1_index import L1PrefixIndex
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
@@ -67,6 +68,7 @@ class CacheManager:
         self.l1_index = L1PrefixIndex(self.page_size)
         self.restore_policy = restore_policy
         self._open_plans: list[RequestPlan] = []
+        self.counters: collections.Counter[str] = collections.Counter()   # fallbacks to recompute
         self._pin_report_pending = False
 
     @classmethod
@@ -105,6 +107,10 @@ class CacheManager:
     # ---- per request ----------------------------------------------------------------------------
 
     def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
+        """L1 match, then one round trip to the daemon, then the restore of what L2 adds.
+
+        A daemon that does not answer, or a restore that fails, is not the request's failure: the
+        plan then covers what L1 holds, and the engine recomputes the rest (counted in ``counters``)."""
         if self._pin_report_pending and self.host_pool.is_pinned:
             self._report_transfer_facts()
         tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
@@ -114,39 +120,62 @@ class CacheManager:
         l1_match = self.l1_index.match(tokens)
         l1_page_ids = list(l1_match.page_ids)
         self.l1_index.lock(l1_page_ids)
-        reply = None
+        lease_id = None
         try:
-            reply = self.client.match(tokens, reserve_backup=backup)
-            l2_hit_tokens = reply.hit_tokens["l2"]
+            try:
+                reply = self.client.match(tokens, reserve_backup=backup)
+            except (DaemonUnavailable, DaemonError) as exc:
+                logger.warning("match failed, recomputing: %s", exc)
+                self.counters["match_failures"] += 1
+                reply = None
+            lease_id = reply.lease_id if reply is not None else None
+            l2_hit_tokens = reply.hit_tokens["l2"] if reply is not None else 0
             restored_tokens, restore_seconds = 0, 0.0
             if l2_hit_tokens > l1_match.num_tokens and self.restore_policy == "always":
                 first_page = l1_match.num_tokens // page_size
                 host_page_ids = reply.host_page_ids[first_page: l2_hit_tokens // page_size]
-                restored_page_ids, restore_seconds = self._restore(tokens, first_page, host_page_ids)
+                try:
+                    restored_page_ids, restore_seconds = self._restore(tokens, first_page, host_page_ids)
+                except L1Full:
+                    raise
+                except Exception as exc:       # the transfer failed: recompute instead
+                    logger.warning("restore of %d pages failed, recomputing: %s", len(host_page_ids), exc)
+                    self.counters["restore_failures"] += 1
+                    restored_page_ids = []
                 l1_page_ids += restored_page_ids
                 restored_tokens = len(restored_page_ids) * page_size
-            lease_id = reply.lease_id
-            if lease_id is not None and not reply.backup_page_ids:
-                self.client.release(lease_id)      # nothing to back up: the read lock is done
+            # After a failed restore the prefill recomputes from the L1 hit on, so the reserved pages
+            # (from the L2 hit on) are still produced and can still be backed up.
+            backup_page_ids = list(reply.backup_page_ids) if reply is not None else []
+            if lease_id is not None and not backup_page_ids:
+                self._end_lease(lease_id)   # nothing to back up: the read lock is done
                 lease_id = None
             num_cached_tokens = len(l1_page_ids) * page_size
             num_new_pages = -(-(len(tokens) - num_cached_tokens) // page_size)
             new_l1_page_ids = self._allocate_l1(num_new_pages)
         except BaseException:
             self.l1_index.unlock(l1_page_ids)
-            if reply is not None and reply.lease_id is not None:
-                self.client.release(reply.lease_id)
+            if lease_id is not None:
+                self._end_lease(lease_id)
             raise
         plan = RequestPlan(
             token_ids=tokens, num_cached_tokens=num_cached_tokens, l1_page_ids=l1_page_ids,
             new_l1_page_ids=new_l1_page_ids, l1_hit_tokens=l1_match.num_tokens,
             restored_tokens=restored_tokens, l2_hit_tokens=l2_hit_tokens, lease_id=lease_id,
-            backup_start_token=reply.backup_start_token,
-            backup_page_ids=list(reply.backup_page_ids) if lease_id is not None else [],
+            backup_start_token=reply.backup_start_token if reply is not None else 0,
+            backup_page_ids=backup_page_ids if lease_id is not None else [],
             restore_seconds=restore_seconds,
         )
         self._open_plans.append(plan)
         return plan
+
+    def _end_lease(self, lease_id: int) -> None:
+        """Release a lease; if the session is gone the daemon has reclaimed it already."""
+        try:
+            self.client.release(lease_id)
+        except (DaemonUnavailable, DaemonError) as exc:
+            logger.warning("could not release lease %d (the daemon reclaims it with the session): %s",
+                           lease_id, exc)
 
     def _restore(self, tokens: np.ndarray, first_page: int, host_page_ids: list[int]) -> tuple[list[int], float]:
         """Copy L2 pages into new L1 pages; publish them in the L1 index once the copy is complete."""
@@ -186,9 +215,12 @@ class CacheManager:
                 self.client.commit_backup(plan.lease_id, host_page_ids)
                 plan.lease_id = None
                 backed_up = count
+        except Exception as exc:      # a failed backup loses nothing: the pages stay in L1
+            logger.warning("backup of a request failed: %s", exc)
+            self.counters["backup_failures"] += 1
         finally:
             if plan.lease_id is not None:
-                self.client.release(plan.lease_id)
+                self._end_lease(plan.lease_id)
                 plan.lease_id = None
             if new_full:
                 duplicates = self.l1_index.insert(plan.token_ids[: full_pages * page_size], new_full,
@@ -205,7 +237,7 @@ class CacheManager:
         """Give up a request: end its lease, free its new pages, unlock its cached ones."""
         self._check_open(plan)
         if plan.lease_id is not None:
-            self.client.release(plan.lease_id)
+            self._end_lease(plan.lease_id)
             plan.lease_id = None
         self.l1_index.unlock(plan.l1_page_ids)
         self.l1_pool.free(plan.new_l1_page_ids)
@@ -252,8 +284,16 @@ class CacheManager:
             raise AssertionError("L1 pages are leaked: cached + free + in requests != capacity")
 
     def close(self) -> None:
-        for plan in list(self._open_plans):
-            self.abort(plan)
-        self.transfer.close()
-        self.host_pool.close()
-        self.client.close()
+        """Abort open requests, then close the transfers, the host pool and the client, each even if
+        an earlier step failed."""
+        try:
+            for plan in list(self._open_plans):
+                self.abort(plan)
+        finally:
+            try:
+                self.transfer.close()
+            finally:
+                try:
+                    self.host_pool.close()
+                finally:
+                    self.client.close()

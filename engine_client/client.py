@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import zmq
@@ -112,6 +112,10 @@ class _Channel:
         self._request_ids = itertools.count(1)
         self.pending_async: dict[int, MsgKind] = {}
         self.async_errors: list[DaemonError] = []
+        # Requests we stopped waiting for: a late MATCH reply still carries a lease that nobody
+        # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease.
+        self.abandoned: dict[int, MsgKind] = {}
+        self.on_orphan_lease: Callable[[int], None] | None = None
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
         request_id = next(self._request_ids)
@@ -135,6 +139,8 @@ class _Channel:
         while True:
             frame = self._receive(deadline)
             if frame is None:
+                if len(self.abandoned) < MAX_PENDING_ASYNC:
+                    self.abandoned[request_id] = kind
                 raise DaemonUnavailable(
                     f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
                     f"within timeout_s={timeout_s} (is it running?)")
@@ -174,6 +180,10 @@ class _Channel:
             self._absorb(frame)
 
     def _absorb(self, frame: codec.Frame) -> None:
+        abandoned_kind = self.abandoned.pop(frame.request_id, None)
+        if (abandoned_kind == MsgKind.MATCH and frame.kind == MsgKind.REPLY
+                and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None):
+            self.on_orphan_lease(frame.body["lease_id"])
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
             if kind is not None:
@@ -203,6 +213,7 @@ class KVCacheClient:
         self.client_name = client_name
         self._context = zmq.Context()
         self._channel = _Channel(self._context, self.socket_path, timeout_s, spin_s)
+        self._channel.on_orphan_lease = self._release_orphan
         self.info: AttachInfo | None = None
         self.geometry: KVGeometry | None = None
         self._heartbeat_thread: threading.Thread | None = None
@@ -238,6 +249,9 @@ class KVCacheClient:
                 try:
                     channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id})
                 except DaemonError as exc:
+                    if exc.code != ErrorCode.NOT_ATTACHED:
+                        logger.warning("heartbeat refused: %s", exc)
+                        continue
                     self._session_lost = str(exc)
                     logger.error("kvcached session lost: %s", exc)
                     return
@@ -268,6 +282,16 @@ class KVCacheClient:
             "promote_l3": promote_l3,
         })
         return MatchReply(**{f: body[f] for f in MatchReply._fields if f in body})
+
+    def _release_orphan(self, lease_id: int) -> None:
+        logger.warning("releasing lease %d granted by a match that timed out", lease_id)
+        if self.info is not None and self._session_lost is None:
+            self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
+
+    @property
+    def session_lost(self) -> bool:
+        """True once the daemon no longer knows this session (its leases are reclaimed already)."""
+        return self._session_lost is not None
 
     def release(self, lease_id: int) -> None:
         self._channel.send_async(MsgKind.RELEASE, {"session_id": self._session(), "lease_id": lease_id})

@@ -64,6 +64,7 @@ class DaemonConfig:
     max_frame_bytes: int = 16 << 20
     io_threads: int = 4
     socket_spin_us: int = 100           # busy-poll the socket this long after a request (0: never)
+    max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
     shm_dir: str = SHM_DIR
     log_level: str = "INFO"
 

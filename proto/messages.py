@@ -101,5 +101,5 @@ class KVGeometry:
                 raise bad(f"{name} must be an integer in 1..{upper}, got {value!r}")
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
             raise bad(f"tp_rank must be in 0..tp_size-1, got {self.tp_rank!r}")
-        if self.dtype not in DTYPE_ITEMSIZE:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")

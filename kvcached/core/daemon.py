@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import logging
 import secrets
@@ -31,6 +32,9 @@ from proto.messages import KVGeometry
 logger = logging.getLogger(__name__)
 
 ARENA_ALIGN_BYTES = 2 * 1024 * 1024
+# Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
+# make allocators, the tree and the integrity check hold tens of millions of ids.
+MAX_PAGES_PER_TIER = 1 << 20
 
 
 class ArenaPlan(NamedTuple):
@@ -100,6 +104,12 @@ class Metrics:
         return dict(sorted(self.counters.items()))
 
 
+def session_tag(session_id: int) -> str:
+    """How status names a session: session ids are capabilities (a peer that knows one can detach
+    that engine or release its leases), so status shows a digest, never the id."""
+    return hashlib.blake2b(session_id.to_bytes(8, "little"), digest_size=6).hexdigest()
+
+
 class DaemonState:
     def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float,
                  l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic):
@@ -145,12 +155,12 @@ class DaemonState:
             raise ProtocolError(ErrorCode.OUT_OF_SPACE,
                                 f"all {self.arena_plan.max_namespaces} namespaces are in use; "
                                 "start the daemon with a larger --max-namespaces")
-        num_pages = self.arena_plan.arena_bytes // geometry.bytes_per_page
+        num_pages = min(self.arena_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER)
         if num_pages < 1:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
                                 f"one page of this geometry ({geometry.bytes_per_page} bytes) does not fit "
                                 f"in an L2 arena of {self.arena_plan.arena_bytes} bytes")
-        num_slots = self.l3_plan.arena_bytes // geometry.bytes_per_page if self.l3_plan else 0
+        num_slots = min(self.l3_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER) if self.l3_plan else 0
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
         namespace = Namespace(
             namespace_id=index,
@@ -382,7 +392,10 @@ class DaemonState:
         self.moves[move.op_id] = move
         return move
 
-    def finish_move(self, move: TierMove, ok: bool) -> int:
+    def pending_moves(self, direction: str) -> int:
+        return sum(move.direction == direction for move in self.moves.values())
+
+    def finish_move(self, move: TierMove, ok: bool, skipped: bool = False) -> int:
         """Publish a completed move's pages in the tree, or return them on failure.
 
         Returns the number of pages the destination tier gained. Once published, the pages
@@ -401,7 +414,8 @@ class DaemonState:
         else:
             move.transition(OpState.FAILED)
             allocator.free(move.private_page_ids)
-            self.metrics.add(f"{move.direction}_failures")
+            # skipped: never started (policy), not an I/O failure
+            self.metrics.add(f"{move.direction}_{'policy_skips' if skipped else 'failures'}")
         move.private_page_ids = []
         for node, tier in move.locks:
             namespace.tree.unlock(node, tier)
@@ -517,14 +531,13 @@ class DaemonState:
             })
         return {
             "sessions": [
-                {"session_id": f"{s.session_id:x}", "pid": s.pid, "client_name": s.client_name,
+                {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
                  "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
                  "age_s": round(self.clock() - s.attached_at, 3), "report": s.report}
                 for s in self.sessions.values()
             ],
             "leases": len(self.leases),
-            "pending": {"h2s": sum(m.direction == "h2s" for m in self.moves.values()),
-                        "s2h": sum(m.direction == "s2h" for m in self.moves.values())},
+            "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},
             "namespaces": namespaces,
             "metrics": self.metrics.snapshot(),
         }

@@ -92,17 +92,31 @@ class Server:
         try:
             await self.stop_event.wait()
         finally:
-            self._stopping = True
-            self._wake_sender.send(b"", flags=zmq.NOBLOCK)
-            await self._loop.run_in_executor(None, self._socket_thread.join)
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
-            # Pending tier moves: each waits for its I/O to finish, then returns its private pages.
+            # Pending tier moves first, while the socket thread still sends: each waits for its
+            # I/O, returns its private pages, and a waiting match gets its SHUTTING_DOWN reply.
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._wake_sender.close(0)
-            self._wake_receiver.close(0)
+            self._stop_socket_thread()
+            await self._loop.run_in_executor(None, self._socket_thread.join)
+
+    def _stop_socket_thread(self) -> None:
+        self._stopping = True
+        try:
+            self._wake_sender.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass      # wake-ups are queued already
+
+    def close_wake_sockets(self) -> None:
+        """Owned by serve()'s ExitStack, so that they close even if run() never ran or was cut short
+        (the context's term() would wait for them forever)."""
+        if self._socket_thread is not None and self._socket_thread.is_alive():
+            self._stop_socket_thread()
+            self._socket_thread.join(timeout=5.0)
+        self._wake_sender.close(0)
+        self._wake_receiver.close(0)
 
     def _socket_loop(self) -> None:
         try:
@@ -215,8 +229,12 @@ class Server:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _run_move(self, move: TierMove) -> bool:
-        """Run one tier move's file I/O off the loop; publish it on success, return its pages on failure."""
+    async def _run_move(self, move: TierMove,
+                        then: Callable[[bool], Any] | None = None) -> Any:
+        """Run one tier move's file I/O off the loop; publish it on success, return its pages on
+        failure. ``then(ok)`` runs under the same hold of the state lock as the publication, so
+        nothing (an eviction by another request) can come between them; its result is returned,
+        else ``ok``."""
         assert self.storage is not None and self.executor is not None
         namespace = self.state.namespaces[move.namespace_id]
         bytes_per_page = namespace.geometry.bytes_per_page
@@ -250,6 +268,8 @@ class Server:
         finally:
             with self.state_lock:
                 self.state.finish_move(move, ok)
+                if then is not None:
+                    return then(ok)
         return ok
 
     def _send(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
@@ -314,17 +334,18 @@ class Server:
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
-        namespace = self.state.namespaces[move.namespace_id]
+        page_size = self.state.namespaces[move.namespace_id].geometry.page_size
         num_pages = len(move.private_page_ids)
-        ok = await self._run_move(move)
-        promoted_tokens = num_pages * namespace.geometry.page_size if ok else 0
-        with self.state_lock:
+
+        def match_now(ok: bool) -> dict[str, Any]:
             # On failure the engine recomputes what L3 could not give.
             self.state.metrics.add("promotions" if ok else "restore_fallbacks")
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promoted_tokens=promoted_tokens)
-        assert not isinstance(outcome, TierMove)
-        return outcome.to_wire()
+                                       promoted_tokens=num_pages * page_size if ok else 0)
+            assert not isinstance(outcome, TierMove)
+            return outcome.to_wire()
+
+        return await self._run_move(move, then=match_now)
 
     def _backup_reserve(self, body: dict) -> dict[str, Any]:
         request = Match.parse(body)
@@ -342,7 +363,11 @@ class Server:
         reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
                                                         request.host_page_ids)
         if write_through is not None:
-            self._spawn_threadsafe(self._run_move(write_through))
+            if self.state.pending_moves("h2s") > self.config.max_pending_writes:
+                # L3 admission is best effort: a backlog would keep L2 pages locked and slots reserved.
+                self.state.finish_move(write_through, ok=False, skipped=True)
+            else:
+                self._spawn_threadsafe(self._run_move(write_through))
         return reply.to_wire() if request.ack else None
 
     def _engine_report(self, body: dict) -> dict[str, Any] | None:
@@ -417,15 +442,19 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             resources.callback(storage.close)
             executor = IoExecutor(config.io_threads)
             resources.callback(executor.shutdown)      # closed before the file and the segment
-        state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
-                            session_timeout_s=config.session_timeout_s,
-                            l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None)
+        try:
+            state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
+                                session_timeout_s=config.session_timeout_s,
+                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
 
         context = zmq.Context()
         resources.callback(context.term)
         socket = context.socket(zmq.ROUTER)
         resources.callback(socket.close, 0)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a reply that cannot be delivered raises, and is counted
         socket.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * config.max_frame_bytes)
         socket.setsockopt(zmq.SNDHWM, 10_000)
         socket.setsockopt(zmq.RCVHWM, 10_000)
@@ -434,6 +463,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         os.chmod(config.socket_path, 0o600)
 
         server = Server(config, state, socket, segment, storage, executor)
+        resources.callback(server.close_wake_sockets)
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, server.stop_event.set)

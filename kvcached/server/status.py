@@ -33,7 +33,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
     if sessions:
         lines += ["", f"{'session':<17} {'pid':>8} {'ns':>3} {'leases':>6} {'age_s':>8}  name"]
         for session in sessions:
-            lines.append(f"{session['session_id']:<17} {session['pid']:>8} {session['namespace_id']:>3} "
+            lines.append(f"{session['session']:<17} {session['pid']:>8} {session['namespace_id']:>3} "
                          f"{session['leases']:>6} {session['age_s']:>8.1f}  {session['client_name']}")
     io = snapshot.get("io", {})
     if io.get("h2s", {}).get("count") or io.get("s2h", {}).get("count"):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -147,3 +148,45 @@ def test_second_daemon_on_same_socket_is_refused(daemon):
     with connect(daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
         assert client.status(check_integrity=True)["integrity"] == "ok"
+
+
+def test_startup_failure_after_the_server_exists_does_not_hang(tmp_path):
+    """If start-up fails after the server is built (here: the readiness callback raises), serve()
+    raises promptly and releases everything instead of hanging on open sockets."""
+    import asyncio
+    import threading
+
+    from kvcached.config import DaemonConfig
+    from kvcached.server.loop import serve
+
+    config = DaemonConfig(socket_path=os.path.join(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"), "k.sock"),
+                          l2_bytes=4 << 20, l3_bytes=0, max_namespaces=1)
+    outcome = []
+
+    def fail(server):
+        raise RuntimeError("readiness check failed")
+
+    def target():
+        try:
+            asyncio.run(serve(config, fail, install_signal_handlers=False))
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "serve() hung after a start-up failure"
+    assert outcome == ["readiness check failed"]
+    assert not os.path.exists(config.socket_path)
+    assert not os.path.exists(os.path.join("/dev/shm", segment_name(config.socket_path)))
+
+
+def test_too_small_pool_is_a_clear_error():
+    """An L2 pool too small to give each namespace an arena exits with a message, not a traceback."""
+    daemon = DaemonProcess(l2_size="4MiB")
+    try:
+        with pytest.raises(RuntimeError) as error:
+            daemon.start()
+        assert "too small" in str(error.value) and "Traceback" not in str(error.value)
+    finally:
+        daemon.cleanup()

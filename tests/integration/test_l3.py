@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import tempfile
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_client.client import connect
+from engine_client.client import DaemonUnavailable, connect
 from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
@@ -139,12 +140,12 @@ def test_l3_file_truncated_underneath_falls_back_to_recompute():
         daemon.cleanup()
 
 
-@pytest.fixture
-def inprocess_daemon():
+@contextlib.contextmanager
+def inprocess_daemon_with(**overrides):
     """The daemon's real loop and socket in a thread of this process, so faults can be injected into its I/O."""
     socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    config = DaemonConfig(socket_path=os.path.join(socket_dir, "kvcached.sock"), l2_bytes=2 << 20,
-                          l3_bytes=64 << 20, max_namespaces=1)
+    config = DaemonConfig(**{"socket_path": os.path.join(socket_dir, "kvcached.sock"), "l2_bytes": 2 << 20,
+                             "l3_bytes": 64 << 20, "max_namespaces": 1, **overrides})
     ready = threading.Event()
     servers = []
 
@@ -155,12 +156,20 @@ def inprocess_daemon():
     thread = threading.Thread(target=lambda: asyncio.run(serve(config, on_ready, install_signal_handlers=False)))
     thread.start()
     assert ready.wait(20), "in-process daemon did not start"
-    yield config
-    loop, server = servers[0]
-    loop.call_soon_threadsafe(server.stop_event.set)
-    thread.join(20)
-    assert not thread.is_alive()
-    os.rmdir(socket_dir)
+    try:
+        yield config
+    finally:
+        loop, server = servers[0]
+        loop.call_soon_threadsafe(server.stop_event.set)
+        thread.join(20)
+        assert not thread.is_alive()
+        os.rmdir(socket_dir)
+
+
+@pytest.fixture
+def inprocess_daemon():
+    with inprocess_daemon_with() as config:
+        yield config
 
 
 def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monkeypatch):
@@ -218,3 +227,44 @@ def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
     finally:
         assert daemon.stop() == 0
         daemon.cleanup()
+
+
+def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch):
+    """A match slower than the client's timeout (a slow L3 read) raises DaemonUnavailable; the lease its
+    late reply carries is released by the client, so the daemon is left holding nothing."""
+    with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        tokens = evicted_prefix(client, np.random.default_rng())
+        real_preadv = io_workers._preadv
+
+        def slow_preadv(*args):
+            time.sleep(0.5)
+            return real_preadv(*args)
+
+        monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+        client._channel.timeout_s = 0.1
+        with pytest.raises(DaemonUnavailable, match="MATCH"):
+            client.match(tokens)
+        client._channel.timeout_s = 5.0
+        time.sleep(0.8)                       # the promotion and the late reply complete meanwhile
+        assert client.flush() == []           # absorbs the late reply and releases its lease
+        status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok" and status["leases"] == 0
+        assert status["namespaces"][0]["tiers"]["l2"]["protected_pages"] == 0
+
+
+def test_write_through_backlog_is_bounded():
+    """Past max_pending_writes, committed pages skip L3 (counted as policy skips) instead of queueing
+    writes that would keep L2 pages locked."""
+    with inprocess_daemon_with(max_pending_writes=0) as config:
+        with connect(config.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+            tokens = np.random.default_rng().integers(0, 150_000, size=4 * PAGE, dtype=np.int32)
+            reply = client.match(tokens, reserve_backup=True)
+            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+            assert client.flush() == []
+            status = wait_for_write_through(client)
+            assert status["metrics"]["h2s_policy_skips"] == 1
+            assert status["io"]["h2s"]["count"] == 0 and status["io"]["h2s"]["failures"] == 0
+            assert l2_l3(client, tokens) == (4 * PAGE, 0)
+            assert status["namespaces"][0]["tiers"]["l3"]["private_pages"] == 0

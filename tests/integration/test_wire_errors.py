@@ -104,6 +104,7 @@ def test_wrong_protocol_version_is_refused(daemon, peer, bystander):
     {"num_kv_heads": -1},
     {"page_size": "16"},
     {"tp_rank": 3, "tp_size": 2},
+    {"dtype": []},
     {"num_layers": 1024, "head_dim": 4096, "num_kv_heads": 1024},   # one page larger than the arena
 ])
 def test_bad_geometry_is_refused(daemon, peer, bystander, geometry_change):
@@ -218,3 +219,15 @@ def test_engine_report_shows_in_status(daemon, bystander):
         assert_error(peer.request(MsgKind.ENGINE_REPORT, too_big), ErrorCode.BAD_FRAME)
     finally:
         peer.close()
+
+
+def test_status_never_reveals_session_ids(daemon, bystander):
+    """Session ids are capabilities: the status names sessions by a digest, so a peer that reads the
+    status cannot detach another engine or release its leases."""
+    import json
+
+    status = bystander.status()
+    session_id = bystander.info.session_id
+    text = json.dumps(status)
+    assert f"{session_id:x}" not in text and str(session_id) not in text
+    assert len(status["sessions"]) == 1 and status["sessions"][0]["session"]

@@ -1,0 +1,70 @@
+"""The engine's cache manager against a real daemon when things go wrong: nothing leaks, requests recompute."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from engine_client.cache_manager import CacheManager
+from engine_client.client import connect
+from proto.messages import MsgKind
+from tests.integration.engine_proc import GEOMETRY
+
+PAGE = GEOMETRY.page_size
+
+
+@pytest.fixture
+def manager(daemon):
+    manager = CacheManager.attach(connect(daemon.socket_path, timeout_s=5.0, client_name="cm"), GEOMETRY,
+                                  num_l1_pages=64, device="cpu")
+    yield manager
+    manager.close()
+
+
+def random_tokens(num_tokens: int) -> np.ndarray:
+    return np.random.default_rng().integers(0, 150_000, size=num_tokens, dtype=np.int32)
+
+
+def test_lost_session_leaks_no_l1_pages(manager):
+    """When the daemon drops the session (here: detached behind the engine's back), finishing and
+    aborting open requests still frees or publishes every L1 page, and close() completes."""
+    finished, aborted = manager.prepare(random_tokens(5 * PAGE + 3)), manager.prepare(random_tokens(3 * PAGE))
+    assert finished.lease_id is not None and aborted.lease_id is not None
+    manager.client.request_raw(MsgKind.DETACH, {"session_id": manager.client.info.session_id})
+    deadline = time.monotonic() + 3.0
+    while not manager.client.session_lost:          # the heartbeat thread notices within an interval
+        assert time.monotonic() < deadline, "the client did not notice its session was gone"
+        time.sleep(0.05)
+    assert manager.finish(finished) == 0             # no backup without a session, but no exception
+    manager.abort(aborted)
+    manager.check_integrity()
+    assert manager.counters["backup_failures"] == 1
+    assert manager.l1_index.num_cached_pages == 5     # the finished request's full pages stay in L1
+    assert manager.l1_pool.num_free == 64 - 5
+
+
+def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch):
+    """A restore whose transfer fails leaves the request to recompute from L1's hit: no L1 page
+    leaks, the lease ends, and the daemon's integrity holds."""
+    tokens = random_tokens(6 * PAGE)
+    plan = manager.prepare(tokens)
+    manager.finish(plan)
+    evicted = manager.l1_index.evict(manager.l1_index.num_cached_pages)   # L1 forgets it; L2 still has it
+    manager.l1_pool.free(evicted)
+
+    def broken_restore(*args, **kwargs):
+        raise RuntimeError("injected transfer failure")
+
+    monkeypatch.setattr(manager.transfer, "restore", broken_restore)
+    plan = manager.prepare(tokens, backup=False)
+    assert plan.l2_hit_tokens == 6 * PAGE and plan.restored_tokens == 0 and plan.num_cached_tokens == 0
+    assert len(plan.new_l1_page_ids) == 6 and plan.lease_id is None
+    assert manager.counters["restore_failures"] == 1
+    manager.check_integrity()
+    manager.finish(plan)
+    manager.check_integrity()
+    assert manager.client.flush() == []
+    status = manager.client.status(check_integrity=True)
+    assert status["integrity"] == "ok" and status["leases"] == 0
