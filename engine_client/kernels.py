@@ -21,7 +21,7 @@ Two implementations with identical semantics and checks:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -61,6 +61,22 @@ def packed_shape(l1_kv: torch.Tensor, num_pages_selected: int) -> tuple[int, ...
 # ----------------------------------------------------------------------------- checks
 
 
+def _check_pool(l1_kv: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless ``l1_kv`` is a pool the kernels can address."""
+    if not isinstance(l1_kv, torch.Tensor):
+        raise TypeError(f"l1_kv must be a torch.Tensor, got {type(l1_kv).__name__}")
+    if l1_kv.dim() != 6 or l1_kv.shape[0] != 2:
+        raise ValueError(
+            "l1_kv must have shape [2, num_layers, num_pages, page_size, num_kv_heads, head_dim], "
+            f"got {tuple(l1_kv.shape)}"
+        )
+    if l1_kv.element_size() not in _RAW_BITS_DTYPE_BY_ITEMSIZE:
+        raise TypeError(f"unsupported dtype {l1_kv.dtype}: itemsize {l1_kv.element_size()}")
+    # Kernels compute addresses from the shapes alone, so strides must be the contiguous ones.
+    if not l1_kv.is_contiguous():
+        raise ValueError(f"l1_kv must be contiguous, got strides {l1_kv.stride()}")
+
+
 def _check_args(
     l1_kv: torch.Tensor,
     page_ids: torch.Tensor,
@@ -69,14 +85,10 @@ def _check_args(
     check_bounds: bool,
 ) -> None:
     """Raise TypeError/ValueError unless the three tensors describe a valid page transfer."""
-    for name, value in (("l1_kv", l1_kv), ("page_ids", page_ids), (packed_name, packed)):
+    _check_pool(l1_kv)
+    for name, value in (("page_ids", page_ids), (packed_name, packed)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if l1_kv.dim() != 6 or l1_kv.shape[0] != 2:
-        raise ValueError(
-            "l1_kv must have shape [2, num_layers, num_pages, page_size, num_kv_heads, head_dim], "
-            f"got {tuple(l1_kv.shape)}"
-        )
     if packed.dim() != 6:
         raise ValueError(
             f"{packed_name} must have shape [n, 2, num_layers, page_size, num_kv_heads, head_dim], "
@@ -99,16 +111,11 @@ def _check_args(
         )
     if packed.dtype != l1_kv.dtype:
         raise TypeError(f"{packed_name} dtype {packed.dtype} differs from l1_kv dtype {l1_kv.dtype}")
-    if l1_kv.element_size() not in _RAW_BITS_DTYPE_BY_ITEMSIZE:
-        raise TypeError(f"unsupported dtype {l1_kv.dtype}: itemsize {l1_kv.element_size()}")
     if not (l1_kv.device == page_ids.device == packed.device):
         raise ValueError(
             f"l1_kv ({l1_kv.device}), page_ids ({page_ids.device}) and {packed_name} "
             f"({packed.device}) must be on one device"
         )
-    # Kernels compute addresses from the shapes alone, so strides must be the contiguous ones.
-    if not l1_kv.is_contiguous():
-        raise ValueError(f"l1_kv must be contiguous, got strides {l1_kv.stride()}")
     if not packed.is_contiguous():
         raise ValueError(f"{packed_name} must be contiguous, got strides {packed.stride()}")
     if check_bounds and page_ids.numel() > 0:
@@ -121,7 +128,8 @@ def _check_args(
 
 def _raw_bits(tensor: torch.Tensor) -> torch.Tensor:
     """View ``tensor`` as the integer type of its itemsize, so copies are bit-exact."""
-    return tensor.view(_RAW_BITS_DTYPE_BY_ITEMSIZE[tensor.element_size()])
+    bits_dtype = _RAW_BITS_DTYPE_BY_ITEMSIZE[tensor.element_size()]
+    return tensor if tensor.dtype == bits_dtype else tensor.view(bits_dtype)
 
 
 def _slab_geometry(l1_kv: torch.Tensor) -> tuple[int, int, int]:
@@ -255,41 +263,76 @@ def _interpreted(kernel) -> Callable:
     return _interpreted_kernels[kernel]
 
 
-def _launch(kernel, l1_kv: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor,
-            dst: torch.Tensor, block_size: int) -> None:
-    """Launch ``kernel(src, dst, ...)`` with one program per (packed slab, block) pair."""
+class _LaunchPlan(NamedTuple):
+    """What a launch needs from a checked pool: its slab geometry, the block size and the blocks per slab."""
+
+    num_slabs_per_page: int
+    num_pages: int
+    page_elements: int
+    block_size: int
+    num_blocks_per_slab: int
+
+
+def _plan_launches(l1_kv: torch.Tensor, block_size: int) -> _LaunchPlan:
+    """Check the block size and work out the launch geometry of a (checked) pool."""
     if not isinstance(block_size, int) or not 0 < block_size <= _MAX_BLOCK_SIZE \
             or block_size & (block_size - 1):
         raise ValueError(
             f"block_size must be a power of two in [1, {_MAX_BLOCK_SIZE}], got {block_size!r}"
         )
     num_slabs_per_page, num_pages, page_elements = _slab_geometry(l1_kv)
-    num_slabs = page_ids.shape[0] * num_slabs_per_page
     num_blocks_per_slab = triton.cdiv(page_elements, block_size)
+    return _LaunchPlan(num_slabs_per_page, num_pages, page_elements, block_size, num_blocks_per_slab)
+
+
+def _check_plan(plan: _LaunchPlan, device: torch.device) -> None:
+    """Check what does not depend on the selection: the grid's y limit, in-slab offsets, the device."""
+    if plan.num_blocks_per_slab > _MAX_GRID_Y:
+        raise ValueError(
+            f"a page slab of {plan.page_elements} elements needs {plan.num_blocks_per_slab} blocks of "
+            f"{plan.block_size}, over the grid limit {_MAX_GRID_Y}; use a larger block_size"
+        )
+    if plan.num_blocks_per_slab * plan.block_size > 2**31 - 1:
+        # Offsets within a slab are int32 in the kernels.
+        raise ValueError(f"a page slab of {plan.page_elements} elements overflows int32 offsets")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the Triton backend runs on cuda (or cpu, interpreted), not {device}")
+
+
+def _launch_planned(kernel, plan: _LaunchPlan, page_ids: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+    """Launch ``kernel(src, dst, ...)`` with one program per (packed slab, block) pair."""
+    num_slabs = page_ids.shape[0] * plan.num_slabs_per_page
     if num_slabs > _MAX_GRID_X:
         raise ValueError(f"{num_slabs} page slabs exceed the grid limit {_MAX_GRID_X}")
-    if num_blocks_per_slab > _MAX_GRID_Y:
-        raise ValueError(
-            f"a page slab of {page_elements} elements needs {num_blocks_per_slab} blocks of "
-            f"{block_size}, over the grid limit {_MAX_GRID_Y}; use a larger block_size"
-        )
-    if num_blocks_per_slab * block_size > 2**31 - 1:
-        # Offsets within a slab are int32 in the kernels.
-        raise ValueError(f"a page slab of {page_elements} elements overflows int32 offsets")
-    if l1_kv.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"the Triton backend runs on cuda (or cpu, interpreted), not {l1_kv.device}")
     if num_slabs == 0:
         return
-    grid = (num_slabs, num_blocks_per_slab)
+    grid = (num_slabs, plan.num_blocks_per_slab)
     args = (_raw_bits(src), _raw_bits(dst), page_ids, page_ids.stride(0),
-            num_slabs_per_page, num_pages, page_elements)
-    constexprs = dict(BLOCK_SIZE=block_size, EVEN_BLOCKS=page_elements % block_size == 0)
-    if l1_kv.device.type == "cpu":
-        _interpreted(kernel)[grid](*args, **constexprs)
+            plan.num_slabs_per_page, plan.num_pages, plan.page_elements)
+    even_blocks = plan.page_elements % plan.block_size == 0
+    device = src.device
+    if device.type == "cpu":
+        _interpreted(kernel)[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
         return
-    # Triton launches on the current device; make that the tensors' device.
-    with torch.cuda.device(l1_kv.device):
-        kernel[grid](*args, **constexprs)
+    # Triton launches on the current device; make that the tensors' device (a switch only when it
+    # is not already: the transfer engine launches with its device current).
+    if torch.cuda.current_device() == device.index:
+        kernel[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
+        return
+    with torch.cuda.device(device):
+        kernel[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
+
+
+def _launch(kernel, l1_kv: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor,
+            dst: torch.Tensor, block_size: int) -> None:
+    """Check the launch limits, then launch ``kernel(src, dst, ...)``."""
+    plan = _plan_launches(l1_kv, block_size)
+    num_slabs = page_ids.shape[0] * plan.num_slabs_per_page
+    if num_slabs > _MAX_GRID_X:
+        raise ValueError(f"{num_slabs} page slabs exceed the grid limit {_MAX_GRID_X}")
+    _check_plan(plan, l1_kv.device)
+    _launch_planned(kernel, plan, page_ids, src, dst)
 
 
 def _require_triton() -> None:
@@ -332,6 +375,52 @@ def scatter_pages(
     _check_args(l1_kv, page_ids, packed, "packed", check_bounds)
     _launch(_scatter_pages_kernel, l1_kv, page_ids, packed, l1_kv, block_size)
     return l1_kv
+
+
+class PoolKernels:
+    """The Triton gather and scatter bound to one L1 pool, for a caller that launches many of them.
+
+    ``gather_pages`` and ``scatter_pages`` check every argument on every call; here what belongs
+    to the pool (shape, contiguity, dtype, device, block size, per-slab limits) is checked once,
+    at construction, and each call checks only what varies: the packed buffer (shape, dtype,
+    contiguity, device) and the page-id tensor (shape, dtype, device), through one cheap test
+    that falls back to the full checks, and their messages, when it fails. Same semantics and
+    errors as the functions; the pool must keep its shape and strides (it is a fixed allocation).
+    """
+
+    def __init__(self, l1_kv: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE):
+        _require_triton()
+        _check_pool(l1_kv)
+        self.l1_kv = l1_kv
+        self._plan = _plan_launches(l1_kv, block_size)
+        _check_plan(self._plan, l1_kv.device)
+        self._page_shape = l1_kv.shape[:2] + l1_kv.shape[3:]
+        self._dtype = l1_kv.dtype
+        self._device = l1_kv.device
+
+    def gather(self, page_ids: torch.Tensor, out: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
+        """out[i, kv, layer] = l1_kv[kv, layer, page_ids[i]] for all i; returns out (see gather_pages)."""
+        self._check(page_ids, out, "out", check_bounds)
+        _launch_planned(_gather_pages_kernel, self._plan, page_ids, self.l1_kv, out)
+        return out
+
+    def scatter(self, packed: torch.Tensor, page_ids: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
+        """l1_kv[kv, layer, page_ids[i]] = packed[i, kv, layer] for all i; returns l1_kv (see scatter_pages)."""
+        self._check(page_ids, packed, "packed", check_bounds)
+        _launch_planned(_scatter_pages_kernel, self._plan, page_ids, packed, self.l1_kv)
+        return self.l1_kv
+
+    def _check(self, page_ids: torch.Tensor, packed: torch.Tensor, packed_name: str, check_bounds: bool) -> None:
+        valid = (isinstance(packed, torch.Tensor) and isinstance(page_ids, torch.Tensor)
+                 and packed.shape[1:] == self._page_shape and packed.dtype == self._dtype
+                 and page_ids.dim() == 1 and page_ids.shape[0] == packed.shape[0]
+                 and page_ids.dtype in _INDEX_DTYPES
+                 and packed.device == self._device and page_ids.device == self._device
+                 and packed.is_contiguous())
+        if not valid or check_bounds:
+            # The full checks raise with the precise message (and check bounds when asked).
+            _check_args(self.l1_kv, page_ids, packed, packed_name, check_bounds)
+            assert valid, "the quick check refused arguments that the full checks accept"
 
 
 # Backend name -> (gather, scatter), for the transfer engine's backend choice.

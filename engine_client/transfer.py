@@ -20,13 +20,27 @@ machine one thread copied ~6 GB/s, and a 3,500-token backup of pages that are al
 per run straight between the packed buffer and the pool (no staging, no host copy): 35-37 GB/s for
 the same worst case (bench/results/h200/transfer.json, layout "fragmented/dma").
 
-CUDA ordering. Each engine has a private transfer stream. It first waits on the caller's current
-stream (which produced the L1 pages being backed up, or last used the pages being restored into),
-then copies the page-index tensors to the device from pinned memory, runs the gather or scatter and
-the DMA, and records a completion event. Buffers a pending transfer uses (workspace, index
-tensors, host views) are owned by its `Transfer` until completion, so nothing is reused early.
-With a pool pinned in the background, a direct DMA first waits (on the host) until the chunks it
-touches are pinned.
+CUDA ordering. Each engine has two private streams: a compute stream for the page-id uploads,
+gathers and scatters, and a copy stream for every DMA. A backup's gather waits on the caller's
+current stream (which produced the L1 pages); a restore's scatter waits on it too (it last used
+the pages being restored into), while the restore's DMAs, which write only the workspace's packed
+buffer, start at once. Page ids reach the device from pinned memory, asynchronously. Buffers a
+pending transfer uses (its workspace with its events and index tensors, host views) are owned by
+its `Transfer` until completion (the completion event is recorded on the stream that runs last,
+after it has waited for the other), so nothing is reused early. With a pool pinned in the
+background, a direct DMA first waits (on the host) until the chunks it touches are pinned.
+
+Slices. A transfer of at least 32 MiB is cut into up to `max_slices` slices of whole pages (at
+least 16 MiB each), chained by events: a backup gathers slice k+1 while the copy engine moves
+slice k; a restore scatters slice k while slice k+1 is copied. Only the first gather (or the last
+scatter) then adds to the DMA's time instead of the whole one (a 1,000-token Qwen3-8B gather
+takes ~0.08 ms on the H200, next to a 2.7 ms DMA).
+
+Host time. Submitting is on the critical path (the device idles until the first copy or kernel is
+queued), so the submit path makes no per-call CUDA objects, switches streams with plain
+set_stream calls, launches Triton through a launcher bound to the pool (kernels.PoolKernels: the
+pool is checked once), and validates ids with a few vectorized passes (one reduction for the
+range; ascending destinations need no sort to be known distinct).
 
 Backends. `torch` (index_select / index_copy_) and `triton` (engine_client.kernels) pack and unpack
 pages; `auto` times both on this engine's geometry when the engine is built and keeps the faster
@@ -75,6 +89,11 @@ AUTO_TIMING_PAGES = 64
 _AUTO_WARMUP_CALLS = 2          # the first call compiles the Triton kernel
 _AUTO_TIMED_CALLS = 5
 
+# Slices of a transfer (see the module note): at most DEFAULT_MAX_SLICES, each at least this big,
+# so a slice's DMA (~0.3 ms at 55 GB/s) dwarfs the few microseconds each slice adds on the host.
+_MIN_SLICE_BYTES = 16 << 20
+DEFAULT_MAX_SLICES = 4
+
 # A host-side copy gives each thread at least this much; below it, handing work over costs more
 # than it saves.
 _MIN_BYTES_PER_COPY_THREAD = 4 << 20
@@ -120,7 +139,10 @@ class TritonBackend:
     """The Triton kernels of engine_client.kernels (interpreted on CPU tensors, for tests).
 
     The transfer engine has checked the ids on the host, so the kernels' bounds check, which costs
-    a device synchronization, is skipped.
+    a device synchronization, is skipped. The engine passes one pool tensor on every call, so the
+    launches go through a kernels.PoolKernels bound to it: the pool is checked once, and each call
+    checks only the packed buffer and the ids (the full per-call checks cost more host time than
+    the launch itself).
     """
 
     name = "triton"
@@ -128,12 +150,18 @@ class TritonBackend:
     def __init__(self) -> None:
         if not kernels.triton_available():
             raise RuntimeError("the triton transfer backend needs the triton package, which is not installed")
+        self._pool_kernels: kernels.PoolKernels | None = None
 
     def gather(self, l1_kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
-        kernels.gather_pages(l1_kv, page_ids, out, check_bounds=False)
+        self._bound_to(l1_kv).gather(page_ids, out, check_bounds=False)
 
     def scatter(self, packed: torch.Tensor, page_ids: torch.Tensor, l1_kv: torch.Tensor) -> None:
-        kernels.scatter_pages(packed, page_ids, l1_kv, check_bounds=False)
+        self._bound_to(l1_kv).scatter(packed, page_ids, check_bounds=False)
+
+    def _bound_to(self, l1_kv: torch.Tensor) -> kernels.PoolKernels:
+        if self._pool_kernels is None or self._pool_kernels.l1_kv is not l1_kv:
+            self._pool_kernels = kernels.PoolKernels(l1_kv)
+        return self._pool_kernels
 
 
 _BACKEND_FACTORIES: dict[str, Callable[[], TransferBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
@@ -154,21 +182,41 @@ def available_backends() -> list[str]:
 
 
 class _Workspace:
-    """A packed page-major device buffer, its page-index buffers and, once needed, host staging.
+    """A packed page-major device buffer, its page-index buffers, its CUDA events and, once needed,
+    host staging.
 
     The page ids go host -> device through `ids_host` (pinned, so the copy is asynchronous) into
-    `ids_device`; both are reused with the workspace, which no other transfer touches until this
-    one has completed.
+    `ids_device`. On CUDA, `start_event` and `end_event` time the transfer and `slice_events` order
+    each slice's DMA after its gather (or its scatter after its DMA). All of it is reused with the
+    workspace, which no other transfer touches until this one has completed; views of the buffers
+    are taken once here, not per transfer.
     """
 
-    __slots__ = ("num_pages", "packed", "ids_host", "ids_device", "staging")
+    __slots__ = ("num_pages", "packed", "packed_bytes", "ids_host", "ids_host_array", "ids_device",
+                 "staging", "staging_bytes", "start_event", "end_event", "slice_events")
 
-    def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor):
+    def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor,
+                 num_slice_events: int | None):
+        """``num_slice_events`` is None off CUDA (no events there)."""
         self.num_pages = num_pages
         self.packed = packed
+        self.packed_bytes = packed.view(torch.uint8).view(-1)
         self.ids_host = ids_host
+        self.ids_host_array = ids_host.numpy()
         self.ids_device = ids_device
         self.staging: torch.Tensor | None = None
+        self.staging_bytes: torch.Tensor | None = None
+        self.start_event: torch.cuda.Event | None = None
+        self.end_event: torch.cuda.Event | None = None
+        self.slice_events: list[torch.cuda.Event] = []
+        if num_slice_events is not None:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+            self.slice_events = [torch.cuda.Event() for _ in range(num_slice_events)]
+
+    def add_staging(self, staging: torch.Tensor) -> None:
+        self.staging = staging
+        self.staging_bytes = staging.view(torch.uint8).view(-1)
 
 
 class WorkspaceInfo(NamedTuple):
@@ -248,17 +296,21 @@ class TransferEngine:
 
     def __init__(self, l1_pool: L1Pool, host_pool: SharedHostPool, backend: str = "torch",
                  host_copy_threads: int | None = None, fragmented_copy: str = "staging",
-                 max_dma_bytes: int | None = None):
+                 max_dma_bytes: int | None = None, max_slices: int = DEFAULT_MAX_SLICES):
         """``fragmented_copy`` says how L2 pages that are not one run move: "staging" (one DMA to
         pinned staging plus the host-side copy, the default) or "dma_per_run" (one DMA per run of
         consecutive L2 pages, straight between the packed buffer and the pool; no host copy).
         ``max_dma_bytes`` cuts direct DMAs into pieces of at most that many bytes (None: cut only
         at pinned-chunk boundaries), so the copy engine starts on the first piece while the later
-        ones are still being submitted."""
+        ones are still being submitted. ``max_slices`` is how many slices a transfer is cut into at
+        most (each at least 16 MiB) so that packing one slice overlaps the DMA of another
+        (see the module note); 1 packs the whole transfer before its DMA."""
         if fragmented_copy not in FRAGMENTED_COPIES:
             raise ValueError(f"fragmented_copy must be one of {FRAGMENTED_COPIES}, got {fragmented_copy!r}")
         if max_dma_bytes is not None and (type(max_dma_bytes) is not int or max_dma_bytes < 1):
             raise ValueError(f"max_dma_bytes must be a positive integer or None, got {max_dma_bytes!r}")
+        if type(max_slices) is not int or max_slices < 1:
+            raise ValueError(f"max_slices must be a positive integer, got {max_slices!r}")
         if l1_pool.geometry != host_pool.geometry:
             raise ValueError(f"L1 pool geometry {l1_pool.geometry} differs from host pool "
                              f"geometry {host_pool.geometry}")
@@ -275,11 +327,16 @@ class TransferEngine:
         self.host_copy_threads = host_copy_threads
         self.fragmented_copy = fragmented_copy
         self.max_dma_bytes = max_dma_bytes
+        self.max_slices = max_slices
         self._page_shape = l1_pool.geometry.page_shape
         self._bits_dtype = _BITS_DTYPE_BY_ITEMSIZE[l1_pool.kv.element_size()]
         self._l1_bits = l1_pool.kv.view(self._bits_dtype)
         self._is_cuda = self.device.type == "cuda"
+        self._device_index = self.device.index
+        # Gathers, scatters and the page-id uploads run on `_stream`, every DMA on `_copy_stream`:
+        # the copy engine moves one slice while the SMs pack or unpack the next.
         self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
         self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle_workspaces: list[_Workspace] = []
         self._transfer_to_workspace: dict[Transfer, _Workspace] = {}
@@ -356,11 +413,18 @@ class TransferEngine:
         for ws in all_workspaces:
             assert tuple(ws.packed.shape) == (ws.num_pages, *self._page_shape)
             assert ws.packed.device == self.device and ws.packed.dtype == self._bits_dtype
+            assert ws.packed_bytes.data_ptr() == ws.packed.data_ptr() and ws.packed_bytes.numel() == ws.packed.nbytes
             assert tuple(ws.ids_host.shape) == tuple(ws.ids_device.shape) == (ws.num_pages,)
             assert ws.ids_host.device.type == "cpu" and ws.ids_device.device == self.device
+            assert ws.ids_host_array.ctypes.data == ws.ids_host.data_ptr() and len(ws.ids_host_array) == ws.num_pages
+            assert (ws.start_event is not None) == (ws.end_event is not None) == self._is_cuda
+            assert len(ws.slice_events) == (self.max_slices if self._is_cuda else 0)
             if ws.staging is not None:
                 assert tuple(ws.staging.shape) == tuple(ws.packed.shape)
                 assert ws.staging.device.type == "cpu" and ws.staging.dtype == self._bits_dtype
+                assert ws.staging_bytes is not None and ws.staging_bytes.data_ptr() == ws.staging.data_ptr()
+            else:
+                assert ws.staging_bytes is None
         for transfer in self._transfer_to_workspace:
             assert transfer._seconds is None, "a completed transfer still holds its workspace"
 
@@ -447,102 +511,171 @@ class TransferEngine:
             transfer._complete(block=False)
             return transfer
         host_runs = _runs_of_consecutive_ids(host_ids)
-        needs_staging = len(host_runs) > 1 and self.fragmented_copy == "staging"
-        workspace = self._acquire_workspace(num_pages, needs_staging)
+        staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
+        workspace = self._acquire_workspace(num_pages, staged)
         self._transfer_to_workspace[transfer] = workspace
         try:
-            self._enqueue(transfer, workspace, l1_ids, host_runs, needs_staging)
+            self._enqueue(transfer, workspace, l1_ids, host_runs, staged)
         except BaseException:
-            # Nothing was published. Let whatever reached the stream finish before the workspace
+            # Nothing was published. Let whatever reached the streams finish before the workspace
             # can be reused, then complete the transfer so that nothing stays pending.
             if self._stream is not None:
                 self._stream.synchronize()
-            transfer._end_event = None
+                self._copy_stream.synchronize()
+            transfer._start_event = transfer._end_event = None
             transfer._finish = None
             transfer._complete(block=False)
             raise
         return transfer
 
     def _enqueue(self, transfer: Transfer, workspace: _Workspace, l1_ids: np.ndarray,
-                 host_runs: list[tuple[int, int, int]], needs_staging: bool) -> None:
+                 host_runs: list[tuple[int, int, int]], staged: bool) -> None:
         num_pages = len(l1_ids)
-        bytes_per_page = self.bytes_per_page
-        packed = workspace.packed[:num_pages]
-        packed_bytes = packed.view(torch.uint8).view(-1)
-        host_bytes = self.host_pool.byte_view()
-        ids_host = workspace.ids_host[:num_pages]
-        ids_device = workspace.ids_device[:num_pages]
-        ids_host.numpy()[:] = l1_ids
-        transfer._refs.extend((packed, ids_host, ids_device))
-
-        # (host bytes, device bytes) pairs that the DMA copies: per run of host pages (one run when
-        # they are contiguous), cut where one pinned chunk of the pool ends and the next begins.
-        dma_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if not needs_staging:
-            for position, host_start, length in host_runs:
-                start = host_start * bytes_per_page
-                end = start + length * bytes_per_page
-                to_packed = position * bytes_per_page - start
-                # With background pinning, the chunks may not be registered yet: no DMA before they are.
-                self.host_pool.wait_pinned(start, end)
-                for chunk_start, chunk_end in self.host_pool.chunk_pieces(start, end):
-                    for piece_start, piece_end in _cut(chunk_start, chunk_end, self.max_dma_bytes):
-                        dma_pairs.append((host_bytes[piece_start:piece_end],
-                                          packed_bytes[piece_start + to_packed:piece_end + to_packed]))
+        workspace.ids_host_array[:num_pages] = l1_ids
+        # (packed offset, host offset, bytes) of each DMA, in packed order. The host side is the
+        # pool itself, or staging (at the packed offsets) when the pages go through it.
+        if staged:
+            assert workspace.staging_bytes is not None
+            host_bytes = workspace.staging_bytes
+            segments = [(0, 0, num_pages * self.bytes_per_page)]
+            self._stage(transfer, workspace.staging_bytes, host_runs)
         else:
-            assert workspace.staging is not None
-            staging_bytes = workspace.staging[:num_pages].view(torch.uint8).view(-1)
-            dma_pairs.append((staging_bytes, packed_bytes))
-            # (host offset, staging offset, bytes) for each run of consecutive host pages.
-            segments = [(host_start * bytes_per_page, position * bytes_per_page, length * bytes_per_page)
-                        for position, host_start, length in host_runs]
-            host_array = host_bytes.numpy()
-            staging_array = staging_bytes.numpy()
-            transfer._refs.extend((host_array, staging_array))
-            if transfer.direction == "H2D":
-                # The workspace is not in use by any other transfer, so its staging is free to fill now.
-                started = time.perf_counter()
-                self._copy_segments(staging_array, host_array, [(s, h, n) for h, s, n in segments])
-                transfer._host_seconds += time.perf_counter() - started
-            else:
-                def scatter_staging_into_host_pages() -> None:
-                    self._copy_segments(host_array, staging_array, segments)
-                transfer._finish = scatter_staging_into_host_pages
-        transfer._refs.extend(pair[0] for pair in dma_pairs)
-
-        with self._on_transfer_stream(transfer):
-            if ids_device.data_ptr() != ids_host.data_ptr():
-                ids_device.copy_(ids_host, non_blocking=True)
-            if transfer.direction == "D2H":
-                self.gather_backend.gather(self._l1_bits, ids_device, packed)
-                for host_piece, device_piece in dma_pairs:
-                    host_piece.copy_(device_piece, non_blocking=True)
-            else:
-                for host_piece, device_piece in dma_pairs:
-                    device_piece.copy_(host_piece, non_blocking=True)
-                self.scatter_backend.scatter(packed, ids_device, self._l1_bits)
-
-    @contextlib.contextmanager
-    def _on_transfer_stream(self, transfer: Transfer):
-        """Run the enclosed device work on the transfer stream, bracketed by timing events.
-
-        On CPU the work runs synchronously and is timed by the wall clock.
-        """
+            host_bytes = self.host_pool.byte_view()
+            transfer._refs.append(host_bytes)   # the pool's mapping stays open until the DMAs are done
+            segments = self._direct_segments(host_runs)
+        slices = self._slices(num_pages)
+        if len(slices) == 1:
+            slice_segments = [segments]
+        else:
+            slice_segments = _segments_by_slice(
+                segments, [(first + count) * self.bytes_per_page for first, count in slices])
         if self._stream is None:
+            self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+        else:
+            self._enqueue_on_device(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+
+    def _direct_segments(self, host_runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(packed offset, pool offset, bytes) of the DMAs straight between the packed buffer and the
+        pool: one per run of host pages, cut where one pinned chunk of the pool ends and the next
+        begins (one copy must not span two registrations) and at max_dma_bytes."""
+        bytes_per_page = self.bytes_per_page
+        segments = []
+        for position, host_start, length in host_runs:
+            start = host_start * bytes_per_page
+            end = start + length * bytes_per_page
+            to_packed = position * bytes_per_page - start
+            # With background pinning, the chunks may not be registered yet: no DMA before they are.
+            self.host_pool.wait_pinned(start, end)
+            for chunk_start, chunk_end in self.host_pool.chunk_pieces(start, end):
+                for piece_start, piece_end in _cut(chunk_start, chunk_end, self.max_dma_bytes):
+                    segments.append((piece_start + to_packed, piece_start, piece_end - piece_start))
+        return segments
+
+    def _stage(self, transfer: Transfer, staging_bytes: torch.Tensor, host_runs: list[tuple[int, int, int]]) -> None:
+        """The host side of a staged transfer: for a restore, gather the host pages into staging now
+        (the workspace is not in use by any other transfer, so its staging is free); for a backup,
+        scatter staging into the host pages once the DMA has completed (in `Transfer._complete`)."""
+        bytes_per_page = self.bytes_per_page
+        # (host offset, staging offset, bytes) for each run of consecutive host pages.
+        segments = [(host_start * bytes_per_page, position * bytes_per_page, length * bytes_per_page)
+                    for position, host_start, length in host_runs]
+        host_array = self.host_pool.byte_view().numpy()
+        staging_array = staging_bytes.numpy()
+        transfer._refs.extend((host_array, staging_array))
+        if transfer.direction == "H2D":
             started = time.perf_counter()
-            yield
+            self._copy_segments(staging_array, host_array, [(s, h, n) for h, s, n in segments])
             transfer._host_seconds += time.perf_counter() - started
-            return
-        # The caller's stream produced (or last used) the L1 pages; order our work after it.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        start_event = torch.cuda.Event(enable_timing=True)
-        end_event = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self._stream):
-            start_event.record(self._stream)
-            yield
-            end_event.record(self._stream)
-        transfer._start_event = start_event
-        transfer._end_event = end_event
+        else:
+            def scatter_staging_into_host_pages() -> None:
+                self._copy_segments(host_array, staging_array, segments)
+            transfer._finish = scatter_staging_into_host_pages
+
+    def _slices(self, num_pages: int) -> list[tuple[int, int]]:
+        """(first page, page count) of each slice of the packed buffer, in order, sizes within one page."""
+        num_slices = min(self.max_slices, num_pages, max(1, num_pages * self.bytes_per_page // _MIN_SLICE_BYTES))
+        if num_slices == 1:
+            return [(0, num_pages)]
+        base, extra = divmod(num_pages, num_slices)
+        slices = []
+        first = 0
+        for index in range(num_slices):
+            count = base + (index < extra)
+            slices.append((first, count))
+            first += count
+        return slices
+
+    def _run_on_host(self, transfer: Transfer, workspace: _Workspace, num_pages: int, host_bytes: torch.Tensor,
+                     slices: list[tuple[int, int]], slice_segments: list[list[tuple[int, int, int]]]) -> None:
+        """Off CUDA: the same slices and copies, synchronously, timed by the wall clock."""
+        started = time.perf_counter()
+        ids = workspace.ids_device
+        for (first, count), segments in zip(slices, slice_segments):
+            packed = _rows(workspace.packed, first, count)
+            if transfer.direction == "D2H":
+                self.gather_backend.gather(self._l1_bits, _rows(ids, first, count), packed)
+                _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
+            else:
+                _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
+                self.scatter_backend.scatter(packed, _rows(ids, first, count), self._l1_bits)
+        transfer._host_seconds += time.perf_counter() - started
+
+    def _enqueue_on_device(self, transfer: Transfer, workspace: _Workspace, num_pages: int,
+                           host_bytes: torch.Tensor, slices: list[tuple[int, int]],
+                           slice_segments: list[list[tuple[int, int, int]]]) -> None:
+        """Queue the transfer on the two streams (see the module note) and return at once.
+
+        The current stream is switched with plain set_stream calls (the stream context manager and
+        per-call events cost more host time than the work they queue) and restored on the way out,
+        with the current device if it was another one.
+        """
+        compute_stream, copy_stream = self._stream, self._copy_stream
+        assert compute_stream is not None and copy_stream is not None
+        assert workspace.start_event is not None and workspace.end_event is not None
+        packed, ids_device = workspace.packed, workspace.ids_device
+        events = workspace.slice_events
+        caller_device = torch.cuda.current_device()
+        callers_stream = torch.cuda.current_stream(self._device_index)
+        try:
+            if transfer.direction == "D2H":
+                torch.cuda.set_stream(compute_stream)
+                # The caller's stream produced the L1 pages; gather them after it.
+                compute_stream.wait_stream(callers_stream)
+                workspace.start_event.record(compute_stream)
+                _leading(ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
+                for (first, count), segments, packed_event in zip(slices, slice_segments, events):
+                    self.gather_backend.gather(self._l1_bits, _rows(ids_device, first, count),
+                                               _rows(packed, first, count))
+                    packed_event.record(compute_stream)
+                    copy_stream.wait_event(packed_event)
+                    torch.cuda.set_stream(copy_stream)
+                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
+                    torch.cuda.set_stream(compute_stream)
+                # The copy stream waited for the last gather, so its end is the transfer's end.
+                workspace.end_event.record(copy_stream)
+            else:
+                # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
+                torch.cuda.set_stream(copy_stream)
+                workspace.start_event.record(copy_stream)
+                for segments, copied_event in zip(slice_segments, events):
+                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
+                    copied_event.record(copy_stream)
+                torch.cuda.set_stream(compute_stream)
+                # The caller's stream last used the L1 pages being restored into; scatter after it.
+                compute_stream.wait_stream(callers_stream)
+                _leading(ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
+                for (first, count), copied_event in zip(slices, events):
+                    compute_stream.wait_event(copied_event)
+                    self.scatter_backend.scatter(_rows(packed, first, count), _rows(ids_device, first, count),
+                                                 self._l1_bits)
+                # The compute stream waited for the last DMA, so its end is the transfer's end.
+                workspace.end_event.record(compute_stream)
+        finally:
+            torch.cuda.set_stream(callers_stream)
+            if caller_device != self._device_index:
+                torch.cuda.set_device(caller_device)
+        transfer._start_event = workspace.start_event
+        transfer._end_event = workspace.end_event
 
     # ---- host-side copies ----------------------------------------------------------------------
 
@@ -578,17 +711,19 @@ class TransferEngine:
         else:
             ids_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=self._is_cuda)
             ids_device = torch.empty(num_pages, dtype=torch.int64, device=self.device) if self._is_cuda else ids_host
-            workspace = _Workspace(num_pages, self._new_device_buffer(num_pages), ids_host, ids_device)
+            workspace = _Workspace(num_pages, self._new_device_buffer(num_pages), ids_host, ids_device,
+                                   self.max_slices if self._is_cuda else None)
             self.num_workspaces_created += 1
         if needs_staging and workspace.staging is None:
             # Pinned so the DMA is asynchronous; sized like the workspace so it is never too small.
-            workspace.staging = torch.empty((workspace.num_pages, *self._page_shape), dtype=self._bits_dtype,
-                                            pin_memory=self._is_cuda)
+            workspace.add_staging(torch.empty((workspace.num_pages, *self._page_shape), dtype=self._bits_dtype,
+                                              pin_memory=self._is_cuda))
             self.num_stagings_created += 1
         return workspace
 
     def _new_device_buffer(self, num_pages: int) -> torch.Tensor:
-        # Allocated on the transfer stream, the only stream that ever touches it.
+        # Allocated on the compute stream. The copy stream uses it too, but a workspace is dropped
+        # only once its transfer has completed, when no work on either stream still touches it.
         stream_context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with stream_context:
             return torch.empty((num_pages, *self._page_shape), dtype=self._bits_dtype, device=self.device)
@@ -613,11 +748,9 @@ class TransferEngine:
         # Two sources written into one destination page would race; sources may repeat.
         destination_name, destination_ids = (
             ("host_page_ids", host_ids) if destination == "host" else ("l1_page_ids", l1_ids))
-        if len(destination_ids) > 1:
-            values, counts = np.unique(destination_ids, return_counts=True)
-            if counts.max() > 1:
-                raise ValueError(f"destination {destination_name} lists page {int(values[counts > 1][0])} "
-                                 "more than once")
+        repeated = _first_repeated_id(destination_ids)
+        if repeated is not None:
+            raise ValueError(f"destination {destination_name} lists page {repeated} more than once")
         return l1_ids, host_ids
 
 
@@ -635,18 +768,77 @@ def _page_id_array(name: str, page_ids: Sequence[int] | np.ndarray | torch.Tenso
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise TypeError(f"{name} must be a 1-D sequence of integers, got {ids.dtype} with shape {ids.shape}")
     ids = ids.astype(np.int64, copy=False)
-    out_of_range = (ids < 0) | (ids >= num_pages)
-    if out_of_range.any():
+    # Seen as unsigned, a negative id exceeds any page count, so one reduction finds every bad id.
+    if int(ids.view(np.uint64).max()) >= num_pages:
+        out_of_range = (ids < 0) | (ids >= num_pages)
         raise ValueError(f"{name} holds page {int(ids[out_of_range][0])}, out of range 0..{num_pages - 1}")
     return ids
+
+
+def _first_repeated_id(ids: np.ndarray) -> int | None:
+    """The smallest id listed more than once, or None. Ascending ids (the usual destination: a run
+    of fresh pages) are cleared by one comparison, without sorting."""
+    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return None
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    return int(repeated[0]) if len(repeated) else None
 
 
 def _runs_of_consecutive_ids(page_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """(position, first id, length) for each maximal run where page_ids[i + 1] == page_ids[i] + 1."""
     ids = np.asarray(page_ids, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
-    ends = np.concatenate((starts[1:], [len(ids)]))
-    return [(int(start), int(ids[start]), int(end - start)) for start, end in zip(starts, ends)]
+    breaks = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1
+    if len(breaks) == 0:
+        return [(0, int(ids[0]), len(ids))]
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(starts, append=len(ids))
+    return list(zip(starts.tolist(), ids[starts].tolist(), lengths.tolist()))
+
+
+def _segments_by_slice(segments: list[tuple[int, int, int]],
+                       slice_ends: list[int]) -> list[list[tuple[int, int, int]]]:
+    """(packed offset, host offset, bytes) segments, in packed order, cut where a slice of the packed
+    buffer ends (slice_ends: each slice's end offset, ascending) and grouped by slice."""
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in slice_ends]
+    index = 0
+    covered_to = 0
+    for packed_start, host_start, num_bytes in segments:
+        # A slice's DMAs must only read what its own gather wrote: segments come in packed order.
+        assert packed_start >= covered_to, "segments out of packed order"
+        covered_to = packed_start + num_bytes
+        while num_bytes > 0:
+            while packed_start >= slice_ends[index]:
+                index += 1
+            take = min(num_bytes, slice_ends[index] - packed_start)
+            groups[index].append((packed_start, host_start, take))
+            packed_start, host_start, num_bytes = packed_start + take, host_start + take, num_bytes - take
+    return groups
+
+
+def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """tensor[first:first + count] along dim 0; the tensor itself when that is all of it (no view to make)."""
+    if first == 0 and count == tensor.shape[0]:
+        return tensor
+    return tensor[first:first + count]
+
+
+def _leading(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    return _rows(tensor, 0, count)
+
+
+def _dma_segments(host_bytes: torch.Tensor, packed_bytes: torch.Tensor, segments: list[tuple[int, int, int]],
+                  direction: str) -> None:
+    """One asynchronous copy per (packed offset, host offset, bytes) segment, on the current stream.
+    (Basic slicing, not narrow(): it costs less host time per view.)"""
+    if direction == "D2H":
+        for packed_start, host_start, num_bytes in segments:
+            host_bytes[host_start:host_start + num_bytes].copy_(
+                packed_bytes[packed_start:packed_start + num_bytes], non_blocking=True)
+    else:
+        for packed_start, host_start, num_bytes in segments:
+            packed_bytes[packed_start:packed_start + num_bytes].copy_(
+                host_bytes[host_start:host_start + num_bytes], non_blocking=True)
 
 
 def _cut(start: int, end: int, max_bytes: int | None) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ import torch
 
 from engine_client import kernels
 from engine_client.kernels import (
+    PoolKernels,
     gather_pages,
     gather_pages_torch,
     packed_shape,
@@ -33,12 +34,26 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+
+def gather_pool_kernels(l1_kv, page_ids, out, *, block_size=kernels.DEFAULT_BLOCK_SIZE, **options):
+    """gather_pages through a PoolKernels bound to l1_kv (one per call here; the transfer engine keeps one)."""
+    return PoolKernels(l1_kv, block_size=block_size).gather(page_ids, out, **options)
+
+
+def scatter_pool_kernels(packed, page_ids, l1_kv, *, block_size=kernels.DEFAULT_BLOCK_SIZE, **options):
+    """scatter_pages through a PoolKernels bound to l1_kv."""
+    return PoolKernels(l1_kv, block_size=block_size).scatter(packed, page_ids, **options)
+
+
 GATHERS = [
     pytest.param(gather_pages, id="triton", marks=needs_triton),
+    pytest.param(gather_pool_kernels, id="triton-pool", marks=needs_triton),
     pytest.param(gather_pages_torch, id="torch"),
 ]
 SCATTERS = [
     pytest.param(scatter_pages, id="triton", marks=needs_triton),
+    pytest.param(scatter_pool_kernels, id="triton-pool", marks=needs_triton),
     pytest.param(scatter_pages_torch, id="torch"),
 ]
 DTYPES = [
@@ -150,6 +165,7 @@ def test_scatter_writes_selected_pages_and_no_others(scatter, dtype, geometry, i
         pytest.param(gather_pages, scatter_pages, 1024, id="triton-1024", marks=needs_triton),
         # 192-element slabs in 128-element blocks: several blocks per slab with a masked tail.
         pytest.param(gather_pages, scatter_pages, 128, id="triton-128", marks=needs_triton),
+        pytest.param(gather_pool_kernels, scatter_pool_kernels, 128, id="triton-pool-128", marks=needs_triton),
         pytest.param(gather_pages_torch, scatter_pages_torch, None, id="torch"),
     ],
 )
@@ -176,6 +192,7 @@ def test_round_trip_into_other_pages_restores_the_original(gather, scatter, bloc
     "gather, scatter",
     [
         pytest.param(gather_pages, scatter_pages, id="triton", marks=needs_triton),
+        pytest.param(gather_pool_kernels, scatter_pool_kernels, id="triton-pool", marks=needs_triton),
         pytest.param(gather_pages_torch, scatter_pages_torch, id="torch"),
     ],
 )
@@ -336,6 +353,39 @@ def test_triton_rejects_devices_it_cannot_launch_on():
     l1_kv, page_ids, packed = _meta_args(2, 1, 64)
     with pytest.raises(ValueError, match="runs on cuda"):
         gather_pages(l1_kv, page_ids, packed, check_bounds=False)
+
+
+@needs_triton
+def test_pool_kernels_check_the_pool_block_size_and_device_once_at_construction(gen):
+    """PoolKernels refuses, when built, a bad block size, a slab beyond the grid limit and a device Triton
+    cannot launch on, with the messages of gather_pages."""
+    l1_kv, _, _ = _valid_args(gen)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        PoolKernels(l1_kv, block_size=1000)
+    with pytest.raises(ValueError, match="over the grid limit 65535"):
+        PoolKernels(_meta_args(1, 1, 65536)[0], block_size=1)
+    with pytest.raises(ValueError, match="runs on cuda"):
+        PoolKernels(_meta_args(2, 1, 64)[0])
+
+
+@needs_triton
+def test_pool_kernels_serve_many_selections_of_one_pool(gen):
+    """One PoolKernels gathers and scatters selections of different sizes (and slices of one packed
+    buffer) of its pool, bit for bit, without touching other pages."""
+    l1_kv = random_pool((2, 9, 2, 1, 64), torch.bfloat16, gen)
+    l1_before = l1_kv.clone()
+    pool_kernels = PoolKernels(l1_kv)
+    packed = random_tensor(packed_shape(l1_kv, 5), torch.bfloat16, gen)
+    sources = torch.tensor([8, 1, 6, 3, 0])
+    pool_kernels.gather(sources[:2], packed[:2], check_bounds=False)
+    pool_kernels.gather(sources[2:], packed[2:], check_bounds=False)
+    assert torch.equal(bits(packed), reference_gather(l1_before, sources)), f"seed {gen.initial_seed()}"
+    destinations = torch.tensor([2, 4, 5, 7, 1], dtype=torch.int32)
+    assert pool_kernels.scatter(packed[:3], destinations[:3]) is l1_kv
+    pool_kernels.scatter(packed[3:], destinations[3:])
+    for source, destination in zip(sources.tolist(), destinations.tolist()):
+        assert torch.equal(bits(l1_kv)[:, :, destination], bits(l1_before)[:, :, source])
+    assert_other_pages_unchanged(l1_before, l1_kv, destinations, gen.initial_seed())
 
 
 @needs_triton

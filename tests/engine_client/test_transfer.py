@@ -74,7 +74,8 @@ def make_setup():
 
     def build(dtype: str = "bfloat16", device: str = "cpu", num_l1_pages: int = 12, num_host_pages: int = 10,
               backend: str = "torch", seed: int = 0, host_copy_threads: int | None = None,
-              fragmented_copy: str = "staging", max_dma_bytes: int | None = None, **pin_options) -> Setup:
+              fragmented_copy: str = "staging", max_dma_bytes: int | None = None,
+              max_slices: int = transfer_module.DEFAULT_MAX_SLICES, **pin_options) -> Setup:
         geometry = make_geometry(dtype)
         offset = mmap.ALLOCATIONGRANULARITY        # a region after another namespace's, as in the daemon
         segment = shm_segment(offset + num_host_pages * geometry.bytes_per_page + mmap.ALLOCATIONGRANULARITY)
@@ -90,7 +91,7 @@ def make_setup():
         fill_random_(l1_pool.kv, generator)
         fill_random_(host_pool.pages, generator)
         engine = TransferEngine(l1_pool, host_pool, backend=backend, host_copy_threads=host_copy_threads,
-                                fragmented_copy=fragmented_copy, max_dma_bytes=max_dma_bytes)
+                                fragmented_copy=fragmented_copy, max_dma_bytes=max_dma_bytes, max_slices=max_slices)
         cleanups.append(engine.close)
         return Setup(l1_pool, host_pool, engine)
 
@@ -263,6 +264,9 @@ def test_page_ids_may_be_tensors_and_sources_may_repeat(make_setup):
     ("restore", ([0, 1], [1, 12]), "l1_page_ids holds page 12"),
     ("backup", ([1, 2, 3], [4, 5, 4]), "destination host_page_ids lists page 4 more than once"),
     ("restore", ([4, 5, 6], [1, 2, 1]), "destination l1_page_ids lists page 1 more than once"),
+    ("backup", ([1, 2, 3, 4], [7, 3, 7, 3]), "destination host_page_ids lists page 3 more than once"),
+    ("restore", ([0, 1, 2], [5, 6, 6]), "destination l1_page_ids lists page 6 more than once"),
+    ("backup", ([1, 2], np.array([3, 2**64 - 1], dtype=np.uint64)), "host_page_ids holds page -1"),
 ])
 def test_invalid_page_ids_raise_and_change_nothing(make_setup, call, args, message):
     """Mismatched lengths, out-of-range ids and repeated destinations raise ValueError before any page or
@@ -677,3 +681,117 @@ def test_cut_splits_a_range_into_bounded_pieces(make_setup):
     setup = make_setup()
     with pytest.raises(ValueError, match="max_dma_bytes"):
         TransferEngine(setup.l1_pool, setup.host_pool, max_dma_bytes=0)
+
+
+# ---- slices ----------------------------------------------------------------------------------------
+
+
+def test_segments_are_cut_at_slice_ends_and_grouped_by_slice():
+    """Segments in packed order are cut exactly where a slice ends, keep their host offsets in step, and land
+    in the slice that holds their packed bytes, every byte once."""
+    segments = [(0, 100, 10), (10, 50, 3), (13, 7, 7)]
+    groups = transfer_module._segments_by_slice(segments, [5, 15, 20])
+    assert groups == [[(0, 100, 5)], [(5, 105, 5), (10, 50, 3), (13, 7, 2)], [(15, 9, 5)]]
+
+
+@pytest.mark.parametrize("num_pages, max_slices, expected", [
+    (7, 4, [(0, 2), (2, 2), (4, 2), (6, 1)]),
+    (3, 4, [(0, 1), (1, 1), (2, 1)]),
+    (9, 2, [(0, 5), (5, 4)]),
+    (9, 1, [(0, 9)]),
+])
+def test_slices_tile_the_pages_in_order_with_sizes_within_one_page(monkeypatch, make_setup, num_pages, max_slices,
+                                                                 expected):
+    """A transfer is cut into min(max_slices, pages) slices that tile its pages in order, sizes within one."""
+    monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    setup = make_setup(max_slices=max_slices)
+    assert setup.engine._slices(num_pages) == expected
+
+
+def test_slices_are_at_least_the_minimum_size(make_setup):
+    """With the default minimum slice size (16 MiB), a small transfer stays one slice."""
+    setup = make_setup()
+    assert setup.engine._slices(8) == [(0, 8)]
+
+
+def test_max_slices_must_be_a_positive_integer(make_setup):
+    """max_slices of 0 or a float is refused with ValueError."""
+    setup = make_setup()
+    for max_slices in (0, 2.0):
+        with pytest.raises(ValueError, match="max_slices"):
+            TransferEngine(setup.l1_pool, setup.host_pool, max_slices=max_slices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("layout", ["contiguous", "contiguous/chunked", "fragmented", "fragmented/dma_per_run"])
+def test_transfers_cut_into_slices_are_bit_exact(monkeypatch, make_setup, device, backend, layout):
+    """With 7-page transfers cut into 4 slices (slice ends inside runs, between runs and, when pinned in
+    chunks smaller than a page, inside chunk pieces), a backup and a restore move every page bit for bit
+    and touch no other page."""
+    monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    options = {"fragmented_copy": "dma_per_run"} if layout.endswith("dma_per_run") else {}
+    if layout.endswith("chunked"):
+        if device == "cpu":
+            FakeCuda().install(monkeypatch)
+        options["pin_chunk_bytes"] = CHUNK_BYTES
+    setup = make_setup("bfloat16", device, backend=backend, **options)
+    host_page_ids = [1, 2, 3, 4, 5, 6, 7] if layout.startswith("contiguous") else [8, 9, 1, 5, 6, 7, 2]
+    assert setup.engine._slices(7) == [(0, 2), (2, 2), (4, 2), (6, 1)]
+    sources, destinations = [7, 2, 9, 4, 10, 0, 11], [1, 3, 5, 6, 8, 2, 4]
+    originals = setup.l1_pool.kv[:, :, sources].clone()
+    host_before = setup.host_pool.pages.clone()
+    setup.engine.backup(sources, host_page_ids).wait()
+    setup.check_integrity()
+    untouched_host = [page for page in range(setup.host_pool.num_pages) if page not in host_page_ids]
+    assert same_bits(setup.host_pool.pages[host_page_ids], originals.permute(2, 0, 1, 3, 4, 5))
+    assert same_bits(setup.host_pool.pages[untouched_host], host_before[untouched_host])
+    l1_before = setup.l1_pool.kv.clone()
+    setup.engine.restore(host_page_ids, destinations).wait()
+    setup.check_integrity()
+    assert same_bits(setup.l1_pool.kv[:, :, destinations], originals)
+    untouched_l1 = [page for page in range(setup.l1_pool.num_pages) if page not in destinations]
+    assert same_bits(setup.l1_pool.kv[:, :, untouched_l1], l1_before[:, :, untouched_l1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_sliced_transfers_are_ordered_after_work_already_queued_on_the_callers_stream(monkeypatch, make_setup,
+                                                                                    device, direction):
+    """Cut into slices, a backup still copies L1 pages written on the caller's stream just before it, and a
+    restore still lands after a write to its destination pages queued there just before it."""
+    monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    setup = make_setup("bfloat16", device, backend="triton" if kernels.triton_available() else "torch")
+    assert len(setup.engine._slices(len(L1_SOURCE_PAGES))) > 1
+    assert transfer_after_late_caller_write(setup, device, direction, "contiguous")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_transfers_leave_the_callers_stream_and_device_current(make_setup):
+    """backup() and restore() queue work on their own streams but hand back the caller's current stream
+    (here one of the caller's own), also when the transfer fails, and order after that stream."""
+    setup = make_setup("bfloat16", "cuda")
+    callers_stream = torch.cuda.Stream()
+    originals = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].clone()
+    callers_stream.wait_stream(torch.cuda.current_stream())      # the pages were written on the default stream
+    with torch.cuda.stream(callers_stream):
+        setup.engine.backup(L1_SOURCE_PAGES, HOST_PAGES["contiguous"]).wait()
+        assert torch.cuda.current_stream() == callers_stream
+        setup.engine.restore(HOST_PAGES["contiguous"], L1_DESTINATION_PAGES).wait()
+        assert torch.cuda.current_stream() == callers_stream
+
+        class BrokenBackend(TorchBackend):
+            name = "broken"
+
+            def gather(self, l1_kv, page_ids, out):
+                raise RuntimeError("gather kernel failed (on purpose)")
+
+        setup.engine.gather_backend = BrokenBackend()
+        with pytest.raises(RuntimeError, match="on purpose"):
+            setup.engine.backup(L1_SOURCE_PAGES, HOST_PAGES["fragmented"])
+        assert torch.cuda.current_stream() == callers_stream and setup.engine.num_in_flight == 0
+    torch.cuda.synchronize()
+    setup.check_integrity()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES], originals)
