@@ -97,7 +97,7 @@ class StorageFile:
              temp_dir: str | None = None) -> StorageFile:
         """Create or open `path` (mode 0600) and size it to exactly `size_bytes`, discarding old
         content. Without a path, a temporary file in `temp_dir` (default: the system temp dir)
-        that is removed on close, or at interpreter exit if never closed."""
+        whose name is removed as soon as it is open (nothing is left behind, whatever the exit)."""
         if not isinstance(size_bytes, int) or size_bytes <= 0:
             raise ValueError(f"size_bytes must be a positive int, got {size_bytes!r}")
         if o_direct and size_bytes % DIRECT_IO_ALIGNMENT_BYTES:
@@ -127,6 +127,10 @@ class StorageFile:
             if is_temporary:
                 _unlink_quietly(path)
             raise
+        if is_temporary:
+            # The name goes at once: the open descriptors keep the file, and even a daemon killed
+            # with SIGKILL leaves nothing behind.
+            _unlink_quietly(path)
         logger.info("L3 file %s: %d bytes, o_direct=%s, temporary=%s", path, size_bytes, o_direct, is_temporary)
         return cls(path, size_bytes, o_direct, fd, direct_fd, is_temporary)
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -81,16 +82,22 @@ def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path):
         daemon.cleanup()
 
 
-def test_temporary_l3_file_is_removed_at_exit():
-    """Without --l3-path the L3 file is a temporary file that exists while the daemon runs and is gone after."""
+def test_temporary_l3_file_leaves_nothing_behind():
+    """Without --l3-path the L3 file is a temporary file whose name is removed as soon as the daemon
+    opens it: it works (write-through happens) and nothing is left after exit, SIGKILL included."""
     daemon = DaemonProcess().start()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
-            status = client.status()
+            client.attach(GEOMETRY)
+            tokens = np.random.default_rng().integers(0, 150_000, size=4 * PAGE, dtype=np.int32)
+            reply = client.match(tokens, reserve_backup=True)
+            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+            assert client.flush() == []
+            status = wait_for_write_through(client)
         path = status["daemon"]["l3_file"]
-        assert path and os.path.exists(path)
-        assert os.stat(path).st_mode & 0o777 == 0o600
-        assert daemon.stop() == 0
+        assert path and status["io"]["h2s"]["count"] == 1 and status["io"]["h2s"]["failures"] == 0
+        assert not os.path.exists(path)
+        daemon.stop(signal.SIGKILL)
         assert not os.path.exists(path)
     finally:
         daemon.cleanup()

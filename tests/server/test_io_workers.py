@@ -176,18 +176,33 @@ def test_open_discards_old_content_sets_size_and_mode(tmp_path):
         storage.check_integrity()
 
 
-def test_temp_file_is_removed_on_close_and_close_is_idempotent(tmp_path):
-    """Without a path, a 0600 temp file in temp_dir exists while open and is gone after close; close twice is fine."""
+def test_temp_file_has_no_name_while_open_and_close_is_idempotent(tmp_path):
+    """Without a path, the temp file in temp_dir is 0600 and sized, and its name is removed as soon as it
+    is open (so no exit path, SIGKILL included, leaves it behind); close twice is fine."""
     storage = StorageFile.open(None, FILE_SIZE_BYTES, temp_dir=str(tmp_path))
     assert storage.is_temporary and os.path.dirname(storage.path) == str(tmp_path)
-    assert os.path.getsize(storage.path) == FILE_SIZE_BYTES
-    assert stat.S_IMODE(os.stat(storage.path).st_mode) == 0o600
+    assert not os.path.exists(storage.path) and os.listdir(tmp_path) == []
+    info = os.fstat(storage.io_fd)
+    assert info.st_size == FILE_SIZE_BYTES and stat.S_IMODE(info.st_mode) == 0o600
     storage.check_integrity()
     storage.close()
-    assert not os.path.exists(storage.path)
     storage.close()
     assert storage.closed
     storage.check_integrity()
+
+
+def test_sigkilled_owner_leaves_no_temp_file(tmp_path):
+    """A process killed with SIGKILL while holding a temporary L3 file leaves nothing in temp_dir."""
+    code = (
+        "import os, signal\n"
+        "from kvcached.server.io_workers import StorageFile\n"
+        f"storage = StorageFile.open(None, 4096, temp_dir={str(tmp_path)!r})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert result.returncode == -9, result.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_temp_file_is_removed_at_interpreter_exit(tmp_path):
@@ -224,7 +239,7 @@ def test_short_read_on_truncated_file_raises(storage, arena):
 
 def test_read_after_unlink_still_returns_the_data(tmp_path, arena):
     """A file unlinked underneath keeps its data for the open descriptor, and close still succeeds."""
-    storage = StorageFile.open(None, FILE_SIZE_BYTES, temp_dir=str(tmp_path))
+    storage = StorageFile.open(str(tmp_path / "l3.bin"), FILE_SIZE_BYTES)
     os.unlink(storage.path)
     _roundtrip(storage, arena, [1, 2, 3], [4, 5, 6], [10, 12, 14])
     storage.close()
