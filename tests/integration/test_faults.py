@@ -179,6 +179,7 @@ def test_startup_failure_after_the_server_exists_does_not_hang(tmp_path):
     assert outcome == ["readiness check failed"]
     assert not os.path.exists(config.socket_path)
     assert not os.path.exists(os.path.join("/dev/shm", segment_name(config.socket_path)))
+    os.rmdir(os.path.dirname(config.socket_path))      # empty: the daemon removed what it made
 
 
 def test_too_small_pool_is_a_clear_error():
