@@ -412,6 +412,7 @@ class Server:
             "l3_file": self.storage.path if self.storage else None,
             "l3_bytes": self.storage.size_bytes if self.storage else 0,
             "l3_o_direct": self.storage.o_direct if self.storage else False,
+            "l3_temporary": self.storage.is_temporary if self.storage else False,
             "io_threads": self.executor.max_workers if self.executor else 0,
             "protocol_version": PROTOCOL_VERSION,
         }
