@@ -62,6 +62,8 @@ class Namespace:
     l3_region_offset_bytes: int = 0
     l3_allocator: PageAllocator | None = None      # None: no L3 for this namespace
     session_ids: set[int] = dataclasses.field(default_factory=set)
+    arena_index: int = 0                           # which L2 arena / L3 region it occupies
+    idle_since: float | None = None                # when its last session ended; None while attached
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
@@ -122,6 +124,8 @@ class DaemonState:
         self.l3_plan = l3_plan if l3_plan is not None and l3_plan.arena_bytes > 0 else None
         self.moves: dict[int, TierMove] = {}
         self._move_ids = itertools.count(1)
+        self._namespace_ids = itertools.count()
+        self._free_arena_indices = list(range(arena_plan.max_namespaces))
         self.session_timeout_s = session_timeout_s
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
@@ -137,6 +141,7 @@ class DaemonState:
         namespace = self.geometry_to_namespace.get(geometry)
         if namespace is None:
             namespace = self._create_namespace(geometry)
+        namespace.idle_since = None
         now = self.clock()
         session_id = secrets.randbits(62) + 1
         while session_id in self.sessions:
@@ -150,20 +155,20 @@ class DaemonState:
         return session, namespace
 
     def _create_namespace(self, geometry: KVGeometry) -> Namespace:
-        index = len(self.namespaces)
-        if index >= self.arena_plan.max_namespaces:
-            raise ProtocolError(ErrorCode.OUT_OF_SPACE,
-                                f"all {self.arena_plan.max_namespaces} namespaces are in use; "
-                                "start the daemon with a larger --max-namespaces")
         num_pages = min(self.arena_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER)
         if num_pages < 1:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
                                 f"one page of this geometry ({geometry.bytes_per_page} bytes) does not fit "
                                 f"in an L2 arena of {self.arena_plan.arena_bytes} bytes")
+        if not self._free_arena_indices and not self._reclaim_idle_namespace():
+            raise ProtocolError(ErrorCode.OUT_OF_SPACE,
+                                f"all {self.arena_plan.max_namespaces} namespaces have attached engines; "
+                                "start the daemon with a larger --max-namespaces")
         num_slots = min(self.l3_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER) if self.l3_plan else 0
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
+        index = self._free_arena_indices.pop(0)
         namespace = Namespace(
-            namespace_id=index,
+            namespace_id=next(self._namespace_ids),
             geometry=geometry,
             arena_offset_bytes=self.arena_plan.arena_offset(index),
             num_pages=num_pages,
@@ -171,12 +176,30 @@ class DaemonState:
             l2_allocator=PageAllocator(num_pages),
             l3_region_offset_bytes=self.l3_plan.arena_offset(index) if num_slots else 0,
             l3_allocator=PageAllocator(num_slots) if num_slots else None,
+            arena_index=index,
         )
-        self.namespaces[index] = namespace
+        self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
-        logger.info("namespace %d: %s, %d L2 pages and %d L3 slots of %d bytes", index, geometry, num_pages,
-                    num_slots, geometry.bytes_per_page)
+        logger.info("namespace %d (arena %d): %s, %d L2 pages and %d L3 slots of %d bytes",
+                    namespace.namespace_id, index, geometry, num_pages, num_slots, geometry.bytes_per_page)
         return namespace
+
+    def _reclaim_idle_namespace(self) -> bool:
+        """Give the arena of the namespace idle longest (no session, no pending move) to a new one;
+        its cached pages are dropped. Returns whether one was reclaimed."""
+        busy = {move.namespace_id for move in self.moves.values()}
+        idle = [ns for ns in self.namespaces.values()
+                if not ns.session_ids and ns.namespace_id not in busy and ns.idle_since is not None]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda ns: ns.idle_since)
+        del self.namespaces[victim.namespace_id]
+        del self.geometry_to_namespace[victim.geometry]
+        self._free_arena_indices.append(victim.arena_index)
+        self.metrics.add("namespaces_reclaimed")
+        logger.info("namespace %d (%s) reclaimed: idle since %.1f s, %d L2 pages dropped", victim.namespace_id,
+                    victim.geometry.model_id, self.clock() - victim.idle_since, victim.tree.owned_pages(Tier.L2))
+        return True
 
     def session(self, session_id: int) -> Session:
         session = self.sessions.get(session_id)
@@ -211,7 +234,10 @@ class DaemonState:
             self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED)
             reclaimed += 1
         del self.sessions[session.session_id]
-        self.namespaces[session.namespace_id].session_ids.discard(session.session_id)
+        namespace = self.namespaces[session.namespace_id]
+        namespace.session_ids.discard(session.session_id)
+        if not namespace.session_ids:
+            namespace.idle_since = self.clock()
         self.metrics.add("leases_reclaimed", reclaimed)
         logger.info("session %x %s; %d leases reclaimed", session.session_id, reason, reclaimed)
         return reclaimed

@@ -244,3 +244,29 @@ def test_integrity_check_detects_a_lost_private_page(state):
     state.leases[reply.lease_id].private_page_ids.pop()
     with pytest.raises(IntegrityError, match="capacity"):
         state.check_integrity()
+
+
+def test_idle_namespace_gives_its_arena_to_a_new_geometry(clock):
+    """With every arena taken, a new geometry gets the arena of the namespace idle longest (no session,
+    cache dropped); namespaces with attached engines are never taken."""
+    rng = np.random.default_rng()
+    state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5, clock=clock)
+    first, ns_first = state.attach(GEOMETRY, pid=1)
+    back_up(state, first.session_id, tokens(rng, 3))
+    second, ns_second = state.attach(KVGeometry("second", 4, 4, 128, "float32", 8), pid=2)
+    third_geometry = KVGeometry("third", 4, 4, 128, "float32", 8)
+    with pytest.raises(ProtocolError) as error:         # both namespaces have engines
+        state.attach(third_geometry, pid=3)
+    assert error.value.code == ErrorCode.OUT_OF_SPACE
+    state.detach(first.session_id)
+    clock.advance(1)
+    third, ns_third = state.attach(third_geometry, pid=3)
+    state.check_integrity()
+    assert ns_third.arena_offset_bytes == ns_first.arena_offset_bytes
+    assert ns_first.namespace_id not in state.namespaces and ns_second.namespace_id in state.namespaces
+    assert state.metrics.counters["namespaces_reclaimed"] == 1
+    state.detach(second.session_id)
+    clock.advance(1)
+    again, ns_again = state.attach(GEOMETRY, pid=4)            # the first model comes back: a fresh cache
+    assert ns_again is not ns_first and ns_again.tree.owned_pages(Tier.L2) == 0
+    state.check_integrity()
