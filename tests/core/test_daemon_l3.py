@@ -8,7 +8,6 @@ import pytest
 from kvcached.core.daemon import ArenaPlan, DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState
 from kvcached.core.tiers import Tier
-from proto.messages import KVGeometry
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
 
 # 16 L2 pages and 32 L3 slots of 131072 bytes.

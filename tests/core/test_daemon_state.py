@@ -94,7 +94,7 @@ def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock):
         back_up(state, session.session_id, prefixes[-1])
         clock.advance(1.0)
         state.heartbeat(session.session_id)
-    leased = state.match(session.session_id, prefixes[0])      # oldest, but leased now
+    state.match(session.session_id, prefixes[0])               # oldest, but leased now
     clock.advance(1.0)
     state.heartbeat(session.session_id)
     state.check_integrity()
