@@ -35,13 +35,14 @@ def wait_for_write_through(client, timeout_s: float = 10.0) -> dict:
         time.sleep(0.02)
 
 
-def fill_l2(client, num_pages: int, rng) -> None:
-    """Back up unrelated prefixes until num_pages new pages were committed (evicting older ones)."""
+def back_up_random(client, num_pages: int, rng) -> np.ndarray:
+    """Back up a new random prefix of num_pages pages (evicting older ones if L2 is full)."""
     tokens = rng.integers(0, 150_000, size=num_pages * PAGE, dtype=np.int32)
     reply = client.match(tokens, reserve_backup=True)
     assert len(reply.backup_page_ids) == num_pages
     client.commit_backup(reply.lease_id, reply.backup_page_ids)
     assert client.flush() == []
+    return tokens
 
 
 def l2_l3(client, tokens) -> tuple[int, int]:
@@ -63,7 +64,7 @@ def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path):
             status = wait_for_write_through(filler)
             assert status["io"]["h2s"]["bytes"] == backup["pages"] * GEOMETRY.bytes_per_page
             capacity = status["namespaces"][0]["tiers"]["l2"]["capacity_pages"]
-            fill_l2(filler, capacity, np.random.default_rng())
+            back_up_random(filler, capacity, np.random.default_rng())
             status = wait_for_write_through(filler)
             assert status["namespaces"][0]["tiers"]["l2"]["owned_pages"] == capacity
 
@@ -89,10 +90,7 @@ def test_temporary_l3_file_leaves_nothing_behind():
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            tokens = np.random.default_rng().integers(0, 150_000, size=4 * PAGE, dtype=np.int32)
-            reply = client.match(tokens, reserve_backup=True)
-            client.commit_backup(reply.lease_id, reply.backup_page_ids)
-            assert client.flush() == []
+            back_up_random(client, 4, np.random.default_rng())
             status = wait_for_write_through(client)
         path = status["daemon"]["l3_file"]
         assert path and status["io"]["h2s"]["count"] == 1 and status["io"]["h2s"]["failures"] == 0
@@ -105,12 +103,9 @@ def test_temporary_l3_file_leaves_nothing_behind():
 
 def evicted_prefix(client, rng) -> np.ndarray:
     """A prefix that is in L3 but no longer in L2."""
-    tokens = rng.integers(0, 150_000, size=6 * PAGE, dtype=np.int32)
-    reply = client.match(tokens, reserve_backup=True)
-    client.commit_backup(reply.lease_id, reply.backup_page_ids)
-    assert client.flush() == []
+    tokens = back_up_random(client, 6, rng)
     status = wait_for_write_through(client)
-    fill_l2(client, status["namespaces"][0]["tiers"]["l2"]["capacity_pages"], rng)
+    back_up_random(client, status["namespaces"][0]["tiers"]["l2"]["capacity_pages"], rng)
     wait_for_write_through(client)
     assert l2_l3(client, tokens) == (0, 6 * PAGE)
     return tokens
@@ -198,10 +193,7 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
         assert status["metrics"]["restore_fallbacks"] == 1
 
         monkeypatch.setattr(io_workers, "_pwrite", lambda fd, data, offset: 0)     # a full disk
-        fresh = rng.integers(0, 150_000, size=3 * PAGE, dtype=np.int32)
-        reply = client.match(fresh, reserve_backup=True)
-        client.commit_backup(reply.lease_id, reply.backup_page_ids)
-        assert client.flush() == []
+        fresh = back_up_random(client, 3, rng)
         status = wait_for_write_through(client)
         assert status["integrity"] == "ok" and status["io"]["h2s"]["failures"] == 1
         assert l2_l3(client, fresh) == (3 * PAGE, 0)
@@ -266,10 +258,7 @@ def test_write_through_backlog_is_bounded():
     with inprocess_daemon_with(max_pending_writes=0) as config:
         with connect(config.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            tokens = np.random.default_rng().integers(0, 150_000, size=4 * PAGE, dtype=np.int32)
-            reply = client.match(tokens, reserve_backup=True)
-            client.commit_backup(reply.lease_id, reply.backup_page_ids)
-            assert client.flush() == []
+            tokens = back_up_random(client, 4, np.random.default_rng())
             status = wait_for_write_through(client)
             assert status["metrics"]["h2s_policy_skips"] == 1
             assert status["io"]["h2s"]["count"] == 0 and status["io"]["h2s"]["failures"] == 0
