@@ -384,15 +384,6 @@ class DaemonState:
             return None
         return self._plan_move(namespace, result, token_ids, Tier.L2, Tier.L3, l3_pages, l2_pages)
 
-    def plan_promotion(self, session_id: int, token_bytes: bytes) -> TierMove | None:
-        """S2H: the move that reads the L3 pages beyond the L2 hit into new L2 pages, if any."""
-        outcome = self.match(session_id, token_bytes, promote_l3=True)
-        if isinstance(outcome, TierMove):
-            return outcome
-        if outcome.lease_id is not None:
-            self.release(session_id, outcome.lease_id)
-        return None
-
     def _plan_move(self, namespace: Namespace, result, token_ids: np.ndarray, source: Tier,
                    destination: Tier, start_page: int, end_page: int) -> TierMove | None:
         # Lock the source pages and the destination's resident prefix before reserving: the

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvcached.core.daemon import ArenaPlan, DaemonState
-from kvcached.core.tier_ops import IllegalOpTransition, OpState
+from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
 
@@ -113,8 +113,8 @@ def test_promotion_restores_l2_residency_from_l3(state, clock):
     state.finish_move(move, ok=True)
     state.check_integrity()
 
-    promotion = state.plan_promotion(session.session_id, prefix)
-    assert promotion is not None and promotion.direction == "s2h"
+    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    assert isinstance(promotion, TierMove) and promotion.direction == "s2h"
     assert promotion.start_page == 0 and len(promotion.private_page_ids) == 5
     state.check_integrity()
     assert state.finish_move(promotion, ok=True) == 5
@@ -133,7 +133,7 @@ def test_published_promotion_survives_the_sessions_death(state, clock):
     session, namespace = state.attach(GEOMETRY, pid=1)
     keeper, _ = state.attach(GEOMETRY, pid=2)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
-    promotion = state.plan_promotion(session.session_id, prefix)
+    promotion = state.match(session.session_id, prefix, promote_l3=True)
     state.finish_move(promotion, ok=True)
     reply = state.match(session.session_id, prefix)              # the engine's lease on the promoted pages
     promoted = reply.host_page_ids
@@ -151,7 +151,7 @@ def test_failed_promotion_falls_back_without_leaks(state):
     rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
-    promotion = state.plan_promotion(session.session_id, prefix)
+    promotion = state.match(session.session_id, prefix, promote_l3=True)
     private = set(promotion.private_page_ids)
     state.finish_move(promotion, ok=False)
     state.check_integrity()
@@ -195,4 +195,5 @@ def test_no_l3_means_no_moves():
     session, namespace = state.attach(GEOMETRY, pid=1)
     _, move = commit(state, session.session_id, tokens(rng, 2))
     assert move is None and namespace.l3_allocator is None
-    assert state.plan_promotion(session.session_id, tokens(rng, 2)) is None
+    outcome = state.match(session.session_id, tokens(rng, 2), promote_l3=True)
+    assert not isinstance(outcome, TierMove) and outcome.lease_id is None
