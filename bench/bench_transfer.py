@@ -5,8 +5,15 @@ Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128, bf16), 16-token pages, p
 layout a real daemon is started, and an engine (client + L1 pool + pinned L2 mapping + transfer
 engine, backend auto) attaches to it. Timed from the engine's side, wall clock:
 
-    D2H  match(reserve_backup) -> backup transfer (gather + DMA) -> wait -> commit
+    D2H  match(reserve_backup) sent -> gather queued (start_backup) -> reply -> DMAs queued
+         (send_to) -> wait -> commit        (--d2h serial: match, then backup(): gather + DMA)
     H2D  match (lease on the hit) -> restore transfer (DMA + scatter) -> wait -> release
+
+On CUDA each row also says where the time goes on one timeline: lead_ms, from the path's start to
+the transfer's first device work (the RPC and whatever host submission the device waited for), the
+device time (transfer_ms), and tail_ms, what follows the device work (completion, commit/release).
+--client-spin-us, --daemon-spin-us, --engine-cpu and --daemon-cpu set how the client and the daemon
+wait for messages (see engine_client.client.connect and `kvcached serve --help`).
 
 Layouts (L2 pages of a prefix):
   contiguous          the daemon's pool has room for every prefix of the run, so each backup's
@@ -44,18 +51,20 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS_DIR, machine_name, percentile, print_table, write_result
-from engine_client.client import connect
+from engine_client.client import DEFAULT_SPIN_S, connect
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
 from engine_client.transfer import TransferEngine
+from kvcached.config import DaemonConfig
 from proto.messages import KVGeometry
 from tests.integration.daemon_proc import DaemonProcess
 
 GEOMETRY = KVGeometry("Qwen/Qwen3-8B", num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
 ARENA_ALIGN_BYTES = 2 << 20
+DEFAULT_DAEMON_SPIN_US = DaemonConfig.__dataclass_fields__["socket_spin_us"].default
 TARGET = "ratio >= 0.85 at >= 1000 tokens, both directions, contiguous layout"
 COLUMNS = ["tokens", "direction", "layout", "gbps", "limit_gbps", "ratio", "median_ms", "limit_ms", "transfer_ms",
-           "match_ms", "submit_ms", "wait_ms", "end_ms"]
+           "match_ms", "submit_ms", "wait_ms", "end_ms", "lead_ms", "tail_ms"]
 
 
 class RawDma:
@@ -83,8 +92,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def mark(timeline: dict[str, torch.cuda.Event] | None, direction: str) -> None:
+    """Record the direction's start marker on the timeline's idle stream: it executes at once."""
+    if timeline is not None:
+        timeline[direction].record(timeline["stream"])
+
+
+def lead_seconds(timeline: dict | None, direction: str, events) -> float | None:
+    """Seconds from the path's start (its marker) to the start of the transfer's device work: the
+    RPC and the host-side submission the device waited for (None off CUDA). Call after completion."""
+    if timeline is None or events is None:
+        return None
+    events[1].synchronize()
+    return timeline[direction].elapsed_time(events[0]) / 1e3
+
+
 def new_sample_lists() -> dict[str, list[float]]:
-    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_")
+    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_", "lead_")
     return {part + direction: [] for part in parts for direction in ("D2H", "H2D")}
 
 
@@ -135,12 +159,19 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
     roomy = layout == "contiguous"
     pool_pages = (args.warmup + args.iterations) * num_pages + 1 if roomy else 2 * num_pages + 1
     l2_bytes = math.ceil(pool_pages * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
+    spin_args = ("--spin-us", str(args.daemon_spin_us)) if args.daemon_spin_us is not None else ()
+    if args.daemon_cpu is not None:
+        spin_args += ("--socket-cpu", str(args.daemon_cpu))
     daemon = DaemonProcess(l2_size=str(l2_bytes), extra_args=(
-        "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING")).start(timeout_s=60)
+        "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING", *spin_args)).start(timeout_s=60)
     rng = np.random.default_rng(num_tokens)
     is_cuda = device.type == "cuda"
+    all_cpus = os.sched_getaffinity(0)
+    if args.engine_cpu is not None:
+        os.sched_setaffinity(0, {args.engine_cpu})      # this thread only (the daemon has started)
     try:
-        client = connect(daemon.socket_path, timeout_s=30.0, client_name="bench-transfer")
+        client = connect(daemon.socket_path, timeout_s=30.0, client_name="bench-transfer",
+                         spin_s=args.client_spin_us / 1e6, cpu=args.engine_cpu)
         started = time.perf_counter()
         info = client.attach(GEOMETRY)
         attached = time.perf_counter()
@@ -165,6 +196,10 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
         held_leases = fragment_the_pool(client, info.num_pages, rng) if fragmented else []
 
         samples = new_sample_lists()
+        timeline = None
+        if is_cuda:
+            timeline = {"stream": torch.cuda.Stream(device=device), "D2H": torch.cuda.Event(enable_timing=True),
+                        "H2D": torch.cuda.Event(enable_timing=True)}
         runs_seen = set()
         bit_exact = True
 
@@ -174,24 +209,39 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             tokens = rng.integers(1, 2**31 - 1, size=num_pages * page_size, dtype=np.int32)
             synchronize(device)
             started = time.perf_counter()
-            reply = client.match(tokens, reserve_backup=True)
-            matched = time.perf_counter()
-            backup = transfer.backup(source_pages, reply.backup_page_ids)
+            mark(timeline, "D2H")
+            if args.d2h == "pipelined":
+                # The reservation's round trip overlaps the gather: send the match, gather, then
+                # collect the reply and queue the DMAs into the reserved pages.
+                pending = client.match_async(tokens, reserve_backup=True)
+                gathered = transfer.start_backup(source_pages)
+                reply = pending.result()
+                matched = time.perf_counter()
+                backup = gathered.send_to(reply.backup_page_ids)
+            else:
+                reply = client.match(tokens, reserve_backup=True)
+                matched = time.perf_counter()
+                backup = transfer.backup(source_pages, reply.backup_page_ids)
             submitted = time.perf_counter()
+            events = backup.device_events
             backup.wait()
             waited = time.perf_counter()
             client.commit_backup(reply.lease_id, reply.backup_page_ids)
             ended = time.perf_counter()
             d2h = (ended - started, matched - started, submitted - matched, waited - submitted, ended - waited)
+            d2h_lead = lead_seconds(timeline, "D2H", events)
             assert len(reply.backup_page_ids) == num_pages, reply
             runs_seen.add(num_runs(reply.backup_page_ids))
 
             started = time.perf_counter()
+            mark(timeline, "H2D")
             reply = client.match(tokens)
             matched = time.perf_counter()
             restore = transfer.restore(reply.host_page_ids, destination_pages)
             submitted = time.perf_counter()
+            events = restore.device_events
             restore.wait()
+            h2d_lead = lead_seconds(timeline, "H2D", events)
             waited = time.perf_counter()
             client.release(reply.lease_id)
             ended = time.perf_counter()
@@ -208,6 +258,9 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                         sink[name + direction].append(seconds)
                 sink["device_D2H"].append(backup.seconds)
                 sink["device_H2D"].append(restore.seconds)
+                if d2h_lead is not None:
+                    sink["lead_D2H"].append(d2h_lead)
+                    sink["lead_H2D"].append(h2d_lead)
                 for direction in ("D2H", "H2D"):
                     sink[f"raw_{direction}"].append(raw.seconds(direction, num_bytes))
 
@@ -245,6 +298,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
         host_pool.close()
         client.close()
     finally:
+        os.sched_setaffinity(0, all_cpus)
         daemon.stop()
         daemon.cleanup()
 
@@ -264,6 +318,13 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             # (device work, plus the host-side copy of a staged backup), the closing commit/release.
             **{f"{part}_ms": statistics.median(samples[f"{part}_{direction}"]) * 1e3
                for part in ("match", "submit", "wait", "end")},
+            # On CUDA: from the path's start to the transfer's first device work (RPC + submission
+            # the device waited for), and what is left after the device work (completion + end).
+            **({"lead_ms": statistics.median(samples[f"lead_{direction}"]) * 1e3,
+                "tail_ms": statistics.median(
+                    [total - lead - device for total, lead, device in zip(
+                        samples[direction], samples[f"lead_{direction}"], samples[f"device_{direction}"])]) * 1e3}
+               if samples[f"lead_{direction}"] else {}),
         })
     return {"rows": rows, "attach": attach, "backends": backends, "bit_exact": bit_exact,
             "submit_profile": submit_profile,
@@ -285,6 +346,17 @@ def main() -> None:
                         help="cProfile 100 backups of the --profile-tokens contiguous case (host time by function)")
     parser.add_argument("--profile-tokens", type=int, default=1000)
     parser.add_argument("--pin-results", default=None, help="bench_pin JSON to embed (default: <machine>/pin.json)")
+    parser.add_argument("--d2h", choices=("pipelined", "serial"), default="pipelined",
+                        help="pipelined: the match's round trip overlaps the gather (match_async + start_backup); "
+                             "serial: match, then backup")
+    parser.add_argument("--client-spin-us", type=float, default=DEFAULT_SPIN_S * 1e6,
+                        help="how long the client busy-waits for a reply before sleeping")
+    parser.add_argument("--daemon-spin-us", type=int, default=None,
+                        help="the daemon's --spin-us (default: the daemon's default)")
+    parser.add_argument("--engine-cpu", type=int, default=None,
+                        help="pin this (the engine's) thread and its client's ZeroMQ I/O thread to this CPU")
+    parser.add_argument("--daemon-cpu", type=int, default=None, help="the daemon's --socket-cpu")
+    parser.add_argument("--name", default="transfer", help="result file name (bench/results/<machine>/<name>.json)")
     parser.add_argument("--machine", default=None)
     args = parser.parse_args()
 
@@ -314,8 +386,10 @@ def main() -> None:
         pin = {"source": os.path.relpath(pin_path), "date": pin_document.get("date"),
                "rows": pin_document.get("rows"), "dma": pin_document.get("dma")}
     print(f"target ({TARGET}): {'met' if target_met else 'NOT met'}")
-    path = write_result("transfer", {
-        "target": TARGET, "target_met": target_met, "device": str(device),
+    path = write_result(args.name, {
+        "target": TARGET, "d2h": args.d2h, "client_spin_us": args.client_spin_us,
+        "daemon_spin_us": args.daemon_spin_us if args.daemon_spin_us is not None else DEFAULT_DAEMON_SPIN_US,
+        "engine_cpu": args.engine_cpu, "daemon_cpu": args.daemon_cpu, "target_met": target_met, "device": str(device),
         "geometry": {"model_id": GEOMETRY.model_id, "num_layers": GEOMETRY.num_layers,
                      "num_kv_heads": GEOMETRY.num_kv_heads, "head_dim": GEOMETRY.head_dim,
                      "dtype": GEOMETRY.dtype, "page_size": GEOMETRY.page_size,

@@ -115,6 +115,9 @@ class _Channel:
         # Requests we stopped waiting for: a late MATCH reply still carries a lease that nobody
         # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease.
         self.abandoned: dict[int, MsgKind] = {}
+        # Requests sent by begin() whose replies are still to be collected by wait_for() (None
+        # until the reply arrives).
+        self.awaited: dict[int, codec.Frame | None] = {}
         self.on_orphan_lease: Callable[[int], None] | None = None
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
@@ -133,27 +136,51 @@ class _Channel:
             self.pending_async[request_id] = kind
 
     def request(self, kind: MsgKind, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        return self.wait_for(self.begin(kind, body), kind, timeout_s)
+
+    def begin(self, kind: MsgKind, body: dict[str, Any]) -> int:
+        """Send a request whose reply ``wait_for`` will collect; replies that arrive meanwhile
+        (while other requests are waited for) are kept for it."""
         request_id = self.send(kind, body)
+        self.awaited[request_id] = None
+        return request_id
+
+    def wait_for(self, request_id: int, kind: MsgKind, timeout_s: float | None = None) -> dict[str, Any]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        while True:
-            frame = self._receive(deadline)
-            if frame is None:
-                if len(self.abandoned) < MAX_PENDING_ASYNC:
-                    self.abandoned[request_id] = kind
+        frame = self.awaited[request_id]
+        while frame is None:
+            received = self._receive(deadline)
+            if received is None:
+                self.abandon(request_id, kind)
                 raise DaemonUnavailable(
                     f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
                     f"within timeout_s={timeout_s} (is it running?)")
-            self._absorb(frame)
-            if frame.request_id == request_id:
-                if frame.kind == MsgKind.ERROR:
-                    raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
-                return frame.body
+            self._absorb(received)
+            frame = self.awaited[request_id]
+        del self.awaited[request_id]
+        if frame.kind == MsgKind.ERROR:
+            raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
+        return frame.body
+
+    def abandon(self, request_id: int, kind: MsgKind) -> None:
+        """Stop waiting for a request's reply. A MATCH reply carries a lease that nobody would ever
+        end: whether it came already or comes later, its lease goes to on_orphan_lease."""
+        if request_id not in self.awaited:
+            return
+        frame = self.awaited.pop(request_id)
+        if frame is None:
+            if len(self.abandoned) < MAX_PENDING_ASYNC:
+                self.abandoned[request_id] = kind
+        elif kind == MsgKind.MATCH:
+            self._orphan_lease_of(frame)
 
     def _receive(self, deadline: float) -> codec.Frame | None:
         if self.spin_s > 0:
             # A reply usually comes within tens of microseconds: polling for it is cheaper than
             # sleeping in the kernel and paying a wake-up (large on virtual machines).
+            # Each turn yields the CPU, so that ZeroMQ's I/O thread, when it shares it (connect's
+            # cpu), runs at once.
             spin_until = time.perf_counter() + self.spin_s
             while True:
                 try:
@@ -161,6 +188,7 @@ class _Channel:
                 except zmq.Again:
                     if time.perf_counter() >= spin_until:
                         break
+                    os.sched_yield()
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         if remaining_ms != self._rcvtimeo_ms:     # one blocking recv; no poll() per reply
             self.socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
@@ -180,10 +208,10 @@ class _Channel:
             self._absorb(frame)
 
     def _absorb(self, frame: codec.Frame) -> None:
-        abandoned_kind = self.abandoned.pop(frame.request_id, None)
-        if (abandoned_kind == MsgKind.MATCH and frame.kind == MsgKind.REPLY
-                and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None):
-            self.on_orphan_lease(frame.body["lease_id"])
+        if frame.request_id in self.awaited:
+            self.awaited[frame.request_id] = frame
+        elif self.abandoned.pop(frame.request_id, None) == MsgKind.MATCH:
+            self._orphan_lease_of(frame)
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
             if kind is not None:
@@ -196,22 +224,54 @@ class _Channel:
         for request_id in [r for r in self.pending_async if r < frame.request_id]:
             del self.pending_async[request_id]
 
+    def _orphan_lease_of(self, frame: codec.Frame) -> None:
+        if frame.kind == MsgKind.REPLY and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None:
+            self.on_orphan_lease(frame.body["lease_id"])
+
     def close(self) -> None:
         self.socket.close(0)
+
+
+class PendingMatch:
+    """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
+
+    def __init__(self, channel: _Channel, request_id: int):
+        self._channel = channel
+        self._request_id = request_id
+        self._ended = False
+
+    def result(self, timeout_s: float | None = None) -> MatchReply:
+        """Wait for the reply (at most timeout_s, default the client's). On a timeout the match is
+        given up like ``cancel()`` and DaemonUnavailable is raised."""
+        if self._ended:
+            raise RuntimeError("this match has already ended (result() or cancel() was called)")
+        self._ended = True
+        body = self._channel.wait_for(self._request_id, MsgKind.MATCH, timeout_s)
+        return MatchReply(**{f: body[f] for f in MatchReply._fields if f in body})
+
+    def cancel(self) -> None:
+        """Give the match up: the lease of its reply, whenever that comes, is released."""
+        if not self._ended:
+            self._ended = True
+            self._channel.abandon(self._request_id, MsgKind.MATCH)
 
 
 class KVCacheClient:
     """An engine's session with the daemon; see ``connect``."""
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 client_name: str = "", spin_s: float = DEFAULT_SPIN_S):
+                 client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None):
         self.socket_path = socket_path or default_socket_path()
         if not os.path.exists(self.socket_path):
             raise DaemonUnavailable(f"no kvcached daemon socket at {self.socket_path} "
                                     "(start one with `kvcached serve`)")
+        if cpu is not None and cpu not in os.sched_getaffinity(0):
+            raise ValueError(f"cpu {cpu} is not among the CPUs this process may use: {sorted(os.sched_getaffinity(0))}")
         self.timeout_s = timeout_s
         self.client_name = client_name
         self._context = zmq.Context()
+        if cpu is not None:
+            self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._channel = _Channel(self._context, self.socket_path, timeout_s, spin_s)
         self._channel.on_orphan_lease = self._release_orphan
         self.info: AttachInfo | None = None
@@ -275,16 +335,23 @@ class KVCacheClient:
               promote_l3: bool = True) -> MatchReply:
         """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
         and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
-        body = self._channel.request(MsgKind.MATCH, {
+        return self.match_async(token_ids, reserve_backup, promote_l3).result()
+
+    def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
+                    promote_l3: bool = True) -> PendingMatch:
+        """Send a match now and collect its reply later (``result()``), so that the round trip
+        overlaps the engine's own work, e.g. the gather of a backup (TransferEngine.start_backup).
+        Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease."""
+        request_id = self._channel.begin(MsgKind.MATCH, {
             "session_id": self._session(),
             "token_ids": token_bytes(token_ids),
             "reserve_backup": reserve_backup,
             "promote_l3": promote_l3,
         })
-        return MatchReply(**{f: body[f] for f in MatchReply._fields if f in body})
+        return PendingMatch(self._channel, request_id)
 
     def _release_orphan(self, lease_id: int) -> None:
-        logger.warning("releasing lease %d granted by a match that timed out", lease_id)
+        logger.warning("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
         if self.info is not None and self._session_lost is None:
             self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
 
@@ -315,9 +382,14 @@ class KVCacheClient:
         return errors
 
     def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
-        """Wait until the daemon has handled every release/commit sent so far; returns their errors
-        like ``poll_errors``."""
-        if self._channel.pending_async and self.info is not None:
+        """Wait until the daemon has handled every release/commit sent so far, including the
+        releases of leases from matches given up; returns their errors like ``poll_errors``."""
+        # The daemon answers one socket's requests in order, so a heartbeat's reply comes after the
+        # replies to everything sent before it. A given-up match's reply triggers the release of its
+        # lease when it arrives: that release needs a second round.
+        for _ in range(2):
+            if self.info is None or not (self._channel.pending_async or self._channel.abandoned):
+                break
             self._channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id}, timeout_s)
         return self.poll_errors()
 
@@ -359,8 +431,11 @@ class KVCacheClient:
 
 
 def connect(socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-            client_name: str = "", spin_s: float = DEFAULT_SPIN_S) -> KVCacheClient:
+            client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None) -> KVCacheClient:
     """Connect to the daemon at ``socket_path`` (default: the per-user path); then ``attach``.
 
-    ``spin_s``: how long a blocking request busy-waits for its reply before sleeping (0: never)."""
-    return KVCacheClient(socket_path, timeout_s, client_name, spin_s)
+    ``spin_s``: how long a blocking request busy-waits for its reply before sleeping (0: never).
+    ``cpu``: run the client's ZeroMQ I/O thread on this CPU. An engine whose scheduler thread is
+    pinned to the same CPU then hands its requests and replies to a thread on a busy CPU, which
+    is cheaper than waking an idle one (large on virtual machines)."""
+    return KVCacheClient(socket_path, timeout_s, client_name, spin_s, cpu)

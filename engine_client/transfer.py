@@ -256,6 +256,15 @@ class Transfer:
             raise RuntimeError("the transfer has not completed; call wait() or poll done() first")
         return self._seconds
 
+    @property
+    def device_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The CUDA events recorded where the device work starts and ends (None off CUDA), e.g. to
+        place the transfer on a timeline against the caller's own events. They belong to the transfer's
+        workspace: read them before the engine's next transfer, which may record them again."""
+        if self._start_event is None or self._end_event is None:
+            return None
+        return self._start_event, self._end_event
+
     def _complete(self, block: bool) -> bool:
         if self._error is not None:
             raise self._error
@@ -285,6 +294,47 @@ class Transfer:
             if on_complete is not None:
                 on_complete(self)
         return True
+
+
+class PendingBackup:
+    """L1 pages gathered by ``TransferEngine.start_backup``, waiting to be told their L2 pages.
+
+    Ends by ``send_to`` (the backup's DMAs are queued; returns the backup's Transfer) or by
+    ``cancel`` (no DMA; returns a Transfer that completes with the gathers). ``drain()`` of the
+    engine waits for the gathers and ends it too: a later ``send_to`` then raises.
+    """
+
+    def __init__(self, engine: "TransferEngine", transfer: Transfer, slices: list[tuple[int, int]]):
+        self._engine = engine
+        self.transfer = transfer
+        self.slices = slices
+        self.num_pages = transfer.num_pages
+        self._sent = False
+
+    def send_to(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
+        """Queue the DMAs: host_page_ids[i] receives the gathered page first + i (a backup that
+        skips pages the daemon already holds sends only the tail, with first > 0)."""
+        if self._sent:
+            raise RuntimeError("this backup has already been sent or cancelled")
+        if self.transfer._seconds is not None and self.num_pages:
+            raise RuntimeError("this backup was drained before it was sent: gather again")
+        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
+        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
+            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
+                             f"{self.num_pages} gathered pages")
+        repeated = _first_repeated_id(host_ids)
+        if repeated is not None:
+            raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
+        self._sent = True
+        if len(host_ids):
+            self._engine._send_backup(self, host_ids, first)
+        return self.transfer
+
+    def cancel(self) -> Transfer:
+        """Give the backup up: nothing is written to L2; the returned Transfer completes with the gathers."""
+        self._sent = True
+        self.transfer.num_pages, self.transfer.num_bytes = 0, 0
+        return self.transfer
 
 
 class TransferEngine:
@@ -361,6 +411,33 @@ class TransferEngine:
         """Copy L1 pages into host pages (D2H); host_page_ids[i] receives l1_page_ids[i]."""
         l1_ids, host_ids = self._checked_ids(l1_page_ids, host_page_ids, destination="host")
         return self._submit("D2H", l1_ids, host_ids)
+
+    def start_backup(self, l1_page_ids: Sequence[int]) -> PendingBackup:
+        """Gather L1 pages into a packed device buffer now; their L2 pages are named later, by
+        ``PendingBackup.send_to`` (which queues the DMAs). Made to overlap the reservation round
+        trip: send the match (KVCacheClient.match_async), start the backup, then collect the reply."""
+        l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
+        num_pages = len(l1_ids)
+        transfer = Transfer("D2H", num_pages, num_pages * self.bytes_per_page, self._release)
+        pending = PendingBackup(self, transfer, self._slices(num_pages) if num_pages else [])
+        if num_pages == 0:
+            transfer._complete(block=False)
+            return pending
+        workspace = self._acquire_workspace(num_pages, needs_staging=False)
+        self._transfer_to_workspace[transfer] = workspace
+        with self._completed_on_error(transfer):
+            workspace.ids_host_array[:num_pages] = l1_ids
+            if self._stream is None:
+                started = time.perf_counter()
+                self._gather_slices(workspace, pending.slices)
+                transfer._host_seconds += time.perf_counter() - started
+            else:
+                with self._on_stream(self._stream) as callers_stream:
+                    self._enqueue_gathers(workspace, num_pages, pending.slices, callers_stream)
+                    # Until DMAs are queued, the transfer ends with its gathers (cancel() and drain()).
+                    workspace.end_event.record(self._stream)
+                transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
+        return pending
 
     def restore(self, host_page_ids: Sequence[int], l1_page_ids: Sequence[int]) -> Transfer:
         """Copy host pages into L1 pages (H2D); l1_page_ids[i] receives host_page_ids[i]."""
@@ -514,11 +591,41 @@ class TransferEngine:
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         workspace = self._acquire_workspace(num_pages, staged)
         self._transfer_to_workspace[transfer] = workspace
-        try:
+        with self._completed_on_error(transfer):
             self._enqueue(transfer, workspace, l1_ids, host_runs, staged)
+        return transfer
+
+    def _send_backup(self, pending: PendingBackup, host_ids: np.ndarray, first: int) -> None:
+        """The second half of a started backup: its DMAs, from the gathered slices to host_ids."""
+        transfer = pending.transfer
+        workspace = self._transfer_to_workspace[transfer]
+        host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
+        staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
+        if staged:
+            self._add_staging(workspace)
+        transfer.num_pages, transfer.num_bytes = len(host_ids), len(host_ids) * self.bytes_per_page
+        with self._completed_on_error(transfer):
+            host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, pending.slices)
+            if self._stream is None:
+                started = time.perf_counter()
+                for segments in slice_segments:
+                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
+                transfer._host_seconds += time.perf_counter() - started
+                return
+            assert workspace.end_event is not None
+            with self._on_stream(self._stream):
+                for index, segments in enumerate(slice_segments):
+                    self._enqueue_dma_out(workspace, host_bytes, index, segments)
+                # The copy stream waited for every slice's gather, so its end is the transfer's end.
+                workspace.end_event.record(self._copy_stream)
+
+    @contextlib.contextmanager
+    def _completed_on_error(self, transfer: Transfer):
+        """If queueing fails, nothing was published: let whatever reached the streams finish before
+        the workspace can be reused, then complete the transfer so that nothing stays pending."""
+        try:
+            yield
         except BaseException:
-            # Nothing was published. Let whatever reached the streams finish before the workspace
-            # can be reused, then complete the transfer so that nothing stays pending.
             if self._stream is not None:
                 self._stream.synchronize()
                 self._copy_stream.synchronize()
@@ -526,33 +633,52 @@ class TransferEngine:
             transfer._finish = None
             transfer._complete(block=False)
             raise
-        return transfer
+
+    @contextlib.contextmanager
+    def _on_stream(self, stream: torch.cuda.Stream):
+        """Make `stream` current with plain set_stream calls (the stream context manager costs more
+        host time than the work queued under it); the caller's stream and device come back after."""
+        caller_device = torch.cuda.current_device()
+        callers_stream = torch.cuda.current_stream(self._device_index)
+        torch.cuda.set_stream(stream)
+        try:
+            yield callers_stream
+        finally:
+            torch.cuda.set_stream(callers_stream)
+            if caller_device != self._device_index:
+                torch.cuda.set_device(caller_device)
 
     def _enqueue(self, transfer: Transfer, workspace: _Workspace, l1_ids: np.ndarray,
                  host_runs: list[tuple[int, int, int]], staged: bool) -> None:
         num_pages = len(l1_ids)
         workspace.ids_host_array[:num_pages] = l1_ids
-        # (packed offset, host offset, bytes) of each DMA, in packed order. The host side is the
-        # pool itself, or staging (at the packed offsets) when the pages go through it.
+        slices = self._slices(num_pages)
+        host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
+        if self._stream is None:
+            self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+        else:
+            self._enqueue_on_device(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+
+    def _host_side(self, transfer: Transfer, workspace: _Workspace, host_runs: list[tuple[int, int, int]],
+                   staged: bool, slices: list[tuple[int, int]]) -> tuple[torch.Tensor, list[list[tuple[int, int, int]]]]:
+        """The host buffer of the DMAs, and the DMAs of each slice as (packed offset, host offset,
+        bytes) in packed order. The host side is the pool itself, or staging (at the packed
+        offsets) when the pages go through it. host_runs: (packed position, first host page, pages)."""
+        bytes_per_page = self.bytes_per_page
         if staged:
             assert workspace.staging_bytes is not None
             host_bytes = workspace.staging_bytes
-            segments = [(0, 0, num_pages * self.bytes_per_page)]
+            first_position = host_runs[0][0]
+            num_bytes = sum(length for _, _, length in host_runs) * bytes_per_page
+            segments = [(first_position * bytes_per_page, first_position * bytes_per_page, num_bytes)]
             self._stage(transfer, workspace.staging_bytes, host_runs)
         else:
             host_bytes = self.host_pool.byte_view()
             transfer._refs.append(host_bytes)   # the pool's mapping stays open until the DMAs are done
             segments = self._direct_segments(host_runs)
-        slices = self._slices(num_pages)
         if len(slices) == 1:
-            slice_segments = [segments]
-        else:
-            slice_segments = _segments_by_slice(
-                segments, [(first + count) * self.bytes_per_page for first, count in slices])
-        if self._stream is None:
-            self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
-        else:
-            self._enqueue_on_device(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+            return host_bytes, [segments]
+        return host_bytes, _segments_by_slice(segments, [(first + count) * bytes_per_page for first, count in slices])
 
     def _direct_segments(self, host_runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """(packed offset, pool offset, bytes) of the DMAs straight between the packed buffer and the
@@ -609,53 +735,70 @@ class TransferEngine:
                      slices: list[tuple[int, int]], slice_segments: list[list[tuple[int, int, int]]]) -> None:
         """Off CUDA: the same slices and copies, synchronously, timed by the wall clock."""
         started = time.perf_counter()
-        ids = workspace.ids_device
-        for (first, count), segments in zip(slices, slice_segments):
-            packed = _rows(workspace.packed, first, count)
-            if transfer.direction == "D2H":
-                self.gather_backend.gather(self._l1_bits, _rows(ids, first, count), packed)
+        if transfer.direction == "D2H":
+            self._gather_slices(workspace, slices)
+            for segments in slice_segments:
                 _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
-            else:
+        else:
+            ids = workspace.ids_device
+            for (first, count), segments in zip(slices, slice_segments):
                 _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
-                self.scatter_backend.scatter(packed, _rows(ids, first, count), self._l1_bits)
+                self.scatter_backend.scatter(_rows(workspace.packed, first, count), _rows(ids, first, count),
+                                             self._l1_bits)
         transfer._host_seconds += time.perf_counter() - started
+
+    def _gather_slices(self, workspace: _Workspace, slices: list[tuple[int, int]]) -> None:
+        for first, count in slices:
+            self.gather_backend.gather(self._l1_bits, _rows(workspace.ids_device, first, count),
+                                       _rows(workspace.packed, first, count))
+
+    def _enqueue_gathers(self, workspace: _Workspace, num_pages: int, slices: list[tuple[int, int]],
+                         callers_stream: torch.cuda.Stream,
+                         after_each: Callable[[int], None] | None = None) -> None:
+        """On the compute stream (current): after the caller's stream (which produced the L1 pages),
+        upload the ids and gather each slice, recording its slice event; `after_each(k)` runs once
+        slice k's gather is queued (the DMA of that slice, interleaved)."""
+        compute_stream = self._stream
+        assert compute_stream is not None and workspace.start_event is not None
+        compute_stream.wait_stream(callers_stream)
+        workspace.start_event.record(compute_stream)
+        _leading(workspace.ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
+        for index, (first, count) in enumerate(slices):
+            self.gather_backend.gather(self._l1_bits, _rows(workspace.ids_device, first, count),
+                                       _rows(workspace.packed, first, count))
+            workspace.slice_events[index].record(compute_stream)
+            if after_each is not None:
+                after_each(index)
+
+    def _enqueue_dma_out(self, workspace: _Workspace, host_bytes: torch.Tensor, index: int,
+                         segments: list[tuple[int, int, int]]) -> None:
+        """On the copy stream, after slice `index`'s gather: its DMAs into the host side. (The compute
+        stream is current before and after.)"""
+        assert self._copy_stream is not None and self._stream is not None
+        self._copy_stream.wait_event(workspace.slice_events[index])
+        if segments:
+            torch.cuda.set_stream(self._copy_stream)
+            _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
+            torch.cuda.set_stream(self._stream)
 
     def _enqueue_on_device(self, transfer: Transfer, workspace: _Workspace, num_pages: int,
                            host_bytes: torch.Tensor, slices: list[tuple[int, int]],
                            slice_segments: list[list[tuple[int, int, int]]]) -> None:
-        """Queue the transfer on the two streams (see the module note) and return at once.
-
-        The current stream is switched with plain set_stream calls (the stream context manager and
-        per-call events cost more host time than the work they queue) and restored on the way out,
-        with the current device if it was another one.
-        """
+        """Queue the transfer on the two streams (see the module note) and return at once."""
         compute_stream, copy_stream = self._stream, self._copy_stream
         assert compute_stream is not None and copy_stream is not None
         assert workspace.start_event is not None and workspace.end_event is not None
         packed, ids_device = workspace.packed, workspace.ids_device
         events = workspace.slice_events
-        caller_device = torch.cuda.current_device()
-        callers_stream = torch.cuda.current_stream(self._device_index)
-        try:
-            if transfer.direction == "D2H":
-                torch.cuda.set_stream(compute_stream)
-                # The caller's stream produced the L1 pages; gather them after it.
-                compute_stream.wait_stream(callers_stream)
-                workspace.start_event.record(compute_stream)
-                _leading(ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
-                for (first, count), segments, packed_event in zip(slices, slice_segments, events):
-                    self.gather_backend.gather(self._l1_bits, _rows(ids_device, first, count),
-                                               _rows(packed, first, count))
-                    packed_event.record(compute_stream)
-                    copy_stream.wait_event(packed_event)
-                    torch.cuda.set_stream(copy_stream)
-                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
-                    torch.cuda.set_stream(compute_stream)
+        if transfer.direction == "D2H":
+            with self._on_stream(compute_stream) as callers_stream:
+                self._enqueue_gathers(workspace, num_pages, slices, callers_stream, after_each=lambda index: (
+                    self._enqueue_dma_out(workspace, host_bytes, index, slice_segments[index])))
                 # The copy stream waited for the last gather, so its end is the transfer's end.
                 workspace.end_event.record(copy_stream)
-            else:
-                # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
-                torch.cuda.set_stream(copy_stream)
+        else:
+            # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
+            with self._on_stream(copy_stream) as callers_stream:
                 workspace.start_event.record(copy_stream)
                 for segments, copied_event in zip(slice_segments, events):
                     _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
@@ -670,10 +813,6 @@ class TransferEngine:
                                                  self._l1_bits)
                 # The compute stream waited for the last DMA, so its end is the transfer's end.
                 workspace.end_event.record(compute_stream)
-        finally:
-            torch.cuda.set_stream(callers_stream)
-            if caller_device != self._device_index:
-                torch.cuda.set_device(caller_device)
         transfer._start_event = workspace.start_event
         transfer._end_event = workspace.end_event
 
@@ -714,12 +853,16 @@ class TransferEngine:
             workspace = _Workspace(num_pages, self._new_device_buffer(num_pages), ids_host, ids_device,
                                    self.max_slices if self._is_cuda else None)
             self.num_workspaces_created += 1
-        if needs_staging and workspace.staging is None:
+        if needs_staging:
+            self._add_staging(workspace)
+        return workspace
+
+    def _add_staging(self, workspace: _Workspace) -> None:
+        if workspace.staging is None:
             # Pinned so the DMA is asynchronous; sized like the workspace so it is never too small.
             workspace.add_staging(torch.empty((workspace.num_pages, *self._page_shape), dtype=self._bits_dtype,
                                               pin_memory=self._is_cuda))
             self.num_stagings_created += 1
-        return workspace
 
     def _new_device_buffer(self, num_pages: int) -> torch.Tensor:
         # Allocated on the compute stream. The copy stream uses it too, but a workspace is dropped

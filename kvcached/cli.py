@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--io-threads", type=int, help=f"L3 file I/O threads (default {defaults['io_threads'].default})")
     serve.add_argument("--spin-us", type=int, help="busy-poll the socket this many microseconds after a "
                        f"request before sleeping (default {defaults['socket_spin_us'].default}; 0: never)")
+    serve.add_argument("--socket-cpu", type=int, help="run the socket thread and ZeroMQ's I/O thread on this "
+                       "CPU, so that a request wakes a busy CPU, not an idle one (default: any)")
     serve.add_argument("--max-namespaces", type=int,
                        help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
@@ -60,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
                                        l3_bytes=args.l3_size, l3_o_direct=args.l3_o_direct,
                                        io_threads=args.io_threads, socket_spin_us=args.spin_us,
+                                       socket_cpu=args.socket_cpu,
                                        max_namespaces=args.max_namespaces,
                                        log_level=args.log_level)
     except ValueError as exc:

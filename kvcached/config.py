@@ -64,6 +64,7 @@ class DaemonConfig:
     max_frame_bytes: int = 16 << 20
     io_threads: int = 4
     socket_spin_us: int = 100           # busy-poll the socket this long after a request (0: never)
+    socket_cpu: int | None = None       # run the socket thread and ZeroMQ's I/O thread on this CPU
     max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
     shm_dir: str = SHM_DIR
     log_level: str = "INFO"
@@ -79,6 +80,9 @@ class DaemonConfig:
             raise ValueError("l3_bytes must be >= 0")
         if not 0 <= self.socket_spin_us <= 100_000:
             raise ValueError("socket_spin_us must be in 0..100000")
+        if self.socket_cpu is not None and self.socket_cpu not in os.sched_getaffinity(0):
+            raise ValueError(f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
+                             f"{sorted(os.sched_getaffinity(0))}")
         if not 1 <= self.io_threads <= 256:
             raise ValueError("io_threads must be in 1..256")
 

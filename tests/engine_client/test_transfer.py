@@ -795,3 +795,105 @@ def test_transfers_leave_the_callers_stream_and_device_current(make_setup):
     setup.check_integrity()
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES], originals)
+
+
+# ---- started backups (start_backup, then send_to) -------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "fragmented", "fragmented/dma_per_run"])
+@pytest.mark.parametrize("first", [0, 3])
+def test_started_backup_sends_the_gathered_pages_from_first_on(monkeypatch, make_setup, device, sliced, layout,
+                                                               first):
+    """start_backup gathers 7 L1 pages; send_to(host pages, first) writes gathered page first + i into
+    host page i, bit for bit, and no other host page; L1 is unchanged. With slices, the sent tail starts
+    inside a slice (first=3 of slices 2/2/2/1), so whole leading slices send nothing."""
+    if sliced:
+        monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    options = {"fragmented_copy": "dma_per_run"} if layout.endswith("dma_per_run") else {}
+    setup = make_setup("bfloat16", device, **options)
+    sources = [7, 2, 9, 4, 10, 0, 11]
+    host_page_ids = ([1, 2, 3, 4, 5, 6, 7] if layout == "contiguous" else [8, 9, 1, 5, 6, 7, 2])[first:]
+    l1_before = setup.l1_pool.kv.clone()
+    host_before = setup.host_pool.pages.clone()
+
+    pending = setup.engine.start_backup(sources)
+    assert len(pending.slices) == (4 if sliced else 1)
+    setup.check_integrity()
+    transfer = pending.send_to(host_page_ids, first=first)
+    transfer.wait()
+    setup.check_integrity()
+
+    assert transfer.num_pages == len(host_page_ids)
+    assert transfer.num_bytes == len(host_page_ids) * setup.l1_pool.geometry.bytes_per_page
+    sent = l1_before[:, :, sources[first:]].permute(2, 0, 1, 3, 4, 5)
+    assert same_bits(setup.host_pool.pages[host_page_ids], sent)
+    untouched = [page for page in range(setup.host_pool.num_pages) if page not in host_page_ids]
+    assert same_bits(setup.host_pool.pages[untouched], host_before[untouched])
+    assert same_bits(setup.l1_pool.kv, l1_before)
+    assert setup.engine.num_in_flight == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_started_backup_is_ordered_after_work_already_queued_on_the_callers_stream(make_setup, device):
+    """The gather of start_backup, like backup()'s, reads L1 pages written on the caller's stream just
+    before it (on CUDA: behind ~0.1 s of GPU sleep)."""
+    setup = make_setup("bfloat16", device, backend="triton" if kernels.triton_available() else "torch")
+    late = torch.empty_like(setup.l1_pool.kv[:, :, L1_SOURCE_PAGES])
+    fill_random_(late, torch.Generator().manual_seed(7))
+    page_index = torch.tensor(L1_SOURCE_PAGES, device=device)
+    setup.engine.start_backup(L1_SOURCE_PAGES).cancel().wait()          # warm up
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+    setup.l1_pool.kv.index_copy_(2, page_index, late)
+    pending = setup.engine.start_backup(L1_SOURCE_PAGES)
+    pending.send_to(HOST_PAGES["fragmented"]).wait()
+    setup.check_integrity()
+    assert same_bits(setup.host_pool.pages[HOST_PAGES["fragmented"]], late.permute(2, 0, 1, 3, 4, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cancelled_or_drained_backup_writes_nothing_and_frees_its_workspace(make_setup, device):
+    setup = make_setup("bfloat16", device)
+    host_before = setup.host_pool.pages.clone()
+    cancelled = setup.engine.start_backup(L1_SOURCE_PAGES)
+    transfer = cancelled.cancel()
+    transfer.wait()
+    assert transfer.num_bytes == 0
+    with pytest.raises(RuntimeError, match="already been sent or cancelled"):
+        cancelled.send_to(HOST_PAGES["contiguous"])
+    drained = setup.engine.start_backup(L1_SOURCE_PAGES)
+    assert setup.engine.num_in_flight == 1
+    setup.engine.drain()
+    assert setup.engine.num_in_flight == 0
+    setup.check_integrity()
+    with pytest.raises(RuntimeError, match="drained"):
+        drained.send_to(HOST_PAGES["contiguous"])
+    assert same_bits(setup.host_pool.pages, host_before)
+    assert setup.engine.idle_workspaces == [WorkspaceInfo(len(L1_SOURCE_PAGES), False)]
+
+
+@pytest.mark.parametrize("host_page_ids, first, message", [
+    ([1, 2, 3, 4, 5], 0, "does not fit"),
+    ([1, 2], 3, "does not fit"),
+    ([1, 2], -1, "does not fit"),
+    ([1, 1], 0, "more than once"),
+    ([1, 99], 0, "out of range"),
+])
+def test_send_to_refuses_bad_pages_and_the_backup_can_still_be_sent(make_setup, host_page_ids, first, message):
+    setup = make_setup()
+    pending = setup.engine.start_backup(L1_SOURCE_PAGES)
+    with pytest.raises(ValueError, match=message):
+        pending.send_to(host_page_ids, first=first)
+    pending.send_to(HOST_PAGES["contiguous"]).wait()
+    assert same_bits(setup.host_pool.pages[HOST_PAGES["contiguous"]],
+                     setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5))
+    setup.check_integrity()
+
+
+def test_empty_started_backup_is_complete_at_once(make_setup):
+    setup = make_setup()
+    pending = setup.engine.start_backup([])
+    assert pending.send_to([]).done()
+    assert setup.engine.num_in_flight == 0

@@ -1,0 +1,98 @@
+"""match_async over the wire: a real daemon process, replies kept for the pending match they
+answer, and no lease left behind by a match that is given up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_client.client import connect
+from proto.messages import KVGeometry
+
+GEOMETRY = KVGeometry("async-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
+
+
+@pytest.fixture
+def client(daemon):
+    with connect(daemon.socket_path, timeout_s=5.0, client_name="async") as engine:
+        engine.attach(GEOMETRY)
+        yield engine
+
+
+def back_up(client, rng, num_pages: int) -> np.ndarray:
+    tokens = rng.integers(1, 2**31 - 1, size=num_pages * GEOMETRY.page_size, dtype=np.int32)
+    reply = client.match(tokens, reserve_backup=True)
+    assert len(reply.backup_page_ids) == num_pages
+    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    assert client.flush() == []
+    return tokens
+
+
+def free_l2_pages(status: dict) -> int:
+    (namespace,) = status["namespaces"]
+    return namespace["tiers"]["l2"]["free_pages"]
+
+
+def assert_idle_and_sound(client) -> dict:
+    assert client.flush() == []
+    status = client.status(check_integrity=True)
+    assert status["integrity"] == "ok"
+    assert status["leases"] == 0, status
+    return status
+
+
+def test_replies_reach_their_own_pending_match_whatever_the_order(client):
+    """Three matches in flight, collected last to first, with a blocking request in between: each
+    result is the reply to its own tokens (the hit lengths differ), and no lease is left after."""
+    rng = np.random.default_rng()
+    prefixes = [back_up(client, rng, num_pages) for num_pages in (1, 3, 5)]
+    pending = [client.match_async(tokens) for tokens in prefixes]
+    assert client.status()["leases"] == 3      # a blocking request while they are in flight; each holds a lease
+    replies = [p.result() for p in reversed(pending)][::-1]
+    for tokens, reply in zip(prefixes, replies):
+        assert reply.hit_tokens["l2"] == len(tokens), reply
+        assert len(reply.host_page_ids) == len(tokens) // GEOMETRY.page_size
+        client.release(reply.lease_id)
+    assert_idle_and_sound(client)
+
+
+def test_pending_match_reserves_backup_pages_like_match(client):
+    rng = np.random.default_rng()
+    tokens = rng.integers(1, 2**31 - 1, size=4 * GEOMETRY.page_size, dtype=np.int32)
+    reply = client.match_async(tokens, reserve_backup=True).result()
+    assert reply.backup_start_token == 0 and len(reply.backup_page_ids) == 4
+    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    again = client.match(tokens)
+    assert again.hit_tokens["l2"] == len(tokens)
+    client.release(again.lease_id)
+    assert_idle_and_sound(client)
+
+
+@pytest.mark.parametrize("reply_arrived", [False, True], ids=["before-reply", "after-reply"])
+def test_cancelled_match_leaves_no_lease(client, reply_arrived):
+    """A cancelled match's lease (on a hit, plus reserved backup pages) is released whether its reply
+    had arrived when it was cancelled or arrives later: afterwards no lease is left and every
+    reserved page is free again."""
+    rng = np.random.default_rng()
+    cached = back_up(client, rng, 2)
+    free_before = free_l2_pages(client.status())
+    tokens = np.concatenate([cached, rng.integers(1, 2**31 - 1, size=3 * GEOMETRY.page_size, dtype=np.int32)])
+    pending = client.match_async(tokens, reserve_backup=True)
+    if reply_arrived:
+        client.status()          # the daemon answers in order: the match's reply is in by now
+    pending.cancel()
+    status = assert_idle_and_sound(client)
+    assert free_l2_pages(status) == free_before
+    with pytest.raises(RuntimeError, match="already ended"):
+        pending.result()
+
+
+def test_result_twice_is_an_error(client):
+    rng = np.random.default_rng()
+    pending = client.match_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
+    reply = pending.result()
+    assert reply.lease_id is None and reply.hit_tokens["l2"] == 0
+    with pytest.raises(RuntimeError, match="already ended"):
+        pending.result()
+    pending.cancel()           # a no-op once ended
+    assert_idle_and_sound(client)
