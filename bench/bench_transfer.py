@@ -6,8 +6,11 @@ layout a real daemon is started, and an engine (client + L1 pool + pinned L2 map
 engine, backend auto) attaches to it. Timed from the engine's side, wall clock:
 
     D2H  match(reserve_backup) sent -> gather queued (start_backup) -> reply -> DMAs queued
-         (send_to) -> wait -> commit        (--d2h serial: match, then backup(): gather + DMA)
-    H2D  match (lease on the hit) -> restore transfer (DMA + scatter) -> wait -> release
+         (send_to) -> wait -> commit
+    H2D  match sent -> restore made ready (start_restore: ids, workspace) -> reply (lease on the
+         hit) -> DMAs and scatters queued (receive_from) -> wait -> release
+
+(--mode serial: match, then backup() or restore(), which does all of it after the reply.)
 
 On CUDA each row also says where the time goes on one timeline: lead_ms, from the path's start to
 the transfer's first device work (the RPC and whatever host submission the device waited for), the
@@ -131,23 +134,29 @@ def fragment_the_pool(client, num_pages: int, rng: np.random.Generator) -> list[
     return list(page_to_lease.values())
 
 
-def profile_submits(client, transfer: TransferEngine, source_pages: list[int], rng: np.random.Generator,
-                    num_transfers: int = 100) -> str:
-    """cProfile of backup submissions (and their waits) into L2 pages leased for it: where the host
-    time of a transfer goes, by function."""
+def profile_submits(client, transfer: TransferEngine, source_pages: list[int], destination_pages: list[int],
+                    rng: np.random.Generator, num_transfers: int = 100) -> dict[str, str]:
+    """cProfile of backup and of restore submissions (and their waits) through L2 pages leased for
+    it: where the host time of a transfer goes, by function."""
     tokens = rng.integers(1, 2**31 - 1, size=len(source_pages) * GEOMETRY.page_size, dtype=np.int32)
     reply = client.match(tokens, reserve_backup=True)
-    profile = cProfile.Profile()
+    profiles = {}
     try:
-        profile.enable()
-        for _ in range(num_transfers):
-            transfer.backup(source_pages, reply.backup_page_ids).wait()
-        profile.disable()
+        for direction, run_one in (
+                ("D2H", lambda: transfer.backup(source_pages, reply.backup_page_ids).wait()),
+                ("H2D", lambda: transfer.restore(reply.backup_page_ids, destination_pages).wait())):
+            run_one()
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(num_transfers):
+                run_one()
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            profiles[direction] = text.getvalue()
     finally:
         client.release(reply.lease_id)
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    return text.getvalue()
+    return profiles
 
 
 def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.device) -> dict:
@@ -210,7 +219,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             synchronize(device)
             started = time.perf_counter()
             mark(timeline, "D2H")
-            if args.d2h == "pipelined":
+            if args.mode == "pipelined":
                 # The reservation's round trip overlaps the gather: send the match, gather, then
                 # collect the reply and queue the DMAs into the reserved pages.
                 pending = client.match_async(tokens, reserve_backup=True)
@@ -235,16 +244,24 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
 
             started = time.perf_counter()
             mark(timeline, "H2D")
-            reply = client.match(tokens)
-            matched = time.perf_counter()
-            restore = transfer.restore(reply.host_page_ids, destination_pages)
+            if args.mode == "pipelined":
+                # The round trip overlaps getting the restore ready (ids, workspace).
+                pending = client.match_async(tokens)
+                prepared = transfer.start_restore(destination_pages)
+                reply = pending.result()
+                matched = time.perf_counter()
+                restore = prepared.receive_from(reply.host_page_ids)
+            else:
+                reply = client.match(tokens)
+                matched = time.perf_counter()
+                restore = transfer.restore(reply.host_page_ids, destination_pages)
             submitted = time.perf_counter()
             events = restore.device_events
             restore.wait()
-            h2d_lead = lead_seconds(timeline, "H2D", events)
             waited = time.perf_counter()
             client.release(reply.lease_id)
             ended = time.perf_counter()
+            h2d_lead = lead_seconds(timeline, "H2D", events)
             h2d = (ended - started, matched - started, submitted - matched, waited - submitted, ended - waited)
             assert reply.hit_tokens["l2"] == num_pages * page_size, reply.hit_tokens
 
@@ -284,8 +301,9 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
 
         submit_profile = None
         if args.profile_submit and layout == "contiguous" and num_tokens == args.profile_tokens:
-            submit_profile = profile_submits(client, transfer, source_pages, rng)
-            print(submit_profile, flush=True)
+            submit_profile = profile_submits(client, transfer, source_pages, destination_pages, rng)
+            for direction, text in submit_profile.items():
+                print(direction, text, flush=True)
 
         for lease_id in held_leases:
             client.release(lease_id)
@@ -346,9 +364,10 @@ def main() -> None:
                         help="cProfile 100 backups of the --profile-tokens contiguous case (host time by function)")
     parser.add_argument("--profile-tokens", type=int, default=1000)
     parser.add_argument("--pin-results", default=None, help="bench_pin JSON to embed (default: <machine>/pin.json)")
-    parser.add_argument("--d2h", choices=("pipelined", "serial"), default="pipelined",
-                        help="pipelined: the match's round trip overlaps the gather (match_async + start_backup); "
-                             "serial: match, then backup")
+    parser.add_argument("--mode", choices=("pipelined", "serial"), default="pipelined",
+                        help="pipelined: the match's round trip overlaps the gather of a backup and getting a "
+                             "restore ready (match_async + start_backup / start_restore); serial: match, then "
+                             "backup() / restore()")
     parser.add_argument("--client-spin-us", type=float, default=DEFAULT_SPIN_S * 1e6,
                         help="how long the client busy-waits for a reply before sleeping")
     parser.add_argument("--daemon-spin-us", type=int, default=None,
@@ -387,7 +406,7 @@ def main() -> None:
                "rows": pin_document.get("rows"), "dma": pin_document.get("dma")}
     print(f"target ({TARGET}): {'met' if target_met else 'NOT met'}")
     path = write_result(args.name, {
-        "target": TARGET, "d2h": args.d2h, "client_spin_us": args.client_spin_us,
+        "target": TARGET, "mode": args.mode, "client_spin_us": args.client_spin_us,
         "daemon_spin_us": args.daemon_spin_us if args.daemon_spin_us is not None else DEFAULT_DAEMON_SPIN_US,
         "engine_cpu": args.engine_cpu, "daemon_cpu": args.daemon_cpu, "target_met": target_met, "device": str(device),
         "geometry": {"model_id": GEOMETRY.model_id, "num_layers": GEOMETRY.num_layers,

@@ -93,6 +93,10 @@ _AUTO_TIMED_CALLS = 5
 # so a slice's DMA (~0.3 ms at 55 GB/s) dwarfs the few microseconds each slice adds on the host.
 _MIN_SLICE_BYTES = 16 << 20
 DEFAULT_MAX_SLICES = 4
+# A started backup (start_backup) gathers while the reservation's round trip is in flight, which
+# the gather of a 1,000-token Qwen3-8B prefix (~0.05 ms) easily fits in: cutting it would only add
+# kernel launches to the host work that also has to fit there. Its slices are at least this big.
+_MIN_STARTED_SLICE_BYTES = 256 << 20
 
 # A host-side copy gives each thread at least this much; below it, handing work over costs more
 # than it saves.
@@ -328,11 +332,51 @@ class PendingBackup:
         self._sent = True
         if len(host_ids):
             self._engine._send_backup(self, host_ids, first)
+        else:
+            self.transfer.num_pages, self.transfer.num_bytes = 0, 0
         return self.transfer
 
     def cancel(self) -> Transfer:
         """Give the backup up: nothing is written to L2; the returned Transfer completes with the gathers."""
         self._sent = True
+        self.transfer.num_pages, self.transfer.num_bytes = 0, 0
+        return self.transfer
+
+
+class PendingRestore:
+    """L1 pages made ready by ``TransferEngine.start_restore``, waiting to be told their L2 pages.
+
+    Ends by ``receive_from`` (queues the DMAs and scatters; returns the restore's Transfer) or by
+    ``cancel``. ``drain()`` of the engine ends it too: a later ``receive_from`` then raises.
+    """
+
+    def __init__(self, engine: "TransferEngine", transfer: Transfer):
+        self._engine = engine
+        self.transfer = transfer
+        self.num_pages = transfer.num_pages
+        self._received = False
+
+    def receive_from(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
+        """Queue the restore: the prepared L1 page first + i receives host_page_ids[i] (a hit shorter
+        than the pages prepared restores only that many)."""
+        if self._received:
+            raise RuntimeError("this restore has already been received or cancelled")
+        if self.transfer._seconds is not None and self.num_pages:
+            raise RuntimeError("this restore was drained before it was received: start it again")
+        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
+        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
+            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
+                             f"{self.num_pages} prepared pages")
+        self._received = True
+        if len(host_ids):
+            self._engine._receive_restore(self, host_ids, first)
+        else:
+            self.transfer.num_pages, self.transfer.num_bytes = 0, 0
+        return self.transfer
+
+    def cancel(self) -> Transfer:
+        """Give the restore up: L1 is not written; the returned Transfer completes with the upload."""
+        self._received = True
         self.transfer.num_pages, self.transfer.num_bytes = 0, 0
         return self.transfer
 
@@ -419,7 +463,8 @@ class TransferEngine:
         l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
         num_pages = len(l1_ids)
         transfer = Transfer("D2H", num_pages, num_pages * self.bytes_per_page, self._release)
-        pending = PendingBackup(self, transfer, self._slices(num_pages) if num_pages else [])
+        slices = self._slices(num_pages, max(_MIN_SLICE_BYTES, _MIN_STARTED_SLICE_BYTES)) if num_pages else []
+        pending = PendingBackup(self, transfer, slices)
         if num_pages == 0:
             transfer._complete(block=False)
             return pending
@@ -438,6 +483,53 @@ class TransferEngine:
                     workspace.end_event.record(self._stream)
                 transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
         return pending
+
+    def start_restore(self, l1_page_ids: Sequence[int]) -> PendingRestore:
+        """Get a restore into these L1 pages ready (ids checked and uploaded, workspace taken) before
+        its L2 pages are known; ``PendingRestore.receive_from`` then queues only the DMAs and the
+        scatters. Made to overlap the match's round trip (KVCacheClient.match_async)."""
+        l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
+        repeated = _first_repeated_id(l1_ids)
+        if repeated is not None:
+            raise ValueError(f"destination l1_page_ids lists page {repeated} more than once")
+        num_pages = len(l1_ids)
+        transfer = Transfer("H2D", num_pages, num_pages * self.bytes_per_page, self._release)
+        pending = PendingRestore(self, transfer)
+        if num_pages == 0:
+            transfer._complete(block=False)
+            return pending
+        workspace = self._acquire_workspace(num_pages, needs_staging=False)
+        self._transfer_to_workspace[transfer] = workspace
+        with self._completed_on_error(transfer):
+            workspace.ids_host_array[:num_pages] = l1_ids
+            if self._stream is not None:
+                assert workspace.start_event is not None and workspace.end_event is not None
+                with self._on_stream(self._stream):
+                    workspace.start_event.record(self._stream)
+                    _leading(workspace.ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages),
+                                                                    non_blocking=True)
+                    # Until receive_from, the transfer ends with the upload (cancel() and drain()).
+                    workspace.end_event.record(self._stream)
+                transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
+        return pending
+
+    def _receive_restore(self, pending: PendingRestore, host_ids: np.ndarray, first: int) -> None:
+        """The second half of a started restore: host_ids into the prepared L1 pages first, first + 1, ..."""
+        transfer = pending.transfer
+        workspace = self._transfer_to_workspace[transfer]
+        num_pages = len(host_ids)
+        host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
+        staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
+        if staged:
+            self._add_staging(workspace)
+        slices = [(first + offset, count) for offset, count in self._slices(num_pages)]
+        transfer.num_pages, transfer.num_bytes = num_pages, num_pages * self.bytes_per_page
+        with self._completed_on_error(transfer):
+            host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
+            if self._stream is None:
+                self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+            else:
+                self._enqueue_restore(workspace, host_bytes, slices, slice_segments, upload_ids=0)
 
     def restore(self, host_page_ids: Sequence[int], l1_page_ids: Sequence[int]) -> Transfer:
         """Copy host pages into L1 pages (H2D); l1_page_ids[i] receives host_page_ids[i]."""
@@ -717,9 +809,10 @@ class TransferEngine:
                 self._copy_segments(host_array, staging_array, segments)
             transfer._finish = scatter_staging_into_host_pages
 
-    def _slices(self, num_pages: int) -> list[tuple[int, int]]:
+    def _slices(self, num_pages: int, min_slice_bytes: int | None = None) -> list[tuple[int, int]]:
         """(first page, page count) of each slice of the packed buffer, in order, sizes within one page."""
-        num_slices = min(self.max_slices, num_pages, max(1, num_pages * self.bytes_per_page // _MIN_SLICE_BYTES))
+        min_slice_bytes = _MIN_SLICE_BYTES if min_slice_bytes is None else min_slice_bytes
+        num_slices = min(self.max_slices, num_pages, max(1, num_pages * self.bytes_per_page // min_slice_bytes))
         if num_slices == 1:
             return [(0, num_pages)]
         base, extra = divmod(num_pages, num_slices)
@@ -797,24 +890,37 @@ class TransferEngine:
                 # The copy stream waited for the last gather, so its end is the transfer's end.
                 workspace.end_event.record(copy_stream)
         else:
-            # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
-            with self._on_stream(copy_stream) as callers_stream:
-                workspace.start_event.record(copy_stream)
-                for segments, copied_event in zip(slice_segments, events):
-                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
-                    copied_event.record(copy_stream)
-                torch.cuda.set_stream(compute_stream)
-                # The caller's stream last used the L1 pages being restored into; scatter after it.
-                compute_stream.wait_stream(callers_stream)
-                _leading(ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
-                for (first, count), copied_event in zip(slices, events):
-                    compute_stream.wait_event(copied_event)
-                    self.scatter_backend.scatter(_rows(packed, first, count), _rows(ids_device, first, count),
-                                                 self._l1_bits)
-                # The compute stream waited for the last DMA, so its end is the transfer's end.
-                workspace.end_event.record(compute_stream)
+            self._enqueue_restore(workspace, host_bytes, slices, slice_segments, upload_ids=num_pages)
         transfer._start_event = workspace.start_event
         transfer._end_event = workspace.end_event
+
+    def _enqueue_restore(self, workspace: _Workspace, host_bytes: torch.Tensor, slices: list[tuple[int, int]],
+                         slice_segments: list[list[tuple[int, int, int]]], upload_ids: int) -> None:
+        """A restore's device work: each slice's DMAs into the packed buffer on the copy stream, and
+        its scatter into L1 on the compute stream once they are done; first the upload of
+        `upload_ids` page ids (0: start_restore uploaded them already)."""
+        compute_stream, copy_stream = self._stream, self._copy_stream
+        assert compute_stream is not None and copy_stream is not None
+        assert workspace.start_event is not None and workspace.end_event is not None
+        events = workspace.slice_events
+        # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
+        with self._on_stream(copy_stream) as callers_stream:
+            workspace.start_event.record(copy_stream)
+            for segments, copied_event in zip(slice_segments, events):
+                _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
+                copied_event.record(copy_stream)
+            torch.cuda.set_stream(compute_stream)
+            # The caller's stream last used the L1 pages being restored into; scatter after it.
+            compute_stream.wait_stream(callers_stream)
+            if upload_ids:
+                _leading(workspace.ids_device, upload_ids).copy_(_leading(workspace.ids_host, upload_ids),
+                                                                 non_blocking=True)
+            for (first, count), copied_event in zip(slices, events):
+                compute_stream.wait_event(copied_event)
+                self.scatter_backend.scatter(_rows(workspace.packed, first, count),
+                                             _rows(workspace.ids_device, first, count), self._l1_bits)
+            # The compute stream waited for the last DMA, so its end is the transfer's end.
+            workspace.end_event.record(compute_stream)
 
     # ---- host-side copies ----------------------------------------------------------------------
 

@@ -810,6 +810,7 @@ def test_started_backup_sends_the_gathered_pages_from_first_on(monkeypatch, make
     inside a slice (first=3 of slices 2/2/2/1), so whole leading slices send nothing."""
     if sliced:
         monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+        monkeypatch.setattr(transfer_module, "_MIN_STARTED_SLICE_BYTES", 1)
     options = {"fragmented_copy": "dma_per_run"} if layout.endswith("dma_per_run") else {}
     setup = make_setup("bfloat16", device, **options)
     sources = [7, 2, 9, 4, 10, 0, 11]
@@ -897,3 +898,126 @@ def test_empty_started_backup_is_complete_at_once(make_setup):
     pending = setup.engine.start_backup([])
     assert pending.send_to([]).done()
     assert setup.engine.num_in_flight == 0
+
+
+# ---- started restores (start_restore, then receive_from) ----------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "fragmented", "fragmented/dma_per_run"])
+@pytest.mark.parametrize("first, count", [(0, 7), (0, 4), (2, 5)])
+def test_started_restore_receives_host_pages_into_the_prepared_pages_from_first_on(
+        monkeypatch, make_setup, device, sliced, layout, first, count):
+    """start_restore prepares 7 L1 pages; receive_from(host pages, first) writes host page i into the
+    prepared page first + i, bit for bit; no other L1 page (prepared ones past the hit included)
+    changes, and L2 is unchanged."""
+    if sliced:
+        monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    options = {"fragmented_copy": "dma_per_run"} if layout.endswith("dma_per_run") else {}
+    setup = make_setup("bfloat16", device, **options)
+    destinations = [1, 3, 5, 6, 8, 2, 4]
+    host_page_ids = ([1, 2, 3, 4, 5, 6, 7] if layout == "contiguous" else [8, 9, 1, 5, 6, 7, 2])[:count]
+    l1_before = setup.l1_pool.kv.clone()
+    host_before = setup.host_pool.pages.clone()
+
+    pending = setup.engine.start_restore(destinations)
+    setup.check_integrity()
+    transfer = pending.receive_from(host_page_ids, first=first)
+    transfer.wait()
+    setup.check_integrity()
+
+    assert transfer.num_bytes == count * setup.l1_pool.geometry.bytes_per_page
+    written = destinations[first:first + count]
+    assert same_bits(setup.l1_pool.kv[:, :, written], host_before[host_page_ids].permute(1, 2, 0, 3, 4, 5))
+    untouched = [page for page in range(setup.l1_pool.num_pages) if page not in written]
+    assert same_bits(setup.l1_pool.kv[:, :, untouched], l1_before[:, :, untouched])
+    assert same_bits(setup.host_pool.pages, host_before)
+    assert setup.engine.num_in_flight == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_started_restore_lands_after_work_already_queued_on_the_callers_stream(make_setup, device):
+    """Like restore(): a write to the destination pages queued on the caller's stream (behind ~0.1 s
+    of GPU sleep on CUDA) between start_restore and receive_from lands before the restore."""
+    setup = make_setup("bfloat16", device, backend="triton" if kernels.triton_available() else "torch")
+    host_page_ids = HOST_PAGES["fragmented"]
+    late = torch.empty_like(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES])
+    fill_random_(late, torch.Generator().manual_seed(5))
+    page_index = torch.tensor(L1_DESTINATION_PAGES, device=device)
+    setup.engine.start_restore(L1_DESTINATION_PAGES).cancel().wait()          # warm up
+    host_before = setup.host_pool.pages.clone()
+    pending = setup.engine.start_restore(L1_DESTINATION_PAGES)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+    setup.l1_pool.kv.index_copy_(2, page_index, late)
+    pending.receive_from(host_page_ids).wait()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    setup.check_integrity()
+    restored = setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5)
+    assert same_bits(restored, host_before[host_page_ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cancelled_or_drained_restore_writes_nothing_and_frees_its_workspace(make_setup, device):
+    setup = make_setup("bfloat16", device)
+    l1_before = setup.l1_pool.kv.clone()
+    cancelled = setup.engine.start_restore(L1_DESTINATION_PAGES)
+    cancelled.cancel().wait()
+    with pytest.raises(RuntimeError, match="already been received or cancelled"):
+        cancelled.receive_from(HOST_PAGES["contiguous"])
+    drained = setup.engine.start_restore(L1_DESTINATION_PAGES)
+    assert setup.engine.num_in_flight == 1
+    setup.engine.drain()
+    assert setup.engine.num_in_flight == 0
+    setup.check_integrity()
+    with pytest.raises(RuntimeError, match="drained"):
+        drained.receive_from(HOST_PAGES["contiguous"])
+    assert same_bits(setup.l1_pool.kv, l1_before)
+    assert setup.engine.idle_workspaces == [WorkspaceInfo(len(L1_DESTINATION_PAGES), False)]
+
+
+def test_start_restore_refuses_repeated_or_bad_pages_and_receive_from_bad_hosts(make_setup):
+    setup = make_setup()
+    with pytest.raises(ValueError, match="more than once"):
+        setup.engine.start_restore([1, 2, 1])
+    with pytest.raises(ValueError, match="out of range"):
+        setup.engine.start_restore([1, 99])
+    assert setup.engine.num_in_flight == 0
+    pending = setup.engine.start_restore(L1_DESTINATION_PAGES)
+    for host_page_ids, first in (([1, 2, 3, 4, 5], 0), ([1, 2], 3), ([1, 99], 0)):
+        with pytest.raises(ValueError):
+            pending.receive_from(host_page_ids, first=first)
+    host_before = setup.host_pool.pages.clone()
+    pending.receive_from(HOST_PAGES["contiguous"]).wait()
+    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES],
+                     host_before[HOST_PAGES["contiguous"]].permute(1, 2, 0, 3, 4, 5))
+    setup.check_integrity()
+
+
+def test_empty_started_restore_and_empty_receive_are_complete_at_once(make_setup):
+    setup = make_setup()
+    assert setup.engine.start_restore([]).receive_from([]).done()
+    pending = setup.engine.start_restore(L1_DESTINATION_PAGES)
+    transfer = pending.receive_from([])
+    transfer.wait()
+    assert transfer.num_bytes == 0
+    assert setup.engine.num_in_flight == 0
+
+
+def test_started_backups_are_cut_by_their_own_larger_minimum(monkeypatch, make_setup):
+    """A started backup gathers under the match's round trip, so its slices have a larger minimum
+    size: with minimums of one page (backups) and three pages (started backups), seven pages make
+    four slices for backup() and two for start_backup(), which still sends them bit for bit."""
+    setup = make_setup()
+    bytes_per_page = setup.l1_pool.geometry.bytes_per_page
+    monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", bytes_per_page)
+    monkeypatch.setattr(transfer_module, "_MIN_STARTED_SLICE_BYTES", 3 * bytes_per_page)
+    sources, host_page_ids = [7, 2, 9, 4, 10, 0, 11], [1, 2, 3, 4, 5, 6, 7]
+    assert len(setup.engine._slices(len(sources))) == 4
+    pending = setup.engine.start_backup(sources)
+    assert pending.slices == [(0, 4), (4, 3)]
+    pending.send_to(host_page_ids).wait()
+    setup.check_integrity()
+    assert same_bits(setup.host_pool.pages[host_page_ids], setup.l1_pool.kv[:, :, sources].permute(2, 0, 1, 3, 4, 5))
