@@ -176,8 +176,6 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
     rng = np.random.default_rng(num_tokens)
     is_cuda = device.type == "cuda"
     all_cpus = os.sched_getaffinity(0)
-    if args.engine_cpu is not None:
-        os.sched_setaffinity(0, {args.engine_cpu})      # this thread only (the daemon has started)
     try:
         client = connect(daemon.socket_path, timeout_s=30.0, client_name="bench-transfer",
                          spin_s=args.client_spin_us / 1e6, cpu=args.engine_cpu)
@@ -197,6 +195,10 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                   "pin_s": host_pool.pin_seconds, "transfer_engine_s": built - mapped,
                   "l2_pool_pages": info.num_pages, "l2_pool_bytes": host_pool.nbytes}
 
+        if args.engine_cpu is not None:
+            # This thread only, once the daemon, the pool's pinning threads and the transfer engine
+            # (whose host-copy threads keep the CPUs it was built with) have started.
+            os.sched_setaffinity(0, {args.engine_cpu})
         kv_bits = l1_pool.kv.view(torch.int16)
         kv_bits.copy_(torch.randint(-2**15, 2**15, kv_bits.shape, dtype=torch.int16, device=device))
         source_pages = list(range(num_pages))

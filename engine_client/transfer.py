@@ -432,6 +432,10 @@ class TransferEngine:
         self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
         self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # The copy threads start lazily, from whatever thread submits the first staged transfer; an
+        # engine may have pinned that thread to one CPU (see client.connect's cpu), which they
+        # would inherit. They run on the CPUs of the thread that built the engine instead.
+        self._copy_cpus = os.sched_getaffinity(0)
         self._idle_workspaces: list[_Workspace] = []
         self._transfer_to_workspace: dict[Transfer, _Workspace] = {}
         self.num_workspaces_created = 0
@@ -935,7 +939,8 @@ class TransferEngine:
             return
         if self._copy_pool is None:
             self._copy_pool = concurrent.futures.ThreadPoolExecutor(
-                self.host_copy_threads - 1, thread_name_prefix="kvcached-copy")
+                self.host_copy_threads - 1, thread_name_prefix="kvcached-copy",
+                initializer=os.sched_setaffinity, initargs=(0, self._copy_cpus))
         futures = [self._copy_pool.submit(_copy_byte_segments, destination, source, task) for task in tasks[1:]]
         try:
             _copy_byte_segments(destination, source, tasks[0])     # the calling thread takes a share too

@@ -4,6 +4,7 @@ workspace reuse. Runs on CPU here; the "cuda" cases run the same checks on a GPU
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import uuid
 from typing import NamedTuple
@@ -560,6 +561,30 @@ def test_fragmented_host_copies_split_across_threads_are_bit_exact(make_setup, m
         expected_l1[:, :, l1_page_ids] = host_before[host_page_ids].permute(1, 2, 0, 3, 4, 5)
         assert same_bits(setup.l1_pool.kv, expected_l1)
         assert same_bits(setup.host_pool.pages, host_before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_copy_threads_run_on_the_cpus_the_engine_was_built_with(make_setup, monkeypatch):
+    """An engine thread pinned to one CPU after the engine was built (as with connect(cpu=...)) does
+    not pass that pin on to the host-copy threads it starts: they keep the build-time CPUs."""
+    monkeypatch.setattr(transfer_module, "_MIN_BYTES_PER_COPY_THREAD", 100)
+    setup = make_setup(host_copy_threads=3)
+    built_with = os.sched_getaffinity(0)
+    result = {}
+
+    def pinned_engine_thread() -> None:
+        os.sched_setaffinity(0, {min(built_with)})
+        setup.engine.backup([7, 2, 9, 4], [8, 1, 5, 2]).wait()        # fragmented: the copy threads start
+        assert setup.engine._copy_pool is not None
+        result["engine"] = os.sched_getaffinity(0)
+        result["copy"] = setup.engine._copy_pool.submit(os.sched_getaffinity, 0).result()
+
+    thread = threading.Thread(target=pinned_engine_thread)
+    thread.start()
+    thread.join()
+    assert result["engine"] == {min(built_with)}
+    assert result["copy"] == built_with
+    setup.check_integrity()
 
 
 @pytest.mark.parametrize("device", DEVICES)
