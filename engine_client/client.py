@@ -118,6 +118,7 @@ class _Channel:
         # Requests sent by begin() whose replies are still to be collected by wait_for() (None
         # until the reply arrives).
         self.awaited: dict[int, codec.Frame | None] = {}
+        self.closed = False
         self.on_orphan_lease: Callable[[int], None] | None = None
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
@@ -148,16 +149,22 @@ class _Channel:
     def wait_for(self, request_id: int, kind: MsgKind, timeout_s: float | None = None) -> dict[str, Any]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        if self.closed:
+            raise DaemonUnavailable(f"cannot wait for {kind.name}: the client is closed")
         frame = self.awaited[request_id]
-        while frame is None:
-            received = self._receive(deadline)
-            if received is None:
-                self.abandon(request_id, kind)
-                raise DaemonUnavailable(
-                    f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
-                    f"within timeout_s={timeout_s} (is it running?)")
-            self._absorb(received)
-            frame = self.awaited[request_id]
+        try:
+            while frame is None:
+                received = self._receive(deadline)
+                if received is None:
+                    raise DaemonUnavailable(
+                        f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
+                        f"within timeout_s={timeout_s} (is it running?)")
+                self._absorb(received)
+                frame = self.awaited[request_id]
+        except BaseException:
+            # Timed out, interrupted or failed: whatever the reply holds must not be lost.
+            self.abandon(request_id, kind)
+            raise
         del self.awaited[request_id]
         if frame.kind == MsgKind.ERROR:
             raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
@@ -229,6 +236,9 @@ class _Channel:
             self.on_orphan_lease(frame.body["lease_id"])
 
     def close(self) -> None:
+        # Replies still awaited are void: closing detaches the session, whose leases the daemon reclaims.
+        self.closed = True
+        self.awaited.clear()
         self.socket.close(0)
 
 
@@ -253,7 +263,16 @@ class PendingMatch:
         """Give the match up: the lease of its reply, whenever that comes, is released."""
         if not self._ended:
             self._ended = True
-            self._channel.abandon(self._request_id, MsgKind.MATCH)
+            if not self._channel.closed:
+                self._channel.abandon(self._request_id, MsgKind.MATCH)
+
+    def __del__(self) -> None:
+        # Dropped without result() or cancel() (say, an exception in between): give it up, so that
+        # its lease is released rather than held for the rest of the session.
+        try:
+            self.cancel()
+        except Exception:
+            pass
 
 
 class KVCacheClient:
@@ -353,7 +372,10 @@ class KVCacheClient:
     def _release_orphan(self, lease_id: int) -> None:
         logger.warning("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
         if self.info is not None and self._session_lost is None:
-            self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
+            try:
+                self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
+            except DaemonUnavailable as exc:    # the session's end reclaims it
+                logger.warning("could not release lease %d: %s", lease_id, exc)
 
     @property
     def session_lost(self) -> bool:

@@ -310,7 +310,7 @@ class PendingBackup:
 
     def __init__(self, engine: "TransferEngine", transfer: Transfer, slices: list[tuple[int, int]]):
         self._engine = engine
-        self.transfer = transfer
+        self._transfer = transfer        # handed out by send_to / cancel only (polling it early would end it)
         self.slices = slices
         self.num_pages = transfer.num_pages
         self._sent = False
@@ -320,7 +320,7 @@ class PendingBackup:
         skips pages the daemon already holds sends only the tail, with first > 0)."""
         if self._sent:
             raise RuntimeError("this backup has already been sent or cancelled")
-        if self.transfer._seconds is not None and self.num_pages:
+        if self._transfer._seconds is not None and self.num_pages:
             raise RuntimeError("this backup was drained before it was sent: gather again")
         host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
         if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
@@ -332,15 +332,18 @@ class PendingBackup:
         self._sent = True
         if len(host_ids):
             self._engine._send_backup(self, host_ids, first)
+            return self._transfer
         else:
-            self.transfer.num_pages, self.transfer.num_bytes = 0, 0
-        return self.transfer
+            self._transfer.num_pages, self._transfer.num_bytes = 0, 0
+        return self._transfer
 
     def cancel(self) -> Transfer:
-        """Give the backup up: nothing is written to L2; the returned Transfer completes with the gathers."""
+        """Give the backup up: nothing is written to L2. Its workspace is free once the gathers are
+        done: now if they are, else when the returned Transfer is polled or the engine drains."""
         self._sent = True
-        self.transfer.num_pages, self.transfer.num_bytes = 0, 0
-        return self.transfer
+        self._transfer.num_pages, self._transfer.num_bytes = 0, 0
+        self._transfer.done()
+        return self._transfer
 
 
 class PendingRestore:
@@ -352,7 +355,7 @@ class PendingRestore:
 
     def __init__(self, engine: "TransferEngine", transfer: Transfer):
         self._engine = engine
-        self.transfer = transfer
+        self._transfer = transfer        # handed out by receive_from / cancel only
         self.num_pages = transfer.num_pages
         self._received = False
 
@@ -361,7 +364,7 @@ class PendingRestore:
         than the pages prepared restores only that many)."""
         if self._received:
             raise RuntimeError("this restore has already been received or cancelled")
-        if self.transfer._seconds is not None and self.num_pages:
+        if self._transfer._seconds is not None and self.num_pages:
             raise RuntimeError("this restore was drained before it was received: start it again")
         host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
         if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
@@ -370,15 +373,18 @@ class PendingRestore:
         self._received = True
         if len(host_ids):
             self._engine._receive_restore(self, host_ids, first)
+            return self._transfer
         else:
-            self.transfer.num_pages, self.transfer.num_bytes = 0, 0
-        return self.transfer
+            self._transfer.num_pages, self._transfer.num_bytes = 0, 0
+        return self._transfer
 
     def cancel(self) -> Transfer:
-        """Give the restore up: L1 is not written; the returned Transfer completes with the upload."""
+        """Give the restore up: L1 is not written. Its workspace is free once the id upload is done:
+        now if it is, else when the returned Transfer is polled or the engine drains."""
         self._received = True
-        self.transfer.num_pages, self.transfer.num_bytes = 0, 0
-        return self.transfer
+        self._transfer.num_pages, self._transfer.num_bytes = 0, 0
+        self._transfer.done()
+        return self._transfer
 
 
 class TransferEngine:
@@ -519,16 +525,16 @@ class TransferEngine:
 
     def _receive_restore(self, pending: PendingRestore, host_ids: np.ndarray, first: int) -> None:
         """The second half of a started restore: host_ids into the prepared L1 pages first, first + 1, ..."""
-        transfer = pending.transfer
+        transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
         num_pages = len(host_ids)
         host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
-        if staged:
-            self._add_staging(workspace)
         slices = [(first + offset, count) for offset, count in self._slices(num_pages)]
-        transfer.num_pages, transfer.num_bytes = num_pages, num_pages * self.bytes_per_page
         with self._completed_on_error(transfer):
+            if staged:
+                self._add_staging(workspace)
+            transfer.num_pages, transfer.num_bytes = num_pages, num_pages * self.bytes_per_page
             host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
             if self._stream is None:
                 self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
@@ -693,14 +699,14 @@ class TransferEngine:
 
     def _send_backup(self, pending: PendingBackup, host_ids: np.ndarray, first: int) -> None:
         """The second half of a started backup: its DMAs, from the gathered slices to host_ids."""
-        transfer = pending.transfer
+        transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
         host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
-        if staged:
-            self._add_staging(workspace)
-        transfer.num_pages, transfer.num_bytes = len(host_ids), len(host_ids) * self.bytes_per_page
         with self._completed_on_error(transfer):
+            if staged:
+                self._add_staging(workspace)
+            transfer.num_pages, transfer.num_bytes = len(host_ids), len(host_ids) * self.bytes_per_page
             host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, pending.slices)
             if self._stream is None:
                 started = time.perf_counter()
@@ -940,7 +946,7 @@ class TransferEngine:
         if self._copy_pool is None:
             self._copy_pool = concurrent.futures.ThreadPoolExecutor(
                 self.host_copy_threads - 1, thread_name_prefix="kvcached-copy",
-                initializer=os.sched_setaffinity, initargs=(0, self._copy_cpus))
+                initializer=_run_on_cpus, initargs=(self._copy_cpus,))
         futures = [self._copy_pool.submit(_copy_byte_segments, destination, source, task) for task in tasks[1:]]
         try:
             _copy_byte_segments(destination, source, tasks[0])     # the calling thread takes a share too
@@ -1027,6 +1033,14 @@ def _page_id_array(name: str, page_ids: Sequence[int] | np.ndarray | torch.Tenso
         out_of_range = (ids < 0) | (ids >= num_pages)
         raise ValueError(f"{name} holds page {int(ids[out_of_range][0])}, out of range 0..{num_pages - 1}")
     return ids
+
+
+def _run_on_cpus(cpus: set[int]) -> None:
+    """Copy-thread initializer: run on these CPUs if the process still may (else where it is)."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("host-copy thread keeps its CPUs (could not move to %s: %s)", sorted(cpus), exc)
 
 
 def _first_repeated_id(ids: np.ndarray) -> int | None:

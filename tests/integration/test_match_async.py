@@ -3,10 +3,12 @@ answer, and no lease left behind by a match that is given up."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
-from engine_client.client import connect
+from engine_client.client import DaemonUnavailable, connect
 from proto.messages import KVGeometry
 
 GEOMETRY = KVGeometry("async-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
@@ -96,3 +98,42 @@ def test_result_twice_is_an_error(client):
         pending.result()
     pending.cancel()           # a no-op once ended
     assert_idle_and_sound(client)
+
+
+def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch):
+    """An exception inside result() (here: a failure while receiving) gives the match up: its lease
+    is released once its reply arrives."""
+    rng = np.random.default_rng()
+    tokens = back_up(client, rng, 2)
+    pending = client.match_async(tokens, reserve_backup=True)
+    channel = client._channel
+
+    def broken_receive(deadline):
+        monkeypatch.undo()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(channel, "_receive", broken_receive)
+    with pytest.raises(KeyboardInterrupt):
+        pending.result()
+    assert_idle_and_sound(client)
+
+
+def test_dropped_pending_match_leaves_no_lease(client):
+    """A pending match dropped without result() or cancel() (an exception between match_async and
+    result, say) is given up when it is collected: no lease is left."""
+    rng = np.random.default_rng()
+    tokens = back_up(client, rng, 3)
+    pending = client.match_async(tokens)
+    del pending
+    gc.collect()
+    assert_idle_and_sound(client)
+
+
+def test_result_after_close_is_a_clear_error(daemon):
+    client = connect(daemon.socket_path, timeout_s=5.0)
+    client.attach(GEOMETRY)
+    pending = client.match_async(np.random.default_rng().integers(1, 2**31 - 1, size=16, dtype=np.int32))
+    client.close()
+    with pytest.raises(DaemonUnavailable, match="closed"):
+        pending.result()
+    pending.cancel()
