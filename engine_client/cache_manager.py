@@ -1,6 +1,7 @@
 """The engine side of a request's path: match (L1, then the daemon), restore, publish, back up.
 
-    plan = manager.prepare(token_ids)     # L1 match + ONE round trip to the daemon (+ restore)
+    plan = manager.prepare(token_ids)     # L1 match + ONE round trip to the daemon (+ restore, made
+                                          # ready while the round trip is in flight)
     ... the engine prefills tokens [plan.num_cached_tokens, len) into plan.new_l1_page_ids ...
     manager.finish(plan)                  # publish the new full pages in L1, back them up to L2
 
@@ -109,8 +110,11 @@ class CacheManager:
     def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
         """L1 match, then one round trip to the daemon, then the restore of what L2 adds.
 
-        A daemon that does not answer, or a restore that fails, is not the request's failure: the
-        plan then covers what L1 holds, and the engine recomputes the rest (counted in ``counters``)."""
+        While the match is in flight, the request's L1 pages beyond the L1 hit are allocated and the
+        restore into them is made ready (TransferEngine.start_restore), so that only its DMAs and
+        scatters follow the reply. A daemon that does not answer, or a restore that fails, is not
+        the request's failure: the plan then covers what L1 holds, and the engine recomputes the
+        rest (counted in ``counters``)."""
         if self._pin_report_pending and self.host_pool.is_pinned:
             self._report_transfer_facts()
         tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
@@ -119,31 +123,58 @@ class CacheManager:
         page_size = self.page_size
         l1_match = self.l1_index.match(tokens)
         l1_page_ids = list(l1_match.page_ids)
+        l1_hit_pages = len(l1_page_ids)
         self.l1_index.lock(l1_page_ids)
         lease_id = None
+        pending = prepared = None
+        new_l1_page_ids: list[int] = []
         try:
             try:
-                reply = self.client.match(tokens, reserve_backup=backup)
+                pending = self.client.match_async(tokens, reserve_backup=backup)
             except (DaemonUnavailable, DaemonError) as exc:
                 logger.warning("match failed, recomputing: %s", exc)
                 self.counters["match_failures"] += 1
-                reply = None
+            # Every page past the L1 hit: restored ones first (a restore covers full pages), then
+            # the ones the prefill fills.
+            new_l1_page_ids = self._allocate_l1(-(-len(tokens) // page_size) - l1_hit_pages)
+            num_restorable = len(tokens) // page_size - l1_hit_pages
+            if pending is not None and self.restore_policy == "always" and num_restorable > 0:
+                prepared = self.transfer.start_restore(new_l1_page_ids[:num_restorable])
+            reply = None
+            if pending is not None:
+                try:
+                    reply = pending.result()
+                except (DaemonUnavailable, DaemonError) as exc:
+                    logger.warning("match failed, recomputing: %s", exc)
+                    self.counters["match_failures"] += 1
             lease_id = reply.lease_id if reply is not None else None
             l2_hit_tokens = reply.hit_tokens["l2"] if reply is not None else 0
-            restored_tokens, restore_seconds = 0, 0.0
-            if l2_hit_tokens > l1_match.num_tokens and self.restore_policy == "always":
-                first_page = l1_match.num_tokens // page_size
-                host_page_ids = reply.host_page_ids[first_page: l2_hit_tokens // page_size]
+            restored_page_ids: list[int] = []
+            restore_seconds = 0.0
+            if prepared is not None and l2_hit_tokens > l1_match.num_tokens:
+                host_page_ids = reply.host_page_ids[l1_hit_pages: l2_hit_tokens // page_size]
+                restore_pages = new_l1_page_ids[:len(host_page_ids)]
                 try:
-                    restored_page_ids, restore_seconds = self._restore(tokens, first_page, host_page_ids)
-                except L1Full:
-                    raise
+                    transfer = prepared.receive_from(host_page_ids)
+                    transfer.wait()
+                    restore_seconds = transfer.seconds
+                    restored_page_ids = restore_pages
                 except Exception as exc:       # the transfer failed: recompute instead
                     logger.warning("restore of %d pages failed, recomputing: %s", len(host_page_ids), exc)
                     self.counters["restore_failures"] += 1
-                    restored_page_ids = []
+                    self.transfer.drain()      # nothing of it may still write into these pages
+            elif prepared is not None:
+                prepared.cancel()
+            prepared = None
+            if restored_page_ids:
+                # Published in the L1 index only now that the copy is complete. The prefix was
+                # locked and absent before; nobody else inserts in between.
+                end = (l1_hit_pages + len(restored_page_ids)) * page_size
+                duplicates = self.l1_index.insert(tokens[:end], restored_page_ids, start_page=l1_hit_pages)
+                assert not duplicates, "restored pages were already cached in L1"
+                self.l1_index.lock(restored_page_ids)
                 l1_page_ids += restored_page_ids
-                restored_tokens = len(restored_page_ids) * page_size
+                new_l1_page_ids = new_l1_page_ids[len(restored_page_ids):]
             # After a failed restore the prefill recomputes from the L1 hit on, so the reserved pages
             # (from the L2 hit on) are still produced and can still be backed up.
             backup_page_ids = list(reply.backup_page_ids) if reply is not None else []
@@ -151,17 +182,21 @@ class CacheManager:
                 self._end_lease(lease_id)   # nothing to back up: the read lock is done
                 lease_id = None
             num_cached_tokens = len(l1_page_ids) * page_size
-            num_new_pages = -(-(len(tokens) - num_cached_tokens) // page_size)
-            new_l1_page_ids = self._allocate_l1(num_new_pages)
         except BaseException:
+            if pending is not None:
+                pending.cancel()
+            if prepared is not None:
+                prepared.cancel()
+                self.transfer.drain()
             self.l1_index.unlock(l1_page_ids)
+            self.l1_pool.free(new_l1_page_ids)
             if lease_id is not None:
                 self._end_lease(lease_id)
             raise
         plan = RequestPlan(
             token_ids=tokens, num_cached_tokens=num_cached_tokens, l1_page_ids=l1_page_ids,
             new_l1_page_ids=new_l1_page_ids, l1_hit_tokens=l1_match.num_tokens,
-            restored_tokens=restored_tokens, l2_hit_tokens=l2_hit_tokens, lease_id=lease_id,
+            restored_tokens=len(restored_page_ids) * page_size, l2_hit_tokens=l2_hit_tokens, lease_id=lease_id,
             backup_start_token=reply.backup_start_token if reply is not None else 0,
             backup_page_ids=backup_page_ids if lease_id is not None else [],
             restore_seconds=restore_seconds,
@@ -176,22 +211,6 @@ class CacheManager:
         except (DaemonUnavailable, DaemonError) as exc:
             logger.warning("could not release lease %d (the daemon reclaims it with the session): %s",
                            lease_id, exc)
-
-    def _restore(self, tokens: np.ndarray, first_page: int, host_page_ids: list[int]) -> tuple[list[int], float]:
-        """Copy L2 pages into new L1 pages; publish them in the L1 index once the copy is complete."""
-        l1_page_ids = self._allocate_l1(len(host_page_ids))
-        try:
-            transfer = self.transfer.restore(host_page_ids, l1_page_ids)
-            transfer.wait()
-        except BaseException:
-            self.l1_pool.free(l1_page_ids)
-            raise
-        end = (first_page + len(l1_page_ids)) * self.page_size
-        duplicates = self.l1_index.insert(tokens[:end], l1_page_ids, start_page=first_page)
-        # The prefix was locked and absent before the restore; nobody else inserts in between.
-        assert not duplicates, "restored pages were already cached in L1"
-        self.l1_index.lock(l1_page_ids)
-        return l1_page_ids, transfer.seconds
 
     def finish(self, plan: RequestPlan) -> int:
         """After the prefill: publish the new full pages in L1 and back up what the daemon lacks.

@@ -7,8 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from engine_client.cache_manager import CacheManager
+from engine_client.cache_manager import CacheManager, L1Full
 from engine_client.client import connect
+from engine_client.transfer import PendingRestore
 from proto.messages import MsgKind
 from tests.integration.engine_proc import GEOMETRY
 
@@ -57,7 +58,7 @@ def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch
     def broken_restore(*args, **kwargs):
         raise RuntimeError("injected transfer failure")
 
-    monkeypatch.setattr(manager.transfer, "restore", broken_restore)
+    monkeypatch.setattr(PendingRestore, "receive_from", broken_restore)
     plan = manager.prepare(tokens, backup=False)
     assert plan.l2_hit_tokens == 6 * PAGE and plan.restored_tokens == 0 and plan.num_cached_tokens == 0
     assert len(plan.new_l1_page_ids) == 6 and plan.lease_id is None
@@ -65,6 +66,21 @@ def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch
     manager.check_integrity()
     manager.finish(plan)
     manager.check_integrity()
+    assert manager.client.flush() == []
+    status = manager.client.status(check_integrity=True)
+    assert status["integrity"] == "ok" and status["leases"] == 0
+
+
+def test_l1_full_while_the_match_is_in_flight_leaks_nothing(manager):
+    """prepare() sends the match before it allocates L1 pages; when the request needs more pages than
+    L1 has, L1Full is raised and neither the match's lease (with its reserved backup pages) nor any
+    L1 page is left behind."""
+    cached = random_tokens(4 * PAGE)
+    manager.finish(manager.prepare(cached))
+    with pytest.raises(L1Full):
+        manager.prepare(np.concatenate([cached, random_tokens(70 * PAGE)]))
+    manager.check_integrity()
+    assert manager.l1_pool.num_free + manager.l1_index.num_cached_pages == 64
     assert manager.client.flush() == []
     status = manager.client.status(check_integrity=True)
     assert status["integrity"] == "ok" and status["leases"] == 0
