@@ -114,7 +114,7 @@ class _Channel:
         self.async_errors: list[DaemonError] = []
         # Requests we stopped waiting for: a late MATCH reply still carries a lease that nobody
         # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease.
-        self.abandoned: dict[int, MsgKind] = {}
+        self.abandoned: dict[int, tuple[MsgKind, float]] = {}     # request id -> (kind, when given up)
         # Requests sent by begin() whose replies are still to be collected by wait_for() (None
         # until the reply arrives).
         self.awaited: dict[int, codec.Frame | None] = {}
@@ -178,7 +178,7 @@ class _Channel:
         frame = self.awaited.pop(request_id)
         if frame is None:
             if len(self.abandoned) < MAX_PENDING_ASYNC:
-                self.abandoned[request_id] = kind
+                self.abandoned[request_id] = (kind, time.monotonic())
         elif kind == MsgKind.MATCH:
             self._orphan_lease_of(frame)
 
@@ -217,7 +217,7 @@ class _Channel:
     def _absorb(self, frame: codec.Frame) -> None:
         if frame.request_id in self.awaited:
             self.awaited[frame.request_id] = frame
-        elif self.abandoned.pop(frame.request_id, None) == MsgKind.MATCH:
+        elif self.abandoned.pop(frame.request_id, (None, 0.0))[0] == MsgKind.MATCH:
             self._orphan_lease_of(frame)
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
@@ -230,6 +230,23 @@ class _Channel:
         # Any reply answers every earlier request on this socket: those handled without error are done.
         for request_id in [r for r in self.pending_async if r < frame.request_id]:
             del self.pending_async[request_id]
+
+    def abandoned_matches(self) -> int:
+        """Given-up matches whose replies (and leases) may still come. One given up longer ago than
+        the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
+        reclaims whatever it held."""
+        horizon = time.monotonic() - self.timeout_s
+        for request_id in [r for r, (_, given_up) in self.abandoned.items() if given_up < horizon]:
+            del self.abandoned[request_id]
+        return sum(1 for kind, _ in self.abandoned.values() if kind == MsgKind.MATCH)
+
+    def absorb_until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Take in replies as they come until done() or the deadline."""
+        while not done():
+            frame = self._receive(deadline)
+            if frame is None:
+                return
+            self._absorb(frame)
 
     def _orphan_lease_of(self, frame: codec.Frame) -> None:
         if frame.kind == MsgKind.REPLY and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None:
@@ -406,13 +423,21 @@ class KVCacheClient:
     def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
         """Wait until the daemon has handled every release/commit sent so far, including the
         releases of leases from matches given up; returns their errors like ``poll_errors``."""
-        # The daemon answers one socket's requests in order, so a heartbeat's reply comes after the
-        # replies to everything sent before it. A given-up match's reply triggers the release of its
-        # lease when it arrives: that release needs a second round.
-        for _ in range(2):
-            if self.info is None or not (self._channel.pending_async or self._channel.abandoned):
-                break
-            self._channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id}, timeout_s)
+        channel = self._channel
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if self.info is None:
+            return self.poll_errors()
+        # The daemon answers one socket's requests in order, except a match that waits for an L3
+        # promotion, which is answered when the read is done: the heartbeat's reply comes after
+        # every other earlier reply, then late match replies are waited for. A given-up match's
+        # reply triggers the release of its lease: that release needs a last round.
+        if channel.pending_async or channel.abandoned:
+            channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id}, timeout_s)
+        channel.absorb_until(lambda: channel.abandoned_matches() == 0, deadline)
+        if channel.pending_async:
+            channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id},
+                            max(0.001, deadline - time.monotonic()))
         return self.poll_errors()
 
     def request_raw(self, kind: MsgKind, body: dict[str, Any]) -> dict[str, Any]:

@@ -126,7 +126,10 @@ class Server:
             spin_s = self.config.socket_spin_us / 1e6
             spin_until = 0.0
             if self.config.socket_cpu is not None:
-                os.sched_setaffinity(0, {self.config.socket_cpu})     # this thread only
+                try:
+                    os.sched_setaffinity(0, {self.config.socket_cpu})     # this thread only
+                except OSError as exc:      # checked at start; the CPU set may have changed since
+                    logger.warning("socket thread not pinned to CPU %d: %s", self.config.socket_cpu, exc)
             while True:
                 # After a request, poll without sleeping for spin_s: the next request of a busy
                 # engine usually follows within microseconds, and a sleeping thread's wake-up

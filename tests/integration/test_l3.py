@@ -252,6 +252,28 @@ def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypa
         assert status["namespaces"][0]["tiers"]["l2"]["protected_pages"] == 0
 
 
+def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess_daemon, monkeypatch):
+    """A match that promotes from L3 is answered after its read, later than requests sent after it.
+    Cancelled at once, its lease is still released by the next flush(), with no sleep in between."""
+    with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        tokens = evicted_prefix(client, np.random.default_rng())
+        real_preadv = io_workers._preadv
+
+        def slow_preadv(*args):
+            time.sleep(0.3)
+            return real_preadv(*args)
+
+        monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+        pending = client.match_async(tokens)
+        assert client.status()["leases"] == 0      # answered before the match: the read is still going
+        pending.cancel()
+        assert client.flush() == []
+        status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok" and status["leases"] == 0
+        assert status["metrics"]["promotions"] == 1
+
+
 def test_write_through_backlog_is_bounded():
     """Past max_pending_writes, committed pages skip L3 (counted as policy skips) instead of queueing
     writes that would keep L2 pages locked."""
