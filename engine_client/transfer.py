@@ -255,7 +255,9 @@ class Transfer:
 
     @property
     def seconds(self) -> float:
-        """Device time (CUDA events) plus host-side copy time; wall clock on CPU. After completion."""
+        """Device time (CUDA events) plus host-side copy time; wall clock on CPU. After completion.
+        A started backup's runs from its gather to its last DMA, so it includes any wait for send_to;
+        a started restore's runs from its first DMA."""
         if self._seconds is None:
             raise RuntimeError("the transfer has not completed; call wait() or poll done() first")
         return self._seconds
