@@ -67,7 +67,7 @@ ARENA_ALIGN_BYTES = 2 << 20
 DEFAULT_DAEMON_SPIN_US = DaemonConfig.__dataclass_fields__["socket_spin_us"].default
 TARGET = "ratio >= 0.85 at >= 1000 tokens, both directions, contiguous layout"
 COLUMNS = ["tokens", "direction", "layout", "gbps", "limit_gbps", "ratio", "median_ms", "limit_ms", "transfer_ms",
-           "match_ms", "submit_ms", "wait_ms", "end_ms", "lead_ms", "tail_ms"]
+           "match_ms", "prep_ms", "submit_ms", "wait_ms", "end_ms", "lead_ms", "tail_ms"]
 
 
 class RawDma:
@@ -111,7 +111,7 @@ def lead_seconds(timeline: dict | None, direction: str, events) -> float | None:
 
 
 def new_sample_lists() -> dict[str, list[float]]:
-    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_", "lead_")
+    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_", "lead_", "prep_")
     return {part + direction: [] for part in parts for direction in ("D2H", "H2D")}
 
 
@@ -135,16 +135,20 @@ def fragment_the_pool(client, num_pages: int, rng: np.random.Generator) -> list[
 
 
 def profile_submits(client, transfer: TransferEngine, source_pages: list[int], destination_pages: list[int],
-                    rng: np.random.Generator, num_transfers: int = 100) -> dict[str, str]:
+                    rng: np.random.Generator, mode: str, num_transfers: int = 100) -> dict[str, str]:
     """cProfile of backup and of restore submissions (and their waits) through L2 pages leased for
-    it: where the host time of a transfer goes, by function."""
+    it, as the mode submits them: where the host time of a transfer goes, by function."""
     tokens = rng.integers(1, 2**31 - 1, size=len(source_pages) * GEOMETRY.page_size, dtype=np.int32)
     reply = client.match(tokens, reserve_backup=True)
     profiles = {}
+    if mode == "pipelined":
+        runs = (("D2H", lambda: transfer.start_backup(source_pages).send_to(reply.backup_page_ids).wait()),
+                ("H2D", lambda: transfer.start_restore(destination_pages).receive_from(reply.backup_page_ids).wait()))
+    else:
+        runs = (("D2H", lambda: transfer.backup(source_pages, reply.backup_page_ids).wait()),
+                ("H2D", lambda: transfer.restore(reply.backup_page_ids, destination_pages).wait()))
     try:
-        for direction, run_one in (
-                ("D2H", lambda: transfer.backup(source_pages, reply.backup_page_ids).wait()),
-                ("H2D", lambda: transfer.restore(reply.backup_page_ids, destination_pages).wait())):
+        for direction, run_one in runs:
             run_one()
             profile = cProfile.Profile()
             profile.enable()
@@ -152,7 +156,7 @@ def profile_submits(client, transfer: TransferEngine, source_pages: list[int], d
                 run_one()
             profile.disable()
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
             profiles[direction] = text.getvalue()
     finally:
         client.release(reply.lease_id)
@@ -220,12 +224,14 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             tokens = rng.integers(1, 2**31 - 1, size=num_pages * page_size, dtype=np.int32)
             synchronize(device)
             started = time.perf_counter()
+            d2h_prep = h2d_prep = None
             mark(timeline, "D2H")
             if args.mode == "pipelined":
                 # The reservation's round trip overlaps the gather: send the match, gather, then
                 # collect the reply and queue the DMAs into the reserved pages.
                 pending = client.match_async(tokens, reserve_backup=True)
                 gathered = transfer.start_backup(source_pages)
+                d2h_prep = time.perf_counter() - started
                 reply = pending.result()
                 matched = time.perf_counter()
                 backup = gathered.send_to(reply.backup_page_ids)
@@ -250,6 +256,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                 # The round trip overlaps getting the restore ready (ids, workspace).
                 pending = client.match_async(tokens)
                 prepared = transfer.start_restore(destination_pages)
+                h2d_prep = time.perf_counter() - started
                 reply = pending.result()
                 matched = time.perf_counter()
                 restore = prepared.receive_from(reply.host_page_ids)
@@ -280,6 +287,9 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                 if d2h_lead is not None:
                     sink["lead_D2H"].append(d2h_lead)
                     sink["lead_H2D"].append(h2d_lead)
+                if d2h_prep is not None:
+                    sink["prep_D2H"].append(d2h_prep)
+                    sink["prep_H2D"].append(h2d_prep)
                 for direction in ("D2H", "H2D"):
                     sink[f"raw_{direction}"].append(raw.seconds(direction, num_bytes))
 
@@ -303,7 +313,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
 
         submit_profile = None
         if args.profile_submit and layout == "contiguous" and num_tokens == args.profile_tokens:
-            submit_profile = profile_submits(client, transfer, source_pages, destination_pages, rng)
+            submit_profile = profile_submits(client, transfer, source_pages, destination_pages, rng, args.mode)
             for direction, text in submit_profile.items():
                 print(direction, text, flush=True)
 
@@ -338,6 +348,10 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             # (device work, plus the host-side copy of a staged backup), the closing commit/release.
             **{f"{part}_ms": statistics.median(samples[f"{part}_{direction}"]) * 1e3
                for part in ("match", "submit", "wait", "end")},
+            # Pipelined: the host work done while the match is in flight (match_ms above it means
+            # the reply came later than that work was done).
+            **({"prep_ms": statistics.median(samples[f"prep_{direction}"]) * 1e3}
+               if samples[f"prep_{direction}"] else {}),
             # On CUDA: from the path's start to the transfer's first device work (RPC + submission
             # the device waited for), and what is left after the device work (completion + end).
             **({"lead_ms": statistics.median(samples[f"lead_{direction}"]) * 1e3,
