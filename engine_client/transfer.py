@@ -42,6 +42,12 @@ set_stream calls, launches Triton through a launcher bound to the pool (kernels.
 pool is checked once), and validates ids with a few vectorized passes (one reduction for the
 range; ascending destinations need no sort to be known distinct).
 
+Started transfers. `start_backup` gathers, and `start_restore` checks and uploads its ids, while
+the engine's match is in flight (KVCacheClient.match_async); `send_to` / `receive_from` then queue
+only the DMAs (and the scatters) once the reply names the L2 pages. A started backup's gather is
+cut into fewer slices (at least 256 MiB each): it has the round trip to run in, and every launch
+adds host time that must fit there too.
+
 Backends. `torch` (index_select / index_copy_) and `triton` (engine_client.kernels) pack and unpack
 pages; `auto` times both on this engine's geometry when the engine is built and keeps the faster
 per direction (the gather for backups, the scatter for restores); `backend_report()` says what was
@@ -197,7 +203,7 @@ class _Workspace:
     """
 
     __slots__ = ("num_pages", "packed", "packed_bytes", "ids_host", "ids_host_array", "ids_device",
-                 "staging", "staging_bytes", "start_event", "end_event", "slice_events")
+                 "staging", "staging_bytes", "start_event", "end_event", "slice_events", "caller_event")
 
     def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor,
                  num_slice_events: int | None):
@@ -213,7 +219,9 @@ class _Workspace:
         self.start_event: torch.cuda.Event | None = None
         self.end_event: torch.cuda.Event | None = None
         self.slice_events: list[torch.cuda.Event] = []
+        self.caller_event: torch.cuda.Event | None = None
         if num_slice_events is not None:
+            self.caller_event = torch.cuda.Event()
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.end_event = torch.cuda.Event(enable_timing=True)
             self.slice_events = [torch.cuda.Event() for _ in range(num_slice_events)]
@@ -600,6 +608,7 @@ class TransferEngine:
             assert ws.ids_host_array.ctypes.data == ws.ids_host.data_ptr() and len(ws.ids_host_array) == ws.num_pages
             assert (ws.start_event is not None) == (ws.end_event is not None) == self._is_cuda
             assert len(ws.slice_events) == (self.max_slices if self._is_cuda else 0)
+            assert (ws.caller_event is not None) == self._is_cuda
             if ws.staging is not None:
                 assert tuple(ws.staging.shape) == tuple(ws.packed.shape)
                 assert ws.staging.device.type == "cpu" and ws.staging.dtype == self._bits_dtype
@@ -865,7 +874,7 @@ class TransferEngine:
         slice k's gather is queued (the DMA of that slice, interleaved)."""
         compute_stream = self._stream
         assert compute_stream is not None and workspace.start_event is not None
-        compute_stream.wait_stream(callers_stream)
+        self._wait_for_callers(compute_stream, callers_stream, workspace)
         workspace.start_event.record(compute_stream)
         _leading(workspace.ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
         for index, (first, count) in enumerate(slices):
@@ -874,6 +883,15 @@ class TransferEngine:
             workspace.slice_events[index].record(compute_stream)
             if after_each is not None:
                 after_each(index)
+
+    @staticmethod
+    def _wait_for_callers(stream: torch.cuda.Stream, callers_stream: torch.cuda.Stream, workspace: _Workspace) -> None:
+        """`stream` waits for the work queued so far on the caller's stream. (Stream.wait_stream would
+        make a new event per call; the workspace's own is reused: a wait holds the event's state at
+        the time it is queued, so recording it again later does not move an earlier wait.)"""
+        assert workspace.caller_event is not None
+        workspace.caller_event.record(callers_stream)
+        stream.wait_event(workspace.caller_event)
 
     def _enqueue_dma_out(self, workspace: _Workspace, host_bytes: torch.Tensor, index: int,
                          segments: list[tuple[int, int, int]]) -> None:
@@ -923,7 +941,7 @@ class TransferEngine:
                 copied_event.record(copy_stream)
             torch.cuda.set_stream(compute_stream)
             # The caller's stream last used the L1 pages being restored into; scatter after it.
-            compute_stream.wait_stream(callers_stream)
+            self._wait_for_callers(compute_stream, callers_stream, workspace)
             if upload_ids:
                 _leading(workspace.ids_device, upload_ids).copy_(_leading(workspace.ids_host, upload_ids),
                                                                  non_blocking=True)

@@ -218,7 +218,7 @@ def test_without_the_wait_on_the_callers_stream_the_ordering_test_fails(make_set
     """Control for the test above: with the transfer stream's wait on the caller's stream removed, the
     late caller write and the transfer race and the check fails, so that test can catch a missing wait."""
     setup = make_setup("bfloat16", "cuda")
-    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, stream: None)
+    monkeypatch.setattr(TransferEngine, "_wait_for_callers", staticmethod(lambda stream, callers_stream, workspace: None))
     assert not transfer_after_late_caller_write(setup, "cuda", direction, "fragmented")
 
 
