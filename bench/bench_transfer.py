@@ -324,7 +324,6 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
         assert status["integrity"] == "ok", status["integrity"]
         backends = transfer.backend_report()
         transfer.close()
-        del kv_bits
         host_pool.close()
         client.close()
     finally:

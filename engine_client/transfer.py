@@ -667,9 +667,9 @@ class TransferEngine:
             for name, backend in candidates.items():
                 try:
                     timings_ms["D2H"][name] = self._median_ms(
-                        lambda: backend.gather(self._l1_bits, page_ids, packed))
+                        lambda backend=backend: backend.gather(self._l1_bits, page_ids, packed))
                     timings_ms["H2D"][name] = self._median_ms(
-                        lambda: backend.scatter(packed, page_ids, self._l1_bits))
+                        lambda backend=backend: backend.scatter(packed, page_ids, self._l1_bits))
                 except Exception as error:   # auto only: a backend that cannot run is left out
                     self._stream.synchronize()
                     for direction in DIRECTIONS:
@@ -911,8 +911,6 @@ class TransferEngine:
         compute_stream, copy_stream = self._stream, self._copy_stream
         assert compute_stream is not None and copy_stream is not None
         assert workspace.start_event is not None and workspace.end_event is not None
-        packed, ids_device = workspace.packed, workspace.ids_device
-        events = workspace.slice_events
         if transfer.direction == "D2H":
             with self._on_stream(compute_stream) as callers_stream:
                 self._enqueue_gathers(workspace, num_pages, slices, callers_stream, after_each=lambda index: (

@@ -406,7 +406,7 @@ def test_random_operations_match_a_reference_model(rng):
         prefix_keys = [tokens[:(k + 1) * PAGE].tobytes() for k in range(num_pages)]
         return tokens, prefix_keys
 
-    for step in range(1500):
+    for _ in range(1500):
         tokens, keys = random_sequence()
         tier = (L2, L3)[int(rng.integers(0, 2))]
         operation = rng.random()
