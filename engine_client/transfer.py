@@ -310,91 +310,91 @@ class Transfer:
         return True
 
 
-class PendingBackup:
+class _PendingTransfer:
+    """What a started backup and a started restore share: the Transfer they hand out, and one end,
+    either by the call that names their L2 pages or by ``cancel``. ``drain()`` of the engine waits
+    for the device work queued so far and ends them too."""
+
+    _ended_message: str
+    _drained_message: str
+    _prepared_word: str
+
+    def __init__(self, engine: "TransferEngine", transfer: Transfer):
+        self._engine = engine
+        self._transfer = transfer        # handed out at the end only (polling it early would end it)
+        self.num_pages = transfer.num_pages
+        self._ended = False
+
+    def _checked_host_ids(self, host_page_ids: Sequence[int], first: int) -> np.ndarray:
+        if self._ended:
+            raise RuntimeError(self._ended_message)
+        if self._transfer._seconds is not None and self.num_pages:
+            raise RuntimeError(self._drained_message)
+        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
+        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
+            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
+                             f"{self.num_pages} {self._prepared_word} pages")
+        return host_ids
+
+    def _end(self, host_ids: np.ndarray, first: int,
+             enqueue: Callable[[Any, np.ndarray, int], None]) -> Transfer:
+        """Queue the second half for host_ids (none: end like cancel) and hand the Transfer out."""
+        if len(host_ids):
+            self._ended = True
+            enqueue(self, host_ids, first)
+            return self._transfer
+        return self.cancel()
+
+    def cancel(self) -> Transfer:
+        """Give it up: nothing is written. Its workspace is free once the device work queued so far
+        (the gathers, or the id upload) is done: now if it is, else when the returned Transfer is
+        polled or the engine drains."""
+        self._ended = True
+        self._transfer.num_pages, self._transfer.num_bytes = 0, 0
+        self._transfer.done()
+        return self._transfer
+
+
+class PendingBackup(_PendingTransfer):
     """L1 pages gathered by ``TransferEngine.start_backup``, waiting to be told their L2 pages.
 
     Ends by ``send_to`` (the backup's DMAs are queued; returns the backup's Transfer) or by
-    ``cancel`` (no DMA; returns a Transfer that completes with the gathers). ``drain()`` of the
-    engine waits for the gathers and ends it too: a later ``send_to`` then raises.
+    ``cancel`` (no DMA; returns a Transfer that completes with the gathers).
     """
 
+    _ended_message = "this backup has already been sent or cancelled"
+    _drained_message = "this backup was drained before it was sent: gather again"
+    _prepared_word = "gathered"
+
     def __init__(self, engine: "TransferEngine", transfer: Transfer, slices: list[tuple[int, int]]):
-        self._engine = engine
-        self._transfer = transfer        # handed out by send_to / cancel only (polling it early would end it)
+        super().__init__(engine, transfer)
         self.slices = slices
-        self.num_pages = transfer.num_pages
-        self._sent = False
 
     def send_to(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
         """Queue the DMAs: host_page_ids[i] receives the gathered page first + i (a backup that
         skips pages the daemon already holds sends only the tail, with first > 0)."""
-        if self._sent:
-            raise RuntimeError("this backup has already been sent or cancelled")
-        if self._transfer._seconds is not None and self.num_pages:
-            raise RuntimeError("this backup was drained before it was sent: gather again")
-        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
-        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
-            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
-                             f"{self.num_pages} gathered pages")
+        host_ids = self._checked_host_ids(host_page_ids, first)
         repeated = _first_repeated_id(host_ids)
         if repeated is not None:
             raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
-        self._sent = True
-        if len(host_ids):
-            self._engine._send_backup(self, host_ids, first)
-            return self._transfer
-        else:
-            self._transfer.num_pages, self._transfer.num_bytes = 0, 0
-        return self._transfer
-
-    def cancel(self) -> Transfer:
-        """Give the backup up: nothing is written to L2. Its workspace is free once the gathers are
-        done: now if they are, else when the returned Transfer is polled or the engine drains."""
-        self._sent = True
-        self._transfer.num_pages, self._transfer.num_bytes = 0, 0
-        self._transfer.done()
-        return self._transfer
+        return self._end(host_ids, first, self._engine._send_backup)
 
 
-class PendingRestore:
+class PendingRestore(_PendingTransfer):
     """L1 pages made ready by ``TransferEngine.start_restore``, waiting to be told their L2 pages.
 
     Ends by ``receive_from`` (queues the DMAs and scatters; returns the restore's Transfer) or by
-    ``cancel``. ``drain()`` of the engine ends it too: a later ``receive_from`` then raises.
+    ``cancel`` (L1 is not written).
     """
 
-    def __init__(self, engine: "TransferEngine", transfer: Transfer):
-        self._engine = engine
-        self._transfer = transfer        # handed out by receive_from / cancel only
-        self.num_pages = transfer.num_pages
-        self._received = False
+    _ended_message = "this restore has already been received or cancelled"
+    _drained_message = "this restore was drained before it was received: start it again"
+    _prepared_word = "prepared"
 
     def receive_from(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
         """Queue the restore: the prepared L1 page first + i receives host_page_ids[i] (a hit shorter
-        than the pages prepared restores only that many)."""
-        if self._received:
-            raise RuntimeError("this restore has already been received or cancelled")
-        if self._transfer._seconds is not None and self.num_pages:
-            raise RuntimeError("this restore was drained before it was received: start it again")
-        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
-        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
-            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
-                             f"{self.num_pages} prepared pages")
-        self._received = True
-        if len(host_ids):
-            self._engine._receive_restore(self, host_ids, first)
-            return self._transfer
-        else:
-            self._transfer.num_pages, self._transfer.num_bytes = 0, 0
-        return self._transfer
-
-    def cancel(self) -> Transfer:
-        """Give the restore up: L1 is not written. Its workspace is free once the id upload is done:
-        now if it is, else when the returned Transfer is polled or the engine drains."""
-        self._received = True
-        self._transfer.num_pages, self._transfer.num_bytes = 0, 0
-        self._transfer.done()
-        return self._transfer
+        than the pages prepared restores only that many; sources may repeat)."""
+        return self._end(self._checked_host_ids(host_page_ids, first), first, self._engine._receive_restore)
 
 
 class TransferEngine:

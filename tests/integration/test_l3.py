@@ -228,19 +228,24 @@ def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
         daemon.cleanup()
 
 
+def slow_down_reads(monkeypatch, seconds: float) -> None:
+    """Every L3 read of the (in-process) daemon first sleeps this long."""
+    real_preadv = io_workers._preadv
+
+    def slow_preadv(*args):
+        time.sleep(seconds)
+        return real_preadv(*args)
+
+    monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+
+
 def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch):
     """A match slower than the client's timeout (a slow L3 read) raises DaemonUnavailable; the lease its
     late reply carries is released by the client, so the daemon is left holding nothing."""
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
         tokens = evicted_prefix(client, np.random.default_rng())
-        real_preadv = io_workers._preadv
-
-        def slow_preadv(*args):
-            time.sleep(0.5)
-            return real_preadv(*args)
-
-        monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+        slow_down_reads(monkeypatch, 0.5)
         client._channel.timeout_s = 0.1
         with pytest.raises(DaemonUnavailable, match="MATCH"):
             client.match(tokens)
@@ -258,13 +263,7 @@ def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
         tokens = evicted_prefix(client, np.random.default_rng())
-        real_preadv = io_workers._preadv
-
-        def slow_preadv(*args):
-            time.sleep(0.3)
-            return real_preadv(*args)
-
-        monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+        slow_down_reads(monkeypatch, 0.3)
         pending = client.match_async(tokens)
         assert client.status()["leases"] == 0      # answered before the match: the read is still going
         pending.cancel()
