@@ -189,17 +189,19 @@ def scatter_pages_torch(
 if triton is not None:
 
     @triton.jit
-    def _gather_pages_kernel(
-        pool_ptr,
-        packed_ptr,
+    def _copy_pages_kernel(
+        src_ptr,
+        dst_ptr,
         page_ids_ptr,
         page_ids_stride,
         num_slabs_per_page,
         num_pages,
         page_elements,
+        GATHER: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         EVEN_BLOCKS: tl.constexpr,
     ):
+        # GATHER: pool slabs -> packed slabs (src is the pool); else packed -> pool (a scatter).
         # Axis 0 walks packed slabs in order (i * 2L + kv_layer); axis 1 is the block within
         # the slab, so no per-element division is needed.
         packed_slab = tl.program_id(0).to(tl.int64)
@@ -209,40 +211,19 @@ if triton is not None:
         page_id = tl.load(page_ids_ptr + i * page_ids_stride).to(tl.int64)
         # Offsets in int64: pools exceed 2**31 elements.
         in_slab = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        src = (kv_layer * num_pages + page_id) * page_elements + in_slab
-        dst = packed_slab * page_elements + in_slab
+        in_pool = (kv_layer * num_pages + page_id) * page_elements + in_slab
+        in_packed = packed_slab * page_elements + in_slab
+        if GATHER:
+            src = in_pool
+            dst = in_packed
+        else:
+            src = in_packed
+            dst = in_pool
         if EVEN_BLOCKS:
-            tl.store(packed_ptr + dst, tl.load(pool_ptr + src))
+            tl.store(dst_ptr + dst, tl.load(src_ptr + src))
         else:
             mask = in_slab < page_elements
-            tl.store(packed_ptr + dst, tl.load(pool_ptr + src, mask=mask), mask=mask)
-
-    @triton.jit
-    def _scatter_pages_kernel(
-        packed_ptr,
-        pool_ptr,
-        page_ids_ptr,
-        page_ids_stride,
-        num_slabs_per_page,
-        num_pages,
-        page_elements,
-        BLOCK_SIZE: tl.constexpr,
-        EVEN_BLOCKS: tl.constexpr,
-    ):
-        # Mirror of _gather_pages_kernel: reads packed slabs in order, writes pool slabs.
-        packed_slab = tl.program_id(0).to(tl.int64)
-        block = tl.program_id(1)
-        i = packed_slab // num_slabs_per_page
-        kv_layer = packed_slab - i * num_slabs_per_page
-        page_id = tl.load(page_ids_ptr + i * page_ids_stride).to(tl.int64)
-        in_slab = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        src = packed_slab * page_elements + in_slab
-        dst = (kv_layer * num_pages + page_id) * page_elements + in_slab
-        if EVEN_BLOCKS:
-            tl.store(pool_ptr + dst, tl.load(packed_ptr + src))
-        else:
-            mask = in_slab < page_elements
-            tl.store(pool_ptr + dst, tl.load(packed_ptr + src, mask=mask), mask=mask)
+            tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=mask), mask=mask)
 
 
 _interpreted_kernels: dict = {}
@@ -299,9 +280,10 @@ def _check_plan(plan: _LaunchPlan, device: torch.device) -> None:
         raise ValueError(f"the Triton backend runs on cuda (or cpu, interpreted), not {device}")
 
 
-def _launch_planned(kernel, plan: _LaunchPlan, page_ids: torch.Tensor, src: torch.Tensor,
+def _launch_planned(gather: bool, plan: _LaunchPlan, page_ids: torch.Tensor, src: torch.Tensor,
                     dst: torch.Tensor) -> None:
-    """Launch ``kernel(src, dst, ...)`` with one program per (packed slab, block) pair."""
+    """Launch the page copy (a gather, or a scatter) from src to dst with one program per
+    (packed slab, block) pair."""
     num_slabs = page_ids.shape[0] * plan.num_slabs_per_page
     if num_slabs > _MAX_GRID_X:
         raise ValueError(f"{num_slabs} page slabs exceed the grid limit {_MAX_GRID_X}")
@@ -313,26 +295,27 @@ def _launch_planned(kernel, plan: _LaunchPlan, page_ids: torch.Tensor, src: torc
     even_blocks = plan.page_elements % plan.block_size == 0
     device = src.device
     if device.type == "cpu":
-        _interpreted(kernel)[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
+        _interpreted(_copy_pages_kernel)[grid](*args, GATHER=gather, BLOCK_SIZE=plan.block_size,
+                                               EVEN_BLOCKS=even_blocks)
         return
     # Triton launches on the current device; make that the tensors' device (a switch only when it
     # is not already: the transfer engine launches with its device current).
     if torch.cuda.current_device() == device.index:
-        kernel[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
+        _copy_pages_kernel[grid](*args, GATHER=gather, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
         return
     with torch.cuda.device(device):
-        kernel[grid](*args, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
+        _copy_pages_kernel[grid](*args, GATHER=gather, BLOCK_SIZE=plan.block_size, EVEN_BLOCKS=even_blocks)
 
 
-def _launch(kernel, l1_kv: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor,
+def _launch(gather: bool, l1_kv: torch.Tensor, page_ids: torch.Tensor, src: torch.Tensor,
             dst: torch.Tensor, block_size: int) -> None:
-    """Check the launch limits, then launch ``kernel(src, dst, ...)``."""
+    """Check the launch limits, then launch the page copy from src to dst."""
     plan = _plan_launches(l1_kv, block_size)
     num_slabs = page_ids.shape[0] * plan.num_slabs_per_page
     if num_slabs > _MAX_GRID_X:
         raise ValueError(f"{num_slabs} page slabs exceed the grid limit {_MAX_GRID_X}")
     _check_plan(plan, l1_kv.device)
-    _launch_planned(kernel, plan, page_ids, src, dst)
+    _launch_planned(gather, plan, page_ids, src, dst)
 
 
 def _require_triton() -> None:
@@ -354,7 +337,7 @@ def gather_pages(
     """
     _require_triton()
     _check_args(l1_kv, page_ids, out, "out", check_bounds)
-    _launch(_gather_pages_kernel, l1_kv, page_ids, l1_kv, out, block_size)
+    _launch(True, l1_kv, page_ids, l1_kv, out, block_size)
     return out
 
 
@@ -373,7 +356,7 @@ def scatter_pages(
     """
     _require_triton()
     _check_args(l1_kv, page_ids, packed, "packed", check_bounds)
-    _launch(_scatter_pages_kernel, l1_kv, page_ids, packed, l1_kv, block_size)
+    _launch(False, l1_kv, page_ids, packed, l1_kv, block_size)
     return l1_kv
 
 
@@ -401,13 +384,13 @@ class PoolKernels:
     def gather(self, page_ids: torch.Tensor, out: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
         """out[i, kv, layer] = l1_kv[kv, layer, page_ids[i]] for all i; returns out (see gather_pages)."""
         self._check(page_ids, out, "out", check_bounds)
-        _launch_planned(_gather_pages_kernel, self._plan, page_ids, self.l1_kv, out)
+        _launch_planned(True, self._plan, page_ids, self.l1_kv, out)
         return out
 
     def scatter(self, packed: torch.Tensor, page_ids: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
         """l1_kv[kv, layer, page_ids[i]] = packed[i, kv, layer] for all i; returns l1_kv (see scatter_pages)."""
         self._check(page_ids, packed, "packed", check_bounds)
-        _launch_planned(_scatter_pages_kernel, self._plan, page_ids, packed, self.l1_kv)
+        _launch_planned(False, self._plan, page_ids, packed, self.l1_kv)
         return self.l1_kv
 
     def _check(self, page_ids: torch.Tensor, packed: torch.Tensor, packed_name: str, check_bounds: bool) -> None:

@@ -396,7 +396,7 @@ def test_kernels_also_work_when_imported_under_triton_interpret(tmp_path):
         import torch
         from engine_client import kernels
         from triton.runtime.interpreter import InterpretedFunction
-        assert isinstance(kernels._gather_pages_kernel, InterpretedFunction)
+        assert isinstance(kernels._copy_pages_kernel, InterpretedFunction)
         l1_kv = torch.randint(-2**15, 2**15 - 1, (2, 2, 5, 3, 2, 64), dtype=torch.int16).view(torch.bfloat16)
         page_ids = torch.tensor([3, 0], dtype=torch.int32)
         out = torch.empty(kernels.packed_shape(l1_kv, 2), dtype=torch.bfloat16)
