@@ -75,7 +75,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from engine_client import kernels
+from engine_client import cuda_runtime, kernels
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
 
@@ -202,8 +202,9 @@ class _Workspace:
     are taken once here, not per transfer.
     """
 
-    __slots__ = ("num_pages", "packed", "packed_bytes", "ids_host", "ids_host_array", "ids_device",
-                 "staging", "staging_bytes", "start_event", "end_event", "slice_events", "caller_event")
+    __slots__ = ("num_pages", "packed", "packed_bytes", "packed_address", "ids_host", "ids_host_array",
+                 "ids_device", "staging", "staging_bytes", "staging_address", "start_event", "end_event",
+                 "slice_events", "caller_event")
 
     def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor,
                  num_slice_events: int | None):
@@ -211,11 +212,13 @@ class _Workspace:
         self.num_pages = num_pages
         self.packed = packed
         self.packed_bytes = packed.view(torch.uint8).view(-1)
+        self.packed_address = packed.data_ptr()
         self.ids_host = ids_host
         self.ids_host_array = ids_host.numpy()
         self.ids_device = ids_device
         self.staging: torch.Tensor | None = None
         self.staging_bytes: torch.Tensor | None = None
+        self.staging_address = 0
         self.start_event: torch.cuda.Event | None = None
         self.end_event: torch.cuda.Event | None = None
         self.slice_events: list[torch.cuda.Event] = []
@@ -229,6 +232,15 @@ class _Workspace:
     def add_staging(self, staging: torch.Tensor) -> None:
         self.staging = staging
         self.staging_bytes = staging.view(torch.uint8).view(-1)
+        self.staging_address = staging.data_ptr()
+
+
+class _HostBuffer(NamedTuple):
+    """The host side of a transfer's DMAs: the tensor that holds the memory (the pool's pages, or a
+    workspace's staging) and its address."""
+
+    tensor: torch.Tensor
+    address: int
 
 
 class WorkspaceInfo(NamedTuple):
@@ -325,23 +337,40 @@ class _PendingTransfer:
         self.num_pages = transfer.num_pages
         self._ended = False
 
-    def _checked_host_ids(self, host_page_ids: Sequence[int], first: int) -> np.ndarray:
+    def _checked_host_runs(self, host_page_ids: Sequence[int], first: int,
+                           distinct: bool) -> tuple[int, list[tuple[int, int, int]]]:
+        """(how many host pages, their runs as (position, first host page, pages)), checked: in range,
+        fitting the prepared pages from ``first``, and with ``distinct`` listed once each. A daemon's
+        reply for a contiguous reservation (a list of ints running up one by one) is recognized
+        without building an array."""
         if self._ended:
             raise RuntimeError(self._ended_message)
         if self._transfer._seconds is not None and self.num_pages:
             raise RuntimeError(self._drained_message)
-        host_ids = _page_id_array("host_page_ids", host_page_ids, self._engine.host_pool.num_pages)
-        if type(first) is not int or not 0 <= first <= self.num_pages - len(host_ids):
-            raise ValueError(f"first={first!r} with {len(host_ids)} host pages does not fit the "
+        num_host_pages = self._engine.host_pool.num_pages
+        start = _one_run(host_page_ids, num_host_pages)
+        if start is not None:
+            count = len(host_page_ids)
+            host_runs = [(0, start, count)]
+        else:
+            host_ids = _page_id_array("host_page_ids", host_page_ids, num_host_pages)
+            count = len(host_ids)
+            host_runs = _runs_of_consecutive_ids(host_ids) if count else []
+            if distinct and len(host_runs) > 1:
+                repeated = _first_repeated_id(host_ids)
+                if repeated is not None:
+                    raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
+        if type(first) is not int or not 0 <= first <= self.num_pages - count:
+            raise ValueError(f"first={first!r} with {count} host pages does not fit the "
                              f"{self.num_pages} {self._prepared_word} pages")
-        return host_ids
+        return count, host_runs
 
-    def _end(self, host_ids: np.ndarray, first: int,
-             enqueue: Callable[[Any, np.ndarray, int], None]) -> Transfer:
-        """Queue the second half for host_ids (none: end like cancel) and hand the Transfer out."""
-        if len(host_ids):
+    def _end(self, count: int, host_runs: list[tuple[int, int, int]], first: int,
+             enqueue: Callable[[Any, int, list[tuple[int, int, int]], int], None]) -> Transfer:
+        """Queue the second half for the host pages (none: end like cancel); hand the Transfer out."""
+        if count:
             self._ended = True
-            enqueue(self, host_ids, first)
+            enqueue(self, count, host_runs, first)
             return self._transfer
         return self.cancel()
 
@@ -373,11 +402,8 @@ class PendingBackup(_PendingTransfer):
     def send_to(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
         """Queue the DMAs: host_page_ids[i] receives the gathered page first + i (a backup that
         skips pages the daemon already holds sends only the tail, with first > 0)."""
-        host_ids = self._checked_host_ids(host_page_ids, first)
-        repeated = _first_repeated_id(host_ids)
-        if repeated is not None:
-            raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
-        return self._end(host_ids, first, self._engine._send_backup)
+        count, host_runs = self._checked_host_runs(host_page_ids, first, distinct=True)
+        return self._end(count, host_runs, first, self._engine._send_backup)
 
 
 class PendingRestore(_PendingTransfer):
@@ -394,7 +420,8 @@ class PendingRestore(_PendingTransfer):
     def receive_from(self, host_page_ids: Sequence[int], first: int = 0) -> Transfer:
         """Queue the restore: the prepared L1 page first + i receives host_page_ids[i] (a hit shorter
         than the pages prepared restores only that many; sources may repeat)."""
-        return self._end(self._checked_host_ids(host_page_ids, first), first, self._engine._receive_restore)
+        count, host_runs = self._checked_host_runs(host_page_ids, first, distinct=False)
+        return self._end(count, host_runs, first, self._engine._receive_restore)
 
 
 class TransferEngine:
@@ -447,6 +474,11 @@ class TransferEngine:
         # the copy engine moves one slice while the SMs pack or unpack the next.
         self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
+        # DMAs are queued through the CUDA runtime directly where it can be (see cuda_runtime),
+        # onto the copy stream by its handle, between addresses known up front.
+        self._runtime = cuda_runtime.load() if self._is_cuda else None
+        self._copy_stream_handle = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
+        self._pool_address = host_pool.pages.data_ptr()
         self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # The copy threads start lazily, from whatever thread submits the first staged transfer; an
         # engine may have pinned that thread to one CPU (see client.connect's cpu), which they
@@ -533,23 +565,25 @@ class TransferEngine:
                 transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
         return pending
 
-    def _receive_restore(self, pending: PendingRestore, host_ids: np.ndarray, first: int) -> None:
-        """The second half of a started restore: host_ids into the prepared L1 pages first, first + 1, ..."""
+    def _receive_restore(self, pending: PendingRestore, num_pages: int, host_runs: list[tuple[int, int, int]],
+                         first: int) -> None:
+        """The second half of a started restore: the host pages (runs) into the prepared L1 pages
+        first, first + 1, ..."""
         transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
-        num_pages = len(host_ids)
-        host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
+        if first:
+            host_runs = [(position + first, start, length) for position, start, length in host_runs]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         slices = [(first + offset, count) for offset, count in self._slices(num_pages)]
         with self._completed_on_error(transfer):
             if staged:
                 self._add_staging(workspace)
             transfer.num_pages, transfer.num_bytes = num_pages, num_pages * self.bytes_per_page
-            host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
+            host, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
             if self._stream is None:
-                self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+                self._run_on_host(transfer, workspace, num_pages, host, slices, slice_segments)
             else:
-                self._enqueue_restore(workspace, host_bytes, slices, slice_segments, upload_ids=0)
+                self._enqueue_restore(workspace, host, slices, slice_segments, upload_ids=0)
 
     def restore(self, host_page_ids: Sequence[int], l1_page_ids: Sequence[int]) -> Transfer:
         """Copy host pages into L1 pages (H2D); l1_page_ids[i] receives host_page_ids[i]."""
@@ -708,29 +742,32 @@ class TransferEngine:
             self._enqueue(transfer, workspace, l1_ids, host_runs, staged)
         return transfer
 
-    def _send_backup(self, pending: PendingBackup, host_ids: np.ndarray, first: int) -> None:
-        """The second half of a started backup: its DMAs, from the gathered slices to host_ids."""
+    def _send_backup(self, pending: PendingBackup, num_pages: int, host_runs: list[tuple[int, int, int]],
+                     first: int) -> None:
+        """The second half of a started backup: its DMAs, from the gathered slices (from page
+        ``first`` on) to the host pages (runs)."""
         transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
-        host_runs = [(position + first, start, length) for position, start, length in _runs_of_consecutive_ids(host_ids)]
+        if first:
+            host_runs = [(position + first, start, length) for position, start, length in host_runs]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         with self._completed_on_error(transfer):
             if staged:
                 self._add_staging(workspace)
-            transfer.num_pages, transfer.num_bytes = len(host_ids), len(host_ids) * self.bytes_per_page
-            host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, pending.slices)
+            transfer.num_pages, transfer.num_bytes = num_pages, num_pages * self.bytes_per_page
+            host, slice_segments = self._host_side(transfer, workspace, host_runs, staged, pending.slices)
             if self._stream is None:
                 started = time.perf_counter()
                 for segments in slice_segments:
-                    _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
+                    _dma_segments(_flat_bytes(host.tensor), workspace.packed_bytes, segments, "D2H")
                 transfer._host_seconds += time.perf_counter() - started
                 return
             assert workspace.end_event is not None
-            with self._on_stream(self._stream):
-                for index, segments in enumerate(slice_segments):
-                    self._enqueue_dma_out(workspace, host_bytes, index, segments)
-                # The copy stream waited for every slice's gather, so its end is the transfer's end.
-                workspace.end_event.record(self._copy_stream)
+            # No stream switch: the DMAs name the copy stream themselves (see _queue_dmas).
+            for index, segments in enumerate(slice_segments):
+                self._enqueue_dma_out(workspace, host, index, segments)
+            # The copy stream waited for every slice's gather, so its end is the transfer's end.
+            workspace.end_event.record(self._copy_stream)
 
     @contextlib.contextmanager
     def _completed_on_error(self, transfer: Transfer):
@@ -766,32 +803,32 @@ class TransferEngine:
         num_pages = len(l1_ids)
         workspace.ids_host_array[:num_pages] = l1_ids
         slices = self._slices(num_pages)
-        host_bytes, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
+        host, slice_segments = self._host_side(transfer, workspace, host_runs, staged, slices)
         if self._stream is None:
-            self._run_on_host(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+            self._run_on_host(transfer, workspace, num_pages, host, slices, slice_segments)
         else:
-            self._enqueue_on_device(transfer, workspace, num_pages, host_bytes, slices, slice_segments)
+            self._enqueue_on_device(transfer, workspace, num_pages, host, slices, slice_segments)
 
     def _host_side(self, transfer: Transfer, workspace: _Workspace, host_runs: list[tuple[int, int, int]],
-                   staged: bool, slices: list[tuple[int, int]]) -> tuple[torch.Tensor, list[list[tuple[int, int, int]]]]:
+                   staged: bool, slices: list[tuple[int, int]]) -> tuple[_HostBuffer, list[list[tuple[int, int, int]]]]:
         """The host buffer of the DMAs, and the DMAs of each slice as (packed offset, host offset,
         bytes) in packed order. The host side is the pool itself, or staging (at the packed
         offsets) when the pages go through it. host_runs: (packed position, first host page, pages)."""
         bytes_per_page = self.bytes_per_page
         if staged:
-            assert workspace.staging_bytes is not None
-            host_bytes = workspace.staging_bytes
+            assert workspace.staging is not None and workspace.staging_bytes is not None
+            host = _HostBuffer(workspace.staging, workspace.staging_address)
             first_position = host_runs[0][0]
             num_bytes = sum(length for _, _, length in host_runs) * bytes_per_page
             segments = [(first_position * bytes_per_page, first_position * bytes_per_page, num_bytes)]
             self._stage(transfer, workspace.staging_bytes, host_runs)
         else:
-            host_bytes = self.host_pool.byte_view()
-            transfer._refs.append(host_bytes)   # the pool's mapping stays open until the DMAs are done
+            host = _HostBuffer(self.host_pool.pages, self._pool_address)
+            transfer._refs.append(host.tensor)   # the pool's mapping stays open until the DMAs are done
             segments = self._direct_segments(host_runs)
         if len(slices) == 1:
-            return host_bytes, [segments]
-        return host_bytes, _segments_by_slice(segments, [(first + count) * bytes_per_page for first, count in slices])
+            return host, [segments]
+        return host, _segments_by_slice(segments, [(first + count) * bytes_per_page for first, count in slices])
 
     def _direct_segments(self, host_runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """(packed offset, pool offset, bytes) of the DMAs straight between the packed buffer and the
@@ -845,10 +882,11 @@ class TransferEngine:
             first += count
         return slices
 
-    def _run_on_host(self, transfer: Transfer, workspace: _Workspace, num_pages: int, host_bytes: torch.Tensor,
+    def _run_on_host(self, transfer: Transfer, workspace: _Workspace, num_pages: int, host: _HostBuffer,
                      slices: list[tuple[int, int]], slice_segments: list[list[tuple[int, int, int]]]) -> None:
         """Off CUDA: the same slices and copies, synchronously, timed by the wall clock."""
         started = time.perf_counter()
+        host_bytes = _flat_bytes(host.tensor)
         if transfer.direction == "D2H":
             self._gather_slices(workspace, slices)
             for segments in slice_segments:
@@ -893,19 +931,38 @@ class TransferEngine:
         workspace.caller_event.record(callers_stream)
         stream.wait_event(workspace.caller_event)
 
-    def _enqueue_dma_out(self, workspace: _Workspace, host_bytes: torch.Tensor, index: int,
+    def _enqueue_dma_out(self, workspace: _Workspace, host: _HostBuffer, index: int,
                          segments: list[tuple[int, int, int]]) -> None:
-        """On the copy stream, after slice `index`'s gather: its DMAs into the host side. (The compute
-        stream is current before and after.)"""
-        assert self._copy_stream is not None and self._stream is not None
+        """On the copy stream, after slice `index`'s gather: its DMAs into the host side."""
+        assert self._copy_stream is not None
         self._copy_stream.wait_event(workspace.slice_events[index])
         if segments:
-            torch.cuda.set_stream(self._copy_stream)
-            _dma_segments(host_bytes, workspace.packed_bytes, segments, "D2H")
-            torch.cuda.set_stream(self._stream)
+            self._queue_dmas(workspace, host, segments, "D2H")
+
+    def _queue_dmas(self, workspace: _Workspace, host: _HostBuffer, segments: list[tuple[int, int, int]],
+                    direction: str) -> None:
+        """On the copy stream, one asynchronous copy per (packed offset, host offset, bytes) segment
+        between the workspace's packed buffer and the host side. Through the CUDA runtime by address
+        when the engine's device is current (no views, no stream switch); else through torch, on
+        the copy stream made current for it."""
+        runtime = self._runtime
+        if runtime is not None and torch.cuda.current_device() == self._device_index:
+            stream, packed_address, host_address = self._copy_stream_handle, workspace.packed_address, host.address
+            if direction == "D2H":
+                for packed_start, host_start, num_bytes in segments:
+                    runtime.memcpy_async(host_address + host_start, packed_address + packed_start, num_bytes,
+                                         cuda_runtime.DEVICE_TO_HOST, stream)
+            else:
+                for packed_start, host_start, num_bytes in segments:
+                    runtime.memcpy_async(packed_address + packed_start, host_address + host_start, num_bytes,
+                                         cuda_runtime.HOST_TO_DEVICE, stream)
+            return
+        assert self._copy_stream is not None
+        with self._on_stream(self._copy_stream):
+            _dma_segments(_flat_bytes(host.tensor), workspace.packed_bytes, segments, direction)
 
     def _enqueue_on_device(self, transfer: Transfer, workspace: _Workspace, num_pages: int,
-                           host_bytes: torch.Tensor, slices: list[tuple[int, int]],
+                           host: _HostBuffer, slices: list[tuple[int, int]],
                            slice_segments: list[list[tuple[int, int, int]]]) -> None:
         """Queue the transfer on the two streams (see the module note) and return at once."""
         compute_stream, copy_stream = self._stream, self._copy_stream
@@ -914,15 +971,15 @@ class TransferEngine:
         if transfer.direction == "D2H":
             with self._on_stream(compute_stream) as callers_stream:
                 self._enqueue_gathers(workspace, num_pages, slices, callers_stream, after_each=lambda index: (
-                    self._enqueue_dma_out(workspace, host_bytes, index, slice_segments[index])))
+                    self._enqueue_dma_out(workspace, host, index, slice_segments[index])))
                 # The copy stream waited for the last gather, so its end is the transfer's end.
                 workspace.end_event.record(copy_stream)
         else:
-            self._enqueue_restore(workspace, host_bytes, slices, slice_segments, upload_ids=num_pages)
+            self._enqueue_restore(workspace, host, slices, slice_segments, upload_ids=num_pages)
         transfer._start_event = workspace.start_event
         transfer._end_event = workspace.end_event
 
-    def _enqueue_restore(self, workspace: _Workspace, host_bytes: torch.Tensor, slices: list[tuple[int, int]],
+    def _enqueue_restore(self, workspace: _Workspace, host: _HostBuffer, slices: list[tuple[int, int]],
                          slice_segments: list[list[tuple[int, int, int]]], upload_ids: int) -> None:
         """A restore's device work: each slice's DMAs into the packed buffer on the copy stream, and
         its scatter into L1 on the compute stream once they are done; first the upload of
@@ -931,13 +988,13 @@ class TransferEngine:
         assert compute_stream is not None and copy_stream is not None
         assert workspace.start_event is not None and workspace.end_event is not None
         events = workspace.slice_events
-        # The DMAs write only this workspace's packed buffer: they need not wait for the caller.
-        with self._on_stream(copy_stream) as callers_stream:
-            workspace.start_event.record(copy_stream)
-            for segments, copied_event in zip(slice_segments, events):
-                _dma_segments(host_bytes, workspace.packed_bytes, segments, "H2D")
-                copied_event.record(copy_stream)
-            torch.cuda.set_stream(compute_stream)
+        # The DMAs write only this workspace's packed buffer: they need not wait for the caller, and
+        # go first, so that the copy engine starts while the scatters are being queued.
+        workspace.start_event.record(copy_stream)
+        for segments, copied_event in zip(slice_segments, events):
+            self._queue_dmas(workspace, host, segments, "H2D")
+            copied_event.record(copy_stream)
+        with self._on_stream(compute_stream) as callers_stream:
             # The caller's stream last used the L1 pages being restored into; scatter after it.
             self._wait_for_callers(compute_stream, callers_stream, workspace)
             if upload_ids:
@@ -1100,6 +1157,25 @@ def _segments_by_slice(segments: list[tuple[int, int, int]],
             groups[index].append((packed_start, host_start, take))
             packed_start, host_start, num_bytes = packed_start + take, host_start + take, num_bytes - take
     return groups
+
+
+def _one_run(page_ids: Sequence[int] | np.ndarray | torch.Tensor, num_pages: int) -> int | None:
+    """The first id when page_ids is a list of ints running up one by one inside [0, num_pages):
+    what a daemon's reply holds for a contiguous reservation, recognized with list operations
+    alone. None for anything else, which the full checks take."""
+    if type(page_ids) is not list or not page_ids:
+        return None
+    start = page_ids[0]
+    if type(start) is not int or start < 0 or start + len(page_ids) > num_pages:
+        return None
+    if page_ids != list(range(start, start + len(page_ids))) or set(map(type, page_ids)) != {int}:
+        return None
+    return start
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as one flat uint8 view."""
+    return tensor.view(torch.uint8).view(-1)
 
 
 def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:

@@ -906,6 +906,8 @@ def test_cancelled_or_drained_backup_writes_nothing_and_frees_its_workspace(make
     ([1, 2], -1, "does not fit"),
     ([1, 1], 0, "more than once"),
     ([1, 99], 0, "out of range"),
+    ([8, 9, 10], 0, "out of range"),        # one run, running past the pool's last page
+    ([-1, 0], 0, "out of range"),           # one run, starting below the first page
 ])
 def test_send_to_refuses_bad_pages_and_the_backup_can_still_be_sent(make_setup, host_page_ids, first, message):
     setup = make_setup()
@@ -916,6 +918,32 @@ def test_send_to_refuses_bad_pages_and_the_backup_can_still_be_sent(make_setup, 
     assert same_bits(setup.host_pool.pages[HOST_PAGES["contiguous"]],
                      setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5))
     setup.check_integrity()
+
+
+@pytest.mark.parametrize("host_page_ids", [[3, 4.0], [3.0, 4.0], [False, True], [np.int64(3), np.float64(4.0)]])
+@pytest.mark.parametrize("call", ["send_to", "receive_from"])
+def test_host_pages_that_are_not_integers_are_refused_even_when_they_run_up(make_setup, call, host_page_ids):
+    """A list that equals a run of ints but holds floats or bools is refused like any non-integer
+    ids (the quick check for a run must not let them through), and nothing is written."""
+    setup = make_setup()
+    host_before = setup.host_pool.pages.clone()
+    l1_before = setup.l1_pool.kv.clone()
+    pending = (setup.engine.start_backup(L1_SOURCE_PAGES) if call == "send_to"
+               else setup.engine.start_restore(L1_DESTINATION_PAGES))
+    with pytest.raises(TypeError, match="integers"):
+        getattr(pending, call)(host_page_ids)
+    pending.cancel().wait()
+    assert same_bits(setup.host_pool.pages, host_before) and same_bits(setup.l1_pool.kv, l1_before)
+    setup.check_integrity()
+
+
+@pytest.mark.parametrize("page_ids, expected", [
+    ([3, 4, 5], 3), ([0], 0), ([9], 9), ([7, 8, 9], 7),
+    ([3, 5], None), ([5, 4], None), ([3, 3], None), ([], None), ([8, 9, 10], None), ([-1, 0], None),
+    ([3, 4.0], None), ([True, 2], None), ((3, 4), None), (np.array([3, 4]), None), ([np.int64(3), 4], None),
+])
+def test_one_run_recognizes_only_lists_of_ints_running_up_inside_the_pool(page_ids, expected):
+    assert transfer_module._one_run(page_ids, 10) == expected
 
 
 def test_empty_started_backup_is_complete_at_once(make_setup):
@@ -1046,3 +1074,35 @@ def test_started_backups_are_cut_by_their_own_larger_minimum(monkeypatch, make_s
     pending.send_to(host_page_ids).wait()
     setup.check_integrity()
     assert same_bits(setup.host_pool.pages[host_page_ids], setup.l1_pool.kv[:, :, sources].permute(2, 0, 1, 3, 4, 5))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dma_path", ["runtime", "torch"])
+@pytest.mark.parametrize("layout", ["contiguous", "fragmented", "fragmented/dma_per_run"])
+def test_dmas_through_the_cuda_runtime_or_through_torch_move_the_same_bits(make_setup, dma_path, layout):
+    """On CUDA the engine queues its DMAs through the CUDA runtime by address; without one (a torch
+    linked statically against it) it queues them through torch. Either way started and plain
+    backups and restores are bit-exact, and the runtime is used exactly when there is one."""
+    setup = make_setup("bfloat16", "cuda", fragmented_copy="dma_per_run" if layout.endswith("dma_per_run") else "staging")
+    engine = setup.engine
+    assert engine._runtime is not None, "torch's CUDA runtime was not found in the process"
+    calls = []
+    if dma_path == "torch":
+        engine._runtime = None
+    else:
+        memcpy_async = engine._runtime.memcpy_async
+        engine._runtime.memcpy_async = lambda *args: (calls.append(args), memcpy_async(*args))
+    host_pages = HOST_PAGES[layout.split("/")[0]]
+    expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
+    engine.start_backup(L1_SOURCE_PAGES).send_to(host_pages).wait()
+    assert same_bits(setup.host_pool.pages[host_pages], expected)
+    engine.start_restore(L1_DESTINATION_PAGES).receive_from(host_pages).wait()
+    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), expected)
+    fill_random_(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES], torch.Generator().manual_seed(5))
+    engine.restore(host_pages, L1_DESTINATION_PAGES).wait()
+    engine.backup(L1_DESTINATION_PAGES, host_pages).wait()
+    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), expected)
+    assert same_bits(setup.host_pool.pages[host_pages], expected)
+    assert (len(calls) > 0) == (dma_path == "runtime")
+    setup.check_integrity()
