@@ -182,7 +182,8 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
     all_cpus = os.sched_getaffinity(0)
     try:
         client = connect(daemon.socket_path, timeout_s=30.0, client_name="bench-transfer",
-                         spin_s=args.client_spin_us / 1e6, cpu=args.engine_cpu)
+                         spin_s=args.client_spin_us / 1e6,
+                         cpu=args.engine_cpu if args.io_cpu is None else args.io_cpu)
         started = time.perf_counter()
         info = client.attach(GEOMETRY)
         attached = time.perf_counter()
@@ -388,7 +389,10 @@ def main() -> None:
     parser.add_argument("--daemon-spin-us", type=int, default=None,
                         help="the daemon's --spin-us (default: the daemon's default)")
     parser.add_argument("--engine-cpu", type=int, default=None,
-                        help="pin this (the engine's) thread and its client's ZeroMQ I/O thread to this CPU")
+                        help="pin this (the engine's) thread and, unless --io-cpu, its client's ZeroMQ I/O thread "
+                             "to this CPU")
+    parser.add_argument("--io-cpu", type=int, default=None,
+                        help="run the client's ZeroMQ I/O thread on this CPU instead (default: --engine-cpu)")
     parser.add_argument("--daemon-cpu", type=int, default=None, help="the daemon's --socket-cpu")
     parser.add_argument("--name", default="transfer", help="result file name (bench/results/<machine>/<name>.json)")
     parser.add_argument("--machine", default=None)
@@ -423,7 +427,8 @@ def main() -> None:
     path = write_result(args.name, {
         "target": TARGET, "mode": args.mode, "client_spin_us": args.client_spin_us,
         "daemon_spin_us": args.daemon_spin_us if args.daemon_spin_us is not None else DEFAULT_DAEMON_SPIN_US,
-        "engine_cpu": args.engine_cpu, "daemon_cpu": args.daemon_cpu, "target_met": target_met, "device": str(device),
+        "engine_cpu": args.engine_cpu, "io_cpu": args.io_cpu if args.io_cpu is not None else args.engine_cpu,
+        "daemon_cpu": args.daemon_cpu, "target_met": target_met, "device": str(device),
         "geometry": {"model_id": GEOMETRY.model_id, "num_layers": GEOMETRY.num_layers,
                      "num_kv_heads": GEOMETRY.num_kv_heads, "head_dim": GEOMETRY.head_dim,
                      "dtype": GEOMETRY.dtype, "page_size": GEOMETRY.page_size,
