@@ -1,11 +1,12 @@
 """Asynchronous copies straight through the CUDA runtime that torch has loaded.
 
 Why. A transfer's DMAs are queued while the device waits for them, so every microsecond of host
-time before the copy engine starts adds to the transfer. A torch `copy_` between two slices costs
-two views, a TensorIterator and a stream switch around it: 16-17 µs per 146 MB copy on the H200
-machine, against 4.8 µs for the cudaMemcpyAsync it ends in, called through ctypes with a stream
-handle (bench/results/h200/submit.json). The transfer engine knows the addresses already (its
-packed buffers, the pool's mapping), so it calls the runtime itself.
+time before the copy engine starts adds to the transfer. A torch `copy_` from a packed buffer into
+a slice of the pool costs the views and a TensorIterator: 32 µs median (86 µs p90) for 146 MB on
+the H200 machine, against 9 µs (12 µs p90) for the cudaMemcpyAsync it ends in, called through
+ctypes with a stream handle (same run, bench/results/h200/submit.json); queued on the engine's
+copy stream, torch also needs that stream made current around it (11 µs per switch there). The transfer engine knows the addresses already
+(its packed buffers, the pool's mapping), so it calls the runtime itself.
 
 Only the library torch already loaded is used (dlopen with RTLD_NOLOAD): the same runtime, the same
 contexts, no second CUDA runtime in the process. Where none is loaded (a torch linked statically
