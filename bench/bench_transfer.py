@@ -101,17 +101,18 @@ def mark(timeline: dict[str, torch.cuda.Event] | None, direction: str) -> None:
         timeline[direction].record(timeline["stream"])
 
 
-def lead_seconds(timeline: dict | None, direction: str, events) -> float | None:
-    """Seconds from the path's start (its marker) to the start of the transfer's device work: the
-    RPC and the host-side submission the device waited for (None off CUDA). Call after completion."""
+def device_span_seconds(timeline: dict | None, direction: str, events) -> tuple[float, float] | None:
+    """Seconds from the path's start (its marker) to the start and to the end of the transfer's
+    device work (None off CUDA): the first is the RPC and the host-side work the device waited for
+    (a staged restore's host-side copy included). Call after completion."""
     if timeline is None or events is None:
         return None
     events[1].synchronize()
-    return timeline[direction].elapsed_time(events[0]) / 1e3
+    return timeline[direction].elapsed_time(events[0]) / 1e3, timeline[direction].elapsed_time(events[1]) / 1e3
 
 
 def new_sample_lists() -> dict[str, list[float]]:
-    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_", "lead_", "prep_")
+    parts = ("", "match_", "submit_", "wait_", "end_", "raw_", "device_", "lead_", "devend_", "prep_")
     return {part + direction: [] for part in parts for direction in ("D2H", "H2D")}
 
 
@@ -247,7 +248,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             client.commit_backup(reply.lease_id, reply.backup_page_ids)
             ended = time.perf_counter()
             d2h = (ended - started, matched - started, submitted - matched, waited - submitted, ended - waited)
-            d2h_lead = lead_seconds(timeline, "D2H", events)
+            d2h_span = device_span_seconds(timeline, "D2H", events)
             assert len(reply.backup_page_ids) == num_pages, reply
             runs_seen.add(num_runs(reply.backup_page_ids))
 
@@ -271,7 +272,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             waited = time.perf_counter()
             client.release(reply.lease_id)
             ended = time.perf_counter()
-            h2d_lead = lead_seconds(timeline, "H2D", events)
+            h2d_span = device_span_seconds(timeline, "H2D", events)
             h2d = (ended - started, matched - started, submitted - matched, waited - submitted, ended - waited)
             assert reply.hit_tokens["l2"] == num_pages * page_size, reply.hit_tokens
 
@@ -285,9 +286,10 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                         sink[name + direction].append(seconds)
                 sink["device_D2H"].append(backup.seconds)
                 sink["device_H2D"].append(restore.seconds)
-                if d2h_lead is not None:
-                    sink["lead_D2H"].append(d2h_lead)
-                    sink["lead_H2D"].append(h2d_lead)
+                if d2h_span is not None and h2d_span is not None:
+                    for direction, (lead, device_end) in (("D2H", d2h_span), ("H2D", h2d_span)):
+                        sink[f"lead_{direction}"].append(lead)
+                        sink[f"devend_{direction}"].append(device_end)
                 if d2h_prep is not None:
                     sink["prep_D2H"].append(d2h_prep)
                     sink["prep_H2D"].append(h2d_prep)
@@ -356,8 +358,8 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             # the device waited for), and what is left after the device work (completion + end).
             **({"lead_ms": statistics.median(samples[f"lead_{direction}"]) * 1e3,
                 "tail_ms": statistics.median(
-                    [total - lead - device for total, lead, device in zip(
-                        samples[direction], samples[f"lead_{direction}"], samples[f"device_{direction}"])]) * 1e3}
+                    [total - device_end for total, device_end in zip(
+                        samples[direction], samples[f"devend_{direction}"])]) * 1e3}
                if samples[f"lead_{direction}"] else {}),
         })
     return {"rows": rows, "attach": attach, "backends": backends, "bit_exact": bit_exact,
