@@ -120,6 +120,7 @@ class _Channel:
         self.awaited: dict[int, codec.Frame | None] = {}
         self.closed = False
         self.on_orphan_lease: Callable[[int], None] | None = None
+        self.yield_after_send = False      # set when ZeroMQ's I/O thread is pinned (connect's cpu)
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
         request_id = next(self._request_ids)
@@ -144,11 +145,11 @@ class _Channel:
         (while other requests are waited for) are kept for it."""
         request_id = self.send(kind, body)
         self.awaited[request_id] = None
-        # ZeroMQ's I/O thread writes the request to the socket. Sharing this thread's CPU (connect's
-        # cpu), it would wait for whatever the engine does next (say, the gather that a pipelined
-        # backup overlaps with this round trip) unless it gets the CPU now; elsewhere this costs
-        # one system call.
-        os.sched_yield()
+        if self.yield_after_send:
+            # ZeroMQ's I/O thread writes the request to the socket. Sharing the engine thread's CPU
+            # (connect's cpu), it would wait for whatever the engine does next (say, the gather
+            # that a pipelined backup overlaps with this round trip) unless it gets the CPU now.
+            os.sched_yield()
         return request_id
 
     def wait_for(self, request_id: int, kind: MsgKind, timeout_s: float | None = None) -> dict[str, Any]:
@@ -314,6 +315,7 @@ class KVCacheClient:
         if cpu is not None:
             self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._channel = _Channel(self._context, self.socket_path, timeout_s, spin_s)
+        self._channel.yield_after_send = cpu is not None
         self._channel.on_orphan_lease = self._release_orphan
         self.info: AttachInfo | None = None
         self.geometry: KVGeometry | None = None

@@ -12,8 +12,9 @@ Only the library torch already loaded is used (dlopen with RTLD_NOLOAD): the sam
 contexts, no second CUDA runtime in the process. Where none is loaded (a torch linked statically
 against the runtime, or no CUDA), `load()` returns None and callers keep to torch's copies.
 
-An error is raised here and then cleared from the runtime's last-error slot, so that it is not
-reported a second time by whichever torch call checks that slot next.
+An error is raised here as a RuntimeError (torch's own copies raise its AcceleratorError, a
+RuntimeError too) and then cleared from the runtime's last-error slot, so that it is not reported
+a second time by whichever torch call checks that slot next.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ class CudaRuntime:
 _KIND_NAMES = {HOST_TO_DEVICE: "host to device", DEVICE_TO_HOST: "device to host"}
 
 
-def loaded_library_path() -> str | None:
-    """The path of the CUDA runtime library mapped into this process, if any."""
+def loaded_library_path(major_version: str | None = None) -> str | None:
+    """The path of the CUDA runtime library mapped into this process (of that major version, when
+    given), if any."""
+    prefix = "libcudart.so" if major_version is None else f"libcudart.so.{major_version}"
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(None, 5)
-                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart.so"):
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefix):
                     return fields[5].strip()
     except OSError:
         return None
@@ -76,14 +79,23 @@ def loaded_library_path() -> str | None:
 
 
 def load() -> CudaRuntime | None:
-    """The CUDA runtime torch loaded (call once CUDA is initialized), or None if there is none to use."""
-    path = loaded_library_path()
-    if path is None:
-        logger.info("no shared CUDA runtime library is loaded: DMAs are queued through torch")
+    """The CUDA runtime torch loaded (call once CUDA is initialized), or None if there is none to use.
+
+    By soname first (``libcudart.so.<torch's CUDA major>``), which names the copy torch linked even
+    when another package maps a runtime of its own; else by the mapped file of that major version.
+    """
+    import torch
+
+    if torch.version.cuda is None:
         return None
-    try:
-        library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-        return CudaRuntime(library, path)
-    except (OSError, AttributeError) as exc:
-        logger.warning("cannot use the CUDA runtime at %s (%s): DMAs are queued through torch", path, exc)
-        return None
+    major = torch.version.cuda.split(".")[0]
+    flags = os.RTLD_NOLOAD | os.RTLD_NOW
+    for name in (f"libcudart.so.{major}", loaded_library_path(major)):
+        if name is None:
+            continue
+        try:
+            return CudaRuntime(ctypes.CDLL(name, mode=flags), loaded_library_path(major) or name)
+        except (OSError, AttributeError):
+            continue
+    logger.info("no shared CUDA runtime %s library is loaded: DMAs are queued through torch", major)
+    return None

@@ -22,24 +22,28 @@ def test_without_a_cuda_runtime_in_the_process_there_is_nothing_to_load():
 @needs_cuda
 @pytest.mark.parametrize("kind", ["D2H", "H2D"])
 def test_memcpy_async_copies_bit_exact_on_the_given_stream(kind):
+    """The copy is queued on the stream it names: behind that stream's work (nothing lands while
+    the stream is still busy), then bit for bit."""
     runtime = cuda_runtime.load()
     assert runtime is not None and "libcudart" in runtime.path
     generator = torch.Generator().manual_seed(1)
     host = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator).pin_memory()
     device_bytes = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator).cuda()
-    expected = (host if kind == "H2D" else device_bytes.cpu())[1000:1000 + (2 << 20)].clone()
+    source, destination = (host, device_bytes) if kind == "H2D" else (device_bytes, host)
+    before = destination[5:5 + (2 << 20)].cpu().clone()
+    expected = source[1000:1000 + (2 << 20)].cpu().clone()
+    assert not torch.equal(before, expected)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    if kind == "H2D":
-        runtime.memcpy_async(device_bytes.data_ptr() + 5, host.data_ptr() + 1000, 2 << 20,
-                             cuda_runtime.HOST_TO_DEVICE, stream.cuda_stream)
-        stream.synchronize()
-        assert torch.equal(device_bytes[5:5 + (2 << 20)].cpu(), expected)
-    else:
-        runtime.memcpy_async(host.data_ptr() + 5, device_bytes.data_ptr() + 1000, 2 << 20,
-                             cuda_runtime.DEVICE_TO_HOST, stream.cuda_stream)
-        stream.synchronize()
-        assert torch.equal(host[5:5 + (2 << 20)], expected)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)      # keeps the stream busy for a while
+    runtime.memcpy_async(destination.data_ptr() + 5, source.data_ptr() + 1000, 2 << 20,
+                         cuda_runtime.HOST_TO_DEVICE if kind == "H2D" else cuda_runtime.DEVICE_TO_HOST,
+                         stream.cuda_stream)
+    # Read on another stream (the default one), which does not wait for `stream`.
+    assert torch.equal(destination[5:5 + (2 << 20)].cpu(), before), "the copy did not wait for its stream"
+    stream.synchronize()
+    assert torch.equal(destination[5:5 + (2 << 20)].cpu(), expected)
 
 
 @pytest.mark.gpu

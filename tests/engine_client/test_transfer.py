@@ -1080,29 +1080,48 @@ def test_started_backups_are_cut_by_their_own_larger_minimum(monkeypatch, make_s
 @needs_cuda
 @pytest.mark.parametrize("dma_path", ["runtime", "torch"])
 @pytest.mark.parametrize("layout", ["contiguous", "fragmented", "fragmented/dma_per_run"])
-def test_dmas_through_the_cuda_runtime_or_through_torch_move_the_same_bits(make_setup, dma_path, layout):
+def test_dmas_through_the_cuda_runtime_or_through_torch_move_the_same_bits(monkeypatch, make_setup, dma_path,
+                                                                         layout):
     """On CUDA the engine queues its DMAs through the CUDA runtime by address; without one (a torch
     linked statically against it) it queues them through torch. Either way started and plain
-    backups and restores are bit-exact, and the runtime is used exactly when there is one."""
+    backups and restores are bit-exact, and each of them goes the one way it should."""
     setup = make_setup("bfloat16", "cuda", fragmented_copy="dma_per_run" if layout.endswith("dma_per_run") else "staging")
     engine = setup.engine
     assert engine._runtime is not None, "torch's CUDA runtime was not found in the process"
-    calls = []
+    runtime_calls, torch_calls = [], []
     if dma_path == "torch":
         engine._runtime = None
     else:
         memcpy_async = engine._runtime.memcpy_async
-        engine._runtime.memcpy_async = lambda *args: (calls.append(args), memcpy_async(*args))
+        engine._runtime.memcpy_async = lambda *args: (runtime_calls.append(args), memcpy_async(*args))
+    dma_segments = transfer_module._dma_segments
+    monkeypatch.setattr(transfer_module, "_dma_segments",
+                        lambda *args: (torch_calls.append(args), dma_segments(*args)))
+    generator = torch.Generator().manual_seed(5)
     host_pages = HOST_PAGES[layout.split("/")[0]]
     expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
-    engine.start_backup(L1_SOURCE_PAGES).send_to(host_pages).wait()
-    assert same_bits(setup.host_pool.pages[host_pages], expected)
-    engine.start_restore(L1_DESTINATION_PAGES).receive_from(host_pages).wait()
-    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), expected)
-    fill_random_(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES], torch.Generator().manual_seed(5))
-    engine.restore(host_pages, L1_DESTINATION_PAGES).wait()
-    engine.backup(L1_DESTINATION_PAGES, host_pages).wait()
-    assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), expected)
-    assert same_bits(setup.host_pool.pages[host_pages], expected)
-    assert (len(calls) > 0) == (dma_path == "runtime")
+
+    def scramble(tensor, dim, page_ids, generator):
+        noise = torch.empty_like(tensor.index_select(dim, torch.tensor(page_ids, device=tensor.device)))
+        fill_random_(noise, generator)
+        tensor.index_copy_(dim, torch.tensor(page_ids, device=tensor.device), noise)
+
+    def check(run, written, name):
+        runtime_calls.clear()
+        torch_calls.clear()
+        run().wait()
+        assert same_bits(written(), expected), name
+        took = (len(runtime_calls) > 0, len(torch_calls) > 0)
+        assert took == ((True, False) if dma_path == "runtime" else (False, True)), (name, took)
+
+    check(lambda: engine.start_backup(L1_SOURCE_PAGES).send_to(host_pages),
+          lambda: setup.host_pool.pages[host_pages], "started backup")
+    check(lambda: engine.start_restore(L1_DESTINATION_PAGES).receive_from(host_pages),
+          lambda: setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), "started restore")
+    scramble(setup.l1_pool.kv, 2, L1_DESTINATION_PAGES, generator)     # the restore must write them again
+    check(lambda: engine.restore(host_pages, L1_DESTINATION_PAGES),
+          lambda: setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), "restore")
+    scramble(setup.host_pool.pages, 0, host_pages, generator)           # the backup must write them again
+    check(lambda: engine.backup(L1_DESTINATION_PAGES, host_pages),
+          lambda: setup.host_pool.pages[host_pages], "backup")
     setup.check_integrity()

@@ -77,3 +77,26 @@ def test_unusable_cpus_are_refused(daemon):
     with pytest.raises(RuntimeError, match="not among the CPUs"):
         failed.start()
     failed.cleanup()
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_client_pinned_to_a_cpu_yields_it_right_after_sending_an_awaited_request(monkeypatch, pinned):
+    """With connect(cpu=...) the engine thread shares its CPU with ZeroMQ's I/O thread, which must
+    run for a request to leave: sending a request whose reply is awaited yields the CPU once. An
+    unpinned client does not yield there (its I/O thread runs elsewhere)."""
+    from engine_client import client as client_module
+
+    daemon = DaemonProcess().start()
+    try:
+        with connect(daemon.socket_path, timeout_s=5.0, cpu=a_cpu() if pinned else None) as client:
+            client.attach(GEOMETRY)
+            yields = []
+            monkeypatch.setattr(client_module.os, "sched_yield", lambda: yields.append(1))
+            tokens = np.random.default_rng().integers(1, 2**31 - 1, size=32, dtype=np.int32)
+            pending = client.match_async(tokens)
+            sent_yields = len(yields)
+            monkeypatch.undo()
+            assert pending.result().lease_id is None        # a miss: nothing to release
+        assert sent_yields == (1 if pinned else 0)
+    finally:
+        daemon.cleanup()
