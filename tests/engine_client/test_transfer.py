@@ -1093,10 +1093,11 @@ def test_dmas_through_the_cuda_runtime_or_through_torch_move_the_same_bits(monke
         engine._runtime = None
     else:
         memcpy_async = engine._runtime.memcpy_async
-        engine._runtime.memcpy_async = lambda *args: (runtime_calls.append(args), memcpy_async(*args))
+        engine._runtime.memcpy_async = lambda *args: (runtime_calls.append(args[2]), memcpy_async(*args))
     dma_segments = transfer_module._dma_segments
+    # Counted, not kept: the arguments are views of the pool, which must close at the end.
     monkeypatch.setattr(transfer_module, "_dma_segments",
-                        lambda *args: (torch_calls.append(args), dma_segments(*args)))
+                        lambda *args: (torch_calls.append(len(args[2])), dma_segments(*args)))
     generator = torch.Generator().manual_seed(5)
     host_pages = HOST_PAGES[layout.split("/")[0]]
     expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
