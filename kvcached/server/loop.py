@@ -272,12 +272,15 @@ class Server:
                 metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
         except (OSError, ValueError) as exc:
             logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
-        finally:
+        except BaseException:
+            # Cancelled (the daemon is stopping) or our bug: the move still ends, so its pages are
+            # not leaked, and the exception goes on (a cancellation must reach the caller).
             with self.state_lock:
                 self.state.finish_move(move, ok)
-                if then is not None:
-                    return then(ok)
-        return ok
+            raise
+        with self.state_lock:
+            self.state.finish_move(move, ok)
+            return then(ok) if then is not None else ok
 
     def _send(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
         """Send from the socket thread."""

@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from engine_client.client import DaemonUnavailable, connect
+from engine_client.client import DaemonError, DaemonUnavailable, connect
 from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
+from proto.errors import ErrorCode
 from tests.integration.daemon_proc import DaemonProcess
 from tests.integration.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
@@ -142,6 +143,9 @@ def test_l3_file_truncated_underneath_falls_back_to_recompute():
         daemon.cleanup()
 
 
+RUNNING_SERVERS: list = []     # (event loop, Server) of the in-process daemon running now
+
+
 @contextlib.contextmanager
 def inprocess_daemon_with(**overrides):
     """The daemon's real loop and socket in a thread of this process, so faults can be injected into its I/O."""
@@ -149,7 +153,7 @@ def inprocess_daemon_with(**overrides):
     config = DaemonConfig(**{"socket_path": os.path.join(socket_dir, "kvcached.sock"), "l2_bytes": 2 << 20,
                              "l3_bytes": 64 << 20, "max_namespaces": 1, **overrides})
     ready = threading.Event()
-    servers = []
+    servers = RUNNING_SERVERS
 
     def on_ready(server):
         servers.append((asyncio.get_running_loop(), server))
@@ -161,8 +165,9 @@ def inprocess_daemon_with(**overrides):
     try:
         yield config
     finally:
-        loop, server = servers[0]
-        loop.call_soon_threadsafe(server.stop_event.set)
+        loop, server = servers.pop()
+        if thread.is_alive():             # a test may have stopped it already
+            loop.call_soon_threadsafe(server.stop_event.set)
         thread.join(20)
         assert not thread.is_alive()
         os.rmdir(socket_dir)
@@ -271,6 +276,28 @@ def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess
         status = client.status(check_integrity=True)
         assert status["integrity"] == "ok" and status["leases"] == 0
         assert status["metrics"]["promotions"] == 1
+
+
+def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_nothing(monkeypatch):
+    """Stopping the daemon while a match waits for its L3 read: the match is answered with
+    SHUTTING_DOWN (not with a reply as if the read had failed), and its pages go back first."""
+    with inprocess_daemon_with() as config:
+        with connect(config.socket_path, timeout_s=2.0) as client:     # its detach finds no daemon
+            client.attach(GEOMETRY)
+            tokens = evicted_prefix(client, np.random.default_rng())
+            slow_down_reads(monkeypatch, 0.5)
+            pending = client.match_async(tokens)
+            client.status()                      # handled after the match: its read has started
+            loop, server = RUNNING_SERVERS[-1]
+            state = server.state
+            loop.call_soon_threadsafe(server.stop_event.set)
+            with pytest.raises(DaemonError) as raised:
+                pending.result()
+            assert raised.value.code == ErrorCode.SHUTTING_DOWN
+        state.check_integrity()
+        assert not state.moves, "the cut-short move was never finished"
+        l2 = state.status()["namespaces"][0]["tiers"]["l2"]
+        assert l2["private_pages"] == 0 and l2["free_pages"] + l2["owned_pages"] == l2["capacity_pages"], l2
 
 
 def test_write_through_backlog_is_bounded():
