@@ -5,8 +5,9 @@ time before the copy engine starts adds to the transfer. A torch `copy_` from a 
 a slice of the pool costs the views and a TensorIterator: 32 µs median (86 µs p90) for 146 MB on
 the H200 machine, against 9 µs (12 µs p90) for the cudaMemcpyAsync it ends in, called through
 ctypes with a stream handle (same run, bench/results/h200/submit.json); queued on the engine's
-copy stream, torch also needs that stream made current around it (11 µs per switch there). The transfer engine knows the addresses already
-(its packed buffers, the pool's mapping), so it calls the runtime itself.
+copy stream, torch also needs that stream made current around it (11 µs per switch there). The
+transfer engine knows the addresses already (its packed buffers, the pool's mapping), so it calls
+the runtime itself.
 
 Only the library torch already loaded is used (dlopen with RTLD_NOLOAD): the same runtime, the same
 contexts, no second CUDA runtime in the process. Where none is loaded (a torch linked statically
@@ -89,12 +90,12 @@ def load() -> CudaRuntime | None:
     if torch.version.cuda is None:
         return None
     major = torch.version.cuda.split(".")[0]
-    flags = os.RTLD_NOLOAD | os.RTLD_NOW
-    for name in (f"libcudart.so.{major}", loaded_library_path(major)):
+    path = loaded_library_path(major)
+    for name in (f"libcudart.so.{major}", path):
         if name is None:
             continue
         try:
-            return CudaRuntime(ctypes.CDLL(name, mode=flags), loaded_library_path(major) or name)
+            return CudaRuntime(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NOW), path or name)
         except (OSError, AttributeError):
             continue
     logger.info("no shared CUDA runtime %s library is loaded: DMAs are queued through torch", major)

@@ -345,10 +345,10 @@ class _PendingTransfer:
 
     def _checked_host_runs(self, host_page_ids: Sequence[int], first: int,
                            distinct: bool) -> tuple[int, list[tuple[int, int, int]]]:
-        """(how many host pages, their runs as (position, first host page, pages)), checked: in range,
-        fitting the prepared pages from ``first``, and with ``distinct`` listed once each. A daemon's
-        reply for a contiguous reservation (a list of ints running up one by one) is recognized
-        without building an array."""
+        """(how many host pages, their runs as (position among the prepared pages, first host page,
+        pages)), checked: in range, fitting the prepared pages from ``first``, and with ``distinct``
+        listed once each. A daemon's reply for a contiguous reservation (a list of ints running up
+        one by one) is recognized without building an array."""
         if self._ended:
             raise RuntimeError(self._ended_message)
         if self._transfer._seconds is not None and self.num_pages:
@@ -369,6 +369,8 @@ class _PendingTransfer:
         if type(first) is not int or not 0 <= first <= self.num_pages - count:
             raise ValueError(f"first={first!r} with {count} host pages does not fit the "
                              f"{self.num_pages} {self._prepared_word} pages")
+        if first:
+            host_runs = [(position + first, start, length) for position, start, length in host_runs]
         return count, host_runs
 
     def _end(self, count: int, host_runs: list[tuple[int, int, int]], first: int,
@@ -577,8 +579,6 @@ class TransferEngine:
         first, first + 1, ..."""
         transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
-        if first:
-            host_runs = [(position + first, start, length) for position, start, length in host_runs]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         slices = [(first + offset, count) for offset, count in self._slices(num_pages)]
         with self._completed_on_error(transfer):
@@ -750,12 +750,10 @@ class TransferEngine:
 
     def _send_backup(self, pending: PendingBackup, num_pages: int, host_runs: list[tuple[int, int, int]],
                      first: int) -> None:
-        """The second half of a started backup: its DMAs, from the gathered slices (from page
-        ``first`` on) to the host pages (runs)."""
+        """The second half of a started backup: its DMAs, from the gathered slices to the host pages
+        (runs, positioned among the gathered pages: from page ``first`` on)."""
         transfer = pending._transfer
         workspace = self._transfer_to_workspace[transfer]
-        if first:
-            host_runs = [(position + first, start, length) for position, start, length in host_runs]
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         with self._completed_on_error(transfer):
             if staged:
