@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SPIN_S = 200e-6       # busy-wait this long for a reply before blocking
 MAX_PENDING_ASYNC = 100_000
+# Requests whose reply may carry a lease: a reply nobody waits for any more must end it.
+LEASE_KINDS = (MsgKind.MATCH, MsgKind.RESERVE_PAGES)
 
 
 class DaemonUnavailable(Exception):
@@ -72,6 +74,16 @@ class MatchReply(NamedTuple):
     backup_start_token: int
     backup_page_ids: list[int]
     promoted_tokens: int = 0
+    host_page_epochs: list[int] = []      # allocation epochs of host_page_ids (see reserve_pages)
+    backup_page_epochs: list[int] = []
+
+
+class Reservation(NamedTuple):
+    """Private L2 pages held by a standing lease (``KVCacheClient.reserve_pages``)."""
+
+    lease_id: int | None           # None: the daemon had no page to give
+    page_ids: list[int]
+    page_epochs: list[int]         # each page's allocation epoch, to recognise it later (L2Hints)
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -185,7 +197,7 @@ class _Channel:
         if frame is None:
             if len(self.abandoned) < MAX_PENDING_ASYNC:
                 self.abandoned[request_id] = (kind, time.monotonic())
-        elif kind == MsgKind.MATCH:
+        elif kind in LEASE_KINDS:
             self._orphan_lease_of(frame)
 
     def _receive(self, deadline: float) -> codec.Frame | None:
@@ -223,7 +235,7 @@ class _Channel:
     def _absorb(self, frame: codec.Frame) -> None:
         if frame.request_id in self.awaited:
             self.awaited[frame.request_id] = frame
-        elif self.abandoned.pop(frame.request_id, (None, 0.0))[0] == MsgKind.MATCH:
+        elif self.abandoned.pop(frame.request_id, (None, 0.0))[0] in LEASE_KINDS:
             self._orphan_lease_of(frame)
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
@@ -238,13 +250,13 @@ class _Channel:
             del self.pending_async[request_id]
 
     def abandoned_matches(self) -> int:
-        """Given-up matches whose replies (and leases) may still come. One given up longer ago than
+        """Given-up matches and reservations whose replies (and leases) may still come. One given up longer ago than
         the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
         reclaims whatever it held."""
         horizon = time.monotonic() - self.timeout_s
         for request_id in [r for r, (_, given_up) in self.abandoned.items() if given_up < horizon]:
             del self.abandoned[request_id]
-        return sum(1 for kind, _ in self.abandoned.values() if kind == MsgKind.MATCH)
+        return sum(1 for kind, _ in self.abandoned.values() if kind in LEASE_KINDS)
 
     def absorb_until(self, done: Callable[[], bool], deadline: float) -> None:
         """Take in replies as they come until done() or the deadline."""
@@ -268,26 +280,38 @@ class _Channel:
 class PendingMatch:
     """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
 
+    kind = MsgKind.MATCH
+    reply_type: type = MatchReply
+
     def __init__(self, channel: _Channel, request_id: int):
         self._channel = channel
         self._request_id = request_id
         self._ended = False
 
-    def result(self, timeout_s: float | None = None) -> MatchReply:
-        """Wait for the reply (at most timeout_s, default the client's). On a timeout the match is
-        given up like ``cancel()`` and DaemonUnavailable is raised."""
+    def ready(self) -> bool:
+        """Whether the reply has come (takes in what the socket holds; never waits)."""
         if self._ended:
-            raise RuntimeError("this match has already ended (result() or cancel() was called)")
+            raise RuntimeError("this request has already ended (result() or cancel() was called)")
+        if self._channel.awaited.get(self._request_id) is None and not self._channel.closed:
+            self._channel.drain()
+        return self._channel.awaited.get(self._request_id) is not None
+
+    def result(self, timeout_s: float | None = None):
+        """Wait for the reply (at most timeout_s, default the client's). On a timeout the request
+        is given up like ``cancel()`` and DaemonUnavailable is raised."""
+        if self._ended:
+            raise RuntimeError("this request has already ended (result() or cancel() was called)")
         self._ended = True
-        body = self._channel.wait_for(self._request_id, MsgKind.MATCH, timeout_s)
-        return MatchReply(**{f: body[f] for f in MatchReply._fields if f in body})
+        body = self._channel.wait_for(self._request_id, self.kind, timeout_s)
+        fields = self.reply_type._fields
+        return self.reply_type(**{f: body[f] for f in fields if f in body})
 
     def cancel(self) -> None:
-        """Give the match up: the lease of its reply, whenever that comes, is released."""
+        """Give the request up: the lease of its reply, whenever that comes, is released."""
         if not self._ended:
             self._ended = True
             if not self._channel.closed:
-                self._channel.abandon(self._request_id, MsgKind.MATCH)
+                self._channel.abandon(self._request_id, self.kind)
 
     def __del__(self) -> None:
         # Dropped without result() or cancel() (say, an exception in between): give it up, so that
@@ -296,6 +320,13 @@ class PendingMatch:
             self.cancel()
         except Exception:
             pass
+
+
+class PendingReservation(PendingMatch):
+    """A reservation sent by ``KVCacheClient.reserve_pages_async``; ``result()`` is a Reservation."""
+
+    kind = MsgKind.RESERVE_PAGES
+    reply_type = Reservation
 
 
 class KVCacheClient:
@@ -413,6 +444,29 @@ class KVCacheClient:
         self._channel.send_async(MsgKind.BACKUP_COMMIT, {
             "session_id": self._session(), "lease_id": lease_id,
             "host_page_ids": [int(p) for p in host_page_ids]})
+
+    def reserve_pages(self, num_pages: int) -> Reservation:
+        """A standing lease on up to num_pages private L2 pages (fewer, or none, when the daemon
+        cannot free that many), into which backups are written before their prefix is known to
+        the daemon: a backup then needs no round trip before its DMA (``commit_pages``). The pages
+        stay this session's until committed, released with the lease, or reclaimed."""
+        return self.reserve_pages_async(num_pages).result()
+
+    def reserve_pages_async(self, num_pages: int) -> PendingReservation:
+        if type(num_pages) is not int or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        request_id = self._channel.begin(MsgKind.RESERVE_PAGES, {"session_id": self._session(),
+                                                                 "num_pages": num_pages})
+        return PendingReservation(self._channel, request_id)
+
+    def commit_pages(self, lease_id: int, token_ids: Sequence[int] | np.ndarray, start_page: int,
+                     host_page_ids: Sequence[int]) -> None:
+        """Publish pages of a standing lease, written (and waited for) with pages [start_page,
+        start_page + n) of the prefix token_ids; without waiting. The pages leave the lease: the
+        daemon keeps those it lacks and frees the rest; a lease left with no pages ends."""
+        self._channel.send_async(MsgKind.COMMIT_PAGES, {
+            "session_id": self._session(), "lease_id": lease_id, "token_ids": token_bytes(token_ids),
+            "start_page": start_page, "host_page_ids": [int(p) for p in host_page_ids]})
 
     def report(self, report: dict[str, Any]) -> None:
         """Tell the daemon facts about this engine (e.g. transfer backends); shown in its status."""

@@ -31,6 +31,8 @@ class MsgKind(enum.IntEnum):
     BACKUP_COMMIT = 7
     STATUS = 8
     ENGINE_REPORT = 9      # engine facts for status: transfer backends and their timings
+    RESERVE_PAGES = 10     # a standing lease on private L2 pages, for backups written before their commit
+    COMMIT_PAGES = 11      # publish pages of a standing lease as pages of a prefix
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65

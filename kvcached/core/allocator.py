@@ -7,6 +7,11 @@ covers a run of L3 slots. So free space is kept as maximal runs of consecutive i
   - `_runs_by_length`: sorted (length, start) pairs, to find the best-fitting run by bisection.
 Every operation costs O(log runs) searches plus list inserts/pops (memmove of at most a few
 thousand pointers), never O(num_pages).
+
+Each page also has an epoch, bumped every time the page is allocated. A reader that learned a
+page's id and epoch once (an engine that backed the page up itself) can later prove, by seeing
+the same epoch again, that the page was not handed to anyone else in between, so its bytes are
+still the ones it knew.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import bisect
 import logging
 import operator
 from typing import Iterable
+
+import numpy as np
 
 from kvcached.core.tiers import IntegrityError
 
@@ -31,6 +38,7 @@ class PageAllocator:
         self._run_starts: list[int] = []
         self._start_to_length: dict[int, int] = {}
         self._runs_by_length: list[tuple[int, int]] = []
+        self._epochs = np.zeros(num_pages, dtype=np.int64)
         if num_pages:
             self._add_run(0, num_pages)
 
@@ -55,6 +63,12 @@ class PageAllocator:
         for start, length in self._start_to_length.items():
             free.update(range(start, start + length))
         return free
+
+    def epochs_of(self, page_ids: list[int]) -> list[int]:
+        """Each page's epoch: how many times it has been allocated."""
+        if not page_ids:
+            return []
+        return self._epochs[page_ids].tolist()
 
     # ---- allocate / free -----------------------------------------------------------------
 
@@ -81,12 +95,14 @@ class PageAllocator:
                 if length > remaining:
                     self._add_run(start + remaining, length - remaining)
                 page_ids.extend(range(start, start + remaining))
+                self._epochs[start:start + remaining] += 1
                 break
             longest = self._runs_by_length[-1][0]
             index = bisect.bisect_left(self._runs_by_length, (longest, -1))
             length, start = self._runs_by_length[index]
             self._remove_run(start)
             page_ids.extend(range(start, start + length))
+            self._epochs[start:start + length] += 1
             remaining -= length
         return page_ids
 

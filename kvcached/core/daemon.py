@@ -78,11 +78,25 @@ class MatchReply(NamedTuple):
     backup_start_token: int
     backup_page_ids: list[int]      # private L2 pages to back up pages from backup_start_token on
     promoted_tokens: int = 0        # of the L2 hit, tokens just promoted from L3 for this match
+    host_page_epochs: list[int] = []      # each host page's allocation epoch (see PageAllocator)
+    backup_page_epochs: list[int] = []
 
     def to_wire(self) -> dict[str, Any]:
         return {"hit_tokens": self.hit_tokens, "lease_id": self.lease_id, "host_page_ids": self.host_page_ids,
                 "backup_start_token": self.backup_start_token, "backup_page_ids": self.backup_page_ids,
-                "promoted_tokens": self.promoted_tokens}
+                "promoted_tokens": self.promoted_tokens, "host_page_epochs": self.host_page_epochs,
+                "backup_page_epochs": self.backup_page_epochs}
+
+
+class Reservation(NamedTuple):
+    """A standing lease's pages: a backup may be written into them before its prefix is known."""
+
+    lease_id: int | None            # None: no page could be reserved
+    page_ids: list[int]
+    page_epochs: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return self._asdict()
 
 
 class CommitReply(NamedTuple):
@@ -284,8 +298,10 @@ class DaemonState:
         if reserve_backup and num_pages > hit_pages:
             backup_page_ids = self._reserve_l2(namespace, num_pages - hit_pages)
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
+        allocator = namespace.l2_allocator
+        host_page_epochs = allocator.epochs_of(host_page_ids)
         if locked_node is None and not backup_page_ids:
-            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens)
+            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, host_page_epochs)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -298,7 +314,24 @@ class DaemonState:
         )
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
-        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens)
+        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
+                          host_page_epochs, allocator.epochs_of(backup_page_ids))
+
+    def reserve_pages(self, session_id: int, num_pages: int) -> Reservation:
+        """A standing lease on up to num_pages private L2 pages (evicting if needed; possibly none),
+        for backups that the engine writes before it tells which prefix they hold (commit_pages)."""
+        session = self.session(session_id)
+        namespace = self.namespaces[session.namespace_id]
+        page_ids = self._reserve_l2(namespace, num_pages)
+        self.metrics.add("pages_reserved_ahead", len(page_ids))
+        if not page_ids:
+            return Reservation(None, [], [])
+        lease = Lease(lease_id=next(self._lease_ids), session_id=session_id, namespace_id=namespace.namespace_id,
+                      token_ids=np.empty(0, dtype="<i4"), locked_node=None, hit_pages=0,
+                      private_page_ids=page_ids, standing=True)
+        self.leases[lease.lease_id] = lease
+        session.lease_ids.add(lease.lease_id)
+        return Reservation(lease.lease_id, page_ids, namespace.l2_allocator.epochs_of(page_ids))
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)
@@ -343,6 +376,9 @@ class DaemonState:
 
         Also returns the write-through of the committed path to L3, when there is one to run."""
         _, lease = self._lease_of(session_id, lease_id)
+        if lease.standing:
+            raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} holds pages reserved ahead: "
+                                "commit them with the prefix they hold (COMMIT_PAGES)")
         namespace = self.namespaces[lease.namespace_id]
         for page_id in host_page_ids:
             if not 0 <= page_id < namespace.num_pages:
@@ -368,6 +404,54 @@ class DaemonState:
         self.metrics.add("backup_pages_committed", new_pages)
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
+        return CommitReply(new_pages, duplicates), write_through
+
+    def commit_pages(self, session_id: int, lease_id: int, token_bytes: bytes, start_page: int,
+                     host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
+        """Publish pages of a standing lease as pages [start_page, start_page + n) of a prefix.
+
+        The pages named leave the lease whatever happens: the tree keeps those it lacked, the
+        rest (pages it holds already, or all of them when the prefix's first start_page pages
+        are no longer in L2) go back to the allocator. A lease left with no pages ends.
+        Also returns the write-through of the committed path to L3, when there is one to run."""
+        _, lease = self._lease_of(session_id, lease_id)
+        if not lease.standing:
+            raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} comes from a match: commit its "
+                                "reserved pages with BACKUP_COMMIT")
+        namespace = self.namespaces[lease.namespace_id]
+        page_size = namespace.geometry.page_size
+        if len(set(host_page_ids)) != len(host_page_ids):
+            raise ProtocolError(ErrorCode.BAD_PAGES, "a page id is named twice")
+        private = set(lease.private_page_ids)
+        foreign = [p for p in host_page_ids if p not in private]
+        if foreign:
+            raise ProtocolError(ErrorCode.NOT_LEASED, f"pages {foreign[:8]} are not held by lease {lease_id}")
+        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        num_tokens = (start_page + len(host_page_ids)) * page_size
+        if len(token_ids) < num_tokens:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(token_ids)} tokens do not cover pages "
+                                f"[{start_page}, {start_page + len(host_page_ids)}) of {page_size} tokens")
+        token_ids = token_ids[:num_tokens]
+        tree = namespace.tree
+        new_pages, duplicates, kept = 0, 0, set()
+        resident = tree.match(token_ids[:start_page * page_size]).hit_tokens[Tier.L2] // page_size if start_page else 0
+        if resident < start_page:
+            self.metrics.add("backup_commits_prefix_gone")
+        elif host_page_ids:
+            inserted = tree.insert(token_ids, Tier.L2, host_page_ids, start_page=start_page)
+            kept = set(host_page_ids) - set(inserted.duplicate_page_ids)
+            new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
+        returned = [p for p in host_page_ids if p not in kept]
+        if returned:
+            namespace.l2_allocator.free(returned)
+        named = set(host_page_ids)
+        lease.private_page_ids = [p for p in lease.private_page_ids if p not in named]
+        if not lease.private_page_ids:
+            self._end_lease(lease, LeaseState.COMMITTED)
+        self.metrics.add("backup_commits")
+        self.metrics.add("backup_pages_committed", new_pages)
+        self.metrics.add("backup_pages_duplicate", duplicates)
+        write_through = self.plan_write_through(namespace, token_ids) if new_pages else None
         return CommitReply(new_pages, duplicates), write_through
 
     # ---- moves between tiers (L3) ------------------------------------------------------------

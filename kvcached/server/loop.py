@@ -39,7 +39,8 @@ from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
+from proto.schema import (Attach, BackupCommit, CommitPages, EngineReport, Match, Release, ReservePages,
+                          SessionRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Server:
             MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
             MsgKind.ENGINE_REPORT: self._engine_report,
+            MsgKind.RESERVE_PAGES: self._reserve_pages,
+            MsgKind.COMMIT_PAGES: self._commit_pages,
         }
 
     async def run(self) -> None:
@@ -372,13 +375,27 @@ class Server:
         request = BackupCommit.parse(body)
         reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
                                                         request.host_page_ids)
+        self._write_through(write_through)
+        return reply.to_wire() if request.ack else None
+
+    def _reserve_pages(self, body: dict) -> dict[str, Any]:
+        request = ReservePages.parse(body)
+        return self.state.reserve_pages(request.session_id, request.num_pages).to_wire()
+
+    def _commit_pages(self, body: dict) -> dict[str, Any] | None:
+        request = CommitPages.parse(body)
+        reply, write_through = self.state.commit_pages(request.session_id, request.lease_id, request.token_ids,
+                                                       request.start_page, request.host_page_ids)
+        self._write_through(write_through)
+        return reply.to_wire() if request.ack else None
+
+    def _write_through(self, write_through: TierMove | None) -> None:
         if write_through is not None:
             if self.state.pending_moves("h2s") > self.config.max_pending_writes:
                 # L3 admission is best effort: a backlog would keep L2 pages locked and slots reserved.
                 self.state.finish_move(write_through, ok=False, skipped=True)
             else:
                 self._spawn_threadsafe(self._run_move(write_through))
-        return reply.to_wire() if request.ack else None
 
     def _engine_report(self, body: dict) -> dict[str, Any] | None:
         request = EngineReport.parse(body)

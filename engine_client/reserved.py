@@ -1,0 +1,204 @@
+"""Backups with no round trip before their DMA, and restores that start before the match reply.
+
+A backup normally waits for the daemon to say where to write (a match with reserve_backup).
+``ReservedPages`` holds private L2 pages ahead of time (standing leases, topped up in the
+background), so a backup's DMA goes into them at once; the commit that follows tells the daemon
+which prefix they hold (``KVCacheClient.commit_pages``).
+
+A restore normally waits for the match reply to know which L2 pages to read. ``L2Hints``
+remembers where this engine's own backups went, with each page's allocation epoch. A restore
+of such a prefix is queued from those pages before the reply comes; the reply then either
+confirms it (the same pages at the same epochs: no page was handed to anyone else since the
+backup, so its bytes are the backup's, and the lease keeps them so) or not, and the restore
+is queued again from the pages the reply names (``confirm_restore``). A speculative restore
+writes only the L1 pages the engine is restoring into, which nothing reads before the restore
+is confirmed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from engine_client.client import KVCacheClient, MatchReply, PendingReservation, token_bytes
+from engine_client.transfer import Transfer, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+class TakenPages(NamedTuple):
+    """Pages taken from a standing lease for one backup; commit or put back exactly once."""
+
+    lease_id: int
+    page_ids: list[int]
+    page_epochs: list[int]
+
+
+@dataclasses.dataclass(eq=False)
+class _Chunk:
+    lease_id: int
+    page_ids: list[int]          # not taken yet, in the daemon's order
+    page_epochs: list[int]
+    taken: int = 0               # pages taken and neither committed nor put back
+
+
+class ReservedPages:
+    """Private L2 pages held ahead of backups, in chunks of ``chunk_pages`` (one standing lease
+    each). When fewer than ``low_water_pages`` are left, one more chunk is asked for without
+    waiting; its reply is taken in by a later ``take``. ``close`` releases what is left."""
+
+    def __init__(self, client: KVCacheClient, chunk_pages: int, low_water_pages: int | None = None):
+        if type(chunk_pages) is not int or chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
+        self.client = client
+        self.chunk_pages = chunk_pages
+        self.low_water_pages = chunk_pages if low_water_pages is None else low_water_pages
+        self._chunks: list[_Chunk] = []
+        self._pending: PendingReservation | None = None
+        self._closed = False
+
+    @property
+    def num_free(self) -> int:
+        return sum(len(chunk.page_ids) for chunk in self._chunks)
+
+    def fill(self) -> None:
+        """Wait until a chunk is held (or the daemon had none to give): for start-up."""
+        self._collect(wait=True)
+        if self.num_free < self.low_water_pages:
+            self._pending = self.client.reserve_pages_async(self.chunk_pages)
+            self._collect(wait=True)
+
+    def take(self, num_pages: int) -> TakenPages | None:
+        """num_pages pages of one standing lease, or None when no chunk has that many (back up
+        through a match's reservation instead)."""
+        if self._closed:
+            raise RuntimeError("closed")
+        self._collect(wait=False)
+        taken = None
+        for chunk in self._chunks:
+            if len(chunk.page_ids) >= num_pages:
+                taken = TakenPages(chunk.lease_id, chunk.page_ids[:num_pages], chunk.page_epochs[:num_pages])
+                del chunk.page_ids[:num_pages], chunk.page_epochs[:num_pages]
+                chunk.taken += num_pages
+                break
+        if self._pending is None and self.num_free < self.low_water_pages:
+            self._pending = self.client.reserve_pages_async(self.chunk_pages)
+        return taken
+
+    def commit(self, taken: TakenPages, token_ids: Sequence[int] | np.ndarray, start_page: int = 0) -> None:
+        """The backup into ``taken`` is complete: publish it as pages [start_page, start_page + n)
+        of token_ids. The pages are the daemon's from now on."""
+        chunk = self._chunk_of(taken)
+        self.client.commit_pages(taken.lease_id, token_ids, start_page, taken.page_ids)
+        chunk.taken -= len(taken.page_ids)
+        if not chunk.page_ids and not chunk.taken:     # the daemon ended the lease with this commit
+            self._chunks.remove(chunk)
+
+    def put_back(self, taken: TakenPages) -> None:
+        """The backup into ``taken`` did not happen (or failed): its pages can be taken again."""
+        chunk = self._chunk_of(taken)
+        chunk.page_ids[:0] = taken.page_ids
+        chunk.page_epochs[:0] = taken.page_epochs
+        chunk.taken -= len(taken.page_ids)
+
+    def close(self) -> None:
+        """Release every standing lease (pages taken and not committed go back with them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()       # its lease, whenever the reply comes, is released
+            self._pending = None
+        chunks, self._chunks = self._chunks, []
+        for chunk in chunks:
+            self.client.release(chunk.lease_id)
+
+    def _chunk_of(self, taken: TakenPages) -> _Chunk:
+        for chunk in self._chunks:
+            if chunk.lease_id == taken.lease_id:
+                return chunk
+        raise ValueError(f"lease {taken.lease_id} is not one of this reservation's")
+
+    def _collect(self, wait: bool) -> None:
+        if self._pending is None or not (wait or self._pending.ready()):
+            return
+        pending, self._pending = self._pending, None
+        reservation = pending.result()
+        if reservation.lease_id is None:
+            logger.debug("the daemon had no L2 page to reserve ahead")
+            return
+        self._chunks.append(_Chunk(reservation.lease_id, list(reservation.page_ids),
+                                   list(reservation.page_epochs)))
+
+
+class L2Hint(NamedTuple):
+    page_ids: list[int]          # L2 pages of the prefix's pages [0, n)
+    page_epochs: list[int]
+
+
+class L2Hints:
+    """Where this engine's own backups went: the L2 pages and epochs of whole prefixes, keyed by
+    their tokens (a digest), the ``max_entries`` most recent."""
+
+    def __init__(self, page_size: int, max_entries: int = 4096):
+        self.page_size = page_size
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[bytes, L2Hint] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _key(self, token_ids: Sequence[int] | np.ndarray, num_pages: int) -> bytes:
+        data = token_bytes(token_ids)[: num_pages * self.page_size * 4]
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def record(self, token_ids: Sequence[int] | np.ndarray, page_ids: Sequence[int],
+               page_epochs: Sequence[int]) -> None:
+        """Pages [0, len(page_ids)) of token_ids are in these L2 pages, at these epochs."""
+        if len(page_ids) != len(page_epochs):
+            raise ValueError(f"{len(page_ids)} page ids but {len(page_epochs)} epochs")
+        if not page_ids or len(token_ids) < len(page_ids) * self.page_size:
+            raise ValueError(f"{len(token_ids)} tokens do not cover {len(page_ids)} pages")
+        key = self._key(token_ids, len(page_ids))
+        self._entries[key] = L2Hint(list(page_ids), list(page_epochs))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, token_ids: Sequence[int] | np.ndarray) -> L2Hint | None:
+        """The hint for the whole pages of token_ids, if this engine backed exactly them up."""
+        num_pages = len(token_ids) // self.page_size
+        if num_pages == 0:
+            return None
+        hint = self._entries.get(self._key(token_ids, num_pages))
+        if hint is not None and len(hint.page_ids) != num_pages:
+            return None       # a digest collision would be the only way
+        return hint
+
+
+def hint_holds(hint: L2Hint, reply: MatchReply) -> bool:
+    """Whether the reply proves the hint: its L2 hit starts with the hint's pages at the hint's
+    epochs (then no page was reallocated since the backup, and the reply's lease holds them)."""
+    count = len(hint.page_ids)
+    return (len(reply.host_page_ids) >= count and list(reply.host_page_ids[:count]) == hint.page_ids
+            and list(reply.host_page_epochs[:count]) == hint.page_epochs)
+
+
+def confirm_restore(engine: TransferEngine, speculative: Transfer, hint: L2Hint, reply: MatchReply,
+                    l1_page_ids: Sequence[int]) -> tuple[Transfer | None, bool]:
+    """The restore to wait for once the match reply of a speculative restore is in, and whether
+    the speculation held. When it did not, the restore is queued again (after the speculative
+    one, into the same L1 pages) from the pages the reply names, for as many of l1_page_ids as
+    the L2 hit covers; None when it covers none."""
+    if hint_holds(hint, reply):
+        return speculative, True
+    speculative.wait()       # it writes the same L1 pages: let it finish before the real one
+    count = min(len(reply.host_page_ids), len(l1_page_ids))
+    if count == 0:
+        return None, False
+    return engine.restore(reply.host_page_ids[:count], list(l1_page_ids)[:count]), False

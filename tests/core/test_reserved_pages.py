@@ -1,0 +1,152 @@
+"""Standing reservations (pages reserved ahead of a backup) and page epochs, in-process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcached.core.allocator import PageAllocator
+from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.tiers import Tier
+from proto.errors import ErrorCode, ProtocolError
+from tests.core.test_daemon_state import GEOMETRY, back_up, tokens
+
+
+@pytest.fixture
+def state():
+    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0)
+
+
+def test_epochs_count_allocations_per_page():
+    allocator = PageAllocator(8)
+    first = allocator.allocate(5)
+    assert allocator.epochs_of(first) == [1] * 5
+    allocator.free(first[1:3])
+    again = allocator.allocate(2)
+    assert sorted(again) == sorted(first[1:3])
+    assert allocator.epochs_of(first) == [1, 2, 2, 1, 1]
+    assert allocator.epochs_of([5, 6, 7]) == [0, 0, 0]        # never allocated
+    allocator.check_integrity()
+
+
+def test_committed_pages_match_with_the_epochs_of_their_reservation(state):
+    """What the engine learned when it reserved its pages is what a later match reports."""
+    rng = np.random.default_rng()
+    session, _ = state.attach(GEOMETRY, pid=1)
+    reservation = state.reserve_pages(session.session_id, 6)
+    assert len(reservation.page_ids) == 6 and len(reservation.page_epochs) == 6
+    prefix = tokens(rng, 4)
+    pages = reservation.page_ids[1:5]
+    reply, _ = state.commit_pages(session.session_id, reservation.lease_id, prefix, 0, pages)
+    state.check_integrity()
+    assert (reply.new_pages, reply.duplicate_pages) == (4, 0)
+    match = state.match(session.session_id, prefix)
+    assert match.host_page_ids == pages
+    assert match.host_page_epochs == reservation.page_epochs[1:5]
+    state.release(session.session_id, match.lease_id)
+    # The two pages not committed are still the lease's: releasing it frees them.
+    namespace = state.namespaces[session.namespace_id]
+    assert state.status()["namespaces"][0]["tiers"]["l2"]["private_pages"] == 2
+    state.release(session.session_id, reservation.lease_id)
+    state.check_integrity()
+    assert namespace.l2_allocator.num_free == namespace.num_pages - 4
+
+
+def test_a_page_evicted_and_reused_changes_epoch(state):
+    """Eviction then reuse of a page is visible to an engine that remembers the old epoch."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    reservation = state.reserve_pages(session.session_id, 8)
+    prefix = tokens(rng, 8)
+    state.commit_pages(session.session_id, reservation.lease_id, prefix, 0, reservation.page_ids)
+    assert reservation.lease_id not in state.leases          # no page left: the lease ended
+    for _ in range(2):                                        # fills the pool: the prefix goes
+        back_up(state, session.session_id, tokens(rng, 8))
+    assert state.match(session.session_id, prefix).hit_tokens["l2"] == 0
+    reused = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
+    same = set(reused.backup_page_ids) & set(reservation.page_ids)
+    assert same
+    before = dict(zip(reservation.page_ids, reservation.page_epochs))
+    for page_id, epoch in zip(reused.backup_page_ids, reused.backup_page_epochs):
+        if page_id in before:
+            assert epoch > before[page_id]
+    state.release(session.session_id, reused.lease_id)
+    state.check_integrity()
+
+
+def test_commit_of_an_extension_and_of_pages_the_tree_has(state):
+    """start_page > 0 extends a resident prefix; pages the tree holds already go back to the pool."""
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    head = tokens(rng, 3)
+    head_pages = back_up(state, session.session_id, head)
+    reservation = state.reserve_pages(session.session_id, 10)
+    free_before = namespace.l2_allocator.num_free
+    whole = head + tokens(rng, 2)
+    # Pages 0..4 written again: 0..2 are duplicates, 3..4 are new.
+    reply, _ = state.commit_pages(session.session_id, reservation.lease_id, whole, 0, reservation.page_ids[:5])
+    state.check_integrity()
+    assert (reply.new_pages, reply.duplicate_pages) == (2, 3)
+    assert namespace.l2_allocator.num_free == free_before + 3
+    longer = whole + tokens(rng, 1)
+    reply, _ = state.commit_pages(session.session_id, reservation.lease_id, longer, 5, reservation.page_ids[5:6])
+    state.check_integrity()
+    assert (reply.new_pages, reply.duplicate_pages) == (1, 0)
+    match = state.match(session.session_id, longer)
+    assert match.host_page_ids == head_pages + reservation.page_ids[3:6]
+    state.release(session.session_id, match.lease_id)
+    state.release(session.session_id, reservation.lease_id)
+    state.check_integrity()
+
+
+def test_commit_below_a_prefix_that_is_gone_publishes_nothing(state):
+    rng = np.random.default_rng()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    reservation = state.reserve_pages(session.session_id, 4)
+    free_before = namespace.l2_allocator.num_free
+    reply, write_through = state.commit_pages(session.session_id, reservation.lease_id, tokens(rng, 5), 3,
+                                              reservation.page_ids[:2])
+    state.check_integrity()
+    assert (reply.new_pages, reply.duplicate_pages, write_through) == (0, 0, None)
+    assert namespace.l2_allocator.num_free == free_before + 2
+    assert namespace.tree.owned_pages(Tier.L2) == 0
+    assert state.metrics.counters["backup_commits_prefix_gone"] == 1
+
+
+def test_bad_commits_of_reserved_pages_change_nothing(state):
+    rng = np.random.default_rng()
+    a, _ = state.attach(GEOMETRY, pid=1)
+    b, _ = state.attach(GEOMETRY, pid=2)
+    reservation = state.reserve_pages(a.session_id, 4)
+    match = state.match(a.session_id, tokens(rng, 2), reserve_backup=True)
+    prefix = tokens(rng, 4)
+    cases = [
+        (a.session_id, reservation.lease_id, prefix, 0, [reservation.page_ids[0]] * 2, ErrorCode.BAD_PAGES),
+        (a.session_id, reservation.lease_id, prefix, 0, match.backup_page_ids[:1], ErrorCode.NOT_LEASED),
+        (a.session_id, reservation.lease_id, tokens(rng, 1), 0, reservation.page_ids[:2], ErrorCode.BAD_FRAME),
+        (a.session_id, match.lease_id, prefix, 0, match.backup_page_ids, ErrorCode.NOT_LEASED),
+        (b.session_id, reservation.lease_id, prefix, 0, reservation.page_ids[:1], ErrorCode.NOT_LEASED),
+        (a.session_id, 10**9, prefix, 0, reservation.page_ids[:1], ErrorCode.UNKNOWN_LEASE),
+    ]
+    before = state.status()
+    for session_id, lease_id, token_bytes, start_page, page_ids, code in cases:
+        with pytest.raises(ProtocolError) as caught:
+            state.commit_pages(session_id, lease_id, token_bytes, start_page, page_ids)
+        assert caught.value.code == code, (caught.value, page_ids)
+    with pytest.raises(ProtocolError) as caught:
+        state.commit_backup(a.session_id, reservation.lease_id, reservation.page_ids[:1])
+    assert caught.value.code == ErrorCode.NOT_LEASED
+    assert state.status()["namespaces"] == before["namespaces"]
+    state.check_integrity()
+
+
+def test_reservations_are_reclaimed_with_their_session(state):
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    first = state.reserve_pages(session.session_id, 10)
+    second = state.reserve_pages(session.session_id, 10)      # best effort: what is left
+    assert len(first.page_ids) == 10 and len(second.page_ids) == 6
+    assert state.reserve_pages(session.session_id, 1) == (None, [], [])
+    state.check_integrity()
+    assert state.detach(session.session_id) == 2
+    state.check_integrity()
+    assert namespace.l2_allocator.num_free == namespace.num_pages
