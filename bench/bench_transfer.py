@@ -12,6 +12,18 @@ engine, backend auto) attaches to it. Timed from the engine's side, wall clock:
 
 (--mode serial: match, then backup() or restore(), which does all of it after the reply.)
 
+--mode reserved (the default) needs no round trip before either transfer's device work:
+
+    D2H  pages taken from the engine's standing reservation (ReservedPages; topped up in the
+         background) -> gathers and DMAs queued (backup(): slice by slice, interleaved) -> wait
+         -> commit of the pages as the prefix's (COMMIT_PAGES, one way)
+    H2D  restore queued from the L2 hint of the engine's own backup (L2Hints; restore(): the DMAs
+         first, then the scatters) -> match sent -> reply: confirms the hint (same pages, same
+         epochs) or the restore is redone from the pages it names (confirm_restore) -> wait ->
+         release
+
+Every case reports how many speculative restores the reply confirmed.
+
 On CUDA each row also says where the time goes on one timeline: lead_ms, from the path's start to
 the transfer's first device work (the RPC and whatever host submission the device waited for), the
 device time (transfer_ms), and tail_ms, what follows the device work (completion, commit/release).
@@ -56,6 +68,7 @@ import torch
 from bench.common import RESULTS_DIR, machine_name, percentile, print_table, write_result
 from engine_client.client import DEFAULT_SPIN_S, connect
 from engine_client.l1_pool import L1Pool
+from engine_client.reserved import L2Hints, ReservedPages, confirm_restore
 from engine_client.shared_pool import SharedHostPool
 from engine_client.transfer import TransferEngine
 from kvcached.config import DaemonConfig
@@ -142,7 +155,7 @@ def profile_submits(client, transfer: TransferEngine, source_pages: list[int], d
     tokens = rng.integers(1, 2**31 - 1, size=len(source_pages) * GEOMETRY.page_size, dtype=np.int32)
     reply = client.match(tokens, reserve_backup=True)
     profiles = {}
-    if mode == "pipelined":
+    if mode in ("pipelined", "reserved"):
         runs = (("D2H", lambda: transfer.start_backup(source_pages).send_to(reply.backup_page_ids).wait()),
                 ("H2D", lambda: transfer.start_restore(destination_pages).receive_from(reply.backup_page_ids).wait()))
     else:
@@ -172,6 +185,11 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
     # Room for every prefix of the run, or for two prefixes plus one page (see the module note).
     roomy = layout == "contiguous"
     pool_pages = (args.warmup + args.iterations) * num_pages + 1 if roomy else 2 * num_pages + 1
+    reserved_mode = args.mode == "reserved"
+    if reserved_mode:
+        # Room for the standing reservation too: a chunk of 2n pages, and the next one asked for
+        # once fewer than n are left (fragmented: twice that, as only every other page is free).
+        pool_pages += 4 * num_pages * (2 if layout.startswith("fragmented") else 1)
     l2_bytes = math.ceil(pool_pages * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
     spin_args = ("--spin-us", str(args.daemon_spin_us)) if args.daemon_spin_us is not None else ()
     if args.daemon_cpu is not None:
@@ -212,6 +230,13 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
         fragmented = layout.startswith("fragmented")
         held_leases = fragment_the_pool(client, info.num_pages, rng) if fragmented else []
 
+        reserved = hints = None
+        if reserved_mode:
+            reserved = ReservedPages(client, chunk_pages=2 * num_pages, low_water_pages=num_pages)
+            reserved.fill()
+            hints = L2Hints(page_size)
+        speculation = {"confirmed": 0, "redone": 0, "no_hint": 0}
+
         samples = new_sample_lists()
         timeline = None
         if is_cuda:
@@ -228,7 +253,18 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             started = time.perf_counter()
             d2h_prep = h2d_prep = None
             mark(timeline, "D2H")
-            if args.mode == "pipelined":
+            reply = None
+            if reserved_mode:
+                # No round trip: the DMA goes into pages this engine reserved ahead.
+                taken = reserved.take(num_pages)
+                assert taken is not None, "the standing reservation ran dry"
+                matched = time.perf_counter()
+                d2h_prep = matched - started
+                # One call: its slices' gathers and DMAs interleave, so the copy engine starts
+                # after the first slice while the rest are still being queued.
+                backup = transfer.backup(source_pages, taken.page_ids)
+                backup_page_ids = taken.page_ids
+            elif args.mode == "pipelined":
                 # The reservation's round trip overlaps the gather: send the match, gather, then
                 # collect the reply and queue the DMAs into the reserved pages.
                 pending = client.match_async(tokens, reserve_backup=True)
@@ -241,20 +277,41 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                 reply = client.match(tokens, reserve_backup=True)
                 matched = time.perf_counter()
                 backup = transfer.backup(source_pages, reply.backup_page_ids)
+            if reply is not None:
+                backup_page_ids = reply.backup_page_ids
             submitted = time.perf_counter()
             events = backup.device_events
             backup.wait()
             waited = time.perf_counter()
-            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+            if reserved_mode:
+                reserved.commit(taken, tokens)
+                hints.record(tokens, taken.page_ids, taken.page_epochs)
+            else:
+                client.commit_backup(reply.lease_id, reply.backup_page_ids)
             ended = time.perf_counter()
             d2h = (ended - started, matched - started, submitted - matched, waited - submitted, ended - waited)
             d2h_span = device_span_seconds(timeline, "D2H", events)
-            assert len(reply.backup_page_ids) == num_pages, reply
-            runs_seen.add(num_runs(reply.backup_page_ids))
+            assert len(backup_page_ids) == num_pages, backup_page_ids
+            runs_seen.add(num_runs(backup_page_ids))
 
             started = time.perf_counter()
             mark(timeline, "H2D")
-            if args.mode == "pipelined":
+            if reserved_mode:
+                # The restore is queued from the hint first, then the match is sent; its reply
+                # confirms the restore or has it redone.
+                hint = hints.get(tokens)
+                speculative = transfer.restore(hint.page_ids, destination_pages) if hint is not None else None
+                pending = client.match_async(tokens)
+                h2d_prep = time.perf_counter() - started
+                reply = pending.result()
+                matched = time.perf_counter()
+                if speculative is None:
+                    speculation["no_hint"] += 1
+                    restore = transfer.restore(reply.host_page_ids, destination_pages)
+                else:
+                    restore, held = confirm_restore(transfer, speculative, hint, reply, destination_pages)
+                    speculation["confirmed" if held else "redone"] += 1
+            elif args.mode == "pipelined":
                 # The round trip overlaps getting the restore ready (ids, workspace).
                 pending = client.match_async(tokens)
                 prepared = transfer.start_restore(destination_pages)
@@ -320,6 +377,8 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             for direction, text in submit_profile.items():
                 print(direction, text, flush=True)
 
+        if reserved is not None:
+            reserved.close()
         for lease_id in held_leases:
             client.release(lease_id)
         assert client.flush(timeout_s=30) == []
@@ -363,6 +422,7 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
                if samples[f"lead_{direction}"] else {}),
         })
     return {"rows": rows, "attach": attach, "backends": backends, "bit_exact": bit_exact,
+            "speculative_restores": speculation if reserved_mode else None,
             "submit_profile": submit_profile,
             "l2_runs_per_backup": sorted(runs_seen), "host_copy_thread_sweep": sweep,
             "samples_s": samples}
@@ -382,10 +442,11 @@ def main() -> None:
                         help="cProfile 100 backups of the --profile-tokens contiguous case (host time by function)")
     parser.add_argument("--profile-tokens", type=int, default=1000)
     parser.add_argument("--pin-results", default=None, help="bench_pin JSON to embed (default: <machine>/pin.json)")
-    parser.add_argument("--mode", choices=("pipelined", "serial"), default="pipelined",
-                        help="pipelined: the match's round trip overlaps the gather of a backup and getting a "
-                             "restore ready (match_async + start_backup / start_restore); serial: match, then "
-                             "backup() / restore()")
+    parser.add_argument("--mode", choices=("reserved", "pipelined", "serial"), default="reserved",
+                        help="reserved: backups into pages reserved ahead, restores started from the engine's L2 "
+                             "hints before the match reply; pipelined: the match's round trip overlaps the "
+                             "gather of a backup and getting a restore ready (match_async + start_backup / "
+                             "start_restore); serial: match, then backup() / restore()")
     parser.add_argument("--client-spin-us", type=float, default=DEFAULT_SPIN_S * 1e6,
                         help="how long the client busy-waits for a reply before sleeping")
     parser.add_argument("--daemon-spin-us", type=int, default=None,

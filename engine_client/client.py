@@ -152,12 +152,13 @@ class _Channel:
     def request(self, kind: MsgKind, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         return self.wait_for(self.begin(kind, body), kind, timeout_s)
 
-    def begin(self, kind: MsgKind, body: dict[str, Any]) -> int:
+    def begin(self, kind: MsgKind, body: dict[str, Any], urgent: bool = True) -> int:
         """Send a request whose reply ``wait_for`` will collect; replies that arrive meanwhile
-        (while other requests are waited for) are kept for it."""
+        (while other requests are waited for) are kept for it. urgent=False: the reply is not
+        awaited soon, so the request may leave whenever ZeroMQ's I/O thread next runs."""
         request_id = self.send(kind, body)
         self.awaited[request_id] = None
-        if self.yield_after_send:
+        if urgent and self.yield_after_send:
             # ZeroMQ's I/O thread writes the request to the socket. Sharing the engine thread's CPU
             # (connect's cpu), it would wait for whatever the engine does next (say, the gather
             # that a pipelined backup overlaps with this round trip) unless it gets the CPU now.
@@ -452,11 +453,13 @@ class KVCacheClient:
         stay this session's until committed, released with the lease, or reclaimed."""
         return self.reserve_pages_async(num_pages).result()
 
-    def reserve_pages_async(self, num_pages: int) -> PendingReservation:
+    def reserve_pages_async(self, num_pages: int, urgent: bool = True) -> PendingReservation:
+        """Like ``reserve_pages``, collected later; urgent=False for a top-up whose reply is not
+        waited for soon (the send then costs the caller less)."""
         if type(num_pages) is not int or num_pages < 1:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         request_id = self._channel.begin(MsgKind.RESERVE_PAGES, {"session_id": self._session(),
-                                                                 "num_pages": num_pages})
+                                                                 "num_pages": num_pages}, urgent)
         return PendingReservation(self._channel, request_id)
 
     def commit_pages(self, lease_id: int, token_ids: Sequence[int] | np.ndarray, start_page: int,

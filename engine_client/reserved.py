@@ -87,7 +87,7 @@ class ReservedPages:
                 chunk.taken += num_pages
                 break
         if self._pending is None and self.num_free < self.low_water_pages:
-            self._pending = self.client.reserve_pages_async(self.chunk_pages)
+            self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False)
         return taken
 
     def commit(self, taken: TakenPages, token_ids: Sequence[int] | np.ndarray, start_page: int = 0) -> None:

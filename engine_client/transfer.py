@@ -209,7 +209,7 @@ class _Workspace:
     """
 
     __slots__ = ("num_pages", "packed", "packed_bytes", "packed_address", "ids_host", "ids_host_array",
-                 "ids_device", "staging", "staging_bytes", "staging_address", "start_event", "end_event",
+                 "ids_host_address", "ids_device", "ids_device_address", "staging", "staging_bytes", "staging_address", "start_event", "end_event",
                  "slice_events", "caller_event")
 
     def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor,
@@ -221,7 +221,9 @@ class _Workspace:
         self.packed_address = packed.data_ptr()
         self.ids_host = ids_host
         self.ids_host_array = ids_host.numpy()
+        self.ids_host_address = ids_host.data_ptr()
         self.ids_device = ids_device
+        self.ids_device_address = ids_device.data_ptr()
         self.staging: torch.Tensor | None = None
         self.staging_bytes: torch.Tensor | None = None
         self.staging_address = 0
@@ -486,6 +488,7 @@ class TransferEngine:
         # onto the copy stream by its handle, between addresses known up front.
         self._runtime = cuda_runtime.load() if self._is_cuda else None
         self._copy_stream_handle = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
+        self._stream_handle = self._stream.cuda_stream if self._stream is not None else 0
         self._pool_address = host_pool.pages.data_ptr()
         self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # The copy threads start lazily, from whatever thread submits the first staged transfer; an
@@ -566,8 +569,7 @@ class TransferEngine:
                 assert workspace.start_event is not None and workspace.end_event is not None
                 with self._on_stream(self._stream):
                     workspace.start_event.record(self._stream)
-                    _leading(workspace.ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages),
-                                                                    non_blocking=True)
+                    self._upload_ids(workspace, num_pages)
                     # Until receive_from, the transfer ends with the upload (cancel() and drain()).
                     workspace.end_event.record(self._stream)
                 transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
@@ -918,7 +920,7 @@ class TransferEngine:
         assert compute_stream is not None and workspace.start_event is not None
         self._wait_for_callers(compute_stream, callers_stream, workspace)
         workspace.start_event.record(compute_stream)
-        _leading(workspace.ids_device, num_pages).copy_(_leading(workspace.ids_host, num_pages), non_blocking=True)
+        self._upload_ids(workspace, num_pages)
         for index, (first, count) in enumerate(slices):
             self.gather_backend.gather(self._l1_bits, _rows(workspace.ids_device, first, count),
                                        _rows(workspace.packed, first, count))
@@ -934,6 +936,17 @@ class TransferEngine:
         assert workspace.caller_event is not None
         workspace.caller_event.record(callers_stream)
         stream.wait_event(workspace.caller_event)
+
+    def _upload_ids(self, workspace: _Workspace, count: int) -> None:
+        """On the compute stream (current): the first `count` page ids, pinned host -> device. One
+        runtime call by address when the engine's device is current, else torch's copy."""
+        runtime = self._runtime
+        if runtime is not None and torch.cuda.current_device() == self._device_index:
+            runtime.memcpy_async(workspace.ids_device_address, workspace.ids_host_address,
+                                 count * workspace.ids_host.element_size(), cuda_runtime.HOST_TO_DEVICE,
+                                 self._stream_handle)
+        else:
+            _leading(workspace.ids_device, count).copy_(_leading(workspace.ids_host, count), non_blocking=True)
 
     def _enqueue_dma_out(self, workspace: _Workspace, host: _HostBuffer, index: int,
                          segments: list[tuple[int, int, int]]) -> None:
@@ -1002,8 +1015,7 @@ class TransferEngine:
             # The caller's stream last used the L1 pages being restored into; scatter after it.
             self._wait_for_callers(compute_stream, callers_stream, workspace)
             if upload_ids:
-                _leading(workspace.ids_device, upload_ids).copy_(_leading(workspace.ids_host, upload_ids),
-                                                                 non_blocking=True)
+                self._upload_ids(workspace, upload_ids)
             for (first, count), copied_event in zip(slices, events):
                 compute_stream.wait_event(copied_event)
                 self.scatter_backend.scatter(_rows(workspace.packed, first, count),
