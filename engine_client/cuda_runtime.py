@@ -32,7 +32,8 @@ DEVICE_TO_HOST = 2
 
 
 class CudaRuntime:
-    """The few runtime calls the transfer engine makes itself."""
+    """The few runtime calls the transfer engine makes itself: copies, event records and waits,
+    and launches of captured graphs, all by handle on an explicit stream."""
 
     def __init__(self, library: ctypes.CDLL, path: str):
         self.path = path
@@ -40,6 +41,15 @@ class CudaRuntime:
         self._memcpy_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                        ctypes.c_void_p]
         self._memcpy_async.restype = ctypes.c_int
+        self._event_record = library.cudaEventRecord
+        self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._event_record.restype = ctypes.c_int
+        self._stream_wait_event = library.cudaStreamWaitEvent
+        self._stream_wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._stream_wait_event.restype = ctypes.c_int
+        self._graph_launch = library.cudaGraphLaunch
+        self._graph_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._graph_launch.restype = ctypes.c_int
         self._get_last_error = library.cudaGetLastError
         self._get_last_error.argtypes = []
         self._get_last_error.restype = ctypes.c_int
@@ -55,6 +65,29 @@ class CudaRuntime:
             self._get_last_error()      # clear it: torch's next check must not report it again
             raise RuntimeError(f"cudaMemcpyAsync of {num_bytes} bytes ({_KIND_NAMES.get(kind, kind)}) "
                                f"failed: {self.error_string(error)} (cudaError {error})")
+
+    def event_record(self, event: int, stream: int) -> None:
+        """cudaEventRecord(event, stream); RuntimeError if it fails."""
+        error = self._event_record(event, stream)
+        if error:
+            self._raise("cudaEventRecord", error)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """cudaStreamWaitEvent(stream, event, 0): work queued on stream after this waits for the
+        event's last record; RuntimeError if it fails."""
+        error = self._stream_wait_event(stream, event, 0)
+        if error:
+            self._raise("cudaStreamWaitEvent", error)
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        """cudaGraphLaunch(graph_exec, stream); RuntimeError if it fails."""
+        error = self._graph_launch(graph_exec, stream)
+        if error:
+            self._raise("cudaGraphLaunch", error)
+
+    def _raise(self, call: str, error: int) -> None:
+        self._get_last_error()      # clear it, as in memcpy_async
+        raise RuntimeError(f"{call} failed: {self.error_string(error)} (cudaError {error})")
 
     def error_string(self, error: int) -> str:
         text = self._get_error_string(error)

@@ -91,6 +91,7 @@ logger = logging.getLogger(__name__)
 _BITS_DTYPE_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _MAX_IDLE_WORKSPACES = 1
+_MAX_GRAPHS_PER_WORKSPACE = 32
 
 AUTO = "auto"
 DIRECTIONS = ("D2H", "H2D")
@@ -209,8 +210,9 @@ class _Workspace:
     """
 
     __slots__ = ("num_pages", "packed", "packed_bytes", "packed_address", "ids_host", "ids_host_array",
-                 "ids_host_address", "ids_device", "ids_device_address", "staging", "staging_bytes", "staging_address", "start_event", "end_event",
-                 "slice_events", "caller_event")
+                 "ids_host_address", "ids_device", "ids_device_address", "staging", "staging_bytes",
+                 "staging_address", "start_event", "end_event", "slice_events", "caller_event", "event_handles",
+                 "graphs", "graph_uses")
 
     def __init__(self, num_pages: int, packed: torch.Tensor, ids_host: torch.Tensor, ids_device: torch.Tensor,
                  num_slice_events: int | None):
@@ -236,11 +238,32 @@ class _Workspace:
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.end_event = torch.cuda.Event(enable_timing=True)
             self.slice_events = [torch.cuda.Event() for _ in range(num_slice_events)]
+        # For the CUDA runtime's calls (see TransferEngine._graph_launches): each event's handle,
+        # set by bind_events; the gathers and scatters captured as graphs, by (kind, first, count),
+        # and how often each was wanted before.
+        self.event_handles: _EventHandles | None = None
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, int]] = {}
+        self.graph_uses: dict[tuple[str, int, int], int] = {}
+
+    def bind_events(self, stream: torch.cuda.Stream) -> None:
+        """Create the events now (torch creates them at their first record) and keep their handles."""
+        events = [self.caller_event, self.start_event, self.end_event, *self.slice_events]
+        for event in events:
+            event.record(stream)
+        handles = [event._as_parameter_.value for event in events]
+        self.event_handles = _EventHandles(handles[0], handles[1], handles[2], handles[3:])
 
     def add_staging(self, staging: torch.Tensor) -> None:
         self.staging = staging
         self.staging_bytes = staging.view(torch.uint8).view(-1)
         self.staging_address = staging.data_ptr()
+
+
+class _EventHandles(NamedTuple):
+    caller: int
+    start: int
+    end: int
+    slices: list[int]
 
 
 class _HostBuffer(NamedTuple):
@@ -443,7 +466,8 @@ class TransferEngine:
 
     def __init__(self, l1_pool: L1Pool, host_pool: SharedHostPool, backend: str = "torch",
                  host_copy_threads: int | None = None, fragmented_copy: str = "staging",
-                 max_dma_bytes: int | None = None, max_slices: int = DEFAULT_MAX_SLICES):
+                 max_dma_bytes: int | None = None, max_slices: int = DEFAULT_MAX_SLICES,
+                 cuda_graphs: bool = True):
         """``fragmented_copy`` says how L2 pages that are not one run move: "staging" (one DMA to
         pinned staging plus the host-side copy, the default) or "dma_per_run" (one DMA per run of
         consecutive L2 pages, straight between the packed buffer and the pool; no host copy).
@@ -451,7 +475,8 @@ class TransferEngine:
         at pinned-chunk boundaries), so the copy engine starts on the first piece while the later
         ones are still being submitted. ``max_slices`` is how many slices a transfer is cut into at
         most (each at least 16 MiB) so that packing one slice overlaps the DMA of another
-        (see the module note); 1 packs the whole transfer before its DMA."""
+        (see the module note); 1 packs the whole transfer before its DMA. ``cuda_graphs``: launch
+        Triton gathers and scatters that recur as captured CUDA graphs (see the module note)."""
         if fragmented_copy not in FRAGMENTED_COPIES:
             raise ValueError(f"fragmented_copy must be one of {FRAGMENTED_COPIES}, got {fragmented_copy!r}")
         if max_dma_bytes is not None and (type(max_dma_bytes) is not int or max_dma_bytes < 1):
@@ -510,6 +535,14 @@ class TransferEngine:
             # transfer raises; nothing falls back behind the caller's back.
             self.gather_backend = self.scatter_backend = _BACKEND_FACTORIES[backend]()
             self._backend_report = {"requested": backend, "chosen": {"D2H": backend, "H2D": backend}}
+        # Gathers and scatters that recur are captured as CUDA graphs and launched by handle, with
+        # their event records and waits, through the runtime: no stream switch, no Triton launch.
+        self._capture_stream: torch.cuda.Stream | None = None
+        graphs = (cuda_graphs and self._runtime is not None and hasattr(torch._C, "_cuda_getCurrentRawStream"))
+        self._graph_gathers = graphs and isinstance(self.gather_backend, TritonBackend)
+        self._graph_scatters = graphs and isinstance(self.scatter_backend, TritonBackend)
+        self._backend_report["cuda_graphs"] = {"D2H": self._graph_gathers, "H2D": self._graph_scatters}
+        self.num_graphs_captured = 0
         logger.info("transfer backends: %s", self._backend_report)
 
     # ---- public API ----------------------------------------------------------------------------
@@ -540,10 +573,13 @@ class TransferEngine:
                 self._gather_slices(workspace, pending.slices)
                 transfer._host_seconds += time.perf_counter() - started
             else:
-                with self._on_stream(self._stream) as callers_stream:
-                    self._enqueue_gathers(workspace, num_pages, pending.slices, callers_stream)
-                    # Until DMAs are queued, the transfer ends with its gathers (cancel() and drain()).
-                    workspace.end_event.record(self._stream)
+                # Until DMAs are queued, the transfer ends with its gathers (cancel() and drain()).
+                if self._gathers_by_graph(workspace, num_pages, pending.slices):
+                    self._runtime.event_record(workspace.event_handles.end, self._stream_handle)
+                else:
+                    with self._on_stream(self._stream) as callers_stream:
+                        self._enqueue_gathers(workspace, num_pages, pending.slices, callers_stream)
+                        workspace.end_event.record(self._stream)
                 transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
         return pending
 
@@ -567,11 +603,17 @@ class TransferEngine:
             workspace.ids_host_array[:num_pages] = l1_ids
             if self._stream is not None:
                 assert workspace.start_event is not None and workspace.end_event is not None
-                with self._on_stream(self._stream):
-                    workspace.start_event.record(self._stream)
+                # Until receive_from, the transfer ends with the upload (cancel() and drain()).
+                if self._runtime_usable():
+                    handles, stream = workspace.event_handles, self._stream_handle
+                    self._runtime.event_record(handles.start, stream)
                     self._upload_ids(workspace, num_pages)
-                    # Until receive_from, the transfer ends with the upload (cancel() and drain()).
-                    workspace.end_event.record(self._stream)
+                    self._runtime.event_record(handles.end, stream)
+                else:
+                    with self._on_stream(self._stream):
+                        workspace.start_event.record(self._stream)
+                        self._upload_ids(workspace, num_pages)
+                        workspace.end_event.record(self._stream)
                 transfer._start_event, transfer._end_event = workspace.start_event, workspace.end_event
         return pending
 
@@ -941,18 +983,119 @@ class TransferEngine:
         """On the compute stream (current): the first `count` page ids, pinned host -> device. One
         runtime call by address when the engine's device is current, else torch's copy."""
         runtime = self._runtime
-        if runtime is not None and torch.cuda.current_device() == self._device_index:
+        if runtime is not None and self._runtime_usable():
             runtime.memcpy_async(workspace.ids_device_address, workspace.ids_host_address,
                                  count * workspace.ids_host.element_size(), cuda_runtime.HOST_TO_DEVICE,
                                  self._stream_handle)
         else:
             _leading(workspace.ids_device, count).copy_(_leading(workspace.ids_host, count), non_blocking=True)
 
+    def _runtime_usable(self) -> bool:
+        """Whether this engine's queueing can go through the runtime by handle: there is one, and
+        the engine's device is current (its streams and events belong to it)."""
+        return self._runtime is not None and torch.cuda.current_device() == self._device_index
+
+    def _gathers_by_graph(self, workspace: _Workspace, num_pages: int, slices: list[tuple[int, int]],
+                          after_each: Callable[[int], None] | None = None) -> bool:
+        """What _enqueue_gathers does, through the runtime with each slice's gather a captured graph,
+        when every slice has one (False, and nothing queued, otherwise)."""
+        if not self._graph_gathers or not self._runtime_usable():
+            return False
+        launches = self._graph_launches(workspace, "gather", slices)
+        if launches is None:
+            return False
+        runtime, compute, handles = self._runtime, self._stream_handle, workspace.event_handles
+        self._wait_for_callers_by_handle(workspace)       # which produced the L1 pages
+        runtime.event_record(handles.start, compute)
+        self._upload_ids(workspace, num_pages)
+        for index, graph_exec in enumerate(launches):
+            runtime.graph_launch(graph_exec, compute)
+            runtime.event_record(handles.slices[index], compute)
+            if after_each is not None:
+                after_each(index)
+        return True
+
+    def _scatters_by_graph(self, workspace: _Workspace, slices: list[tuple[int, int]], upload_ids: int) -> bool:
+        """The compute-stream half of _enqueue_restore through the runtime, each slice's scatter a
+        captured graph, when every slice has one (False, and nothing queued, otherwise)."""
+        if not self._graph_scatters or not self._runtime_usable():
+            return False
+        launches = self._graph_launches(workspace, "scatter", slices)
+        if launches is None:
+            return False
+        runtime, compute, handles = self._runtime, self._stream_handle, workspace.event_handles
+        self._wait_for_callers_by_handle(workspace)       # which last used the L1 pages restored into
+        if upload_ids:
+            self._upload_ids(workspace, upload_ids)
+        for graph_exec, copied in zip(launches, handles.slices):
+            runtime.stream_wait_event(compute, copied)
+            runtime.graph_launch(graph_exec, compute)
+        runtime.event_record(handles.end, compute)
+        return True
+
+    def _wait_for_callers_by_handle(self, workspace: _Workspace) -> None:
+        """_wait_for_callers through the runtime: the compute stream waits for the work queued so far
+        on the caller's current stream."""
+        caller = workspace.event_handles.caller
+        self._runtime.event_record(caller, torch._C._cuda_getCurrentRawStream(self._device_index))
+        self._runtime.stream_wait_event(self._stream_handle, caller)
+
+    def _graph_launches(self, workspace: _Workspace, kind: str, slices: list[tuple[int, int]]) -> list[int] | None:
+        """The graph of each slice's gather or scatter (kind) in this workspace, or None while the
+        slices have none. They are captured the second time they are wanted (a one-off size is not
+        worth a capture), at most _MAX_GRAPHS_PER_WORKSPACE per workspace."""
+        graphs = workspace.graphs
+        keys = [(kind, first, count) for first, count in slices]
+        missing = [key for key in keys if key not in graphs]
+        if missing:
+            uses = workspace.graph_uses
+            for key in missing:
+                uses[key] = uses.get(key, 0) + 1
+            if min(uses[key] for key in missing) < 2 or len(graphs) + len(missing) > _MAX_GRAPHS_PER_WORKSPACE:
+                return None
+            for key in missing:
+                entry = self._capture(workspace, *key)
+                if entry is None:
+                    return None
+                graphs[key] = entry
+        return [graphs[key][1] for key in keys]
+
+    def _capture(self, workspace: _Workspace, kind: str, first: int,
+                 count: int) -> tuple[torch.cuda.CUDAGraph, int] | None:
+        """One slice's gather or scatter captured as a graph over this workspace's buffers (which
+        it keeps: graphs go with their workspace). A capture that fails turns graphs off for this
+        engine (launches stay direct) and returns None."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+        ids, packed = _rows(workspace.ids_device, first, count), _rows(workspace.packed, first, count)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    if kind == "gather":
+                        self.gather_backend.gather(self._l1_bits, ids, packed)
+                    else:
+                        self.scatter_backend.scatter(packed, ids, self._l1_bits)
+                finally:
+                    graph.capture_end()
+            graph_exec = graph.raw_cuda_graph_exec()
+        except Exception as exc:
+            logger.warning("capturing a %s as a CUDA graph failed (%s): launching directly from now on", kind, exc)
+            self._graph_gathers = self._graph_scatters = False
+            self._backend_report["cuda_graphs"] = {"D2H": False, "H2D": False}
+            return None
+        self.num_graphs_captured += 1
+        return graph, graph_exec
+
     def _enqueue_dma_out(self, workspace: _Workspace, host: _HostBuffer, index: int,
                          segments: list[tuple[int, int, int]]) -> None:
         """On the copy stream, after slice `index`'s gather: its DMAs into the host side."""
         assert self._copy_stream is not None
-        self._copy_stream.wait_event(workspace.slice_events[index])
+        if workspace.event_handles is not None and self._runtime_usable():
+            self._runtime.stream_wait_event(self._copy_stream_handle, workspace.event_handles.slices[index])
+        else:
+            self._copy_stream.wait_event(workspace.slice_events[index])
         if segments:
             self._queue_dmas(workspace, host, segments, "D2H")
 
@@ -986,11 +1129,16 @@ class TransferEngine:
         assert compute_stream is not None and copy_stream is not None
         assert workspace.start_event is not None and workspace.end_event is not None
         if transfer.direction == "D2H":
-            with self._on_stream(compute_stream) as callers_stream:
-                self._enqueue_gathers(workspace, num_pages, slices, callers_stream, after_each=lambda index: (
-                    self._enqueue_dma_out(workspace, host, index, slice_segments[index])))
-                # The copy stream waited for the last gather, so its end is the transfer's end.
-                workspace.end_event.record(copy_stream)
+            def dma_out(index: int) -> None:
+                self._enqueue_dma_out(workspace, host, index, slice_segments[index])
+
+            # The copy stream waits for the last gather, so its end is the transfer's end.
+            if self._gathers_by_graph(workspace, num_pages, slices, after_each=dma_out):
+                self._runtime.event_record(workspace.event_handles.end, self._copy_stream_handle)
+            else:
+                with self._on_stream(compute_stream) as callers_stream:
+                    self._enqueue_gathers(workspace, num_pages, slices, callers_stream, after_each=dma_out)
+                    workspace.end_event.record(copy_stream)
         else:
             self._enqueue_restore(workspace, host, slices, slice_segments, upload_ids=num_pages)
         transfer._start_event = workspace.start_event
@@ -1011,6 +1159,8 @@ class TransferEngine:
         for segments, copied_event in zip(slice_segments, events):
             self._queue_dmas(workspace, host, segments, "H2D")
             copied_event.record(copy_stream)
+        if self._scatters_by_graph(workspace, slices, upload_ids):
+            return
         with self._on_stream(compute_stream) as callers_stream:
             # The caller's stream last used the L1 pages being restored into; scatter after it.
             self._wait_for_callers(compute_stream, callers_stream, workspace)
@@ -1060,6 +1210,8 @@ class TransferEngine:
             ids_device = torch.empty(num_pages, dtype=torch.int64, device=self.device) if self._is_cuda else ids_host
             workspace = _Workspace(num_pages, self._new_device_buffer(num_pages), ids_host, ids_device,
                                    self.max_slices if self._is_cuda else None)
+            if self._stream is not None:
+                workspace.bind_events(self._stream)
             self.num_workspaces_created += 1
         if needs_staging:
             self._add_staging(workspace)

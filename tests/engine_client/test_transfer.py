@@ -219,7 +219,86 @@ def test_without_the_wait_on_the_callers_stream_the_ordering_test_fails(make_set
     late caller write and the transfer race and the check fails, so that test can catch a missing wait."""
     setup = make_setup("bfloat16", "cuda")
     monkeypatch.setattr(TransferEngine, "_wait_for_callers", staticmethod(lambda stream, callers_stream, workspace: None))
+    monkeypatch.setattr(TransferEngine, "_wait_for_callers_by_handle", lambda self, workspace: None)
     assert not transfer_after_late_caller_write(setup, "cuda", direction, "fragmented")
+
+
+def count_graph_launches(engine: TransferEngine) -> list[int]:
+    """Every cudaGraphLaunch the engine makes from now on appends 1 to the returned list."""
+    launches = []
+    launch = engine._runtime.graph_launch
+    engine._runtime.graph_launch = lambda *args: (launches.append(1), launch(*args))
+    return launches
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_recurring_transfers_run_as_cuda_graphs_exact_and_after_the_callers_stream(monkeypatch, make_setup,
+                                                                                 direction, sliced):
+    """A gather or scatter wanted again is captured and then launched as a CUDA graph: each repetition
+    is still bit-exact and still ordered after a late write queued on the caller's stream."""
+    if sliced:
+        monkeypatch.setattr(transfer_module, "_MIN_SLICE_BYTES", 1)
+    setup = make_setup("bfloat16", "cuda", backend="triton")
+    assert setup.engine.backend_report()["cuda_graphs"] == {"D2H": True, "H2D": True}
+    launches = count_graph_launches(setup.engine)
+    for repetition in range(4):
+        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous"), repetition
+    assert setup.engine.num_graphs_captured >= (4 if sliced else 1)
+    assert len(launches) >= 2 * (4 if sliced else 1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_without_the_wait_on_the_callers_stream_graph_launches_race(monkeypatch, make_setup, direction):
+    """Control for the test above: with the wait by handle removed, once the graphs run, the late
+    caller write and the transfer race and the check fails."""
+    setup = make_setup("bfloat16", "cuda", backend="triton")
+    for _ in range(3):       # the gathers and scatters of this size are graphs after this
+        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous")
+    launches = count_graph_launches(setup.engine)
+    monkeypatch.setattr(TransferEngine, "_wait_for_callers_by_handle", lambda self, workspace: None)
+    assert not transfer_after_late_caller_write(setup, "cuda", direction, "contiguous")
+    assert launches
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_started_transfers_through_graphs_are_exact_and_graphs_can_be_turned_off(make_setup):
+    """Started backups and restores repeated (graphs from the second on) move the same bits as the
+    first; an engine built with cuda_graphs=False never launches one."""
+    setup = make_setup("bfloat16", "cuda", backend="triton")
+    engine = setup.engine
+    launches = count_graph_launches(engine)
+    expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
+    generator = torch.Generator().manual_seed(11)
+    for repetition in range(3):
+        fill_random_(setup.host_pool.pages, generator)
+        engine.start_backup(L1_SOURCE_PAGES).send_to(HOST_PAGES["contiguous"]).wait()
+        assert same_bits(setup.host_pool.pages[HOST_PAGES["contiguous"]], expected), repetition
+        setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES] = 0
+        engine.start_restore(L1_DESTINATION_PAGES).receive_from(HOST_PAGES["contiguous"]).wait()
+        restored = setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5)
+        assert same_bits(restored, expected), repetition
+        setup.check_integrity()
+    assert launches and engine.num_graphs_captured == 2
+
+    plain = TransferEngine(setup.l1_pool, setup.host_pool, backend="triton", cuda_graphs=False)
+    try:
+        assert plain.backend_report()["cuda_graphs"] == {"D2H": False, "H2D": False}
+        plain_launches = count_graph_launches(plain)
+        for _ in range(3):
+            plain.backup(L1_SOURCE_PAGES, HOST_PAGES["contiguous"]).wait()
+            plain.restore(HOST_PAGES["contiguous"], L1_DESTINATION_PAGES).wait()
+        assert plain_launches == [] and plain.num_graphs_captured == 0
+    finally:
+        plain.close()
 
 
 @pytest.mark.gpu
@@ -434,7 +513,8 @@ def test_an_explicit_backend_is_used_in_both_directions_and_reported(make_setup,
     """An explicitly named backend does both the gather and the scatter, and the report names it for both."""
     setup = make_setup(backend=backend)
     assert setup.engine.gather_backend.name == setup.engine.scatter_backend.name == backend
-    assert setup.engine.backend_report() == {"requested": backend, "chosen": {"D2H": backend, "H2D": backend}}
+    assert setup.engine.backend_report() == {"requested": backend, "chosen": {"D2H": backend, "H2D": backend},
+                                             "cuda_graphs": {"D2H": False, "H2D": False}}     # on CPU: none
 
 
 def test_triton_requested_without_triton_raises(make_setup, monkeypatch):
