@@ -14,8 +14,9 @@ engine, backend auto) attaches to it. Timed from the engine's side, wall clock:
 
 --mode reserved (the default) needs no round trip before either transfer's device work:
 
-    D2H  pages taken from the engine's standing reservation (ReservedPages; topped up in the
-         background) -> gathers and DMAs queued (backup(): slice by slice, interleaved) -> wait
+    D2H  pages taken from the engine's standing reservation (ReservedPages) -> gathers and DMAs
+         queued (backup(): slice by slice, interleaved) -> top-up of the reservation asked for
+         while the DMA runs, when pages run low (RESERVE_PAGES, reply taken in later) -> wait
          -> commit of the pages as the prefix's (COMMIT_PAGES, one way)
     H2D  restore queued from the L2 hint of the engine's own backup (L2Hints; restore(): the DMAs
          first, then the scatters) -> match sent -> reply: confirms the hint (same pages, same
@@ -280,6 +281,8 @@ def run_case(num_tokens: int, layout: str, args, raw: RawDma, device: torch.devi
             if reply is not None:
                 backup_page_ids = reply.backup_page_ids
             submitted = time.perf_counter()
+            if reserved_mode:
+                reserved.top_up()        # while the DMA runs: the next chunk, if pages run low
             events = backup.device_events
             backup.wait()
             waited = time.perf_counter()

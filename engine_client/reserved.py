@@ -49,8 +49,9 @@ class _Chunk:
 
 class ReservedPages:
     """Private L2 pages held ahead of backups, in chunks of ``chunk_pages`` (one standing lease
-    each). When fewer than ``low_water_pages`` are left, one more chunk is asked for without
-    waiting; its reply is taken in by a later ``take``. ``close`` releases what is left."""
+    each). When fewer than ``low_water_pages`` are left, ``top_up`` asks for one more chunk without
+    waiting (call it while a backup's DMA runs; ``commit`` calls it too); its reply is taken in by
+    a later ``take``. ``close`` releases what is left."""
 
     def __init__(self, client: KVCacheClient, chunk_pages: int, low_water_pages: int | None = None):
         if type(chunk_pages) is not int or chunk_pages < 1:
@@ -75,7 +76,7 @@ class ReservedPages:
 
     def take(self, num_pages: int) -> TakenPages | None:
         """num_pages pages of one standing lease, or None when no chunk has that many (back up
-        through a match's reservation instead)."""
+        through a match's reservation instead). Sends nothing (see top_up)."""
         if self._closed:
             raise RuntimeError("closed")
         self._collect(wait=False)
@@ -86,9 +87,13 @@ class ReservedPages:
                 del chunk.page_ids[:num_pages], chunk.page_epochs[:num_pages]
                 chunk.taken += num_pages
                 break
-        if self._pending is None and self.num_free < self.low_water_pages:
-            self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False)
         return taken
+
+    def top_up(self) -> None:
+        """Ask for one more chunk, without waiting, if fewer than low_water_pages are left and none
+        is asked for yet."""
+        if not self._closed and self._pending is None and self.num_free < self.low_water_pages:
+            self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False)
 
     def commit(self, taken: TakenPages, token_ids: Sequence[int] | np.ndarray, start_page: int = 0) -> None:
         """The backup into ``taken`` is complete: publish it as pages [start_page, start_page + n)
@@ -98,6 +103,7 @@ class ReservedPages:
         chunk.taken -= len(taken.page_ids)
         if not chunk.page_ids and not chunk.taken:     # the daemon ended the lease with this commit
             self._chunks.remove(chunk)
+        self.top_up()
 
     def put_back(self, taken: TakenPages) -> None:
         """The backup into ``taken`` did not happen (or failed): its pages can be taken again."""

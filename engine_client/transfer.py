@@ -549,8 +549,8 @@ class TransferEngine:
 
     def backup(self, l1_page_ids: Sequence[int], host_page_ids: Sequence[int]) -> Transfer:
         """Copy L1 pages into host pages (D2H); host_page_ids[i] receives l1_page_ids[i]."""
-        l1_ids, host_ids = self._checked_ids(l1_page_ids, host_page_ids, destination="host")
-        return self._submit("D2H", l1_ids, host_ids)
+        l1_ids, host_runs = self._checked_ids(l1_page_ids, host_page_ids, destination="host")
+        return self._submit("D2H", l1_ids, host_runs)
 
     def start_backup(self, l1_page_ids: Sequence[int]) -> PendingBackup:
         """Gather L1 pages into a packed device buffer now; their L2 pages are named later, by
@@ -637,8 +637,8 @@ class TransferEngine:
 
     def restore(self, host_page_ids: Sequence[int], l1_page_ids: Sequence[int]) -> Transfer:
         """Copy host pages into L1 pages (H2D); l1_page_ids[i] receives host_page_ids[i]."""
-        l1_ids, host_ids = self._checked_ids(l1_page_ids, host_page_ids, destination="l1")
-        return self._submit("H2D", l1_ids, host_ids)
+        l1_ids, host_runs = self._checked_ids(l1_page_ids, host_page_ids, destination="l1")
+        return self._submit("H2D", l1_ids, host_runs)
 
     def backend_report(self) -> dict[str, Any]:
         """The requested backend, the one chosen per direction (D2H gathers, H2D scatters) and, for
@@ -778,13 +778,12 @@ class TransferEngine:
 
     # ---- submission ----------------------------------------------------------------------------
 
-    def _submit(self, direction: str, l1_ids: np.ndarray, host_ids: np.ndarray) -> Transfer:
+    def _submit(self, direction: str, l1_ids: np.ndarray, host_runs: list[tuple[int, int, int]]) -> Transfer:
         num_pages = len(l1_ids)
         transfer = Transfer(direction, num_pages, num_pages * self.bytes_per_page, self._release)
         if num_pages == 0:
             transfer._complete(block=False)
             return transfer
-        host_runs = _runs_of_consecutive_ids(host_ids)
         staged = len(host_runs) > 1 and self.fragmented_copy == "staging"
         workspace = self._acquire_workspace(num_pages, staged)
         self._transfer_to_workspace[transfer] = workspace
@@ -1243,18 +1242,30 @@ class TransferEngine:
     # ---- validation ----------------------------------------------------------------------------
 
     def _checked_ids(self, l1_page_ids: Sequence[int], host_page_ids: Sequence[int],
-                     destination: str) -> tuple[np.ndarray, np.ndarray]:
+                     destination: str) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """The L1 ids as an array and the host pages as runs (position, first host page, pages),
+        checked. Host pages that are a list of ints running up one by one (a reservation) are one
+        run, known distinct, with no array built."""
         l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
-        host_ids = _page_id_array("host_page_ids", host_page_ids, self.host_pool.num_pages)
-        if len(l1_ids) != len(host_ids):
-            raise ValueError(f"l1_page_ids has {len(l1_ids)} pages but host_page_ids has {len(host_ids)}")
+        start = _one_run(host_page_ids, self.host_pool.num_pages)
+        if start is not None:
+            host_ids = None
+            num_host_pages = len(host_page_ids)
+        else:
+            host_ids = _page_id_array("host_page_ids", host_page_ids, self.host_pool.num_pages)
+            num_host_pages = len(host_ids)
+        if len(l1_ids) != num_host_pages:
+            raise ValueError(f"l1_page_ids has {len(l1_ids)} pages but host_page_ids has {num_host_pages}")
         # Two sources written into one destination page would race; sources may repeat.
         destination_name, destination_ids = (
             ("host_page_ids", host_ids) if destination == "host" else ("l1_page_ids", l1_ids))
-        repeated = _first_repeated_id(destination_ids)
-        if repeated is not None:
-            raise ValueError(f"destination {destination_name} lists page {repeated} more than once")
-        return l1_ids, host_ids
+        if destination_ids is not None:
+            repeated = _first_repeated_id(destination_ids)
+            if repeated is not None:
+                raise ValueError(f"destination {destination_name} lists page {repeated} more than once")
+        if host_ids is None:
+            return l1_ids, [(0, start, num_host_pages)] if num_host_pages else []
+        return l1_ids, _runs_of_consecutive_ids(host_ids) if len(host_ids) else []
 
 
 def _page_id_array(name: str, page_ids: Sequence[int] | np.ndarray | torch.Tensor, num_pages: int) -> np.ndarray:

@@ -171,14 +171,17 @@ def test_backup_then_restore_into_different_pages_round_trips(make_setup, dtype,
     assert same_bits(setup.l1_pool.kv[:, :, L1_SOURCE_PAGES], originals)
 
 
-def transfer_after_late_caller_write(setup: Setup, device: str, direction: str, host_layout: str) -> bool:
+def transfer_after_late_caller_write(setup: Setup, device: str, direction: str, host_layout: str,
+                                     seed: int = 99) -> bool:
     """Queue, on the caller's stream and behind ~0.1 s of GPU sleep, a write to the L1 pages a transfer
     uses, then run the transfer at once. True if the transfer was ordered after that write: a backup
-    copied the freshly written pages; a restore's pages were not overwritten by the late write."""
+    copied the freshly written pages; a restore's pages were not overwritten by the late write.
+    Repeated calls on one setup need a new seed each: the write must differ from what is there."""
     host_page_ids = HOST_PAGES[host_layout]
     l1_page_ids = L1_SOURCE_PAGES if direction == "D2H" else L1_DESTINATION_PAGES
     late = torch.empty_like(setup.l1_pool.kv[:, :, l1_page_ids])
-    fill_random_(late, torch.Generator().manual_seed(99))
+    fill_random_(late, torch.Generator().manual_seed(seed))
+    assert not same_bits(late, setup.l1_pool.kv[:, :, l1_page_ids]), "the late write would change nothing"
     page_index = torch.tensor(l1_page_ids, device=device)
     # Warm up (first allocations and lazy kernel loading synchronize the device) without changing L1.
     setup.l1_pool.kv.index_copy_(2, page_index, setup.l1_pool.kv[:, :, l1_page_ids].clone())
@@ -246,7 +249,7 @@ def test_recurring_transfers_run_as_cuda_graphs_exact_and_after_the_callers_stre
     assert setup.engine.backend_report()["cuda_graphs"] == {"D2H": True, "H2D": True}
     launches = count_graph_launches(setup.engine)
     for repetition in range(4):
-        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous"), repetition
+        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous", seed=repetition), repetition
     assert setup.engine.num_graphs_captured >= (4 if sliced else 1)
     assert len(launches) >= 2 * (4 if sliced else 1)
 
@@ -259,11 +262,11 @@ def test_without_the_wait_on_the_callers_stream_graph_launches_race(monkeypatch,
     """Control for the test above: with the wait by handle removed, once the graphs run, the late
     caller write and the transfer race and the check fails."""
     setup = make_setup("bfloat16", "cuda", backend="triton")
-    for _ in range(3):       # the gathers and scatters of this size are graphs after this
-        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous")
+    for repetition in range(3):       # the gathers and scatters of this size are graphs after this
+        assert transfer_after_late_caller_write(setup, "cuda", direction, "contiguous", seed=repetition)
     launches = count_graph_launches(setup.engine)
     monkeypatch.setattr(TransferEngine, "_wait_for_callers_by_handle", lambda self, workspace: None)
-    assert not transfer_after_late_caller_write(setup, "cuda", direction, "contiguous")
+    assert not transfer_after_late_caller_write(setup, "cuda", direction, "contiguous", seed=3)
     assert launches
 
 

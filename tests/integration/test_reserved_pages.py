@@ -185,15 +185,16 @@ def test_a_hint_with_a_reused_page_at_the_same_place_is_refused(make_engine):
 
 
 def test_reserved_pages_are_topped_up_and_all_given_back(make_engine):
-    """Chunks are topped up in the background as pages are taken; pages put back can be taken
+    """Chunks are topped up in the background once pages run low; pages put back can be taken
     again; a commit of a chunk's last pages ends its lease; close releases the rest."""
     engine = make_engine("cpu", seed=5)
     rng = np.random.default_rng()
     reserved = ReservedPages(engine.client, chunk_pages=8, low_water_pages=6)
     reserved.fill()
     assert reserved.num_free == 8
-    first = reserved.take(5)            # 3 left: below the low water, a second chunk is asked for
+    first = reserved.take(5)            # 3 left: below the low water
     assert first is not None
+    reserved.top_up()                   # so a second chunk is asked for
     turns = 1000
     while reserved.num_free < 11 and turns:     # 3 + the second chunk's 8, once its reply is in
         assert reserved.take(100) is None
