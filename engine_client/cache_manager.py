@@ -11,6 +11,13 @@ completes before its commit is sent, so the daemon never publishes pages that ar
 The daemon lease of a plan locks the matched L2 prefix (the backup is inserted below it) and owns
 the reserved backup pages; it ends by commit or release, never by being forgotten: ``abort`` and
 ``close`` end it too, and the daemon reclaims it if this process dies.
+
+With ``reserve_ahead_pages`` (engine_client.reserved), the manager holds L2 pages ahead of its
+backups instead: the match reserves nothing, ``finish`` writes the new pages into pages it
+already holds and commits them with their prefix (no round trip), and it remembers where each
+backup went. A later request for exactly such a prefix starts its restore from those pages
+before the match reply comes; the reply confirms it (same pages, same allocation epochs) or the
+restore is redone from the pages it names.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.l1_index import L1PrefixIndex
 from engine_client.l1_pool import L1Pool
+from engine_client.reserved import L2Hints, ReservedPages, TakenPages, confirm_restore
 from engine_client.shared_pool import SharedHostPool
 from engine_client.transfer import TransferEngine
 from proto.messages import KVGeometry
@@ -53,13 +61,22 @@ class RequestPlan:
     backup_page_ids: list[int]
     restore_seconds: float = 0.0
     finished: bool = False
+    backup: bool = True                 # back up the new full pages at finish
+    hit_page_ids: list[int] = dataclasses.field(default_factory=list)      # the L2 hit's pages and
+    hit_page_epochs: list[int] = dataclasses.field(default_factory=list)   # epochs (for hints)
 
 
 class CacheManager:
     def __init__(self, client: KVCacheClient, l1_pool: L1Pool, host_pool: SharedHostPool,
-                 transfer: TransferEngine, restore_policy: str = "always"):
+                 transfer: TransferEngine, restore_policy: str = "always", reserve_ahead_pages: int = 0):
+        """``reserve_ahead_pages`` > 0: back up into L2 pages held ahead, in chunks of that many
+        (another is asked for once half is used; a backup larger than what one chunk has left is
+        skipped and counted), and restore speculatively from where this manager's own backups
+        went (see the module note)."""
         if restore_policy not in RESTORE_POLICIES:
             raise ValueError(f"restore_policy must be one of {RESTORE_POLICIES}")
+        if type(reserve_ahead_pages) is not int or reserve_ahead_pages < 0:
+            raise ValueError(f"reserve_ahead_pages must be an integer >= 0, got {reserve_ahead_pages!r}")
         self.client = client
         self.l1_pool = l1_pool
         self.host_pool = host_pool
@@ -71,11 +88,22 @@ class CacheManager:
         self._open_plans: list[RequestPlan] = []
         self.counters: collections.Counter[str] = collections.Counter()   # fallbacks to recompute
         self._pin_report_pending = False
+        self.reserved: ReservedPages | None = None
+        self.hints: L2Hints | None = None
+        if reserve_ahead_pages:
+            self.reserved = ReservedPages(client, chunk_pages=reserve_ahead_pages,
+                                          low_water_pages=max(1, reserve_ahead_pages // 2))
+            self.hints = L2Hints(self.page_size)
+            try:
+                self.reserved.fill()
+            except (DaemonUnavailable, DaemonError) as exc:    # later takes find none: backups skip
+                logger.warning("could not reserve L2 pages ahead: %s", exc)
 
     @classmethod
     def attach(cls, client: KVCacheClient, geometry: KVGeometry, num_l1_pages: int,
                device: str | torch.device = "cpu", backend: str = "auto",
-               restore_policy: str = "always", pin_in_background: bool = True) -> "CacheManager":
+               restore_policy: str = "always", pin_in_background: bool = True,
+               reserve_ahead_pages: int = 0) -> "CacheManager":
         """Attach ``client`` with ``geometry``, make the L1 pool, and map (and on a GPU, pin) the L2 pool.
 
         ``backend`` picks the page gather/scatter ("auto" times torch against Triton on this
@@ -93,7 +121,7 @@ class CacheManager:
         except BaseException:
             host_pool.close()
             raise
-        manager = cls(client, l1_pool, host_pool, transfer, restore_policy)
+        manager = cls(client, l1_pool, host_pool, transfer, restore_policy, reserve_ahead_pages)
         manager._report_transfer_facts()
         return manager
 
@@ -126,11 +154,11 @@ class CacheManager:
         l1_hit_pages = len(l1_page_ids)
         self.l1_index.lock(l1_page_ids)
         lease_id = None
-        pending = prepared = None
+        pending = prepared = speculative = hint = None
         new_l1_page_ids: list[int] = []
         try:
             try:
-                pending = self.client.match_async(tokens, reserve_backup=backup)
+                pending = self.client.match_async(tokens, reserve_backup=backup and self.reserved is None)
             except (DaemonUnavailable, DaemonError) as exc:
                 logger.warning("match failed, recomputing: %s", exc)
                 self.counters["match_failures"] += 1
@@ -139,7 +167,13 @@ class CacheManager:
             new_l1_page_ids = self._allocate_l1(-(-len(tokens) // page_size) - l1_hit_pages)
             num_restorable = len(tokens) // page_size - l1_hit_pages
             if pending is not None and self.restore_policy == "always" and num_restorable > 0:
-                prepared = self.transfer.start_restore(new_l1_page_ids[:num_restorable])
+                hint = self.hints.get(tokens) if self.hints is not None else None
+                if hint is not None:
+                    # This manager backed exactly these pages up: read them now, before the reply.
+                    speculative = self.transfer.restore(hint.page_ids[l1_hit_pages:],
+                                                        new_l1_page_ids[:num_restorable])
+                else:
+                    prepared = self.transfer.start_restore(new_l1_page_ids[:num_restorable])
             reply = None
             if pending is not None:
                 try:
@@ -151,7 +185,11 @@ class CacheManager:
             l2_hit_tokens = reply.hit_tokens["l2"] if reply is not None else 0
             restored_page_ids: list[int] = []
             restore_seconds = 0.0
-            if prepared is not None and l2_hit_tokens > l1_match.num_tokens:
+            if speculative is not None:
+                restored_page_ids, restore_seconds = self._confirm_speculation(
+                    speculative, hint, reply, new_l1_page_ids[:num_restorable], l1_hit_pages)
+                speculative = None
+            elif prepared is not None and l2_hit_tokens > l1_match.num_tokens:
                 host_page_ids = reply.host_page_ids[l1_hit_pages: l2_hit_tokens // page_size]
                 restore_pages = new_l1_page_ids[:len(host_page_ids)]
                 try:
@@ -178,7 +216,11 @@ class CacheManager:
             # After a failed restore the prefill recomputes from the L1 hit on, so the reserved pages
             # (from the L2 hit on) are still produced and can still be backed up.
             backup_page_ids = list(reply.backup_page_ids) if reply is not None else []
-            if lease_id is not None and not backup_page_ids:
+            # With pages reserved ahead, the lease locks the L2 hit until finish commits the pages
+            # that follow it (the commit needs the hit still in L2).
+            backs_up_after_hit = (self.reserved is not None and backup
+                                  and len(tokens) // page_size > l2_hit_tokens // page_size)
+            if lease_id is not None and not backup_page_ids and not backs_up_after_hit:
                 self._end_lease(lease_id)   # nothing to back up: the read lock is done
                 lease_id = None
             num_cached_tokens = len(l1_page_ids) * page_size
@@ -187,6 +229,7 @@ class CacheManager:
                 pending.cancel()
             if prepared is not None:
                 prepared.cancel()
+            if prepared is not None or speculative is not None:
                 self.transfer.drain()
             self.l1_index.unlock(l1_page_ids)
             self.l1_pool.free(new_l1_page_ids)
@@ -200,9 +243,33 @@ class CacheManager:
             backup_start_token=reply.backup_start_token if reply is not None else 0,
             backup_page_ids=backup_page_ids if lease_id is not None else [],
             restore_seconds=restore_seconds,
+            backup=backup,
+            hit_page_ids=list(reply.host_page_ids) if reply is not None else [],
+            hit_page_epochs=list(reply.host_page_epochs) if reply is not None else [],
         )
         self._open_plans.append(plan)
         return plan
+
+    def _confirm_speculation(self, speculative, hint, reply, l1_page_ids: list[int],
+                             first: int) -> tuple[list[int], float]:
+        """The L1 pages a speculative restore (from the hint's pages first on, into l1_page_ids)
+        filled once the reply is in, and its time; a disproved hint is restored again from the
+        reply's pages. A failed transfer restores nothing (the request recomputes)."""
+        if reply is None:                       # no reply: nothing is leased, nothing is proved
+            speculative.wait()
+            return [], 0.0
+        try:
+            restore, held = confirm_restore(self.transfer, speculative, hint, reply, l1_page_ids, first)
+            self.counters["speculative_restores_confirmed" if held else "speculative_restores_redone"] += 1
+            if restore is None:
+                return [], 0.0
+            restore.wait()
+            return l1_page_ids[:restore.num_pages], restore.seconds
+        except Exception as exc:                # the transfer failed: recompute instead
+            logger.warning("restore of %d pages failed, recomputing: %s", len(l1_page_ids), exc)
+            self.counters["restore_failures"] += 1
+            self.transfer.drain()               # nothing of it may still write into these pages
+            return [], 0.0
 
     def _end_lease(self, lease_id: int) -> None:
         """Release a lease; if the session is gone the daemon has reclaimed it already."""
@@ -225,7 +292,10 @@ class CacheManager:
         all_pages = plan.l1_page_ids + new_full
         backed_up = 0
         try:
-            if plan.lease_id is not None:
+            if self.reserved is not None:
+                if plan.backup:
+                    backed_up = self._back_up_into_reserved(plan, all_pages, full_pages)
+            elif plan.lease_id is not None:
                 start = plan.backup_start_token // page_size
                 count = min(len(plan.backup_page_ids), full_pages - start)
                 host_page_ids = plan.backup_page_ids[:count]
@@ -251,6 +321,32 @@ class CacheManager:
                 self.l1_pool.free(tail)
             self._close_plan(plan)
         return backed_up
+
+    def _back_up_into_reserved(self, plan: RequestPlan, all_pages: list[int], full_pages: int) -> int:
+        """finish's backup with pages reserved ahead: the full pages from the L2 hit on, written
+        and committed with their prefix; returns how many. Where they went is remembered."""
+        start = plan.backup_start_token // self.page_size
+        count = full_pages - start
+        if count <= 0:
+            return 0
+        taken: TakenPages | None = self.reserved.take(count)
+        if taken is None:
+            self.counters["backups_without_reserved_pages"] += 1
+            self.reserved.top_up()
+            return 0
+        try:
+            transfer = self.transfer.backup(all_pages[start:start + count], taken.page_ids)
+            self.reserved.top_up()         # while the DMA runs
+            transfer.wait()
+        except BaseException:
+            self.reserved.put_back(taken)
+            raise
+        tokens = plan.token_ids[: full_pages * self.page_size]
+        self.reserved.commit(taken, tokens, start_page=start)
+        if len(plan.hit_page_ids) >= start:
+            self.hints.record(tokens, plan.hit_page_ids[:start] + taken.page_ids,
+                              plan.hit_page_epochs[:start] + taken.page_epochs)
+        return count
 
     def abort(self, plan: RequestPlan) -> None:
         """Give up a request: end its lease, free its new pages, unlock its cached ones."""
@@ -308,6 +404,8 @@ class CacheManager:
         try:
             for plan in list(self._open_plans):
                 self.abort(plan)
+            if self.reserved is not None:
+                self.reserved.close()
         finally:
             try:
                 self.transfer.close()

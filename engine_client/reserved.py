@@ -25,7 +25,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from engine_client.client import KVCacheClient, MatchReply, PendingReservation, token_bytes
+from engine_client.client import (DaemonError, DaemonUnavailable, KVCacheClient, MatchReply, PendingReservation,
+                                  token_bytes)
 from engine_client.transfer import Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,10 @@ class ReservedPages:
             self._pending = None
         chunks, self._chunks = self._chunks, []
         for chunk in chunks:
-            self.client.release(chunk.lease_id)
+            try:
+                self.client.release(chunk.lease_id)
+            except (DaemonUnavailable, DaemonError) as exc:     # its session's end reclaims it
+                logger.warning("could not release reserved pages (lease %d): %s", chunk.lease_id, exc)
 
     def _chunk_of(self, taken: TakenPages) -> _Chunk:
         for chunk in self._chunks:
@@ -196,15 +200,16 @@ def hint_holds(hint: L2Hint, reply: MatchReply) -> bool:
 
 
 def confirm_restore(engine: TransferEngine, speculative: Transfer, hint: L2Hint, reply: MatchReply,
-                    l1_page_ids: Sequence[int]) -> tuple[Transfer | None, bool]:
+                    l1_page_ids: Sequence[int], first: int = 0) -> tuple[Transfer | None, bool]:
     """The restore to wait for once the match reply of a speculative restore is in, and whether
-    the speculation held. When it did not, the restore is queued again (after the speculative
-    one, into the same L1 pages) from the pages the reply names, for as many of l1_page_ids as
-    the L2 hit covers; None when it covers none."""
+    the speculation held. The speculative restore read the hint's pages from ``first`` on into
+    l1_page_ids. When the hint does not hold, it is waited for, and the restore is queued again
+    from the pages the reply names from ``first`` on, for as many of l1_page_ids as the L2 hit
+    covers; None when it covers none."""
     if hint_holds(hint, reply):
         return speculative, True
     speculative.wait()       # it writes the same L1 pages: let it finish before the real one
-    count = min(len(reply.host_page_ids), len(l1_page_ids))
-    if count == 0:
+    count = min(len(reply.host_page_ids) - first, len(l1_page_ids))
+    if count <= 0:
         return None, False
-    return engine.restore(reply.host_page_ids[:count], list(l1_page_ids)[:count]), False
+    return engine.restore(reply.host_page_ids[first:first + count], list(l1_page_ids)[:count]), False
