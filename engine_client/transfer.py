@@ -48,6 +48,14 @@ operations alone. On the H200 machine this took `send_to` of a 1,000-token backu
 33 µs (bench/results/h200/submit_baseline.json and submit.json; two machines of the same kind, the
 second slower at every primitive).
 
+Graphs. A gather or scatter of one slice is captured as a CUDA graph the second time the same
+workspace wants it (same first page and count: the graph holds the workspace's buffers and the
+pool), up to 32 per workspace, and launched with cudaGraphLaunch on the compute stream; the
+caller-stream wait, the event records and the waits between the streams go through the runtime
+by handle as well, so such a transfer makes no stream switch and no Triton launch. A one-off size
+launches directly. A capture that fails turns graphs off for the engine (`cuda_graphs=False`
+does so from the start); `backend_report()` says whether they are on.
+
 Started transfers. `start_backup` gathers, and `start_restore` checks and uploads its ids, while
 the engine's match is in flight (KVCacheClient.match_async); `send_to` / `receive_from` then queue
 only the DMAs (and the scatters) once the reply names the L2 pages. A started backup's gather is
