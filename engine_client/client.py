@@ -354,6 +354,7 @@ class KVCacheClient:
         self._heartbeat_thread: threading.Thread | None = None
         self._stop_heartbeats = threading.Event()
         self._session_lost: str | None = None
+        self._session_confirmed_at = 0.0     # when the last request the daemon answered for it was sent
         self._closed = False
 
     # ---- session ----------------------------------------------------------------------------
@@ -362,6 +363,7 @@ class KVCacheClient:
         if self.info is not None:
             raise RuntimeError("already attached")
         geometry.validate()
+        sent = time.monotonic()
         body = self._channel.request(MsgKind.ATTACH, {
             "protocol_version": PROTOCOL_VERSION,
             "pid": os.getpid(),
@@ -369,6 +371,7 @@ class KVCacheClient:
             "client_name": self.client_name,
         })
         self.info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+        self._session_confirmed_at = sent
         self.geometry = geometry
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="kvcached-heartbeat",
                                                   daemon=True)
@@ -382,7 +385,9 @@ class KVCacheClient:
         try:
             while not self._stop_heartbeats.wait(interval_s):
                 try:
+                    sent = time.monotonic()
                     channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id})
+                    self._session_confirmed_at = sent
                 except DaemonError as exc:
                     if exc.code != ErrorCode.NOT_ATTACHED:
                         logger.warning("heartbeat refused: %s", exc)
@@ -432,6 +437,14 @@ class KVCacheClient:
                 self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
             except DaemonUnavailable as exc:    # the session's end reclaims it
                 logger.warning("could not release lease %d: %s", lease_id, exc)
+
+    def session_valid_for(self) -> float:
+        """Seconds for which the daemon keeps this session, and so its leases and their pages,
+        even if no heartbeat gets through from now on: the session timeout counted from the
+        sending of the last request the daemon answered for it (0 once lost or closed)."""
+        if self.info is None or self._closed or self._session_lost is not None:
+            return 0.0
+        return max(0.0, self._session_confirmed_at + self.info.session_timeout_s - time.monotonic())
 
     @property
     def session_lost(self) -> bool:

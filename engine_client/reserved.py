@@ -45,7 +45,7 @@ class _Chunk:
     lease_id: int
     page_ids: list[int]          # not taken yet, in the daemon's order
     page_epochs: list[int]
-    taken: int = 0               # pages taken and neither committed nor put back
+    taken: set[int] = dataclasses.field(default_factory=set)    # taken, neither committed nor put back
 
 
 class ReservedPages:
@@ -54,9 +54,15 @@ class ReservedPages:
     waiting (call it while a backup's DMA runs; ``commit`` calls it too); its reply is taken in by
     a later ``take``. ``close`` releases what is left."""
 
+    # Pages are taken only while the daemon is sure to keep the session (and these leases) alive at
+    # least this share of its timeout longer: enough for the backup's DMA and its commit.
+    MIN_SESSION_SHARE = 0.5
+
     def __init__(self, client: KVCacheClient, chunk_pages: int, low_water_pages: int | None = None):
         if type(chunk_pages) is not int or chunk_pages < 1:
             raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
+        if client.info is None or client.geometry is None:
+            raise ValueError("attach the client first")
         self.client = client
         self.chunk_pages = chunk_pages
         self.low_water_pages = chunk_pages if low_water_pages is None else low_water_pages
@@ -71,7 +77,7 @@ class ReservedPages:
     def fill(self) -> None:
         """Wait until a chunk is held (or the daemon had none to give): for start-up."""
         self._collect(wait=True)
-        if self.num_free < self.low_water_pages:
+        if not self._chunks or self.num_free < self.low_water_pages:
             self._pending = self.client.reserve_pages_async(self.chunk_pages)
             self._collect(wait=True)
 
@@ -80,13 +86,19 @@ class ReservedPages:
         through a match's reservation instead). Sends nothing (see top_up)."""
         if self._closed:
             raise RuntimeError("closed")
+        if self.client.session_lost:
+            # The daemon reclaimed the leases: their pages may be anyone's now.
+            self._chunks.clear()
+            return None
+        if self.client.session_valid_for() < self.MIN_SESSION_SHARE * self.client.info.session_timeout_s:
+            return None      # heartbeats are late: the leases may not outlive the backup
         self._collect(wait=False)
         taken = None
         for chunk in self._chunks:
             if len(chunk.page_ids) >= num_pages:
                 taken = TakenPages(chunk.lease_id, chunk.page_ids[:num_pages], chunk.page_epochs[:num_pages])
                 del chunk.page_ids[:num_pages], chunk.page_epochs[:num_pages]
-                chunk.taken += num_pages
+                chunk.taken.update(taken.page_ids)
                 break
         return taken
 
@@ -97,21 +109,26 @@ class ReservedPages:
             self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False)
 
     def commit(self, taken: TakenPages, token_ids: Sequence[int] | np.ndarray, start_page: int = 0) -> None:
-        """The backup into ``taken`` is complete: publish it as pages [start_page, start_page + n)
-        of token_ids. The pages are the daemon's from now on."""
-        chunk = self._chunk_of(taken)
+        """The backup into ``taken`` has completed (its Transfer waited for): publish it as pages
+        [start_page, start_page + n) of token_ids. The pages are the daemon's from now on."""
+        chunk = self._outstanding_chunk_of(taken)
+        page_size = self.client.geometry.page_size
+        if type(start_page) is not int or start_page < 0 \
+                or len(token_ids) < (start_page + len(taken.page_ids)) * page_size:
+            raise ValueError(f"{len(token_ids)} tokens from start_page={start_page!r} do not cover "
+                             f"{len(taken.page_ids)} pages of {page_size} tokens")
         self.client.commit_pages(taken.lease_id, token_ids, start_page, taken.page_ids)
-        chunk.taken -= len(taken.page_ids)
+        chunk.taken.difference_update(taken.page_ids)
         if not chunk.page_ids and not chunk.taken:     # the daemon ended the lease with this commit
             self._chunks.remove(chunk)
         self.top_up()
 
     def put_back(self, taken: TakenPages) -> None:
         """The backup into ``taken`` did not happen (or failed): its pages can be taken again."""
-        chunk = self._chunk_of(taken)
+        chunk = self._outstanding_chunk_of(taken)
         chunk.page_ids[:0] = taken.page_ids
         chunk.page_epochs[:0] = taken.page_epochs
-        chunk.taken -= len(taken.page_ids)
+        chunk.taken.difference_update(taken.page_ids)
 
     def close(self) -> None:
         """Release every standing lease (pages taken and not committed go back with them)."""
@@ -128,17 +145,24 @@ class ReservedPages:
             except (DaemonUnavailable, DaemonError) as exc:     # its session's end reclaims it
                 logger.warning("could not release reserved pages (lease %d): %s", chunk.lease_id, exc)
 
-    def _chunk_of(self, taken: TakenPages) -> _Chunk:
+    def _outstanding_chunk_of(self, taken: TakenPages) -> _Chunk:
+        """The chunk ``taken`` came from, if its pages are still out (not committed or put back)."""
         for chunk in self._chunks:
             if chunk.lease_id == taken.lease_id:
+                if not taken.page_ids or not chunk.taken.issuperset(taken.page_ids):
+                    raise ValueError("these pages are not out: committed or put back already, or never taken")
                 return chunk
-        raise ValueError(f"lease {taken.lease_id} is not one of this reservation's")
+        raise ValueError(f"lease {taken.lease_id} is not one of this reservation's (or was given up)")
 
     def _collect(self, wait: bool) -> None:
         if self._pending is None or not (wait or self._pending.ready()):
             return
         pending, self._pending = self._pending, None
-        reservation = pending.result()
+        try:
+            reservation = pending.result()
+        except (DaemonError, DaemonUnavailable) as exc:    # backups go through matches meanwhile
+            logger.warning("reserving L2 pages ahead failed: %s", exc)
+            return
         if reservation.lease_id is None:
             logger.debug("the daemon had no L2 page to reserve ahead")
             return
@@ -169,7 +193,10 @@ class L2Hints:
 
     def record(self, token_ids: Sequence[int] | np.ndarray, page_ids: Sequence[int],
                page_epochs: Sequence[int]) -> None:
-        """Pages [0, len(page_ids)) of token_ids are in these L2 pages, at these epochs."""
+        """Pages [0, len(page_ids)) of token_ids are in these L2 pages, at these epochs. Only once
+        their backups have completed (a staged backup writes the pages when it is waited for):
+        the reply checks which pages hold the prefix and that they were not handed out again, not
+        when they were written."""
         if len(page_ids) != len(page_epochs):
             raise ValueError(f"{len(page_ids)} page ids but {len(page_epochs)} epochs")
         if not page_ids or len(token_ids) < len(page_ids) * self.page_size:

@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, first_epoch: int = 0):
+        """``first_epoch``: every page's epoch before its first allocation. The daemon draws it at
+        random for each allocator, so that epochs of an allocator made again (a namespace made
+        anew) do not repeat the earlier one's."""
         num_pages = operator.index(num_pages)
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -38,7 +41,9 @@ class PageAllocator:
         self._run_starts: list[int] = []
         self._start_to_length: dict[int, int] = {}
         self._runs_by_length: list[tuple[int, int]] = []
-        self._epochs = np.zeros(num_pages, dtype=np.int64)
+        if not 0 <= first_epoch < 1 << 62:
+            raise ValueError(f"first_epoch must be in [0, 2**62), got {first_epoch}")
+        self._epochs = np.full(num_pages, first_epoch, dtype=np.int64)
         if num_pages:
             self._add_run(0, num_pages)
 

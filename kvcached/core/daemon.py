@@ -35,6 +35,9 @@ ARENA_ALIGN_BYTES = 2 * 1024 * 1024
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
+# Of a namespace's L2 pages, at most this share is held ahead (standing leases) by one session:
+# every reservation may evict cached prefixes, and a session keeps what it holds while it lives.
+MAX_RESERVED_AHEAD_SHARE = 0.5
 
 
 class ArenaPlan(NamedTuple):
@@ -187,7 +190,7 @@ class DaemonState:
             arena_offset_bytes=self.arena_plan.arena_offset(index),
             num_pages=num_pages,
             tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock),
-            l2_allocator=PageAllocator(num_pages),
+            l2_allocator=PageAllocator(num_pages, first_epoch=secrets.randbits(48)),
             l3_region_offset_bytes=self.l3_plan.arena_offset(index) if num_slots else 0,
             l3_allocator=PageAllocator(num_slots) if num_slots else None,
             arena_index=index,
@@ -319,10 +322,14 @@ class DaemonState:
 
     def reserve_pages(self, session_id: int, num_pages: int) -> Reservation:
         """A standing lease on up to num_pages private L2 pages (evicting if needed; possibly none),
-        for backups that the engine writes before it tells which prefix they hold (commit_pages)."""
+        for backups that the engine writes before it tells which prefix they hold (commit_pages).
+        A session holds at most MAX_RESERVED_AHEAD_SHARE of the namespace's pages this way."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
-        page_ids = self._reserve_l2(namespace, num_pages)
+        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids
+                   if self.leases[lease_id].standing)
+        allowed = int(namespace.num_pages * MAX_RESERVED_AHEAD_SHARE) - held
+        page_ids = self._reserve_l2(namespace, min(num_pages, allowed)) if allowed > 0 else []
         self.metrics.add("pages_reserved_ahead", len(page_ids))
         if not page_ids:
             return Reservation(None, [], [])
@@ -429,8 +436,12 @@ class DaemonState:
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
         num_tokens = (start_page + len(host_page_ids)) * page_size
         if len(token_ids) < num_tokens:
+            # The pages still leave the lease (as the engine, which sends commits without waiting,
+            # counts on): freed, not published.
+            self._return_reserved(namespace, lease, host_page_ids)
             raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(token_ids)} tokens do not cover pages "
-                                f"[{start_page}, {start_page + len(host_page_ids)}) of {page_size} tokens")
+                                f"[{start_page}, {start_page + len(host_page_ids)}) of {page_size} tokens; "
+                                "the pages were returned")
         token_ids = token_ids[:num_tokens]
         tree = namespace.tree
         new_pages, duplicates, kept = 0, 0, set()
@@ -441,18 +452,24 @@ class DaemonState:
             inserted = tree.insert(token_ids, Tier.L2, host_page_ids, start_page=start_page)
             kept = set(host_page_ids) - set(inserted.duplicate_page_ids)
             new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
-        returned = [p for p in host_page_ids if p not in kept]
-        if returned:
-            namespace.l2_allocator.free(returned)
-        named = set(host_page_ids)
-        lease.private_page_ids = [p for p in lease.private_page_ids if p not in named]
-        if not lease.private_page_ids:
-            self._end_lease(lease, LeaseState.COMMITTED)
+        self._return_reserved(namespace, lease, host_page_ids, kept)
         self.metrics.add("backup_commits")
         self.metrics.add("backup_pages_committed", new_pages)
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, token_ids) if new_pages else None
         return CommitReply(new_pages, duplicates), write_through
+
+    def _return_reserved(self, namespace: Namespace, lease: Lease, page_ids: list[int],
+                         kept: set[int] = frozenset()) -> None:
+        """Take page_ids out of a standing lease: those the tree kept are its own now, the rest are
+        freed. A lease left with no pages ends."""
+        returned = [p for p in page_ids if p not in kept]
+        if returned:
+            namespace.l2_allocator.free(returned)
+        named = set(page_ids)
+        lease.private_page_ids = [p for p in lease.private_page_ids if p not in named]
+        if not lease.private_page_ids:
+            self._end_lease(lease, LeaseState.COMMITTED)
 
     # ---- moves between tiers (L3) ------------------------------------------------------------
 

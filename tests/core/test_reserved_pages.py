@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -123,7 +125,6 @@ def test_bad_commits_of_reserved_pages_change_nothing(state):
     cases = [
         (a.session_id, reservation.lease_id, prefix, 0, [reservation.page_ids[0]] * 2, ErrorCode.BAD_PAGES),
         (a.session_id, reservation.lease_id, prefix, 0, match.backup_page_ids[:1], ErrorCode.NOT_LEASED),
-        (a.session_id, reservation.lease_id, tokens(rng, 1), 0, reservation.page_ids[:2], ErrorCode.BAD_FRAME),
         (a.session_id, match.lease_id, prefix, 0, match.backup_page_ids, ErrorCode.NOT_LEASED),
         (b.session_id, reservation.lease_id, prefix, 0, reservation.page_ids[:1], ErrorCode.NOT_LEASED),
         (a.session_id, 10**9, prefix, 0, reservation.page_ids[:1], ErrorCode.UNKNOWN_LEASE),
@@ -140,13 +141,56 @@ def test_bad_commits_of_reserved_pages_change_nothing(state):
     state.check_integrity()
 
 
-def test_reservations_are_reclaimed_with_their_session(state):
+def test_a_commit_whose_tokens_fall_short_returns_its_pages(state):
+    """The engine sends commits without waiting and counts the pages as gone: a commit refused for
+    too few tokens still takes its pages out of the lease (freed, nothing published)."""
+    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
-    first = state.reserve_pages(session.session_id, 10)
-    second = state.reserve_pages(session.session_id, 10)      # best effort: what is left
-    assert len(first.page_ids) == 10 and len(second.page_ids) == 6
+    reservation = state.reserve_pages(session.session_id, 4)
+    free_before = namespace.l2_allocator.num_free
+    with pytest.raises(ProtocolError) as caught:
+        state.commit_pages(session.session_id, reservation.lease_id, tokens(rng, 1), 0, reservation.page_ids[:2])
+    assert caught.value.code == ErrorCode.BAD_FRAME
+    state.check_integrity()
+    assert namespace.l2_allocator.num_free == free_before + 2
+    assert state.leases[reservation.lease_id].private_page_ids == reservation.page_ids[2:]
+    assert namespace.tree.owned_pages(Tier.L2) == 0
+
+
+def test_reservations_are_capped_per_session_and_reclaimed_with_it(state):
+    """A session holds at most half the namespace's pages ahead; another session has its own share;
+    whatever a session holds goes back when it ends."""
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    other, _ = state.attach(GEOMETRY, pid=2)
+    first = state.reserve_pages(session.session_id, 6)
+    second = state.reserve_pages(session.session_id, 6)       # up to the cap: 8 of 16 pages
+    assert len(first.page_ids) == 6 and len(second.page_ids) == 2
     assert state.reserve_pages(session.session_id, 1) == (None, [], [])
+    third = state.reserve_pages(other.session_id, 16)          # best effort: what is left
+    assert len(third.page_ids) == 8
     state.check_integrity()
     assert state.detach(session.session_id) == 2
     state.check_integrity()
+    assert namespace.l2_allocator.num_free == 8
+    assert len(state.reserve_pages(other.session_id, 1).page_ids) == 0      # still at its cap
+    state.detach(other.session_id)
+    state.check_integrity()
     assert namespace.l2_allocator.num_free == namespace.num_pages
+
+
+def test_epochs_of_a_namespace_made_anew_or_a_new_daemon_do_not_repeat(state):
+    """A namespace reclaimed and made again, or a daemon started again, hands out the same page ids
+    at other epochs: an engine's record of the old pages can never be taken for the new ones."""
+    session, _ = state.attach(GEOMETRY, pid=1)
+    old = state.reserve_pages(session.session_id, 4)
+    state.detach(session.session_id)
+    other, _ = state.attach(dataclasses.replace(GEOMETRY, model_id="other"), pid=2)   # reclaims the arena
+    state.detach(other.session_id)
+    session, namespace = state.attach(GEOMETRY, pid=3)                                # and back
+    assert state.metrics.counters["namespaces_reclaimed"] == 2
+    again = state.reserve_pages(session.session_id, 4)
+    assert again.page_ids == old.page_ids and again.page_epochs != old.page_epochs
+    restarted = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0)
+    fresh, _ = restarted.attach(GEOMETRY, pid=4)
+    new = restarted.reserve_pages(fresh.session_id, 4)
+    assert new.page_ids == old.page_ids and new.page_epochs != old.page_epochs

@@ -270,6 +270,95 @@ def test_without_the_wait_on_the_callers_stream_graph_launches_race(monkeypatch,
     assert launches
 
 
+def started_transfer_after_late_caller_write(setup: Setup, direction: str, seed: int) -> bool:
+    """transfer_after_late_caller_write for start_backup + send_to and start_restore + receive_from."""
+    kv, host_pages = setup.l1_pool.kv, HOST_PAGES["contiguous"]
+    l1_page_ids = L1_SOURCE_PAGES if direction == "D2H" else L1_DESTINATION_PAGES
+    late = torch.empty_like(kv[:, :, l1_page_ids])
+    fill_random_(late, torch.Generator().manual_seed(seed))
+    page_index = torch.tensor(l1_page_ids, device="cuda")
+    host_before = setup.host_pool.pages.clone()
+    assert not same_bits(late.permute(2, 0, 1, 3, 4, 5), host_before[host_pages])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    kv.index_copy_(2, page_index, late)
+    if direction == "D2H":
+        setup.engine.start_backup(l1_page_ids).send_to(host_pages).wait()
+        return same_bits(setup.host_pool.pages[host_pages], late.permute(2, 0, 1, 3, 4, 5))
+    setup.engine.start_restore(l1_page_ids).receive_from(host_pages).wait()
+    torch.cuda.synchronize()
+    return same_bits(kv[:, :, l1_page_ids].permute(2, 0, 1, 3, 4, 5), host_before[host_pages])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_started_transfers_through_graphs_wait_for_the_callers_stream(monkeypatch, make_setup, direction):
+    """Started backups and restores, repeated until their gathers and scatters are graphs, still
+    order after a late write on the caller's stream; with the wait by handle removed they do not."""
+    setup = make_setup("bfloat16", "cuda", backend="triton")
+    launches = count_graph_launches(setup.engine)
+    for repetition in range(4):
+        assert started_transfer_after_late_caller_write(setup, direction, seed=10 + repetition), repetition
+    assert launches
+    monkeypatch.setattr(TransferEngine, "_wait_for_callers_by_handle", lambda self, workspace: None)
+    assert not started_transfer_after_late_caller_write(setup, direction, seed=99)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("fragmented_copy", ["staging", "dma_per_run"])
+def test_fragmented_transfers_through_graphs_are_exact(make_setup, fragmented_copy):
+    """Fragmented host pages (staged, or one DMA per run) through graph launches: every repetition
+    moves the same bits as the first."""
+    setup = make_setup("bfloat16", "cuda", backend="triton", fragmented_copy=fragmented_copy)
+    engine, host_pages = setup.engine, HOST_PAGES["fragmented"]
+    launches = count_graph_launches(engine)
+    expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
+    generator = torch.Generator().manual_seed(12)
+    for repetition in range(3):
+        fill_random_(setup.host_pool.pages, generator)
+        engine.backup(L1_SOURCE_PAGES, host_pages).wait()
+        assert same_bits(setup.host_pool.pages[host_pages], expected), repetition
+        noise = torch.empty_like(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES])
+        fill_random_(noise, generator)                    # the restore must write them again
+        setup.l1_pool.kv.index_copy_(2, torch.tensor(L1_DESTINATION_PAGES, device="cuda"), noise)
+        engine.restore(host_pages, L1_DESTINATION_PAGES).wait()
+        assert same_bits(setup.l1_pool.kv[:, :, L1_DESTINATION_PAGES].permute(2, 0, 1, 3, 4, 5), expected)
+        setup.check_integrity()
+    assert launches and engine.num_graphs_captured == 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_a_failed_capture_turns_graphs_off_and_transfers_go_on(monkeypatch, make_setup):
+    """A gather that cannot be captured: the engine says so in its report, launches directly from
+    then on, and every transfer is still exact."""
+    setup = make_setup("bfloat16", "cuda", backend="triton")
+    engine = setup.engine
+    gather = engine.gather_backend.gather
+
+    def uncapturable(*args):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cannot be captured (on purpose)")
+        return gather(*args)
+
+    monkeypatch.setattr(engine.gather_backend, "gather", uncapturable)
+    launches = count_graph_launches(engine)
+    expected = setup.l1_pool.kv[:, :, L1_SOURCE_PAGES].permute(2, 0, 1, 3, 4, 5).clone()
+    generator = torch.Generator().manual_seed(13)
+    for repetition in range(3):
+        fill_random_(setup.host_pool.pages, generator)
+        engine.backup(L1_SOURCE_PAGES, HOST_PAGES["contiguous"]).wait()
+        assert same_bits(setup.host_pool.pages[HOST_PAGES["contiguous"]], expected), repetition
+    assert engine.backend_report()["cuda_graphs"] == {"D2H": False, "H2D": False}
+    assert launches == [] and engine.num_graphs_captured == 0
+    setup.check_integrity()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @needs_triton

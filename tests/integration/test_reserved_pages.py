@@ -5,17 +5,19 @@ the same checks on a GPU)."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from engine_client import kernels
 from engine_client.client import connect
 from engine_client.l1_pool import L1Pool
 from engine_client.reserved import L2Hints, ReservedPages, confirm_restore, hint_holds
 from engine_client.shared_pool import SharedHostPool
 from engine_client.transfer import TransferEngine
-from proto.messages import KVGeometry
+from proto.messages import KVGeometry, MsgKind
 from tests.integration.daemon_proc import DaemonProcess
 
 GEOMETRY = KVGeometry("reserved-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
@@ -37,7 +39,9 @@ class Engine:
         generator = torch.Generator().manual_seed(seed)
         bits = self.l1_pool.kv.view(torch.int16)
         bits.copy_(torch.randint(-2**15, 2**15, bits.shape, dtype=torch.int16, generator=generator))
-        self.transfer = TransferEngine(self.l1_pool, self.host_pool, backend="torch")
+        # On a GPU, the backend whose launches run as CUDA graphs once they recur.
+        backend = "triton" if device == "cuda" and kernels.triton_available() else "torch"
+        self.transfer = TransferEngine(self.l1_pool, self.host_pool, backend=backend)
         self.device = device
 
     def pages(self, l1_page_ids: list[int]) -> torch.Tensor:
@@ -167,7 +171,8 @@ def test_stale_hint_is_caught_and_the_restore_redone_from_the_reply(make_engine,
 
 
 def test_a_hint_with_a_reused_page_at_the_same_place_is_refused(make_engine):
-    """The same page ids, but one page was reallocated in between: only its epoch tells."""
+    """The comparison itself: the same page ids at other epochs, or the right pages in another
+    order, do not hold. (That a reused page does get another epoch: tests/core.)"""
     engine = make_engine("cpu", seed=4)
     rng = np.random.default_rng()
     tokens = random_tokens(rng, 3)
@@ -240,3 +245,51 @@ def test_bad_reservation_requests_are_refused(make_engine):
     assert len(errors) == 1 and errors[0].code.name == "NOT_LEASED", errors
     engine.client.release(reservation.lease_id)
     assert_sound(engine.client)
+
+
+def test_taken_pages_are_committed_or_put_back_once_and_checked_first(make_engine):
+    """A commit whose tokens fall short is refused before anything is sent; pages committed or put
+    back cannot be committed or put back again; nothing drifts from the daemon's view."""
+    engine = make_engine("cpu", seed=8)
+    rng = np.random.default_rng()
+    reserved = ReservedPages(engine.client, chunk_pages=8, low_water_pages=1)
+    reserved.fill()
+    taken = reserved.take(3)
+    with pytest.raises(ValueError, match="do not cover"):
+        reserved.commit(taken, random_tokens(rng, 2))
+    tokens = random_tokens(rng, 3)
+    reserved.commit(taken, tokens)
+    with pytest.raises(ValueError, match="not out"):
+        reserved.commit(taken, tokens)
+    with pytest.raises(ValueError, match="not out"):
+        reserved.put_back(taken)
+    other = reserved.take(2)
+    reserved.put_back(other)
+    with pytest.raises(ValueError, match="not out"):
+        reserved.put_back(other)
+    status = assert_sound(engine.client, leases=1)
+    assert status["namespaces"][0]["tiers"]["l2"]["private_pages"] == reserved.num_free == 5
+    assert status["namespaces"][0]["tiers"]["l2"]["owned_pages"] == 3
+    reserved.close()
+    assert_sound(engine.client)
+
+
+def test_no_pages_are_taken_once_the_session_may_be_gone(make_engine):
+    """Pages are taken only while the daemon surely keeps the session: never once it is lost (the
+    daemon reclaimed the pages; another engine may be writing them), nor while heartbeats are
+    late."""
+    engine = make_engine("cpu", seed=9)
+    reserved = ReservedPages(engine.client, chunk_pages=8)
+    reserved.fill()
+    assert reserved.take(2) is not None
+    confirmed = engine.client._session_confirmed_at
+    engine.client._session_confirmed_at = confirmed - engine.client.info.session_timeout_s   # late heartbeats
+    assert reserved.take(2) is None
+    engine.client._session_confirmed_at = confirmed
+    engine.client.request_raw(MsgKind.DETACH, {"session_id": engine.client.info.session_id})
+    deadline = time.monotonic() + 3.0
+    while not engine.client.session_lost:
+        assert time.monotonic() < deadline, "the client did not notice its session was gone"
+        time.sleep(0.05)
+    assert reserved.take(2) is None and reserved.num_free == 0
+    reserved.close()           # nothing to release, nothing raised
