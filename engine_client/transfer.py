@@ -1088,7 +1088,9 @@ class TransferEngine:
                     graph.capture_end()
             graph_exec = graph.raw_cuda_graph_exec()
         except Exception as exc:
-            logger.warning("capturing a %s as a CUDA graph failed (%s): launching directly from now on", kind, exc)
+            # The message only: the exception's frames hold views of the pool, which must close.
+            logger.warning("capturing a %s as a CUDA graph failed (%s): launching directly from now on",
+                           kind, str(exc))
             self._graph_gathers = self._graph_scatters = False
             self._backend_report["cuda_graphs"] = {"D2H": False, "H2D": False}
             return None
