@@ -15,9 +15,9 @@ the reserved backup pages; it ends by commit or release, never by being forgotte
 With ``reserve_ahead_pages`` (engine_client.reserved), the manager holds L2 pages ahead of its
 backups instead: the match reserves nothing, ``finish`` writes the new pages into pages it
 already holds and commits them with their prefix (no round trip), and it remembers where each
-backup went. A later request for exactly such a prefix starts its restore from those pages
-before the match reply comes; the reply confirms it (same pages, same allocation epochs) or the
-restore is redone from the pages it names.
+backup went. A later request that begins with such a prefix starts that part's restore from
+those pages before the match reply comes; the reply confirms it (same pages, same allocation
+epochs) or the restore is redone from the pages it names.
 """
 
 from __future__ import annotations
@@ -167,12 +167,13 @@ class CacheManager:
             new_l1_page_ids = self._allocate_l1(-(-len(tokens) // page_size) - l1_hit_pages)
             num_restorable = len(tokens) // page_size - l1_hit_pages
             if pending is not None and self.restore_policy == "always" and num_restorable > 0:
-                hint = self.hints.get(tokens) if self.hints is not None else None
-                if hint is not None:
-                    # This manager backed exactly these pages up: read them now, before the reply.
-                    speculative = self.transfer.restore(hint.page_ids[l1_hit_pages:],
-                                                        new_l1_page_ids[:num_restorable])
+                hint = self.hints.longest(tokens) if self.hints is not None else None
+                if hint is not None and len(hint.page_ids) > l1_hit_pages:
+                    # This manager backed these pages up: read them now, before the reply.
+                    speculative = self.transfer.restore(
+                        hint.page_ids[l1_hit_pages:], new_l1_page_ids[:len(hint.page_ids) - l1_hit_pages])
                 else:
+                    hint = None
                     prepared = self.transfer.start_restore(new_l1_page_ids[:num_restorable])
             reply = None
             if pending is not None:
@@ -252,9 +253,11 @@ class CacheManager:
 
     def _confirm_speculation(self, speculative, hint, reply, l1_page_ids: list[int],
                              first: int) -> tuple[list[int], float]:
-        """The L1 pages a speculative restore (from the hint's pages first on, into l1_page_ids)
-        filled once the reply is in, and its time; a disproved hint is restored again from the
-        reply's pages. A failed transfer restores nothing (the request recomputes)."""
+        """The L1 pages (of l1_page_ids, in order) restored once the reply is in, and the time.
+        The speculative restore read the hint's pages from ``first`` on into the leading ones; a
+        hint the reply proves is followed by the rest of the L2 hit, if longer; a disproved one is
+        restored again from the reply's pages. A failed transfer restores nothing (the request
+        recomputes)."""
         if reply is None:                       # no reply: nothing is leased, nothing is proved
             speculative.wait()
             return [], 0.0
@@ -263,8 +266,19 @@ class CacheManager:
             self.counters["speculative_restores_confirmed" if held else "speculative_restores_redone"] += 1
             if restore is None:
                 return [], 0.0
+            done = restore.num_pages
+            hit_pages = min(len(reply.host_page_ids) - first, len(l1_page_ids))
+            rest = None
+            if held and hit_pages > done:       # L2 holds more than this manager's backup did
+                rest = self.transfer.restore(reply.host_page_ids[first + done:first + hit_pages],
+                                             l1_page_ids[done:hit_pages])
             restore.wait()
-            return l1_page_ids[:restore.num_pages], restore.seconds
+            seconds = restore.seconds
+            if rest is not None:
+                rest.wait()
+                seconds += rest.seconds
+                done = hit_pages
+            return l1_page_ids[:done], seconds
         except Exception as exc:                # the transfer failed: recompute instead
             logger.warning("restore of %d pages failed, recomputing: %s", len(l1_page_ids), exc)
             self.counters["restore_failures"] += 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
+import itertools
 import logging
 from typing import NamedTuple, Sequence
 
@@ -30,6 +30,8 @@ from engine_client.client import (DaemonError, DaemonUnavailable, KVCacheClient,
 from engine_client.transfer import Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
+
+_WIRE_TOKENS = np.dtype("<i4")
 
 
 class TakenPages(NamedTuple):
@@ -176,20 +178,62 @@ class L2Hint(NamedTuple):
 
 
 class L2Hints:
-    """Where this engine's own backups went: the L2 pages and epochs of whole prefixes, keyed by
-    their tokens (a digest), the ``max_entries`` most recent."""
+    """Where this engine's own backups went: for each, the L2 pages and epochs of its prefix's
+    pages [0, n), found again by any whole-page prefix of it (a later request that extends a
+    backed-up prompt finds that part). Every page boundary of a recorded prefix is keyed by a
+    64-bit hash of the tokens up to it; the ``max_pages`` most recently recorded pages are kept
+    (whole records, oldest out first). A hash collision can only make the engine read the wrong
+    pages speculatively, which the match reply then disproves (hint_holds)."""
 
-    def __init__(self, page_size: int, max_entries: int = 4096):
+    def __init__(self, page_size: int, max_pages: int = 1 << 20, seed: int | None = None):
+        if type(page_size) is not int or page_size < 1:
+            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        rng = np.random.default_rng(seed)
         self.page_size = page_size
-        self.max_entries = max_entries
-        self._entries: collections.OrderedDict[bytes, L2Hint] = collections.OrderedDict()
+        self.max_pages = max_pages
+        self._weights = rng.integers(1, 2**63, size=page_size, dtype=np.uint64) | np.uint64(1)
+        self._base = int(rng.integers(1, 2**63)) | 1          # odd: invertible modulo 2**64
+        self._powers = np.ones(1, dtype=np.uint64)            # base**k, and its inverse's, mod 2**64
+        self._inverse_powers = np.ones(1, dtype=np.uint64)
+        self._records: collections.OrderedDict[int, tuple[L2Hint, list[int]]] = collections.OrderedDict()
+        self._by_key: dict[int, tuple[int, int]] = {}         # prefix hash -> (record, pages)
+        self._record_ids = itertools.count()
+        self._num_pages = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._records)
 
-    def _key(self, token_ids: Sequence[int] | np.ndarray, num_pages: int) -> bytes:
-        data = token_bytes(token_ids)[: num_pages * self.page_size * 4]
-        return hashlib.blake2b(data, digest_size=16).digest()
+    def _prefix_hashes(self, token_ids: Sequence[int] | np.ndarray, num_pages: int) -> np.ndarray:
+        """The hash of tokens [0, k * page_size) for k = 1..num_pages: per page a keyed sum of its
+        tokens, mixed; chained as sum over pages i < k of h_i * base**(k - 1 - i) (mod 2**64),
+        computed all at once as base**(k - 1) * cumsum(h_i * base**-i)."""
+        size = num_pages * self.page_size
+        tokens = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == _WIRE_TOKENS else None
+        if tokens is None or not tokens.flags.c_contiguous:
+            tokens = np.frombuffer(token_bytes(token_ids)[: size * 4], dtype=_WIRE_TOKENS)
+        pages = tokens[:size].view(np.uint32).reshape(num_pages, self.page_size).astype(np.uint64)
+        hashes = pages @ self._weights
+        hashes ^= hashes >> np.uint64(31)
+        hashes *= np.uint64(0x9E3779B97F4A7C15)
+        hashes ^= hashes >> np.uint64(29)
+        self._grow_powers(num_pages)
+        chained = np.cumsum(hashes * self._inverse_powers[:num_pages], dtype=np.uint64)
+        return chained * self._powers[:num_pages]
+
+    def _grow_powers(self, count: int) -> None:
+        have = len(self._powers)
+        if have >= count:
+            return
+        size = max(count, 2 * have)
+        inverse = pow(self._base, -1, 1 << 64)
+        powers, inverse_powers = [], []
+        power, inverse_power = int(self._powers[-1]), int(self._inverse_powers[-1])
+        for _ in range(size - have):
+            power, inverse_power = power * self._base % (1 << 64), inverse_power * inverse % (1 << 64)
+            powers.append(power)
+            inverse_powers.append(inverse_power)
+        self._powers = np.concatenate([self._powers, np.array(powers, dtype=np.uint64)])
+        self._inverse_powers = np.concatenate([self._inverse_powers, np.array(inverse_powers, dtype=np.uint64)])
 
     def record(self, token_ids: Sequence[int] | np.ndarray, page_ids: Sequence[int],
                page_epochs: Sequence[int]) -> None:
@@ -201,20 +245,38 @@ class L2Hints:
             raise ValueError(f"{len(page_ids)} page ids but {len(page_epochs)} epochs")
         if not page_ids or len(token_ids) < len(page_ids) * self.page_size:
             raise ValueError(f"{len(token_ids)} tokens do not cover {len(page_ids)} pages")
-        key = self._key(token_ids, len(page_ids))
-        self._entries[key] = L2Hint(list(page_ids), list(page_epochs))
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        record_id = next(self._record_ids)
+        keys = self._prefix_hashes(token_ids, len(page_ids)).tolist()
+        self._records[record_id] = (L2Hint(list(page_ids), list(page_epochs)), keys)
+        for count, key in enumerate(keys, 1):
+            self._by_key[key] = (record_id, count)            # the newest record wins a shared prefix
+        self._num_pages += len(keys)
+        while self._num_pages > self.max_pages and len(self._records) > 1:
+            old_id, (_, old_keys) = self._records.popitem(last=False)
+            self._num_pages -= len(old_keys)
+            for key in old_keys:
+                if self._by_key.get(key, (None, 0))[0] == old_id:
+                    del self._by_key[key]
+
+    def longest(self, token_ids: Sequence[int] | np.ndarray) -> L2Hint | None:
+        """The hint for the longest whole-page prefix of token_ids that a recorded backup began
+        with (its pages [0, k) only), or None."""
+        num_pages = len(token_ids) // self.page_size
+        if num_pages == 0 or not self._by_key:
+            return None
+        keys = self._prefix_hashes(token_ids, num_pages)
+        for count in range(num_pages, 0, -1):
+            found = self._by_key.get(int(keys[count - 1]))
+            if found is not None and found[1] == count:
+                hint, _ = self._records[found[0]]
+                return L2Hint(hint.page_ids[:count], hint.page_epochs[:count])
+        return None
 
     def get(self, token_ids: Sequence[int] | np.ndarray) -> L2Hint | None:
-        """The hint for the whole pages of token_ids, if this engine backed exactly them up."""
-        num_pages = len(token_ids) // self.page_size
-        if num_pages == 0:
+        """The hint for all the whole pages of token_ids, if a recorded backup covers them."""
+        hint = self.longest(token_ids)
+        if hint is None or len(hint.page_ids) != len(token_ids) // self.page_size:
             return None
-        hint = self._entries.get(self._key(token_ids, num_pages))
-        if hint is not None and len(hint.page_ids) != num_pages:
-            return None       # a digest collision would be the only way
         return hint
 
 

@@ -97,8 +97,9 @@ def test_backups_into_reserved_pages_restore_speculatively_and_exactly(make_mana
     # An extension: the L2 hit (6 pages) stays leased until its 3 new pages are committed below it.
     longer = np.concatenate([tokens[: 6 * PAGE], random_tokens(rng, 3 * PAGE)])
     forget_l1(manager)
-    plan = manager.prepare(longer)
-    assert plan.lease_id is not None and plan.l2_hit_tokens == 6 * PAGE
+    plan = manager.prepare(longer)              # the backed-up 6 pages: found by prefix, read early
+    assert plan.lease_id is not None and plan.l2_hit_tokens == plan.restored_tokens == 6 * PAGE
+    assert manager.counters["speculative_restores_confirmed"] == 2
     kv = manager.l1_pool.kv
     for page in plan.new_l1_page_ids:
         kv[:, :, page] = torch.randn(kv[:, :, page].shape).to(kv.dtype)
@@ -109,10 +110,29 @@ def test_backups_into_reserved_pages_restore_speculatively_and_exactly(make_mana
     forget_l1(manager)
     plan = manager.prepare(longer, backup=False)
     assert plan.restored_tokens == 9 * PAGE
-    assert manager.counters["speculative_restores_confirmed"] == 2
+    assert manager.counters["speculative_restores_confirmed"] == 3
     assert torch.equal(manager.read_tokens_kv(plan.l1_page_ids), extended)
     manager.finish(plan)
     manager.check_integrity()
+
+
+def test_an_l2_hit_longer_than_the_hint_is_restored_whole(make_manager):
+    """The manager backed up 6 pages; another engine extended them by 3: the restore of all 9
+    reads the manager's 6 early, the reply proves them, and the other 3 follow from the reply."""
+    rng = np.random.default_rng()
+    a, b = make_manager("a"), make_manager("b", reserve_ahead_pages=0)
+    head = random_tokens(rng, 6 * PAGE)
+    prefill_and_finish(a, head, seed=4)
+    whole = np.concatenate([head, random_tokens(rng, 3 * PAGE)])
+    expected = prefill_and_finish(b, whole, seed=5)          # b restores the 6 from L2, adds 3
+    forget_l1(a)
+    plan = a.prepare(whole, backup=False)
+    assert plan.l2_hit_tokens == plan.restored_tokens == 9 * PAGE
+    assert a.counters["speculative_restores_confirmed"] == 1
+    assert torch.equal(a.read_tokens_kv(plan.l1_page_ids), expected)
+    a.finish(plan)
+    a.check_integrity()
+    assert_daemon_sound(a)
 
 
 def test_a_stale_hint_is_redone_from_the_reply_and_exact(make_manager):
