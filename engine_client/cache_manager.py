@@ -199,9 +199,7 @@ class CacheManager:
                     restore_seconds = transfer.seconds
                     restored_page_ids = restore_pages
                 except Exception as exc:       # the transfer failed: recompute instead
-                    logger.warning("restore of %d pages failed, recomputing: %s", len(host_page_ids), exc)
-                    self.counters["restore_failures"] += 1
-                    self.transfer.drain()      # nothing of it may still write into these pages
+                    self._restore_failed(len(host_page_ids), exc)
             elif prepared is not None:
                 prepared.cancel()
             prepared = None
@@ -280,10 +278,13 @@ class CacheManager:
                 done = hit_pages
             return l1_page_ids[:done], seconds
         except Exception as exc:                # the transfer failed: recompute instead
-            logger.warning("restore of %d pages failed, recomputing: %s", len(l1_page_ids), exc)
-            self.counters["restore_failures"] += 1
-            self.transfer.drain()               # nothing of it may still write into these pages
+            self._restore_failed(len(l1_page_ids), exc)
             return [], 0.0
+
+    def _restore_failed(self, num_pages: int, exc: Exception) -> None:
+        logger.warning("restore of %d pages failed, recomputing: %s", num_pages, exc)
+        self.counters["restore_failures"] += 1
+        self.transfer.drain()               # nothing of it may still write into these pages
 
     def _end_lease(self, lease_id: int) -> None:
         """Release a lease; if the session is gone the daemon has reclaimed it already."""

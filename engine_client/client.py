@@ -90,16 +90,16 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {array.shape}")
-    if array.dtype == _WIRE_TOKEN_DTYPE:       # the engine's usual case: no checks, no copy
+    if array.dtype == WIRE_TOKEN_DTYPE:       # the engine's usual case: no checks, no copy
         return array.tobytes()
     if array.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got {array.dtype}")
     if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
         raise ValueError("token ids must fit in int32")
-    return array.astype(_WIRE_TOKEN_DTYPE).tobytes()
+    return array.astype(WIRE_TOKEN_DTYPE).tobytes()
 
 
-_WIRE_TOKEN_DTYPE = np.dtype("<i4")
+WIRE_TOKEN_DTYPE = np.dtype("<i4")
 _INT32 = np.iinfo(np.int32)
 
 

@@ -25,13 +25,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from engine_client.client import (DaemonError, DaemonUnavailable, KVCacheClient, MatchReply, PendingReservation,
-                                  token_bytes)
+from engine_client.client import (WIRE_TOKEN_DTYPE, DaemonError, DaemonUnavailable, KVCacheClient, MatchReply,
+                                  PendingReservation, token_bytes)
 from engine_client.transfer import Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
-
-_WIRE_TOKENS = np.dtype("<i4")
 
 
 class TakenPages(NamedTuple):
@@ -208,9 +206,9 @@ class L2Hints:
         tokens, mixed; chained as sum over pages i < k of h_i * base**(k - 1 - i) (mod 2**64),
         computed all at once as base**(k - 1) * cumsum(h_i * base**-i)."""
         size = num_pages * self.page_size
-        tokens = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == _WIRE_TOKENS else None
+        tokens = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == WIRE_TOKEN_DTYPE else None
         if tokens is None or not tokens.flags.c_contiguous:
-            tokens = np.frombuffer(token_bytes(token_ids)[: size * 4], dtype=_WIRE_TOKENS)
+            tokens = np.frombuffer(token_bytes(token_ids)[: size * 4], dtype=WIRE_TOKEN_DTYPE)
         pages = tokens[:size].view(np.uint32).reshape(num_pages, self.page_size).astype(np.uint64)
         hashes = pages @ self._weights
         hashes ^= hashes >> np.uint64(31)

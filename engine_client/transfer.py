@@ -386,19 +386,7 @@ class _PendingTransfer:
             raise RuntimeError(self._ended_message)
         if self._transfer._seconds is not None and self.num_pages:
             raise RuntimeError(self._drained_message)
-        num_host_pages = self._engine.host_pool.num_pages
-        start = _one_run(host_page_ids, num_host_pages)
-        if start is not None:
-            count = len(host_page_ids)
-            host_runs = [(0, start, count)]
-        else:
-            host_ids = _page_id_array("host_page_ids", host_page_ids, num_host_pages)
-            count = len(host_ids)
-            host_runs = _runs_of_consecutive_ids(host_ids) if count else []
-            if distinct and len(host_runs) > 1:
-                repeated = _first_repeated_id(host_ids)
-                if repeated is not None:
-                    raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
+        count, host_runs = _host_page_runs(host_page_ids, self._engine.host_pool.num_pages, distinct)
         if type(first) is not int or not 0 <= first <= self.num_pages - count:
             raise ValueError(f"first={first!r} with {count} host pages does not fit the "
                              f"{self.num_pages} {self._prepared_word} pages")
@@ -989,9 +977,8 @@ class TransferEngine:
     def _upload_ids(self, workspace: _Workspace, count: int) -> None:
         """On the compute stream (current): the first `count` page ids, pinned host -> device. One
         runtime call by address when the engine's device is current, else torch's copy."""
-        runtime = self._runtime
-        if runtime is not None and self._runtime_usable():
-            runtime.memcpy_async(workspace.ids_device_address, workspace.ids_host_address,
+        if self._runtime_usable():
+            self._runtime.memcpy_async(workspace.ids_device_address, workspace.ids_host_address,
                                  count * workspace.ids_host.element_size(), cuda_runtime.HOST_TO_DEVICE,
                                  self._stream_handle)
         else:
@@ -1006,8 +993,6 @@ class TransferEngine:
                           after_each: Callable[[int], None] | None = None) -> bool:
         """What _enqueue_gathers does, through the runtime with each slice's gather a captured graph,
         when every slice has one (False, and nothing queued, otherwise)."""
-        if not self._graph_gathers or not self._runtime_usable():
-            return False
         launches = self._graph_launches(workspace, "gather", slices)
         if launches is None:
             return False
@@ -1025,8 +1010,6 @@ class TransferEngine:
     def _scatters_by_graph(self, workspace: _Workspace, slices: list[tuple[int, int]], upload_ids: int) -> bool:
         """The compute-stream half of _enqueue_restore through the runtime, each slice's scatter a
         captured graph, when every slice has one (False, and nothing queued, otherwise)."""
-        if not self._graph_scatters or not self._runtime_usable():
-            return False
         launches = self._graph_launches(workspace, "scatter", slices)
         if launches is None:
             return False
@@ -1049,8 +1032,11 @@ class TransferEngine:
 
     def _graph_launches(self, workspace: _Workspace, kind: str, slices: list[tuple[int, int]]) -> list[int] | None:
         """The graph of each slice's gather or scatter (kind) in this workspace, or None while the
-        slices have none. They are captured the second time they are wanted (a one-off size is not
-        worth a capture), at most _MAX_GRAPHS_PER_WORKSPACE per workspace."""
+        slices have none (or graphs are off for that kind, or the runtime cannot be called). They
+        are captured the second time they are wanted (a one-off size is not worth a capture), at
+        most _MAX_GRAPHS_PER_WORKSPACE per workspace."""
+        if not (self._graph_gathers if kind == "gather" else self._graph_scatters) or not self._runtime_usable():
+            return None
         graphs = workspace.graphs
         keys = [(kind, first, count) for first, count in slices]
         missing = [key for key in keys if key not in graphs]
@@ -1101,7 +1087,7 @@ class TransferEngine:
                          segments: list[tuple[int, int, int]]) -> None:
         """On the copy stream, after slice `index`'s gather: its DMAs into the host side."""
         assert self._copy_stream is not None
-        if workspace.event_handles is not None and self._runtime_usable():
+        if self._runtime_usable():
             self._runtime.stream_wait_event(self._copy_stream_handle, workspace.event_handles.slices[index])
         else:
             self._copy_stream.wait_event(workspace.slice_events[index])
@@ -1115,7 +1101,7 @@ class TransferEngine:
         when the engine's device is current (no views, no stream switch); else through torch, on
         the copy stream made current for it."""
         runtime = self._runtime
-        if runtime is not None and torch.cuda.current_device() == self._device_index:
+        if self._runtime_usable():
             stream, packed_address, host_address = self._copy_stream_handle, workspace.packed_address, host.address
             if direction == "D2H":
                 for packed_start, host_start, num_bytes in segments:
@@ -1257,25 +1243,33 @@ class TransferEngine:
         checked. Host pages that are a list of ints running up one by one (a reservation) are one
         run, known distinct, with no array built."""
         l1_ids = _page_id_array("l1_page_ids", l1_page_ids, self.l1_pool.num_pages)
-        start = _one_run(host_page_ids, self.host_pool.num_pages)
-        if start is not None:
-            host_ids = None
-            num_host_pages = len(host_page_ids)
-        else:
-            host_ids = _page_id_array("host_page_ids", host_page_ids, self.host_pool.num_pages)
-            num_host_pages = len(host_ids)
+        # Two sources written into one destination page would race; sources may repeat.
+        num_host_pages, host_runs = _host_page_runs(host_page_ids, self.host_pool.num_pages,
+                                                    distinct=destination == "host")
         if len(l1_ids) != num_host_pages:
             raise ValueError(f"l1_page_ids has {len(l1_ids)} pages but host_page_ids has {num_host_pages}")
-        # Two sources written into one destination page would race; sources may repeat.
-        destination_name, destination_ids = (
-            ("host_page_ids", host_ids) if destination == "host" else ("l1_page_ids", l1_ids))
-        if destination_ids is not None:
-            repeated = _first_repeated_id(destination_ids)
+        if destination == "l1":
+            repeated = _first_repeated_id(l1_ids)
             if repeated is not None:
-                raise ValueError(f"destination {destination_name} lists page {repeated} more than once")
-        if host_ids is None:
-            return l1_ids, [(0, start, num_host_pages)] if num_host_pages else []
-        return l1_ids, _runs_of_consecutive_ids(host_ids) if len(host_ids) else []
+                raise ValueError(f"destination l1_page_ids lists page {repeated} more than once")
+        return l1_ids, host_runs
+
+
+def _host_page_runs(host_page_ids: Sequence[int] | np.ndarray | torch.Tensor, num_host_pages: int,
+                    distinct: bool) -> tuple[int, list[tuple[int, int, int]]]:
+    """(how many host pages, their runs as (position, first host page, pages)), checked: in range
+    and, with ``distinct``, listed once each. A list of ints running up one by one (a daemon's
+    reply for a contiguous reservation) is one run, recognized without building an array."""
+    start = _one_run(host_page_ids, num_host_pages)
+    if start is not None:
+        return len(host_page_ids), [(0, start, len(host_page_ids))]
+    host_ids = _page_id_array("host_page_ids", host_page_ids, num_host_pages)
+    host_runs = _runs_of_consecutive_ids(host_ids) if len(host_ids) else []
+    if distinct and len(host_runs) > 1:       # one run of consecutive ids is distinct already
+        repeated = _first_repeated_id(host_ids)
+        if repeated is not None:
+            raise ValueError(f"destination host_page_ids lists page {repeated} more than once")
+    return len(host_ids), host_runs
 
 
 def _page_id_array(name: str, page_ids: Sequence[int] | np.ndarray | torch.Tensor, num_pages: int) -> np.ndarray:

@@ -44,14 +44,19 @@ def random_tokens(rng, num_tokens: int) -> np.ndarray:
     return rng.integers(0, 150_000, size=num_tokens, dtype=np.int32)
 
 
-def prefill_and_finish(manager: CacheManager, tokens: np.ndarray, seed: int) -> torch.Tensor:
-    """prepare, write random KV into the new pages (the prefill), finish; returns the KV of the
-    request's full pages."""
-    plan = manager.prepare(tokens)
+def prefill(manager: CacheManager, plan, seed: int) -> None:
+    """Random KV into the plan's new pages, as a prefill would write."""
     kv = manager.l1_pool.kv
     generator = torch.Generator().manual_seed(seed)
     for page in plan.new_l1_page_ids:
         kv[:, :, page] = torch.randn(kv[:, :, page].shape, generator=generator).to(kv.dtype)
+
+
+def prefill_and_finish(manager: CacheManager, tokens: np.ndarray, seed: int) -> torch.Tensor:
+    """prepare, write random KV into the new pages (the prefill), finish; returns the KV of the
+    request's full pages."""
+    plan = manager.prepare(tokens)
+    prefill(manager, plan, seed)
     full = len(tokens) // PAGE
     pages = (plan.l1_page_ids + plan.new_l1_page_ids)[:full]
     expected = manager.read_tokens_kv(pages)
@@ -100,9 +105,7 @@ def test_backups_into_reserved_pages_restore_speculatively_and_exactly(make_mana
     plan = manager.prepare(longer)              # the backed-up 6 pages: found by prefix, read early
     assert plan.lease_id is not None and plan.l2_hit_tokens == plan.restored_tokens == 6 * PAGE
     assert manager.counters["speculative_restores_confirmed"] == 2
-    kv = manager.l1_pool.kv
-    for page in plan.new_l1_page_ids:
-        kv[:, :, page] = torch.randn(kv[:, :, page].shape).to(kv.dtype)
+    prefill(manager, plan, seed=6)
     extended = manager.read_tokens_kv(plan.l1_page_ids + plan.new_l1_page_ids)
     assert manager.finish(plan) == 3
     status = assert_daemon_sound(manager)
