@@ -112,7 +112,7 @@ def test_an_engine_stalled_past_its_session_never_overwrites_pages_given_to_anot
     commit. With the pid watched, A keeps its session through the stall; with heartbeats only, A's
     session ends and its pages stay quarantined while B backs up."""
     seed = 1000 + pid_watch
-    extra = ("--l3-size", "0") + (() if pid_watch else ("--no-pid-watch", "--session-grace", "5"))
+    extra = ("--l3-size", "0") + (() if pid_watch else ("--no-pid-watch", "--session-grace", "10"))
     daemon = DaemonProcess(extra_args=extra).start()
     try:
         outcome = stale_writer_scenario(daemon, seed, expect_expiry=not pid_watch)
