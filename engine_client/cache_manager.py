@@ -18,6 +18,11 @@ already holds and commits them with their prefix (no round trip), and it remembe
 backup went. A later request that begins with such a prefix starts that part's restore from
 those pages before the match reply comes; the reply confirms it (same pages, same allocation
 epochs) or the restore is redone from the pages it names.
+
+Fencing (docs/architecture.md). A DMA into private L2 pages starts only while the daemon is sure
+to keep this session, and so those pages, a while longer (``KVCacheClient.session_valid_for``);
+otherwise the backup is skipped. A restore's pages are published only if the session was still
+valid once its DMA completed: then the lease held the pages it read throughout.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from proto.messages import KVGeometry
 logger = logging.getLogger(__name__)
 
 RESTORE_POLICIES = ("always", "never")
+# A backup's DMA starts only while the session is known valid for this share of its timeout: enough
+# for the DMA and its commit (what a stall beyond it writes, the daemon keeps in quarantine).
+BACKUP_SESSION_MARGIN_SHARE = ReservedPages.MIN_SESSION_SHARE
 
 
 class L1Full(Exception):
@@ -87,6 +95,7 @@ class CacheManager:
         self.restore_policy = restore_policy
         self._open_plans: list[RequestPlan] = []
         self.counters: collections.Counter[str] = collections.Counter()   # fallbacks to recompute
+        self._logged_causes: set[str] = set()
         self._pin_report_pending = False
         self.reserved: ReservedPages | None = None
         self.hints: L2Hints | None = None
@@ -190,14 +199,17 @@ class CacheManager:
                 restored_page_ids, restore_seconds = self._confirm_speculation(
                     speculative, hint, reply, new_l1_page_ids[:num_restorable], l1_hit_pages)
                 speculative = None
+                if restored_page_ids and not self._session_held_through_restore():
+                    restored_page_ids, restore_seconds = [], 0.0
             elif prepared is not None and l2_hit_tokens > l1_match.num_tokens:
                 host_page_ids = reply.host_page_ids[l1_hit_pages: l2_hit_tokens // page_size]
                 restore_pages = new_l1_page_ids[:len(host_page_ids)]
                 try:
                     transfer = prepared.receive_from(host_page_ids)
                     transfer.wait()
-                    restore_seconds = transfer.seconds
-                    restored_page_ids = restore_pages
+                    if self._session_held_through_restore():
+                        restore_seconds = transfer.seconds
+                        restored_page_ids = restore_pages
                 except Exception as exc:       # the transfer failed: recompute instead
                     self._restore_failed(len(host_page_ids), exc)
             elif prepared is not None:
@@ -281,6 +293,37 @@ class CacheManager:
             self._restore_failed(len(l1_page_ids), exc)
             return [], 0.0
 
+    def _session_held_through_restore(self) -> bool:
+        """Called once a restore's DMA has completed: whether the session, and so the lease on the
+        pages it read, was still valid then. If not, those pages may have been given to another
+        engine and rewritten under the copy: the request recomputes them."""
+        if self.client.session_valid_for() > 0:
+            return True
+        self._count_once("restores_discarded_session_ended",
+                         "a restore completed after its session may have ended; recomputing instead")
+        return False
+
+    def _session_allows_backup(self) -> bool:
+        """Whether a backup's DMA into private L2 pages may start: the daemon keeps the session (and
+        the pages) at least BACKUP_SESSION_MARGIN_SHARE of its timeout longer."""
+        margin_s = BACKUP_SESSION_MARGIN_SHARE * self.client.info.session_timeout_s
+        if self.client.session_valid_for() >= margin_s:
+            return True
+        if self.client.session_lost:
+            self._count_once("backups_skipped_session_lost", "backups skipped: the daemon ended this session")
+        else:
+            self._count_once("backups_skipped_session_unconfirmed",
+                             f"backups skipped: the session is not known valid for {margin_s:.2f} s more "
+                             "(heartbeats late)")
+        return False
+
+    def _count_once(self, counter: str, message: str) -> None:
+        """Count a fallback; log it the first time this cause is seen."""
+        self.counters[counter] += 1
+        if counter not in self._logged_causes:
+            self._logged_causes.add(counter)
+            logger.warning("%s (counted in %s)", message, counter)
+
     def _restore_failed(self, num_pages: int, exc: Exception) -> None:
         logger.warning("restore of %d pages failed, recomputing: %s", num_pages, exc)
         self.counters["restore_failures"] += 1
@@ -314,11 +357,11 @@ class CacheManager:
                 start = plan.backup_start_token // page_size
                 count = min(len(plan.backup_page_ids), full_pages - start)
                 host_page_ids = plan.backup_page_ids[:count]
-                if count > 0:
+                if count > 0 and self._session_allows_backup():
                     self.transfer.backup(all_pages[start:start + count], host_page_ids).wait()
-                self.client.commit_backup(plan.lease_id, host_page_ids)
-                plan.lease_id = None
-                backed_up = count
+                    self.client.commit_backup(plan.lease_id, host_page_ids)
+                    plan.lease_id = None
+                    backed_up = count
         except Exception as exc:      # a failed backup loses nothing: the pages stay in L1
             logger.warning("backup of a request failed: %s", exc)
             self.counters["backup_failures"] += 1
@@ -342,7 +385,7 @@ class CacheManager:
         and committed with their prefix; returns how many. Where they went is remembered."""
         start = plan.backup_start_token // self.page_size
         count = full_pages - start
-        if count <= 0:
+        if count <= 0 or not self._session_allows_backup():
             return 0
         taken: TakenPages | None = self.reserved.take(count)
         if taken is None:

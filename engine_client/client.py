@@ -103,6 +103,20 @@ WIRE_TOKEN_DTYPE = np.dtype("<i4")
 _INT32 = np.iinfo(np.int32)
 
 
+def process_identity() -> dict[str, int]:
+    """What lets the daemon watch this process exit: its pid namespace and its start time (field 22
+    of /proc/self/stat, which tells it apart from a later process given the same pid); 0 where
+    /proc does not say (the daemon then relies on heartbeats)."""
+    try:
+        namespace_id = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        start_time = int(stat[stat.rfind(b")") + 2:].split()[22 - 3])
+    except (OSError, IndexError, ValueError):
+        return {"pid_namespace_id": 0, "process_start_time": 0}
+    return {"pid_namespace_id": namespace_id, "process_start_time": start_time}
+
+
 class _Channel:
     """One DEALER socket with request ids and bounded waits (not thread-safe: one per thread).
 
@@ -369,6 +383,7 @@ class KVCacheClient:
             "pid": os.getpid(),
             "geometry": geometry.to_wire(),
             "client_name": self.client_name,
+            **process_identity(),
         })
         self.info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
         self._session_confirmed_at = sent

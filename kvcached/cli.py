@@ -42,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "CPU, so that a request wakes a busy CPU, not an idle one (default: any)")
     serve.add_argument("--max-namespaces", type=int,
                        help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
+    serve.add_argument("--heartbeat-interval", type=float, metavar="SECONDS", help="how often engines send "
+                       f"heartbeats (default {defaults['heartbeat_interval_s'].default})")
+    serve.add_argument("--session-timeout", type=float, metavar="SECONDS", help="an engine whose pid cannot be "
+                       "watched is taken for gone after this long without a heartbeat "
+                       f"(default {defaults['session_timeout_s'].default})")
+    serve.add_argument("--session-grace", type=float, metavar="SECONDS", help="a living engine keeps its "
+                       "session this long without a heartbeat, and pages an engine may still write stay "
+                       f"quarantined this long (default {defaults['session_grace_s'].default})")
+    serve.add_argument("--no-pid-watch", dest="pid_watch", action="store_false", default=None,
+                       help="do not watch engines' pids; detect their end by heartbeats alone")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
 
     status = commands.add_parser("status", help="print the daemon's status")
@@ -64,6 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
                                        io_threads=args.io_threads, socket_spin_us=args.spin_us,
                                        socket_cpu=args.socket_cpu,
                                        max_namespaces=args.max_namespaces,
+                                       heartbeat_interval_s=args.heartbeat_interval,
+                                       session_timeout_s=args.session_timeout,
+                                       session_grace_s=args.session_grace, pid_watch=args.pid_watch,
                                        log_level=args.log_level)
     except ValueError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)

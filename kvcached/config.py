@@ -60,7 +60,11 @@ class DaemonConfig:
     l3_o_direct: bool = False
     max_namespaces: int = 4
     heartbeat_interval_s: float = 0.5
-    session_timeout_s: float = 1.5      # a dead engine loses its leases within 2 s
+    session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
+    # A watched engine that lives keeps its session this long silent (a stall, say); an unwatched
+    # one's pages stay quarantined this long after its last sign of life (docs: "Fencing").
+    session_grace_s: float = 30.0
+    pid_watch: bool = True              # watch engines' pids (pidfd) where the pid namespace allows
     max_frame_bytes: int = 16 << 20
     io_threads: int = 4
     socket_spin_us: int = 100           # busy-poll the socket this long after a request (0: never)
@@ -76,6 +80,9 @@ class DaemonConfig:
             raise ValueError("max_namespaces must be in 1..1024")
         if not 0 < self.heartbeat_interval_s < self.session_timeout_s:
             raise ValueError("heartbeat_interval_s must be positive and below session_timeout_s")
+        if not self.session_grace_s >= self.session_timeout_s:
+            raise ValueError(f"session_grace_s ({self.session_grace_s}) must be at least session_timeout_s "
+                             f"({self.session_timeout_s})")
         if self.l3_bytes < 0:
             raise ValueError("l3_bytes must be >= 0")
         if not 0 <= self.socket_spin_us <= 100_000:

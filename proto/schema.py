@@ -78,6 +78,13 @@ class Attach:
     pid: int
     geometry: KVGeometry
     client_name: str = ""
+    # Which process this is, so that the daemon can watch it exit (0: unknown, heartbeats only):
+    # the inode of its pid namespace and its start time (field 22 of /proc/self/stat).
+    pid_namespace_id: int = 0
+    process_start_time: int = 0
+    # A session of this process that it has given up, every transfer into its pages drained: the
+    # daemon ends it, or frees its quarantined pages (0: none).
+    previous_session_id: int = 0
 
     @classmethod
     def parse(cls, body: dict) -> "Attach":
@@ -86,6 +93,9 @@ class Attach:
             pid=_int(body, "pid", 0, 2**31),
             geometry=KVGeometry.from_wire(body.get("geometry")),
             client_name=_str(body, "client_name", 256, ""),
+            pid_namespace_id=_int(body, "pid_namespace_id", default=0),
+            process_start_time=_int(body, "process_start_time", default=0),
+            previous_session_id=_int(body, "previous_session_id", default=0),
         )
 
 

@@ -5,7 +5,9 @@ the ``ProtocolError`` it raises. Nothing here blocks or touches a socket, so eve
 is tested in-process.
 
 Ownership of L2 pages, per namespace, is a partition: every page is exactly one of
-tree-owned, free (in the allocator) or private (reserved by an active lease for a backup).
+tree-owned, free (in the allocator), private (reserved by an active lease for a backup, or by a
+pending tier move) or quarantined (private to a session that ended while its process may still be
+writing them; see "Fencing" in docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core.allocator import PageAllocator
-from kvcached.core.leases import Lease, LeaseState, Session
+from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
@@ -38,6 +40,9 @@ MAX_PAGES_PER_TIER = 1 << 20
 # Of a namespace's L2 pages, at most this share is held ahead (standing leases) by one session:
 # every reservation may evict cached prefixes, and a session keeps what it holds while it lives.
 MAX_RESERVED_AHEAD_SHARE = 0.5
+# Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
+# from a request naming a session that never existed.
+MAX_ENDED_SESSIONS = 4096
 
 
 class ArenaPlan(NamedTuple):
@@ -130,8 +135,12 @@ def session_tag(session_id: int) -> str:
 
 
 class DaemonState:
-    def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float,
+    def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float, session_grace_s: float = 30.0,
                  l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic):
+        """``session_timeout_s``: how long a session whose process the daemon cannot watch lives
+        without a sign of life. ``session_grace_s``: how long a watched (living) process's session
+        lives without one, and how long the pages of an unwatched one stay quarantined after its
+        last sign of life."""
         if arena_plan.arena_bytes <= 0:
             raise ValueError(f"L2 segment of {arena_plan.segment_bytes} bytes is too small for "
                              f"{arena_plan.max_namespaces} namespaces")
@@ -143,7 +152,13 @@ class DaemonState:
         self._move_ids = itertools.count(1)
         self._namespace_ids = itertools.count()
         self._free_arena_indices = list(range(arena_plan.max_namespaces))
+        if session_grace_s < session_timeout_s:
+            raise ValueError(f"session_grace_s ({session_grace_s}) must be at least session_timeout_s "
+                             f"({session_timeout_s})")
         self.session_timeout_s = session_timeout_s
+        self.session_grace_s = session_grace_s
+        self.quarantines: dict[int, Quarantine] = {}        # by the ended session's id
+        self._ended_session_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
         self.geometry_to_namespace: dict[KVGeometry, Namespace] = {}
@@ -151,10 +166,16 @@ class DaemonState:
         self.leases: dict[int, Lease] = {}
         self.metrics = Metrics()
         self._lease_ids = itertools.count(1)
+        self._running_at = clock()
 
     # ---- sessions -----------------------------------------------------------------------
 
-    def attach(self, geometry: KVGeometry, pid: int, client_name: str = "") -> tuple[Session, Namespace]:
+    def attach(self, geometry: KVGeometry, pid: int, client_name: str = "", *, pid_watched: bool = False,
+               pid_namespace_id: int = 0, process_start_time: int = 0,
+               previous_session_id: int = 0) -> tuple[Session, Namespace]:
+        """A new session. ``pid_watched``: the I/O layer watches this process and reports its exit
+        (process_gone). ``previous_session_id``: a session of the same process that it has given
+        up, every transfer into its pages drained: it ends, or its quarantine does."""
         namespace = self.geometry_to_namespace.get(geometry)
         if namespace is None:
             namespace = self._create_namespace(geometry)
@@ -163,13 +184,31 @@ class DaemonState:
         session_id = secrets.randbits(62) + 1
         while session_id in self.sessions:
             session_id = secrets.randbits(62) + 1
-        session = Session(session_id, namespace.namespace_id, pid, client_name, now, now)
+        session = Session(session_id, namespace.namespace_id, pid, client_name, now, now,
+                          pid_watched=pid_watched, pid_namespace_id=pid_namespace_id,
+                          process_start_time=process_start_time)
         self.sessions[session_id] = session
         namespace.session_ids.add(session_id)
         self.metrics.add("attaches")
-        logger.info("session %x attached: pid %d, %s, namespace %d", session_id, pid,
-                    client_name or "-", namespace.namespace_id)
+        logger.info("session %x attached: pid %d (%s), %s, namespace %d", session_id, pid,
+                    "watched" if pid_watched else "heartbeats only", client_name or "-", namespace.namespace_id)
+        if previous_session_id:
+            self._end_previous_session(session, previous_session_id)
         return session, namespace
+
+    def _end_previous_session(self, session: Session, previous_session_id: int) -> None:
+        identity = (session.pid, session.pid_namespace_id, session.process_start_time)
+        previous = self.sessions.get(previous_session_id)
+        quarantine = self.quarantines.get(previous_session_id)
+        if previous is not None and previous is not session and previous.same_process(*identity):
+            self._end_session(previous, reason="replaced by a new session of its process", quarantine=False)
+            self.metrics.add("sessions_replaced")
+        elif quarantine is not None and quarantine.session.same_process(*identity):
+            self._end_quarantine(previous_session_id, "reattach")
+        elif previous is not None or quarantine is not None:
+            self.metrics.add("previous_session_refused")
+            logger.warning("session %x names session %x as its previous one, which belongs to another "
+                           "process; ignored", session.session_id, previous_session_id)
 
     def _create_namespace(self, geometry: KVGeometry) -> Namespace:
         num_pages = min(self.arena_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER)
@@ -204,7 +243,9 @@ class DaemonState:
     def _reclaim_idle_namespace(self) -> bool:
         """Give the arena of the namespace idle longest (no session, no pending move) to a new one;
         its cached pages are dropped. Returns whether one was reclaimed."""
+        # A namespace with quarantined pages is not idle: a stale writer may still write its arena.
         busy = {move.namespace_id for move in self.moves.values()}
+        busy.update(q.session.namespace_id for q in self.quarantines.values())
         idle = [ns for ns in self.namespaces.values()
                 if not ns.session_ids and ns.namespace_id not in busy and ns.idle_since is not None]
         if not idle:
@@ -221,6 +262,9 @@ class DaemonState:
     def session(self, session_id: int) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
+            if session_id in self._ended_session_ids:
+                raise ProtocolError(ErrorCode.NOT_ATTACHED, f"session {session_id:x} has ended (detached, "
+                                    "expired or replaced); attach again")
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"no session {session_id:x} (never attached, detached or expired)")
         session.last_seen = self.clock()
         return session
@@ -232,32 +276,97 @@ class DaemonState:
         self.session(session_id).report = report
 
     def detach(self, session_id: int) -> int:
-        """End a session and reclaim its leases; returns how many leases were reclaimed."""
+        """End a session and reclaim its leases; returns how many leases were reclaimed. The engine
+        detaches once its transfers are drained, so the pages are free at once."""
         session = self.session(session_id)
-        return self._end_session(session, reason="detached")
+        return self._end_session(session, reason="detached", quarantine=False)
+
+    def process_gone(self, session_id: int) -> bool:
+        """The watched process of a session (live or quarantined) has exited: nothing of it can
+        write any more, so its pages are free at once. Returns whether the session was known."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            self._end_session(session, reason="ended: its process exited", quarantine=False)
+            self.metrics.add("sessions_ended_process_gone")
+            return True
+        if session_id in self.quarantines:
+            self._end_quarantine(session_id, "process_gone")
+            return True
+        return False
+
+    def watches(self, session_id: int) -> bool:
+        """Whether the exit of this session's process still matters (process_gone): a watched
+        session that is live, or whose pages are quarantined."""
+        session = self.sessions.get(session_id)
+        return (session.pid_watched if session is not None
+                else session_id in self.quarantines and self.quarantines[session_id].session.pid_watched)
+
+    def note_running(self, max_gap_s: float) -> float:
+        """Called at least every ``max_gap_s`` while the daemon runs (the reaper): a longer gap is
+        time the daemon was stopped or starved, in which it could see no heartbeat, so it is
+        credited to every session and quarantine (their clocks stop). Returns the seconds credited."""
+        now = self.clock()
+        credit_s = now - self._running_at - max_gap_s
+        self._running_at = now
+        if credit_s <= 0:
+            return 0.0
+        for session in itertools.chain(self.sessions.values(), (q.session for q in self.quarantines.values())):
+            session.last_seen = min(now, session.last_seen + credit_s)
+        self.metrics.add("daemon_pauses")
+        self.metrics.add("daemon_pause_seconds", credit_s)
+        logger.warning("the daemon did not run for %.3f s; sessions are credited that time", credit_s)
+        return credit_s
 
     def expire_sessions(self) -> list[int]:
-        """End every session that missed its heartbeats; returns their ids."""
-        deadline = self.clock() - self.session_timeout_s
-        expired = [s for s in self.sessions.values() if s.last_seen < deadline]
+        """End every session silent for too long (session_timeout_s, or session_grace_s when its
+        process is watched), quarantining what it could still write; end the quarantines of
+        unwatched processes silent for session_grace_s. Returns the ids of the sessions ended."""
+        now = self.clock()
+        expired = [s for s in self.sessions.values()
+                   if now - s.last_seen > (self.session_grace_s if s.pid_watched else self.session_timeout_s)]
         for session in expired:
-            self._end_session(session, reason="expired")
-            self.metrics.add("sessions_expired")
+            if session.pid_watched:
+                self._end_session(session, reason=f"silent for {self.session_grace_s} s (its process lives)",
+                                  quarantine=True)
+                self.metrics.add("sessions_grace_exceeded")
+            else:
+                self._end_session(session, reason="expired (missed heartbeats)", quarantine=True)
+                self.metrics.add("sessions_expired")
+        for session_id, quarantine in list(self.quarantines.items()):
+            if not quarantine.session.pid_watched and now - quarantine.session.last_seen > self.session_grace_s:
+                self._end_quarantine(session_id, "grace")
         return [s.session_id for s in expired]
 
-    def _end_session(self, session: Session, reason: str) -> int:
+    def _end_session(self, session: Session, reason: str, quarantine: bool) -> int:
+        """quarantine: its process may still write its private pages (they go to a Quarantine)."""
         reclaimed = 0
+        quarantined: list[int] = []
         for lease_id in sorted(session.lease_ids):
-            self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED)
+            self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED, quarantined if quarantine else None)
             reclaimed += 1
         del self.sessions[session.session_id]
+        self._ended_session_ids[session.session_id] = None
+        while len(self._ended_session_ids) > MAX_ENDED_SESSIONS:
+            self._ended_session_ids.popitem(last=False)
         namespace = self.namespaces[session.namespace_id]
         namespace.session_ids.discard(session.session_id)
         if not namespace.session_ids:
             namespace.idle_since = self.clock()
+        if quarantined:
+            self.quarantines[session.session_id] = Quarantine(session, quarantined, reason)
+            self.metrics.add("quarantines")
+            self.metrics.add("pages_quarantined", len(quarantined))
         self.metrics.add("leases_reclaimed", reclaimed)
-        logger.info("session %x %s; %d leases reclaimed", session.session_id, reason, reclaimed)
+        logger.info("session %x %s; %d leases reclaimed, %d pages quarantined", session.session_id, reason,
+                    reclaimed, len(quarantined))
         return reclaimed
+
+    def _end_quarantine(self, session_id: int, cause: str) -> None:
+        quarantine = self.quarantines.pop(session_id)
+        self.namespaces[quarantine.session.namespace_id].l2_allocator.free(quarantine.page_ids)
+        self.metrics.add(f"quarantines_ended_{cause}")
+        logger.info("quarantine of session %x ended (%s): %d pages free", session_id, cause.replace("_", " "),
+                    len(quarantine.page_ids))
 
     # ---- match, release, commit ----------------------------------------------------------
 
@@ -372,6 +481,12 @@ class DaemonState:
             raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} belongs to another session")
         return session, lease
 
+    def _count_commit_of_ended(self, session_id: int) -> None:
+        """A commit from a session that has ended is refused (session() raises): the engine may have
+        written its pages after they were reclaimed. Counted apart from unknown sessions."""
+        if session_id not in self.sessions and session_id in self._ended_session_ids:
+            self.metrics.add("commits_refused_session_ended")
+
     def release(self, session_id: int, lease_id: int) -> None:
         _, lease = self._lease_of(session_id, lease_id)
         self._end_lease(lease, LeaseState.RELEASED)
@@ -382,6 +497,7 @@ class DaemonState:
         """Publish the backed-up pages (a prefix of the lease's reservation) and end the lease.
 
         Also returns the write-through of the committed path to L3, when there is one to run."""
+        self._count_commit_of_ended(session_id)
         _, lease = self._lease_of(session_id, lease_id)
         if lease.standing:
             raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} holds pages reserved ahead: "
@@ -421,6 +537,7 @@ class DaemonState:
         rest (pages it holds already, or all of them when the prefix's first start_page pages
         are no longer in L2) go back to the allocator. A lease left with no pages ends.
         Also returns the write-through of the committed path to L3, when there is one to run."""
+        self._count_commit_of_ended(session_id)
         _, lease = self._lease_of(session_id, lease_id)
         if not lease.standing:
             raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} comes from a match: commit its "
@@ -541,12 +658,15 @@ class DaemonState:
         del self.moves[move.op_id]
         return gained
 
-    def _end_lease(self, lease: Lease, new_state: LeaseState) -> None:
+    def _end_lease(self, lease: Lease, new_state: LeaseState, quarantined: list[int] | None = None) -> None:
+        """quarantined: a list that takes the lease's private pages instead of the allocator."""
         lease.transition(new_state)
         namespace = self.namespaces[lease.namespace_id]
         if lease.locked_node is not None:
             namespace.tree.unlock(lease.locked_node, Tier.L2)
-        if lease.private_page_ids:
+        if quarantined is not None:
+            quarantined.extend(lease.private_page_ids)
+        elif lease.private_page_ids:
             namespace.l2_allocator.free(lease.private_page_ids)
         lease.private_page_ids = []
         del self.leases[lease.lease_id]
@@ -575,6 +695,8 @@ class DaemonState:
         expected_refs: dict[Tier, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         nodes_by_id = {}
         private_by_tier: dict[Tier, list[int]] = collections.defaultdict(list)
+        quarantined_list = [p for q in self.quarantines.values() if q.session.namespace_id == namespace.namespace_id
+                            for p in q.page_ids]
 
         def expect_lock(node, tier: Tier) -> None:
             while node is not None and node.parent is not None:
@@ -599,18 +721,21 @@ class DaemonState:
             allocator.check_integrity()
             free = allocator.free_page_ids()
             private = set(private_by_tier[tier])
+            quarantined = set(quarantined_list) if tier is Tier.L2 else set()
             where = f"namespace {namespace.namespace_id} {tier.label}"
             if len(private) != len(private_by_tier[tier]):
                 raise IntegrityError(f"{where}: a private page is reserved twice")
-            for a_name, a, b_name, b in (("owned", owned, "free", free), ("owned", owned, "private", private),
-                                         ("free", free, "private", private)):
+            if tier is Tier.L2 and len(quarantined) != len(quarantined_list):
+                raise IntegrityError(f"{where}: a page is quarantined twice")
+            sets = (("owned", owned), ("free", free), ("private", private), ("quarantined", quarantined))
+            for (a_name, a), (b_name, b) in itertools.combinations(sets, 2):
                 both = a & b
                 if both:
                     raise IntegrityError(f"{where}: pages both {a_name} and {b_name}: {sorted(both)[:8]}")
-            total = len(owned) + len(free) + len(private)
+            total = len(owned) + len(free) + len(private) + len(quarantined)
             if total != allocator.num_pages:
                 raise IntegrityError(f"{where}: owned {len(owned)} + free {len(free)} + private {len(private)} "
-                                     f"!= capacity {allocator.num_pages}")
+                                     f"+ quarantined {len(quarantined)} != capacity {allocator.num_pages}")
             for node_id, count in expected_refs[tier].items():
                 node = nodes_by_id[node_id]
                 if node.ref_count[tier] != count:
@@ -625,6 +750,8 @@ class DaemonState:
         if tier is Tier.L2:
             private += sum(len(l.private_page_ids) for l in self.leases.values()
                            if l.namespace_id == namespace.namespace_id)
+        quarantined = sum(len(q.page_ids) for q in self.quarantines.values()
+                          if q.session.namespace_id == namespace.namespace_id) if tier is Tier.L2 else 0
         allocator = namespace.allocator(tier)
         return {
             "capacity_pages": allocator.num_pages,
@@ -633,6 +760,7 @@ class DaemonState:
             "protected_pages": namespace.tree.protected_pages(tier),
             "evictable_pages": namespace.tree.evictable_pages(tier),
             "private_pages": private,
+            "quarantined_pages": quarantined,
         }
 
     def status(self) -> dict[str, Any]:
@@ -651,8 +779,15 @@ class DaemonState:
             "sessions": [
                 {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
                  "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
-                 "age_s": round(self.clock() - s.attached_at, 3), "report": s.report}
+                 "age_s": round(self.clock() - s.attached_at, 3), "idle_s": round(self.clock() - s.last_seen, 3),
+                 "pid_watched": s.pid_watched, "report": s.report}
                 for s in self.sessions.values()
+            ],
+            "quarantines": [
+                {"session": session_tag(session_id), "pid": q.session.pid, "client_name": q.session.client_name,
+                 "namespace_id": q.session.namespace_id, "pages": len(q.page_ids), "reason": q.reason,
+                 "pid_watched": q.session.pid_watched, "idle_s": round(self.clock() - q.session.last_seen, 3)}
+                for session_id, q in self.quarantines.items()
             ],
             "leases": len(self.leases),
             "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},

@@ -4,8 +4,11 @@ A lease is the only way an engine holds daemon pages: it locks the tree path of 
 those L2 pages are never evicted or reused while the engine reads them) and owns the private
 pages reserved for a backup. A standing lease (``KVCacheClient.reserve_pages``) holds only
 private pages, with no prefix: the engine writes backups into them before telling the daemon
-which prefix they hold, and each commit takes the pages it names out of the lease. It ends exactly once, by release, by commit, or by reclaim when
-its session dies; the legal transitions live in ``_LEGAL_TRANSITIONS`` and nowhere else.
+which prefix they hold, and each commit takes the pages it names out of the lease. It ends
+exactly once, by release, by commit, or by reclaim when its session ends; the legal transitions
+live in ``_LEGAL_TRANSITIONS`` and nowhere else. The private pages of a lease reclaimed while its
+process may still be alive go to a ``Quarantine``, not back to the allocator (see "Fencing" in
+docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -64,3 +67,26 @@ class Session:
     last_seen: float
     lease_ids: set[int] = dataclasses.field(default_factory=set)
     report: dict = dataclasses.field(default_factory=dict)      # the engine's last ENGINE_REPORT
+    pid_watched: bool = False         # the daemon sees this process exit (a pidfd); else heartbeats only
+    pid_namespace_id: int = 0         # the engine's pid namespace and process start time (0: unknown),
+    process_start_time: int = 0       # as it sent them at attach: which process this is
+
+    def same_process(self, pid: int, pid_namespace_id: int, process_start_time: int) -> bool:
+        """Whether an attach from (pid, namespace, start time) comes from this session's process;
+        an unknown (0) namespace or start time on either side does not tell them apart."""
+        def agree(a: int, b: int) -> bool:
+            return 0 in (a, b) or a == b
+
+        return (pid == self.pid and agree(pid_namespace_id, self.pid_namespace_id)
+                and agree(process_start_time, self.process_start_time))
+
+
+@dataclasses.dataclass(eq=False)
+class Quarantine:
+    """Pages an ended session's process may still be writing (its backup DMAs): neither free nor
+    allocatable until that process is seen gone, re-attaches naming the session as ended, or, when
+    its process cannot be watched, ``session_grace_s`` after the session's last sign of life."""
+
+    session: Session                  # the ended session, with its last_seen and process identity
+    page_ids: list[int]
+    reason: str                       # why the session ended

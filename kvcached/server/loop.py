@@ -12,6 +12,11 @@ file I/O: the session reaper, and tier moves (L2<->L3) that await the I/O thread
 that waits for such a move is handed back to the socket thread through an outbox and an
 inproc wake-up socket, since a ZeroMQ socket is used by one thread only. ``state_lock`` makes
 every touch of ``DaemonState`` exclusive; nothing awaits while holding it.
+
+Liveness. The loop reads one pidfd per watched engine (``liveness.PidWatcher``): an engine that
+exits loses its session at once. Expiry of silent sessions is decided in the socket thread, right
+after it has taken in every request already queued (heartbeats sent while nobody looked), and
+time in which the daemon itself did not run is credited to every session (``note_running``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
+from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_private_dir, segment_name
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
@@ -45,6 +51,8 @@ from proto.schema import (Attach, BackupCommit, CommitPages, EngineReport, Match
 logger = logging.getLogger(__name__)
 
 REAPER_INTERVAL_S = 0.1
+# A gap between two reaper observations longer than this is time the daemon did not run.
+PAUSE_GAP_S = 3 * REAPER_INTERVAL_S
 # ZeroMQ drops a peer whose message exceeds this; below it, oversize frames get an error reply.
 HARD_FRAME_FACTOR = 4
 
@@ -67,6 +75,8 @@ class Server:
         self._socket_thread: threading.Thread | None = None
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._stopping = False
+        self._reap_requested = False
+        self.watcher: PidWatcher | None = None
         context = socket.context
         self._wake_address = f"inproc://kvcached-wake-{id(self)}"
         self._wake_receiver = context.socket(zmq.PAIR)
@@ -89,6 +99,7 @@ class Server:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.watcher = PidWatcher(self._loop, self._process_gone)
         self._socket_thread = threading.Thread(target=self._socket_loop, name="kvcached-socket", daemon=True)
         self._socket_thread.start()
         reaper = asyncio.create_task(self._reap_loop(), name="reap")
@@ -104,9 +115,13 @@ class Server:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._stop_socket_thread()
             await self._loop.run_in_executor(None, self._socket_thread.join)
+            self.watcher.close()
 
     def _stop_socket_thread(self) -> None:
         self._stopping = True
+        self._wake_socket_thread()
+
+    def _wake_socket_thread(self) -> None:
         try:
             self._wake_sender.send(b"", flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -154,6 +169,10 @@ class Server:
                             self._send_frames(self._outbox.popleft())
                     if self._stopping:
                         return
+                    if self._reap_requested:
+                        self._reap_requested = False
+                        self._reap()
+                        continue
                 if self.socket in ready:
                     self._receive_all()
         except Exception:
@@ -223,10 +242,7 @@ class Server:
     def _post(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
         """Send from the event loop: queue the frames and wake the socket thread."""
         self._outbox.append([identity, codec.encode(kind, request_id, body)])
-        try:
-            self._wake_sender.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass      # the socket thread has wake-ups queued already; it drains the whole outbox
+        self._wake_socket_thread()      # it drains the whole outbox
 
     def _spawn_threadsafe(self, coroutine: Awaitable[Any]) -> None:
         """From the socket thread: run a coroutine on the event loop."""
@@ -301,10 +317,37 @@ class Server:
             logger.warning("could not reply to a peer: %s", exc)
 
     async def _reap_loop(self) -> None:
+        assert self.watcher is not None
         while True:
             await asyncio.sleep(REAPER_INTERVAL_S)
             with self.state_lock:
-                self.state.expire_sessions()
+                self.state.note_running(PAUSE_GAP_S)
+                for session_id in self.watcher.session_ids():
+                    if not self.state.watches(session_id):     # detached, or its quarantine ended
+                        self.watcher.discard(session_id)
+            self._reap_requested = True
+            self._wake_socket_thread()
+
+    def _reap(self) -> None:
+        """In the socket thread: take in the requests already queued (heartbeats that came while
+        the daemon was busy or stopped), then end what has been silent too long."""
+        self._receive_all()
+        with self.state_lock:
+            self.state.note_running(PAUSE_GAP_S)
+            self.state.expire_sessions()
+
+    def _watch(self, session_id: int, pidfd: int) -> None:
+        """On the loop: read the pidfd of a session attached by the socket thread."""
+        assert self.watcher is not None
+        with self.state_lock:
+            if self.state.watches(session_id):
+                self.watcher.add(session_id, pidfd)
+                return
+        os.close(pidfd)       # it ended already (detached)
+
+    def _process_gone(self, session_id: int) -> None:
+        with self.state_lock:
+            self.state.process_gone(session_id)
 
     # ---- handlers: body in, reply body out ------------------------------------------------
 
@@ -314,7 +357,23 @@ class Server:
             raise ProtocolError(ErrorCode.VERSION_MISMATCH,
                                 f"daemon speaks protocol {PROTOCOL_VERSION}, engine sent {version!r}")
         request = Attach.parse(body)
-        session, namespace = self.state.attach(request.geometry, request.pid, request.client_name)
+        pidfd, why = (open_pidfd(request.pid, request.pid_namespace_id, request.process_start_time)
+                      if self.config.pid_watch else (None, "pid watching is off"))
+        try:
+            session, namespace = self.state.attach(
+                request.geometry, request.pid, request.client_name, pid_watched=pidfd is not None,
+                pid_namespace_id=request.pid_namespace_id, process_start_time=request.process_start_time,
+                previous_session_id=request.previous_session_id)
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise
+        if pidfd is not None:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._watch, session.session_id, pidfd)
+        else:
+            logger.info("session %x: pid %d not watched (%s); heartbeats only", session.session_id,
+                        request.pid, why)
         return {
             "session_id": session.session_id,
             "namespace_id": namespace.namespace_id,
@@ -327,6 +386,8 @@ class Server:
             "max_frame_bytes": self.config.max_frame_bytes,
             "daemon_pid": os.getpid(),
             "protocol_version": PROTOCOL_VERSION,
+            "pid_watched": pidfd is not None,      # then the session lives session_grace_s unseen
+            "session_grace_s": self.config.session_grace_s,
         }
 
     def _detach(self, body: dict) -> dict[str, Any]:
@@ -436,6 +497,9 @@ class Server:
             "l2_segment": self.segment.path,
             "l2_bytes": self.segment.size_bytes,
             "max_namespaces": self.config.max_namespaces,
+            "pid_watch": self.config.pid_watch,
+            "session_timeout_s": self.config.session_timeout_s,
+            "session_grace_s": self.config.session_grace_s,
             "l3_file": self.storage.path if self.storage else None,
             "l3_bytes": self.storage.size_bytes if self.storage else 0,
             "l3_o_direct": self.storage.o_direct if self.storage else False,
@@ -473,6 +537,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         try:
             state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
                                 session_timeout_s=config.session_timeout_s,
+                                session_grace_s=config.session_grace_s,
                                 l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None

@@ -19,7 +19,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
         + (f"  integrity {snapshot['integrity']}" if "integrity" in snapshot else ""),
         "",
         f"{'ns':>3} {'model':<24} {'tier':<4} {'page':>10} {'capacity':>9} {'free':>9} {'owned':>9} "
-        f"{'protected':>9} {'evictable':>9} {'private':>9}",
+        f"{'protected':>9} {'evictable':>9} {'private':>9} {'quarant.':>9}",
     ]
     for namespace in snapshot.get("namespaces", []):
         for tier, info in namespace["tiers"].items():
@@ -27,15 +27,27 @@ def render_table(snapshot: dict[str, Any]) -> str:
                 f"{namespace['namespace_id']:>3} {namespace['geometry']['model_id'][:24]:<24} {tier:<4} "
                 f"{format_size(namespace['bytes_per_page']):>10} {info['capacity_pages']:>9} {info['free_pages']:>9} "
                 f"{info['owned_pages']:>9} {info['protected_pages']:>9} {info['evictable_pages']:>9} "
-                f"{info['private_pages']:>9}")
+                f"{info['private_pages']:>9} {info.get('quarantined_pages', 0):>9}")
     if not snapshot.get("namespaces"):
         lines.append("    (no engine has attached yet)")
     sessions = snapshot.get("sessions", [])
     if sessions:
-        lines += ["", f"{'session':<17} {'pid':>8} {'ns':>3} {'leases':>6} {'age_s':>8}  name"]
+        lines += ["", f"{'session':<17} {'pid':>8} {'watched':>7} {'ns':>3} {'leases':>6} {'age_s':>8} "
+                      f"{'idle_s':>7}  name"]
         for session in sessions:
-            lines.append(f"{session['session']:<17} {session['pid']:>8} {session['namespace_id']:>3} "
-                         f"{session['leases']:>6} {session['age_s']:>8.1f}  {session['client_name']}")
+            lines.append(f"{session['session']:<17} {session['pid']:>8} "
+                         f"{'yes' if session.get('pid_watched') else 'no':>7} {session['namespace_id']:>3} "
+                         f"{session['leases']:>6} {session['age_s']:>8.1f} {session.get('idle_s', 0):>7.1f}  "
+                         f"{session['client_name']}")
+    quarantines = snapshot.get("quarantines", [])
+    if quarantines:
+        lines += ["", f"{'quarantine of':<17} {'pid':>8} {'watched':>7} {'ns':>3} {'pages':>6} {'idle_s':>8}  "
+                      "name: why its session ended"]
+        for quarantine in quarantines:
+            lines.append(f"{quarantine['session']:<17} {quarantine['pid']:>8} "
+                         f"{'yes' if quarantine['pid_watched'] else 'no':>7} {quarantine['namespace_id']:>3} "
+                         f"{quarantine['pages']:>6} {quarantine['idle_s']:>8.1f}  "
+                         f"{quarantine['client_name']}: {quarantine['reason']}")
     io = snapshot.get("io", {})
     if io.get("h2s", {}).get("count") or io.get("s2h", {}).get("count"):
         lines += ["", f"{'io':<4} {'count':>7} {'bytes':>10} {'GiB/s':>7} {'extents':>8} {'failures':>8} "

@@ -183,7 +183,9 @@ def test_concurrent_backups_of_one_prefix_keep_one_copy(state):
 
 
 def test_expired_session_loses_its_leases(state, clock):
-    """A session silent for longer than session_timeout_s is ended and every lease it held is reclaimed."""
+    """A session silent for longer than session_timeout_s is ended and every lease it held is
+    reclaimed: its locked prefix becomes evictable, its private backup pages are quarantined (its
+    process may still write them), neither free nor reserved."""
     rng = np.random.default_rng()
     dead, namespace = state.attach(GEOMETRY, pid=1)
     alive, _ = state.attach(GEOMETRY, pid=2)
@@ -202,7 +204,8 @@ def test_expired_session_loses_its_leases(state, clock):
     assert state.leases == {}
     assert namespace.tree.protected_pages(Tier.L2) == 0
     assert namespace.tree.evictable_pages(Tier.L2) == 4
-    assert namespace.l2_allocator.num_free == 12
+    assert namespace.l2_allocator.num_free == 9
+    assert state.status()["namespaces"][0]["tiers"]["l2"]["quarantined_pages"] == 3
     with pytest.raises(ProtocolError) as error:
         state.match(dead.session_id, prefix)
     assert error.value.code == ErrorCode.NOT_ATTACHED

@@ -16,7 +16,7 @@ from tests.core.test_daemon_state import GEOMETRY, back_up, tokens
 
 @pytest.fixture
 def state():
-    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0)
+    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0, session_grace_s=60.0)
 
 
 def test_epochs_count_allocations_per_page():
@@ -190,7 +190,7 @@ def test_epochs_of_a_namespace_made_anew_or_a_new_daemon_do_not_repeat(state):
     assert state.metrics.counters["namespaces_reclaimed"] == 2
     again = state.reserve_pages(session.session_id, 4)
     assert again.page_ids == old.page_ids and again.page_epochs != old.page_epochs
-    restarted = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0)
+    restarted = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=60.0, session_grace_s=60.0)
     fresh, _ = restarted.attach(GEOMETRY, pid=4)
     new = restarted.reserve_pages(fresh.session_id, 4)
     assert new.page_ids == old.page_ids and new.page_epochs != old.page_epochs

@@ -1,0 +1,91 @@
+"""An engine process driven line by line on stdin, for fencing scenarios (tests/integration/test_fencing.py).
+
+    python -m tests.integration.fencing_engine --socket S --name A --prefix-seed 1 --kv-seed 2 --state F
+
+Commands (one per line), each answered by one JSON line on stdout:
+  prepare   prepare the prefix made from --prefix-seed (the match reserves backup pages), then
+            "prefill" it with random KV from --kv-seed (never zeros); the KV of its full pages
+            is saved to --state
+  finish    finish the prepared request (its backup DMA and commit), then flush
+  restore   prepare the prefix without backing it up and compare what was restored with the
+            KV saved in the file named by --compare, page by page, bit for bit
+  exit      close the manager and exit
+The first line out, once attached, is {"attached": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+from engine_client.cache_manager import CacheManager
+from engine_client.client import DaemonError, DaemonUnavailable, connect
+from tests.integration.engine_proc import GEOMETRY, random_kv_
+
+PREFIX_PAGES = 8
+
+
+def prefix_tokens(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 150_000, size=PREFIX_PAGES * GEOMETRY.page_size, dtype=np.int32)
+
+
+def say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--prefix-seed", type=int, required=True)
+    parser.add_argument("--kv-seed", type=int, default=0)
+    parser.add_argument("--state", help="where prepare saves the prefix's KV")
+    parser.add_argument("--compare", help="the KV that restore must find")
+    args = parser.parse_args()
+    client = connect(args.socket, timeout_s=10.0, client_name=args.name)
+    manager = CacheManager.attach(client, GEOMETRY, num_l1_pages=32, device="cpu")
+    tokens = prefix_tokens(args.prefix_seed)
+    say(attached=args.name)
+    plan = None
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "prepare":
+            plan = manager.prepare(tokens)
+            generator = torch.Generator().manual_seed(args.kv_seed)
+            for page_id in plan.new_l1_page_ids:
+                page = torch.empty(manager.l1_pool.kv[:, :, page_id].shape, dtype=manager.l1_pool.kv.dtype)
+                random_kv_(page, generator)
+                manager.l1_pool.kv[:, :, page_id].copy_(page)
+            torch.save(manager.read_tokens_kv(plan.new_l1_page_ids[:PREFIX_PAGES]).cpu(), args.state)
+            say(prepared=args.name, cached_tokens=plan.num_cached_tokens, backup_page_ids=plan.backup_page_ids)
+        elif command == "finish":
+            backed_up = manager.finish(plan)
+            try:
+                errors = [str(e) for e in manager.client.flush()]
+            except (DaemonError, DaemonUnavailable) as exc:
+                errors = [str(exc)]
+            say(finished=args.name, backed_up=backed_up, errors=errors, counters=dict(manager.counters))
+        elif command == "restore":
+            plan = manager.prepare(tokens, backup=False)
+            expected = torch.load(args.compare)
+            restored = manager.read_tokens_kv(plan.l1_page_ids).cpu()
+            equal_pages = sum(torch.equal(restored[i].view(torch.int16), expected[i].view(torch.int16))
+                              for i in range(min(len(restored), len(expected))))
+            manager.finish(plan)
+            status = manager.client.status(check_integrity=True)
+            say(restored_tokens=plan.restored_tokens, equal_pages=int(equal_pages), pages=len(expected),
+                integrity=status["integrity"])
+        elif command == "exit":
+            break
+    manager.close()
+    say(exited=args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Fencing with real processes: a stalled engine never writes into pages given to another, a dead
+engine's pages come back at once, and a paused daemon does not expire a healthy engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import pytest
+
+from engine_client.client import connect
+from proto.messages import KVGeometry
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from tests.integration.fencing_engine import PREFIX_PAGES
+
+SESSION_TIMEOUT_S = 1.5          # the daemon's default
+STALL_S = 2.5                    # past the session timeout
+
+
+class Engine:
+    """A tests.integration.fencing_engine process: one command in, one JSON line out."""
+
+    def __init__(self, socket_path: str, name: str, prefix_seed: int, kv_seed: int = 0,
+                 state: str | None = None, compare: str | None = None):
+        args = [sys.executable, "-m", "tests.integration.fencing_engine", "--socket", socket_path,
+                "--name", name, "--prefix-seed", str(prefix_seed), "--kv-seed", str(kv_seed)]
+        args += ["--state", state] if state else []
+        args += ["--compare", compare] if compare else []
+        self.name = name
+        self.proc = subprocess.Popen(args, env=child_env(), cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float = 30.0) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        assert ready, f"engine {self.name} said nothing within {timeout_s} s"
+        line = self.proc.stdout.readline()
+        assert line, f"engine {self.name} exited with {self.proc.wait()}"
+        return json.loads(line)
+
+    def ask(self, command: str, timeout_s: float = 30.0) -> dict:
+        self.send(command)
+        return self.read(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+
+
+def session_names(observer) -> list[str]:
+    return [s["client_name"] for s in observer.status()["sessions"]]
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def stale_writer_scenario(daemon: DaemonProcess, seed: int, expect_expiry: bool) -> dict:
+    """Engine A prepares a prefix (its match reserves backup pages) and is SIGSTOPped past the
+    session timeout; engine B backs up the same prefix with other KV and commits; A resumes and
+    finishes; engine C restores the prefix. Returns C's result with the daemon's last status."""
+    a_state, b_state = (os.path.join(daemon.socket_dir, f"{n}.kv") for n in "ab")
+    engines = [Engine(daemon.socket_path, "fence-A", seed, kv_seed=seed + 1, state=a_state),
+               Engine(daemon.socket_path, "fence-B", seed, kv_seed=seed + 2, state=b_state),
+               Engine(daemon.socket_path, "fence-C", seed, compare=b_state)]
+    a, b, c = engines
+    try:
+        for engine in engines:
+            assert engine.read()["attached"] == engine.name
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            prepared = a.ask("prepare")
+            assert len(prepared["backup_page_ids"]) == PREFIX_PAGES, prepared
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            if expect_expiry:      # heartbeats only: the daemon ends A's session
+                wait_until(lambda: "fence-A" not in session_names(observer), 10.0, "A's session ended")
+            time.sleep(max(0.0, stopped_at + STALL_S - time.monotonic()))     # the stall itself
+            stalled = observer.status(check_integrity=True)
+            assert b.ask("prepare")["cached_tokens"] == 0
+            finished = b.ask("finish")
+            assert finished["backed_up"] == PREFIX_PAGES and finished["errors"] == [], finished
+            os.kill(a.proc.pid, signal.SIGCONT)
+            a_finished = a.ask("finish")
+            assert a.ask("exit")["exited"] == "fence-A"
+            restored = c.ask("restore")
+            final = observer.status(check_integrity=True)
+        return {"restored": restored, "stalled": stalled, "final": final, "a_finished": a_finished}
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.parametrize("pid_watch", [True, False], ids=["pid-watched", "heartbeats-only"])
+def test_an_engine_stalled_past_its_session_never_overwrites_pages_given_to_another(pid_watch):
+    """C restores exactly B's bytes, all 8 pages from L2, although A (whose match had reserved
+    backup pages) was SIGSTOPped past the session timeout and finished its backup after B's
+    commit. With the pid watched, A keeps its session through the stall; with heartbeats only, A's
+    session ends and its pages stay quarantined while B backs up."""
+    seed = 1000 + pid_watch
+    extra = ("--l3-size", "0") + (() if pid_watch else ("--no-pid-watch", "--session-grace", "10"))
+    daemon = DaemonProcess(extra_args=extra).start()
+    try:
+        outcome = stale_writer_scenario(daemon, seed, expect_expiry=not pid_watch)
+    finally:
+        daemon.cleanup()
+    restored, stalled, final = outcome["restored"], outcome["stalled"], outcome["final"]
+    assert restored["restored_tokens"] == PREFIX_PAGES * 16, f"seed {seed}: {outcome}"
+    assert restored["equal_pages"] == restored["pages"] == PREFIX_PAGES, f"seed {seed}: {outcome}"
+    assert restored["integrity"] == "ok" and final["integrity"] == "ok", f"seed {seed}: {outcome}"
+    (namespace,) = stalled["namespaces"]
+    if pid_watch:
+        assert "fence-A" in [s["client_name"] for s in stalled["sessions"]], f"seed {seed}: {outcome}"
+        assert namespace["tiers"]["l2"]["private_pages"] == PREFIX_PAGES
+    else:
+        assert namespace["tiers"]["l2"]["quarantined_pages"] == PREFIX_PAGES, f"seed {seed}: {outcome}"
+        assert final["metrics"]["quarantines"] == 1
+        assert outcome["a_finished"]["backed_up"] == 0, f"seed {seed}: {outcome}"
+
+
+def test_a_daemon_stopped_for_two_seconds_keeps_a_healthy_engines_session():
+    """A daemon SIGSTOPped for 2 s (longer than the 1.5 s session timeout; engine pids not watched,
+    so heartbeats alone keep sessions) does not expire the session of an engine that kept sending
+    heartbeats: for 1 s after the daemon resumes (ten reaper ticks) the session is there, and its
+    requests are served."""
+    daemon = DaemonProcess(extra_args=("--l3-size", "0", "--no-pid-watch")).start()
+    geometry = KVGeometry("pause-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
+    try:
+        with connect(daemon.socket_path, timeout_s=5.0, client_name="healthy") as engine, \
+                connect(daemon.socket_path, timeout_s=5.0) as observer:
+            engine.attach(geometry)
+            assert session_names(observer) == ["healthy"]
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(2.0)                      # the pause itself
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+            resumed_at = time.monotonic()
+            while time.monotonic() < resumed_at + 1.0:
+                status = observer.status()
+                assert [s["client_name"] for s in status["sessions"]] == ["healthy"], status["metrics"]
+                time.sleep(0.05)
+            assert not engine.session_lost
+            reply = engine.match(np.arange(16, dtype=np.int32))
+            assert reply.hit_tokens["l2"] == 0
+            assert "sessions_expired" not in observer.status()["metrics"]
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.parametrize("reserve_ahead_pages", [0, 16], ids=["match-reservation", "pages-held-ahead"])
+def test_an_engine_whose_session_is_not_known_valid_neither_publishes_restores_nor_backs_up(daemon, reserve_ahead_pages):
+    """Once its heartbeats have stopped getting through for longer than the session timeout (the
+    daemon, watching its pid, still keeps the session), an engine publishes no page restored from L2
+    (the request recomputes them, counted) and starts no backup DMA into private L2 pages, with a
+    match's reservation or with pages held ahead (skipped, counted); nothing leaks."""
+    from engine_client.cache_manager import CacheManager
+    from tests.integration.engine_proc import GEOMETRY as E2E, random_kv_
+
+    seed = 77 + reserve_ahead_pages
+    tokens = np.random.default_rng(seed).integers(0, 150_000, size=9 * E2E.page_size, dtype=np.int32)
+    writer = CacheManager.attach(connect(daemon.socket_path, timeout_s=5.0, client_name="writer"), E2E,
+                                 num_l1_pages=16, device="cpu")
+    reader = CacheManager.attach(connect(daemon.socket_path, timeout_s=5.0, client_name="reader"), E2E,
+                                 num_l1_pages=16, device="cpu", reserve_ahead_pages=reserve_ahead_pages)
+    try:
+        plan = writer.prepare(tokens[:8 * E2E.page_size])
+        generator = torch.Generator().manual_seed(seed)
+        for page_id in plan.new_l1_page_ids:
+            random_kv_(writer.l1_pool.kv[:, :, page_id], generator)
+        assert writer.finish(plan) == 8 and writer.client.flush() == []
+
+        reader.client._stop_heartbeats.set()          # heartbeats no longer get through
+        reader.client._heartbeat_thread.join()
+        wait_until(lambda: reader.client.session_valid_for() == 0, 5.0, "the session no longer known valid")
+        plan = reader.prepare(tokens)
+        assert plan.l2_hit_tokens == 8 * E2E.page_size, f"seed {seed}"
+        assert plan.restored_tokens == 0 and plan.num_cached_tokens == 0, f"seed {seed}"
+        assert reader.counters["restores_discarded_session_ended"] == 1
+        assert reader.finish(plan) == 0
+        assert reader.counters["backups_skipped_session_unconfirmed"] == 1
+        reader.check_integrity()
+        assert reader.client.flush() == []
+        status = reader.client.status(check_integrity=True)
+        assert status["integrity"] == "ok", status["integrity"]
+        (namespace,) = status["namespaces"]
+        assert namespace["tiers"]["l2"]["owned_pages"] == 8       # the reader published nothing
+        assert status["leases"] == (1 if reserve_ahead_pages else 0)      # only the pages held ahead
+    finally:
+        reader.close()
+        writer.close()
