@@ -78,6 +78,9 @@ class Attach:
     pid: int
     geometry: KVGeometry
     client_name: str = ""
+    # A re-attach names the session it replaces (0: none) once the engine has drained every
+    # transfer into that session's pages: none of them will be written by this engine again.
+    previous_session_id: int = 0
 
     @classmethod
     def parse(cls, body: dict) -> "Attach":
@@ -86,6 +89,7 @@ class Attach:
             pid=_int(body, "pid", 0, 2**31),
             geometry=KVGeometry.from_wire(body.get("geometry")),
             client_name=_str(body, "client_name", 256, ""),
+            previous_session_id=_int(body, "previous_session_id", default=0),
         )
 
 
