@@ -23,6 +23,14 @@ Fencing (docs/architecture.md). A DMA into private L2 pages starts only while th
 to keep this session, and so those pages, a while longer (``KVCacheClient.session_valid_for``);
 otherwise the backup is skipped. A restore's pages are published only if the session was still
 valid once its DMA completed: then the lease held the pages it read throughout.
+
+Outages and re-attach (engine_client.client has the connection's states). While the daemon is
+down, ``prepare`` skips it (a miss, counted, nothing logged per request) and ``finish`` backs up
+nothing. When the client re-attaches, the new session's L2 pool is mapped and pinned on a thread
+of its own; the next ``prepare`` with no transfer in flight swaps it in and unmaps the old one.
+Every plan carries the generation of the session its lease and page ids belong to: a plan of an
+ended session is finished or aborted in L1 only (no DMA with its page ids, no release of its
+lease on another session).
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
+from engine_client.client import AttachInfo, DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.l1_index import L1PrefixIndex
 from engine_client.l1_pool import L1Pool
 from engine_client.reserved import L2Hints, ReservedPages, TakenPages, confirm_restore
@@ -72,6 +81,7 @@ class RequestPlan:
     backup: bool = True                 # back up the new full pages at finish
     hit_page_ids: list[int] = dataclasses.field(default_factory=list)      # the L2 hit's pages and
     hit_page_epochs: list[int] = dataclasses.field(default_factory=list)   # epochs (for hints)
+    generation: int = 0                 # the client session's that lease_id and the page ids belong to
 
 
 class CacheManager:
@@ -97,16 +107,28 @@ class CacheManager:
         self.counters: collections.Counter[str] = collections.Counter()   # fallbacks to recompute
         self._logged_causes: set[str] = set()
         self._pin_report_pending = False
+        self.reserve_ahead_pages = reserve_ahead_pages
         self.reserved: ReservedPages | None = None
         self.hints: L2Hints | None = None
         if reserve_ahead_pages:
-            self.reserved = ReservedPages(client, chunk_pages=reserve_ahead_pages,
-                                          low_water_pages=max(1, reserve_ahead_pages // 2))
+            self.reserved = self._new_reserved_pages()
             self.hints = L2Hints(self.page_size)
             try:
                 self.reserved.fill()
             except (DaemonUnavailable, DaemonError) as exc:    # later takes find none: backups skip
                 logger.warning("could not reserve L2 pages ahead: %s", exc)
+        # The client session that host_pool, reserved and hints belong to; a re-attach's pool is
+        # opened in the background (_open_next_pool) and swapped in by prepare (_follow_session).
+        self._generation = client.generation
+        self._next_pool_lock = threading.Lock()
+        self._next_pool: tuple[int, SharedHostPool] | None = None
+        self._next_pool_threads: list[threading.Thread] = []
+        self._closed = False
+        client.add_reattach_listener(self._on_reattach)
+
+    def _new_reserved_pages(self) -> ReservedPages:
+        return ReservedPages(self.client, chunk_pages=self.reserve_ahead_pages,
+                             low_water_pages=max(1, self.reserve_ahead_pages // 2))
 
     @classmethod
     def attach(cls, client: KVCacheClient, geometry: KVGeometry, num_l1_pages: int,
@@ -142,6 +164,73 @@ class CacheManager:
                             "pin": self.host_pool.pin_report()})
         self._pin_report_pending = self.host_pool.pin_requested and not pinned
 
+    # ---- after a re-attach ------------------------------------------------------------------------
+
+    def _on_reattach(self, generation: int, info: AttachInfo) -> None:
+        """The client's listener (on its heartbeat thread): map and pin the new session's pool on a
+        thread of its own, never on a request's path."""
+        thread = threading.Thread(target=self._open_next_pool, args=(generation, info),
+                                  name="kvcached-remap", daemon=True)
+        with self._next_pool_lock:
+            if self._closed:
+                return
+            self._next_pool_threads = [t for t in self._next_pool_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _open_next_pool(self, generation: int, info: AttachInfo) -> None:
+        kv_device = self.l1_pool.kv.device
+        is_cuda = kv_device.type == "cuda"
+        try:
+            pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, self.geometry,
+                                       pin=is_cuda, device=kv_device if is_cuda else None)
+        except Exception as exc:       # L2 stays off until the next re-attach
+            logger.error("cannot map the L2 pool of the new kvcached session: %s", exc)
+            return
+        with self._next_pool_lock:
+            if self._closed or (self._next_pool is not None and self._next_pool[0] > generation):
+                superseded = pool          # closed meanwhile, or a later re-attach's pool is ready
+            else:
+                superseded = self._next_pool[1] if self._next_pool is not None else None
+                self._next_pool = (generation, pool)
+        if superseded is not None:
+            superseded.close()
+
+    def _follow_session(self) -> None:
+        """On the scheduler thread, while the client has no live session of this manager's
+        generation: say when nothing writes the ended session's pages any more, and swap in the pool
+        of a newer session once it is mapped and pinned and no transfer is in flight."""
+        if self.transfer.num_in_flight:
+            return
+        generation = self.client.generation
+        if generation == self._generation:
+            self.client.mark_drained(generation)    # DOWN: no transfer starts until it is back
+            return
+        with self._next_pool_lock:
+            if self._next_pool is None or self._next_pool[0] != generation:
+                return
+            (_, pool), self._next_pool = self._next_pool, None
+        self._swap_pool(generation, pool)
+
+    def _swap_pool(self, generation: int, pool: SharedHostPool) -> None:
+        """Move to the session of ``generation`` and its pool; the old pool is unpinned and unmapped.
+        What belonged to the old session (reserved pages, hints) is dropped, nothing released."""
+        old_pool = self.host_pool
+        self.transfer.use_host_pool(pool)
+        self.host_pool = pool
+        if self.reserved is not None:
+            self.reserved.close()            # of an ended session: sends nothing
+            self.reserved = self._new_reserved_pages()
+            self.reserved.top_up()
+            self.hints = L2Hints(self.page_size)
+        self._generation = generation
+        try:
+            old_pool.close()
+        except RuntimeError as exc:          # a view of it still lives: it is unmapped with the view
+            logger.error("the ended session's L2 pool stays mapped: %s", exc)
+        logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation,
+                    self.client.info.shm_path if self.client.info is not None else "?")
+        self._report_transfer_facts()
+
     # ---- per request ----------------------------------------------------------------------------
 
     def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
@@ -152,6 +241,10 @@ class CacheManager:
         scatters follow the reply. A daemon that does not answer, or a restore that fails, is not
         the request's failure: the plan then covers what L1 holds, and the engine recomputes the
         rest (counted in ``counters``)."""
+        generation = self._generation
+        if not self.client.is_attached(generation):
+            self._follow_session()
+            generation = self._generation
         if self._pin_report_pending and self.host_pool.is_pinned:
             self._report_transfer_facts()
         tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
@@ -167,7 +260,10 @@ class CacheManager:
         new_l1_page_ids: list[int] = []
         try:
             try:
-                pending = self.client.match_async(tokens, reserve_backup=backup and self.reserved is None)
+                pending = self.client.match_async(tokens, reserve_backup=backup and self.reserved is None,
+                                                  generation=generation)
+            except DaemonDown:                  # reported once per outage, by the client
+                self.counters["daemon_down_skips"] += 1
             except (DaemonUnavailable, DaemonError) as exc:
                 logger.warning("match failed, recomputing: %s", exc)
                 self.counters["match_failures"] += 1
@@ -188,6 +284,8 @@ class CacheManager:
             if pending is not None:
                 try:
                     reply = pending.result()
+                except DaemonDown:
+                    self.counters["daemon_down_skips"] += 1
                 except (DaemonUnavailable, DaemonError) as exc:
                     logger.warning("match failed, recomputing: %s", exc)
                     self.counters["match_failures"] += 1
@@ -199,7 +297,7 @@ class CacheManager:
                 restored_page_ids, restore_seconds = self._confirm_speculation(
                     speculative, hint, reply, new_l1_page_ids[:num_restorable], l1_hit_pages)
                 speculative = None
-                if restored_page_ids and not self._session_held_through_restore():
+                if restored_page_ids and not self._session_held_through_restore(generation):
                     restored_page_ids, restore_seconds = [], 0.0
             elif prepared is not None and l2_hit_tokens > l1_match.num_tokens:
                 host_page_ids = reply.host_page_ids[l1_hit_pages: l2_hit_tokens // page_size]
@@ -207,7 +305,7 @@ class CacheManager:
                 try:
                     transfer = prepared.receive_from(host_page_ids)
                     transfer.wait()
-                    if self._session_held_through_restore():
+                    if self._session_held_through_restore(generation):
                         restore_seconds = transfer.seconds
                         restored_page_ids = restore_pages
                 except Exception as exc:       # the transfer failed: recompute instead
@@ -232,7 +330,7 @@ class CacheManager:
             backs_up_after_hit = (self.reserved is not None and backup
                                   and len(tokens) // page_size > l2_hit_tokens // page_size)
             if lease_id is not None and not backup_page_ids and not backs_up_after_hit:
-                self._end_lease(lease_id)   # nothing to back up: the read lock is done
+                self._end_lease(lease_id, generation)   # nothing to back up: the read lock is done
                 lease_id = None
             num_cached_tokens = len(l1_page_ids) * page_size
         except BaseException:
@@ -245,7 +343,7 @@ class CacheManager:
             self.l1_index.unlock(l1_page_ids)
             self.l1_pool.free(new_l1_page_ids)
             if lease_id is not None:
-                self._end_lease(lease_id)
+                self._end_lease(lease_id, generation)
             raise
         plan = RequestPlan(
             token_ids=tokens, num_cached_tokens=num_cached_tokens, l1_page_ids=l1_page_ids,
@@ -257,6 +355,7 @@ class CacheManager:
             backup=backup,
             hit_page_ids=list(reply.host_page_ids) if reply is not None else [],
             hit_page_epochs=list(reply.host_page_epochs) if reply is not None else [],
+            generation=generation,
         )
         self._open_plans.append(plan)
         return plan
@@ -293,23 +392,23 @@ class CacheManager:
             self._restore_failed(len(l1_page_ids), exc)
             return [], 0.0
 
-    def _session_held_through_restore(self) -> bool:
+    def _session_held_through_restore(self, generation: int) -> bool:
         """Called once a restore's DMA has completed: whether the session, and so the lease on the
         pages it read, was still valid then. If not, those pages may have been given to another
         engine and rewritten under the copy: the request recomputes them."""
-        if self.client.session_valid_for() > 0:
+        if self.client.session_valid_for(generation) > 0:
             return True
         self._count_once("restores_discarded_session_ended",
                          "a restore completed after its session may have ended; recomputing instead")
         return False
 
-    def _session_allows_backup(self) -> bool:
+    def _session_allows_backup(self, generation: int) -> bool:
         """Whether a backup's DMA into private L2 pages may start: the daemon keeps the session (and
         the pages) at least BACKUP_SESSION_MARGIN_SHARE of its timeout longer."""
         margin_s = BACKUP_SESSION_MARGIN_SHARE * self.client.info.session_timeout_s
-        if self.client.session_valid_for() >= margin_s:
+        if self.client.session_valid_for(generation) >= margin_s:
             return True
-        if self.client.session_lost:
+        if not self.client.is_attached(generation):
             self._count_once("backups_skipped_session_lost", "backups skipped: the daemon ended this session")
         else:
             self._count_once("backups_skipped_session_unconfirmed",
@@ -329,10 +428,11 @@ class CacheManager:
         self.counters["restore_failures"] += 1
         self.transfer.drain()               # nothing of it may still write into these pages
 
-    def _end_lease(self, lease_id: int) -> None:
-        """Release a lease; if the session is gone the daemon has reclaimed it already."""
+    def _end_lease(self, lease_id: int, generation: int) -> None:
+        """Release a lease of the session of ``generation``; once that session has ended nothing
+        is sent (the daemon reclaimed the lease with it)."""
         try:
-            self.client.release(lease_id)
+            self.client.release(lease_id, generation)
         except (DaemonUnavailable, DaemonError) as exc:
             logger.warning("could not release lease %d (the daemon reclaims it with the session): %s",
                            lease_id, exc)
@@ -350,16 +450,20 @@ class CacheManager:
         all_pages = plan.l1_page_ids + new_full
         backed_up = 0
         try:
-            if self.reserved is not None:
+            if plan.generation != self._generation or not self.client.is_attached(plan.generation):
+                # The daemon is down, or the plan's session ended: its page ids may not be written.
+                if plan.backup and (plan.lease_id is not None or self.reserved is not None):
+                    self.counters["backups_skipped_daemon_down"] += 1
+            elif self.reserved is not None:
                 if plan.backup:
                     backed_up = self._back_up_into_reserved(plan, all_pages, full_pages)
             elif plan.lease_id is not None:
                 start = plan.backup_start_token // page_size
                 count = min(len(plan.backup_page_ids), full_pages - start)
                 host_page_ids = plan.backup_page_ids[:count]
-                if count > 0 and self._session_allows_backup():
+                if count > 0 and self._session_allows_backup(plan.generation):
                     self.transfer.backup(all_pages[start:start + count], host_page_ids).wait()
-                    self.client.commit_backup(plan.lease_id, host_page_ids)
+                    self.client.commit_backup(plan.lease_id, host_page_ids, plan.generation)
                     plan.lease_id = None
                     backed_up = count
         except Exception as exc:      # a failed backup loses nothing: the pages stay in L1
@@ -367,7 +471,7 @@ class CacheManager:
             self.counters["backup_failures"] += 1
         finally:
             if plan.lease_id is not None:
-                self._end_lease(plan.lease_id)
+                self._end_lease(plan.lease_id, plan.generation)
                 plan.lease_id = None
             if new_full:
                 duplicates = self.l1_index.insert(plan.token_ids[: full_pages * page_size], new_full,
@@ -385,7 +489,7 @@ class CacheManager:
         and committed with their prefix; returns how many. Where they went is remembered."""
         start = plan.backup_start_token // self.page_size
         count = full_pages - start
-        if count <= 0 or not self._session_allows_backup():
+        if count <= 0 or not self._session_allows_backup(plan.generation):
             return 0
         taken: TakenPages | None = self.reserved.take(count)
         if taken is None:
@@ -410,7 +514,7 @@ class CacheManager:
         """Give up a request: end its lease, free its new pages, unlock its cached ones."""
         self._check_open(plan)
         if plan.lease_id is not None:
-            self._end_lease(plan.lease_id)
+            self._end_lease(plan.lease_id, plan.generation)
             plan.lease_id = None
         self.l1_index.unlock(plan.l1_page_ids)
         self.l1_pool.free(plan.new_l1_page_ids)
@@ -459,7 +563,13 @@ class CacheManager:
     def close(self) -> None:
         """Abort open requests, then close the transfers, the host pool and the client, each even if
         an earlier step failed."""
+        with self._next_pool_lock:
+            closed_before, self._closed = self._closed, True
+            next_pool, self._next_pool = self._next_pool, None
+            threads = list(self._next_pool_threads)
         try:
+            if not closed_before:
+                self.client.remove_reattach_listener(self._on_reattach)
             for plan in list(self._open_plans):
                 self.abort(plan)
             if self.reserved is not None:
@@ -470,5 +580,9 @@ class CacheManager:
             finally:
                 try:
                     self.host_pool.close()
+                    if next_pool is not None:
+                        next_pool[1].close()
                 finally:
                     self.client.close()
+                    for thread in threads:      # one still mapping closes what it maps (_closed)
+                        thread.join()

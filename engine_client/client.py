@@ -6,10 +6,24 @@ commits are sent without waiting (they are off the request's critical path); the
 replies, if any, are collected as they arrive and handed out by ``poll_errors()``. A
 background thread sends heartbeats on its own socket so that a long forward pass does not
 look like a dead engine.
+
+Outages. The client's connection is in one of the states of ``ConnectionState``, changed in one
+place (``KVCacheClient._transition``). The heartbeat thread learns that the daemon is gone from
+a heartbeat whose reply does not come, or from the daemon's SHUTDOWN message (sent to each
+socket of a live session when it stops); the connection is then DOWN, and a request that would
+wait for the daemon (match, reserve) raises ``DaemonDown`` at once, without sending anything.
+While DOWN, the heartbeat thread keeps probing, off every request's path: a heartbeat answered
+for the old session resumes it; a daemon that no longer knows it (restarted, or it expired the
+session) gets a new ATTACH with the same geometry, a new session of the next ``generation``.
+Objects that hold pages of a session (the cache manager) tag what they do with its generation,
+learn of a re-attach from ``add_reattach_listener``, and say when nothing of theirs will write
+the ended session's pages any more (``mark_drained``): only then does the ATTACH name that
+session (``previous_session_id``). One warning per outage, one info line when it ends.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import os
@@ -32,10 +46,39 @@ DEFAULT_SPIN_S = 200e-6       # busy-wait this long for a reply before blocking
 MAX_PENDING_ASYNC = 100_000
 # Requests whose reply may carry a lease: a reply nobody waits for any more must end it.
 LEASE_KINDS = (MsgKind.MATCH, MsgKind.RESERVE_PAGES)
+# A heartbeat not answered within this many heartbeat intervals means the daemon is down.
+HEARTBEAT_REPLY_INTERVALS = 2.0
+# While a session request waits, how often it checks whether the connection went down meanwhile.
+DOWN_CHECK_INTERVAL_S = 0.05
+# How long a re-attach waits for the listeners to drain the ended session (mark_drained) before it
+# attaches without naming it; counted from the start of the outage.
+REATTACH_DRAIN_WAIT_S = 1.0
 
 
 class DaemonUnavailable(Exception):
     """The daemon is not there or did not answer in time."""
+
+
+class DaemonDown(DaemonUnavailable):
+    """Raised at once, nothing sent: the daemon is known to be down, or the session a request
+    belongs to (its generation) has ended. Requests skip the daemon until it is back."""
+
+
+class ConnectionState(enum.Enum):
+    DETACHED = "detached"     # before attach() and after detach()
+    ATTACHED = "attached"     # a live session: requests go to the daemon
+    DOWN = "down"             # no live session: requests that would wait fail at once; re-attaching
+    CLOSED = "closed"
+
+
+# The legal transitions (KVCacheClient._transition); DOWN -> DOWN updates the reason.
+_NEXT_STATES = {
+    ConnectionState.DETACHED: {ConnectionState.ATTACHED, ConnectionState.CLOSED},
+    ConnectionState.ATTACHED: {ConnectionState.DOWN, ConnectionState.DETACHED, ConnectionState.CLOSED},
+    ConnectionState.DOWN: {ConnectionState.DOWN, ConnectionState.ATTACHED, ConnectionState.DETACHED,
+                           ConnectionState.CLOSED},
+    ConnectionState.CLOSED: set(),
+}
 
 
 class DaemonError(Exception):
@@ -65,6 +108,17 @@ class AttachInfo(NamedTuple):
     max_frame_bytes: int
     daemon_pid: int
     protocol_version: int
+
+
+class Connection(NamedTuple):
+    """One consistent view of the client's connection (replaced whole at each transition)."""
+
+    state: ConnectionState
+    generation: int                 # attaches so far: the current (or last) session's number
+    info: "AttachInfo | None"       # the current session, or while DOWN the one that ended
+    since: float                    # time.monotonic() when this state was entered
+    reason: str = ""                # why DOWN
+    session_ended: bool = False     # DOWN, and the daemon surely no longer knows the session
 
 
 class MatchReply(NamedTuple):
@@ -139,13 +193,17 @@ class _Channel:
         self.pending_async: dict[int, MsgKind] = {}
         self.async_errors: list[DaemonError] = []
         # Requests we stopped waiting for: a late MATCH reply still carries a lease that nobody
-        # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease.
-        self.abandoned: dict[int, tuple[MsgKind, float]] = {}     # request id -> (kind, when given up)
+        # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease
+        # with the generation of the session it was asked for.
+        self.abandoned: dict[int, tuple[MsgKind, float, int]] = {}   # request id -> (kind, when given up, generation)
         # Requests sent by begin() whose replies are still to be collected by wait_for() (None
         # until the reply arrives).
         self.awaited: dict[int, codec.Frame | None] = {}
         self.closed = False
-        self.on_orphan_lease: Callable[[int], None] | None = None
+        self.on_orphan_lease: Callable[[int, int], None] | None = None     # (lease id, generation)
+        self.on_shutdown: Callable[[dict[str, Any]], None] | None = None   # the daemon's SHUTDOWN body
+        # (generation) -> why that session's requests cannot be answered any more, or None
+        self.session_gone: Callable[[int], str | None] | None = None
         self.yield_after_send = False      # set when ZeroMQ's I/O thread is pinned (connect's cpu)
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
@@ -163,8 +221,9 @@ class _Channel:
         if len(self.pending_async) < MAX_PENDING_ASYNC:
             self.pending_async[request_id] = kind
 
-    def request(self, kind: MsgKind, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        return self.wait_for(self.begin(kind, body), kind, timeout_s)
+    def request(self, kind: MsgKind, body: dict[str, Any], timeout_s: float | None = None,
+                generation: int | None = None) -> dict[str, Any]:
+        return self.wait_for(self.begin(kind, body), kind, timeout_s, generation)
 
     def begin(self, kind: MsgKind, body: dict[str, Any], urgent: bool = True) -> int:
         """Send a request whose reply ``wait_for`` will collect; replies that arrive meanwhile
@@ -179,41 +238,51 @@ class _Channel:
             os.sched_yield()
         return request_id
 
-    def wait_for(self, request_id: int, kind: MsgKind, timeout_s: float | None = None) -> dict[str, Any]:
+    def wait_for(self, request_id: int, kind: MsgKind, timeout_s: float | None = None,
+                 generation: int | None = None) -> dict[str, Any]:
+        """The reply to request_id, within timeout_s. A request of the session of ``generation``
+        gives up (DaemonDown) as soon as that session is known to be gone (session_gone)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         if self.closed:
             raise DaemonUnavailable(f"cannot wait for {kind.name}: the client is closed")
+        watch = generation is not None and self.session_gone is not None
         frame = self.awaited[request_id]
         try:
             while frame is None:
-                received = self._receive(deadline)
-                if received is None:
+                gone = self.session_gone(generation) if watch else None
+                if gone is not None:
+                    raise DaemonDown(f"gave up waiting for {kind.name}: {gone}")
+                now = time.monotonic()
+                if now >= deadline:
                     raise DaemonUnavailable(
                         f"no reply to {kind.name} from the kvcached daemon at ipc://{self.socket_path} "
                         f"within timeout_s={timeout_s} (is it running?)")
-                self._absorb(received)
-                frame = self.awaited[request_id]
+                received = self._receive(min(deadline, now + DOWN_CHECK_INTERVAL_S) if watch else deadline)
+                if received is not None:
+                    self._absorb(received)
+                    frame = self.awaited[request_id]
         except BaseException:
             # Timed out, interrupted or failed: whatever the reply holds must not be lost.
-            self.abandon(request_id, kind)
+            self.abandon(request_id, kind, generation or 0)
             raise
         del self.awaited[request_id]
         if frame.kind == MsgKind.ERROR:
             raise DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
         return frame.body
 
-    def abandon(self, request_id: int, kind: MsgKind) -> None:
+    def abandon(self, request_id: int, kind: MsgKind, generation: int = 0) -> None:
         """Stop waiting for a request's reply. A MATCH reply carries a lease that nobody would ever
-        end: whether it came already or comes later, its lease goes to on_orphan_lease."""
+        end: whether it came already or comes later, its lease goes to on_orphan_lease, with the
+        generation of the session the request was sent for."""
         if request_id not in self.awaited:
             return
         frame = self.awaited.pop(request_id)
         if frame is None:
             if len(self.abandoned) < MAX_PENDING_ASYNC:
-                self.abandoned[request_id] = (kind, time.monotonic())
+                self.abandoned[request_id] = (kind, time.monotonic(), generation)
         elif kind in LEASE_KINDS:
-            self._orphan_lease_of(frame)
+            self._orphan_lease_of(frame, generation)
 
     def _receive(self, deadline: float) -> codec.Frame | None:
         if self.spin_s > 0:
@@ -248,15 +317,26 @@ class _Channel:
             self._absorb(frame)
 
     def _absorb(self, frame: codec.Frame) -> None:
+        if frame.kind == MsgKind.SHUTDOWN:       # unsolicited: no request of ours is answered by it
+            if self.on_shutdown is not None:
+                self.on_shutdown(frame.body)
+            return
         if frame.request_id in self.awaited:
             self.awaited[frame.request_id] = frame
-        elif self.abandoned.pop(frame.request_id, (None, 0.0))[0] in LEASE_KINDS:
-            self._orphan_lease_of(frame)
+        else:
+            kind, _, generation = self.abandoned.pop(frame.request_id, (None, 0.0, 0))
+            if kind in LEASE_KINDS:
+                self._orphan_lease_of(frame, generation)
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
             if kind is not None:
                 error = DaemonError(frame.body.get("code", 0), frame.body.get("message", ""), kind)
-                logger.warning("%s", error)
+                if error.code == ErrorCode.NOT_ATTACHED:
+                    # Sent for a session that has ended since: its end reclaimed what it held, and
+                    # the outage (or the session's end) was reported once already.
+                    logger.debug("%s", error)
+                else:
+                    logger.warning("%s", error)
                 self.async_errors.append(error)
         if frame.request_id in self.pending_async or not self.pending_async:
             return
@@ -269,9 +349,9 @@ class _Channel:
         the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
         reclaims whatever it held."""
         horizon = time.monotonic() - self.timeout_s
-        for request_id in [r for r, (_, given_up) in self.abandoned.items() if given_up < horizon]:
+        for request_id in [r for r, (_, given_up, _) in self.abandoned.items() if given_up < horizon]:
             del self.abandoned[request_id]
-        return sum(1 for kind, _ in self.abandoned.values() if kind in LEASE_KINDS)
+        return sum(1 for kind, _, _ in self.abandoned.values() if kind in LEASE_KINDS)
 
     def absorb_until(self, done: Callable[[], bool], deadline: float) -> None:
         """Take in replies as they come until done() or the deadline."""
@@ -281,9 +361,9 @@ class _Channel:
                 return
             self._absorb(frame)
 
-    def _orphan_lease_of(self, frame: codec.Frame) -> None:
+    def _orphan_lease_of(self, frame: codec.Frame, generation: int) -> None:
         if frame.kind == MsgKind.REPLY and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None:
-            self.on_orphan_lease(frame.body["lease_id"])
+            self.on_orphan_lease(frame.body["lease_id"], generation)
 
     def close(self) -> None:
         # Replies still awaited are void: closing detaches the session, whose leases the daemon reclaims.
@@ -298,9 +378,12 @@ class PendingMatch:
     kind = MsgKind.MATCH
     reply_type: type = MatchReply
 
-    def __init__(self, channel: _Channel, request_id: int):
+    def __init__(self, channel: _Channel, request_id: int, generation: int,
+                 on_not_attached: Callable[[int, str], None] | None = None):
         self._channel = channel
         self._request_id = request_id
+        self.generation = generation          # of the session it was sent for
+        self._on_not_attached = on_not_attached
         self._ended = False
 
     def ready(self) -> bool:
@@ -317,7 +400,12 @@ class PendingMatch:
         if self._ended:
             raise RuntimeError("this request has already ended (result() or cancel() was called)")
         self._ended = True
-        body = self._channel.wait_for(self._request_id, self.kind, timeout_s)
+        try:
+            body = self._channel.wait_for(self._request_id, self.kind, timeout_s, self.generation)
+        except DaemonError as exc:
+            if exc.code == ErrorCode.NOT_ATTACHED and self._on_not_attached is not None:
+                self._on_not_attached(self.generation, exc.message)
+            raise
         fields = self.reply_type._fields
         return self.reply_type(**{f: body[f] for f in fields if f in body})
 
@@ -326,7 +414,7 @@ class PendingMatch:
         if not self._ended:
             self._ended = True
             if not self._channel.closed:
-                self._channel.abandon(self._request_id, self.kind)
+                self._channel.abandon(self._request_id, self.kind, self.generation)
 
     def __del__(self) -> None:
         # Dropped without result() or cancel() (say, an exception in between): give it up, so that
@@ -345,7 +433,7 @@ class PendingReservation(PendingMatch):
 
 
 class KVCacheClient:
-    """An engine's session with the daemon; see ``connect``."""
+    """An engine's session with the daemon; see ``connect``, and the module note for outages."""
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None):
@@ -363,145 +451,384 @@ class KVCacheClient:
         self._channel = _Channel(self._context, self.socket_path, timeout_s, spin_s)
         self._channel.yield_after_send = cpu is not None
         self._channel.on_orphan_lease = self._release_orphan
-        self.info: AttachInfo | None = None
+        self._channel.on_shutdown = self._on_shutdown
+        self._channel.session_gone = self._session_gone
         self.geometry: KVGeometry | None = None
+        # _connection is replaced whole, under _state_condition, by _transition only; readers take
+        # it once and use that snapshot (its state, generation and session agree).
+        self._state_condition = threading.Condition()
+        self._connection = Connection(ConnectionState.DETACHED, 0, None, time.monotonic())
+        self._drained_generation = 0         # mark_drained's, for the session that is DOWN
+        self._reattach_listeners: list[Callable[[int, AttachInfo], None]] = []
         self._heartbeat_thread: threading.Thread | None = None
         self._stop_heartbeats = threading.Event()
-        self._session_lost: str | None = None
+        self._wake_fds: tuple[int, int] | None = None     # a pipe that wakes the heartbeat thread
         self._session_confirmed_at = 0.0     # when the last request the daemon answered for it was sent
-        self._closed = False
 
-    # ---- session ----------------------------------------------------------------------------
+    # ---- the connection ---------------------------------------------------------------------
 
-    def attach(self, geometry: KVGeometry) -> AttachInfo:
-        if self.info is not None:
-            raise RuntimeError("already attached")
-        geometry.validate()
-        sent = time.monotonic()
-        body = self._channel.request(MsgKind.ATTACH, {
+    @property
+    def connection(self) -> Connection:
+        return self._connection
+
+    @property
+    def state(self) -> ConnectionState:
+        return self._connection.state
+
+    @property
+    def generation(self) -> int:
+        """How many sessions this client has attached: the current session's number."""
+        return self._connection.generation
+
+    @property
+    def info(self) -> AttachInfo | None:
+        """The current session; while DOWN, the one that ended; None when detached or closed."""
+        connection = self._connection
+        return connection.info if connection.state in (ConnectionState.ATTACHED, ConnectionState.DOWN) else None
+
+    def is_attached(self, generation: int | None = None) -> bool:
+        """Whether a session is live (and, with ``generation``, is that generation's)."""
+        connection = self._connection
+        return connection.state is ConnectionState.ATTACHED and generation in (None, connection.generation)
+
+    def add_reattach_listener(self, listener: Callable[[int, AttachInfo], None]) -> None:
+        """``listener(generation, info)`` runs on the heartbeat thread after each re-attach; it must
+        return quickly. Whoever registers one writes into the session's pages: a re-attach then
+        waits (at most REATTACH_DRAIN_WAIT_S from the outage's start) for its ``mark_drained``."""
+        self._reattach_listeners.append(listener)
+
+    def remove_reattach_listener(self, listener: Callable[[int, AttachInfo], None]) -> None:
+        self._reattach_listeners.remove(listener)
+
+    def mark_drained(self, generation: int) -> None:
+        """Nothing writes pages of the session of ``generation`` any more (every transfer into them
+        has completed, and none will start): the ATTACH that replaces that session may name it
+        (previous_session_id), so that the daemon frees them. Heeded only while it is DOWN."""
+        with self._state_condition:
+            connection = self._connection
+            if connection.state is ConnectionState.DOWN and connection.generation == generation:
+                self._drained_generation = generation
+                self._state_condition.notify_all()
+
+    def _transition(self, expected: Connection, state: ConnectionState, *, info: AttachInfo | None = None,
+                    reason: str = "", session_ended: bool = False) -> bool:
+        """The one place where the connection changes (legal moves: _NEXT_STATES). ``info``: a new
+        session, of the next generation. False, and nothing changed, when the connection is no
+        longer ``expected`` (another thread moved it first)."""
+        with self._state_condition:
+            current = self._connection
+            if current is not expected:
+                return False
+            if state not in _NEXT_STATES[current.state]:
+                raise RuntimeError(f"illegal connection transition {current.state.value} -> {state.value}")
+            now = time.monotonic()
+            if info is not None:
+                new = Connection(state, current.generation + 1, info, now)
+            else:
+                since = current.since if state is current.state else now
+                new = Connection(state, current.generation, current.info, since, reason, session_ended)
+            if state is not ConnectionState.DOWN:
+                self._drained_generation = 0
+            self._connection = new
+            self._state_condition.notify_all()
+        if current.state is ConnectionState.ATTACHED and state is ConnectionState.DOWN:
+            logger.warning("kvcached daemon at ipc://%s unavailable: %s; requests skip it until it is back "
+                           "(re-attaching in the background)", self.socket_path, reason)
+        elif current.state is ConnectionState.DOWN and state is ConnectionState.ATTACHED:
+            logger.info("kvcached daemon back after %.1f s: %s", now - current.since,
+                        f"new session (generation {new.generation})" if info is not None else "session resumed")
+        elif state is ConnectionState.DOWN:
+            logger.debug("kvcached daemon still unavailable: %s", reason)
+        return True
+
+    def _daemon_down(self, seen: Connection, reason: str, session_ended: bool) -> None:
+        """What was ``seen`` attached (or down, its session maybe alive) is down now."""
+        if seen.state is ConnectionState.ATTACHED or (
+                seen.state is ConnectionState.DOWN and session_ended and not seen.session_ended):
+            self._transition(seen, ConnectionState.DOWN, reason=reason, session_ended=session_ended)
+
+    def _on_shutdown(self, body: dict[str, Any]) -> None:
+        """The daemon's SHUTDOWN, on either socket (either thread); one that names another session
+        (an older one, read late) changes nothing."""
+        connection = self._connection
+        if connection.info is not None and body.get("session_id") == connection.info.session_id:
+            self._daemon_down(connection, "the daemon is shutting down", session_ended=True)
+
+    def _on_not_attached(self, generation: int, message: str) -> None:
+        """A request of the session of ``generation`` was refused: the daemon does not know it."""
+        connection = self._connection
+        if connection.generation == generation:
+            self._daemon_down(connection, f"the daemon no longer knows the session ({message[:200]})",
+                              session_ended=True)
+
+    def _session_gone(self, generation: int) -> str | None:
+        """Why requests of the session of ``generation`` will not be answered, or None."""
+        connection = self._connection
+        if connection.generation != generation:
+            return f"the session of generation {generation} has ended"
+        if connection.state is ConnectionState.ATTACHED:
+            return None
+        if connection.state is ConnectionState.DOWN:
+            return f"the kvcached daemon is unavailable: {connection.reason}"
+        return f"the client is {connection.state.value}"
+
+    def _session(self, generation: int | None, live: bool) -> tuple[int, int] | None:
+        """(session id, generation) to send a request with: of ``generation``'s session if given,
+        else of the current one. ``live``: a request that would wait, DaemonDown at once unless the
+        session is attached. Otherwise (sent without waiting) None when the session surely ended."""
+        connection = self._connection
+        if connection.state is ConnectionState.CLOSED:
+            raise RuntimeError("client is closed")
+        if connection.state is ConnectionState.DETACHED:
+            raise RuntimeError("attach() first")
+        reason = self._session_gone(connection.generation if generation is None else generation)
+        if reason is None:
+            return connection.info.session_id, connection.generation
+        if live:
+            raise DaemonDown(reason)
+        if connection.generation == generation or generation is None:
+            if not connection.session_ended:      # DOWN, but the session may resume: send it
+                return connection.info.session_id, connection.generation
+        return None
+
+    # ---- attach, heartbeats, re-attach ------------------------------------------------------
+
+    def _attach_body(self, geometry: KVGeometry, previous_session_id: int | None = None) -> dict[str, Any]:
+        """The ATTACH request, first or re-attach."""
+        body: dict[str, Any] = {
             "protocol_version": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "geometry": geometry.to_wire(),
             "client_name": self.client_name,
             **process_identity(),
-        })
-        self.info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
-        self._session_confirmed_at = sent
-        self.geometry = geometry
-        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="kvcached-heartbeat",
-                                                  daemon=True)
-        self._heartbeat_thread.start()
-        return self.info
+        }
+        if previous_session_id is not None:
+            body["previous_session_id"] = previous_session_id
+        return body
 
-    def _heartbeat_loop(self) -> None:
-        assert self.info is not None
-        interval_s = self.info.heartbeat_interval_s
-        channel = _Channel(self._context, self.socket_path, timeout_s=max(interval_s, 0.05))
+    def attach(self, geometry: KVGeometry) -> AttachInfo:
+        connection = self._connection
+        if connection.state is ConnectionState.CLOSED:
+            raise RuntimeError("client is closed")
+        if connection.state is not ConnectionState.DETACHED:
+            raise RuntimeError("already attached")
+        geometry.validate()
+        # The session's own socket attaches, then goes to the heartbeat thread: the daemon knows it
+        # from the start, so a SHUTDOWN reaches the thread that watches for it.
+        channel = self._heartbeat_channel()
         try:
-            while not self._stop_heartbeats.wait(interval_s):
-                try:
-                    sent = time.monotonic()
-                    channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id})
-                    self._session_confirmed_at = sent
-                except DaemonError as exc:
-                    if exc.code != ErrorCode.NOT_ATTACHED:
-                        logger.warning("heartbeat refused: %s", exc)
-                        continue
-                    self._session_lost = str(exc)
-                    logger.error("kvcached session lost: %s", exc)
-                    return
-                except DaemonUnavailable as exc:
-                    logger.warning("%s", exc)
+            sent = time.monotonic()
+            body = channel.request(MsgKind.ATTACH, self._attach_body(geometry))
+            info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+        except BaseException:
+            channel.close()
+            raise
+        self.geometry = geometry
+        self._session_confirmed_at = sent
+        self._transition(connection, ConnectionState.ATTACHED, info=info)
+        self._stop_heartbeats.clear()
+        self._wake_fds = os.pipe()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, args=(channel,),
+                                                  name="kvcached-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+        return info
+
+    def _stop_heartbeat_thread(self) -> None:
+        if self._heartbeat_thread is None:
+            return
+        self._stop_heartbeats.set()
+        with self._state_condition:
+            self._state_condition.notify_all()      # a re-attach waiting for mark_drained
+        os.write(self._wake_fds[1], b"x")
+        self._heartbeat_thread.join()
+        self._heartbeat_thread = None
+        for fd in self._wake_fds:
+            os.close(fd)
+        self._wake_fds = None
+
+    def _heartbeat_channel(self) -> _Channel:
+        channel = _Channel(self._context, self.socket_path, timeout_s=self.timeout_s)
+        channel.on_shutdown = self._on_shutdown
+        return channel
+
+    def _heartbeat_loop(self, channel: _Channel) -> None:
+        try:
+            while self._idle(channel, time.monotonic() + self._connection.info.heartbeat_interval_s):
+                channel = self._beat(channel)
+        except Exception:
+            logger.exception("the kvcached heartbeat thread failed")
         finally:
             channel.close()
 
-    def _session(self) -> int:
-        if self._closed:
-            raise RuntimeError("client is closed")
-        if self.info is None:
-            raise RuntimeError("attach() first")
-        if self._session_lost is not None:
-            raise DaemonUnavailable(f"the daemon no longer knows this session: {self._session_lost}")
-        return self.info.session_id
+    def _idle(self, channel: _Channel, until: float) -> bool:
+        """Wait until ``until``, taking in what the heartbeat socket receives meanwhile (a SHUTDOWN
+        is heeded at once). False once the thread is to stop."""
+        poller = zmq.Poller()
+        poller.register(channel.socket, zmq.POLLIN)
+        poller.register(self._wake_fds[0], zmq.POLLIN)
+        while not self._stop_heartbeats.is_set():
+            remaining_s = until - time.monotonic()
+            if remaining_s <= 0:
+                return True
+            if channel.socket in dict(poller.poll(max(1, int(remaining_s * 1000)))):
+                channel.drain()
+        return False
+
+    def _beat(self, channel: _Channel) -> _Channel:
+        """One heartbeat, or while DOWN one probe: a heartbeat answered resumes the session; a
+        session the daemon no longer knows is replaced (_reattach). Returns the channel to go on
+        with (a fresh one after a missed reply: what the old one queued is void)."""
+        connection = self._connection
+        reply_timeout_s = HEARTBEAT_REPLY_INTERVALS * connection.info.heartbeat_interval_s
+        if connection.state is ConnectionState.DOWN and connection.session_ended:
+            return self._reattach(channel, connection, reply_timeout_s)
+        sent = time.monotonic()
+        try:
+            channel.request(MsgKind.HEARTBEAT, {"session_id": connection.info.session_id}, reply_timeout_s)
+        except DaemonError as exc:
+            if exc.code != ErrorCode.NOT_ATTACHED:
+                logger.warning("heartbeat refused: %s", exc)
+                return channel
+            self._daemon_down(connection, f"the daemon no longer knows the session ({exc.message[:200]})",
+                              session_ended=True)
+            return self._reattach(channel, self._connection, reply_timeout_s)
+        except DaemonUnavailable:
+            self._daemon_down(connection, f"no heartbeat reply within {reply_timeout_s:.2f} s",
+                              session_ended=False)
+            channel.close()
+            return self._heartbeat_channel()
+        if self._connection.generation == connection.generation:
+            self._session_confirmed_at = sent
+        if connection.state is ConnectionState.DOWN:
+            self._transition(connection, ConnectionState.ATTACHED)
+        return channel
+
+    def _reattach(self, channel: _Channel, ended: Connection, reply_timeout_s: float) -> _Channel:
+        """A new session with the same geometry in place of ``ended``'s, naming that one once the
+        listeners have drained it; then the listeners learn of the new one."""
+        if ended.state is not ConnectionState.DOWN or not ended.session_ended:
+            return channel
+        if self._reattach_listeners:
+            with self._state_condition:
+                self._state_condition.wait_for(
+                    lambda: (self._drained_generation == ended.generation or self._stop_heartbeats.is_set()
+                             or self._connection is not ended),
+                    timeout=max(0.0, ended.since + REATTACH_DRAIN_WAIT_S - time.monotonic()))
+            if self._stop_heartbeats.is_set() or self._connection is not ended:
+                return channel
+        previous = ended.info.session_id if self._drained_generation == ended.generation else None
+        sent = time.monotonic()
+        try:
+            body = channel.request(MsgKind.ATTACH, self._attach_body(self.geometry, previous), reply_timeout_s)
+        except DaemonError as exc:
+            self._transition(ended, ConnectionState.DOWN, reason=f"re-attach refused: {exc}", session_ended=True)
+            return channel
+        except DaemonUnavailable:
+            channel.close()
+            return self._heartbeat_channel()
+        info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+        self._session_confirmed_at = sent
+        if self._transition(ended, ConnectionState.ATTACHED, info=info):
+            for listener in list(self._reattach_listeners):
+                try:
+                    listener(self._connection.generation, info)
+                except Exception:
+                    logger.exception("a kvcached re-attach listener failed")
+        return channel
 
     # ---- requests ---------------------------------------------------------------------------
 
     def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-              promote_l3: bool = True) -> MatchReply:
+              promote_l3: bool = True, generation: int | None = None) -> MatchReply:
         """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
         and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
-        return self.match_async(token_ids, reserve_backup, promote_l3).result()
+        return self.match_async(token_ids, reserve_backup, promote_l3, generation).result()
 
     def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-                    promote_l3: bool = True) -> PendingMatch:
+                    promote_l3: bool = True, generation: int | None = None) -> PendingMatch:
         """Send a match now and collect its reply later (``result()``), so that the round trip
         overlaps the engine's own work, e.g. the gather of a backup (TransferEngine.start_backup).
-        Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease."""
+        Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
+        ``generation``: the session it is for (DaemonDown at once if that one has ended)."""
+        session_id, generation = self._session(generation, live=True)
         request_id = self._channel.begin(MsgKind.MATCH, {
-            "session_id": self._session(),
+            "session_id": session_id,
             "token_ids": token_bytes(token_ids),
             "reserve_backup": reserve_backup,
             "promote_l3": promote_l3,
         })
-        return PendingMatch(self._channel, request_id)
+        return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 
-    def _release_orphan(self, lease_id: int) -> None:
-        logger.warning("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
-        if self.info is not None and self._session_lost is None:
-            try:
-                self._channel.send_async(MsgKind.RELEASE, {"session_id": self.info.session_id, "lease_id": lease_id})
-            except DaemonUnavailable as exc:    # the session's end reclaims it
-                logger.warning("could not release lease %d: %s", lease_id, exc)
+    def _release_orphan(self, lease_id: int, generation: int) -> None:
+        session = self._session(generation or None, live=False)
+        if session is None:       # its session ended, and with it the lease
+            return
+        logger.info("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
+        try:
+            self._channel.send_async(MsgKind.RELEASE, {"session_id": session[0], "lease_id": lease_id})
+        except DaemonUnavailable as exc:    # the session's end reclaims it
+            logger.warning("could not release lease %d: %s", lease_id, exc)
 
-    def session_valid_for(self) -> float:
-        """Seconds for which the daemon keeps this session, and so its leases and their pages,
-        even if no heartbeat gets through from now on: the session timeout counted from the
-        sending of the last request the daemon answered for it (0 once lost or closed)."""
-        if self.info is None or self._closed or self._session_lost is not None:
+    def session_valid_for(self, generation: int | None = None) -> float:
+        """Seconds for which the daemon keeps this session (of ``generation``, default the current
+        one), and so its leases and their pages, even if no heartbeat gets through from now on:
+        the session timeout counted from the sending of the last request the daemon answered for
+        it (0 unless that session is the attached one)."""
+        connection = self._connection
+        if connection.state is not ConnectionState.ATTACHED:
             return 0.0
-        return max(0.0, self._session_confirmed_at + self.info.session_timeout_s - time.monotonic())
+        if generation is not None and generation != connection.generation:
+            return 0.0
+        return max(0.0, self._session_confirmed_at + connection.info.session_timeout_s - time.monotonic())
 
-    @property
-    def session_lost(self) -> bool:
-        """True once the daemon no longer knows this session (its leases are reclaimed already)."""
-        return self._session_lost is not None
+    def release(self, lease_id: int, generation: int | None = None) -> bool:
+        """End a lease (of the session of ``generation``), without waiting. False: not sent, the
+        session has ended (and the lease with it)."""
+        return self._send_async(MsgKind.RELEASE, {"lease_id": lease_id}, generation)
 
-    def release(self, lease_id: int) -> None:
-        self._channel.send_async(MsgKind.RELEASE, {"session_id": self._session(), "lease_id": lease_id})
+    def commit_backup(self, lease_id: int, host_page_ids: Sequence[int], generation: int | None = None) -> bool:
+        return self._send_async(MsgKind.BACKUP_COMMIT, {
+            "lease_id": lease_id, "host_page_ids": [int(p) for p in host_page_ids]}, generation)
 
-    def commit_backup(self, lease_id: int, host_page_ids: Sequence[int]) -> None:
-        self._channel.send_async(MsgKind.BACKUP_COMMIT, {
-            "session_id": self._session(), "lease_id": lease_id,
-            "host_page_ids": [int(p) for p in host_page_ids]})
+    def _send_async(self, kind: MsgKind, body: dict[str, Any], generation: int | None) -> bool:
+        """Send a request that is not waited for, to the session of ``generation`` (default: the
+        current one), even while DOWN unless that session surely ended. Returns whether it was sent."""
+        session = self._session(generation, live=False)
+        if session is None:
+            return False
+        self._channel.send_async(kind, {"session_id": session[0], **body})
+        return True
 
-    def reserve_pages(self, num_pages: int) -> Reservation:
+    def reserve_pages(self, num_pages: int, generation: int | None = None) -> Reservation:
         """A standing lease on up to num_pages private L2 pages (fewer, or none, when the daemon
         cannot free that many), into which backups are written before their prefix is known to
         the daemon: a backup then needs no round trip before its DMA (``commit_pages``). The pages
         stay this session's until committed, released with the lease, or reclaimed."""
-        return self.reserve_pages_async(num_pages).result()
+        return self.reserve_pages_async(num_pages, generation=generation).result()
 
-    def reserve_pages_async(self, num_pages: int, urgent: bool = True) -> PendingReservation:
+    def reserve_pages_async(self, num_pages: int, urgent: bool = True,
+                            generation: int | None = None) -> PendingReservation:
         """Like ``reserve_pages``, collected later; urgent=False for a top-up whose reply is not
         waited for soon (the send then costs the caller less)."""
         if type(num_pages) is not int or num_pages < 1:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
-        request_id = self._channel.begin(MsgKind.RESERVE_PAGES, {"session_id": self._session(),
+        session_id, generation = self._session(generation, live=True)
+        request_id = self._channel.begin(MsgKind.RESERVE_PAGES, {"session_id": session_id,
                                                                  "num_pages": num_pages}, urgent)
-        return PendingReservation(self._channel, request_id)
+        return PendingReservation(self._channel, request_id, generation, self._on_not_attached)
 
     def commit_pages(self, lease_id: int, token_ids: Sequence[int] | np.ndarray, start_page: int,
-                     host_page_ids: Sequence[int]) -> None:
+                     host_page_ids: Sequence[int], generation: int | None = None) -> bool:
         """Publish pages of a standing lease, written (and waited for) with pages [start_page,
         start_page + n) of the prefix token_ids; without waiting. The pages leave the lease: the
         daemon keeps those it lacks and frees the rest; a lease left with no pages ends."""
-        self._channel.send_async(MsgKind.COMMIT_PAGES, {
-            "session_id": self._session(), "lease_id": lease_id, "token_ids": token_bytes(token_ids),
-            "start_page": start_page, "host_page_ids": [int(p) for p in host_page_ids]})
+        return self._send_async(MsgKind.COMMIT_PAGES, {
+            "lease_id": lease_id, "token_ids": token_bytes(token_ids), "start_page": start_page,
+            "host_page_ids": [int(p) for p in host_page_ids]}, generation)
 
-    def report(self, report: dict[str, Any]) -> None:
+    def report(self, report: dict[str, Any]) -> bool:
         """Tell the daemon facts about this engine (e.g. transfer backends); shown in its status."""
-        self._channel.send_async(MsgKind.ENGINE_REPORT, {"session_id": self._session(), "report": report})
+        return self._send_async(MsgKind.ENGINE_REPORT, {"report": report}, None)
 
     def status(self, check_integrity: bool = False) -> dict[str, Any]:
         return self._channel.request(MsgKind.STATUS, {"check_integrity": check_integrity})
@@ -514,22 +841,24 @@ class KVCacheClient:
 
     def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
         """Wait until the daemon has handled every release/commit sent so far, including the
-        releases of leases from matches given up; returns their errors like ``poll_errors``."""
+        releases of leases from matches given up; returns their errors like ``poll_errors``.
+        DaemonDown at once while the daemon is down."""
         channel = self._channel
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        if self.info is None:
+        if self._connection.state is ConnectionState.DETACHED:
             return self.poll_errors()
+        session_id, generation = self._session(None, live=True)
+        heartbeat = {"session_id": session_id}
         # The daemon answers one socket's requests in order, except a match that waits for an L3
         # promotion, which is answered when the read is done: the heartbeat's reply comes after
         # every other earlier reply, then late match replies are waited for. A given-up match's
         # reply triggers the release of its lease: that release needs a last round.
         if channel.pending_async or channel.abandoned:
-            channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id}, timeout_s)
+            channel.request(MsgKind.HEARTBEAT, heartbeat, timeout_s, generation)
         channel.absorb_until(lambda: channel.abandoned_matches() == 0, deadline)
         if channel.pending_async:
-            channel.request(MsgKind.HEARTBEAT, {"session_id": self.info.session_id},
-                            max(0.001, deadline - time.monotonic()))
+            channel.request(MsgKind.HEARTBEAT, heartbeat, max(0.001, deadline - time.monotonic()), generation)
         return self.poll_errors()
 
     def request_raw(self, kind: MsgKind, body: dict[str, Any]) -> dict[str, Any]:
@@ -537,30 +866,29 @@ class KVCacheClient:
         return self._channel.request(kind, body)
 
     def detach(self) -> None:
-        if self.info is None or self._closed:
+        """End the session (a session the daemon is down for just ends here)."""
+        if self._connection.state not in (ConnectionState.ATTACHED, ConnectionState.DOWN):
             return
-        self._stop_heartbeats.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join()
+        self._stop_heartbeat_thread()
+        connection = self._connection
         try:
-            self._channel.request(MsgKind.DETACH, {"session_id": self.info.session_id})
+            if connection.state is ConnectionState.ATTACHED:
+                self._channel.request(MsgKind.DETACH, {"session_id": connection.info.session_id})
         finally:
-            self.info = None
+            self._transition(self._connection, ConnectionState.DETACHED)
 
     def close(self) -> None:
-        if self._closed:
+        if self._connection.state is ConnectionState.CLOSED:
             return
         try:
             self.detach()
         except (DaemonUnavailable, DaemonError) as exc:
             logger.warning("detach on close failed: %s", exc)
         finally:
-            self._stop_heartbeats.set()
-            if self._heartbeat_thread is not None:
-                self._heartbeat_thread.join()
+            self._stop_heartbeat_thread()
+            self._transition(self._connection, ConnectionState.CLOSED)
             self._channel.close()
             self._context.term()
-            self._closed = True
 
     def __enter__(self) -> "KVCacheClient":
         return self

@@ -25,8 +25,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from engine_client.client import (WIRE_TOKEN_DTYPE, DaemonError, DaemonUnavailable, KVCacheClient, MatchReply,
-                                  PendingReservation, token_bytes)
+from engine_client.client import (WIRE_TOKEN_DTYPE, DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient,
+                                  MatchReply, PendingReservation, token_bytes)
 from engine_client.transfer import Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class ReservedPages:
     """Private L2 pages held ahead of backups, in chunks of ``chunk_pages`` (one standing lease
     each). When fewer than ``low_water_pages`` are left, ``top_up`` asks for one more chunk without
     waiting (call it while a backup's DMA runs; ``commit`` calls it too); its reply is taken in by
-    a later ``take``. ``close`` releases what is left."""
+    a later ``take``. ``close`` releases what is left. The leases are the session's that was current
+    at construction (its ``generation``): once that session has ended they are void, nothing is
+    taken or released any more, and a re-attached client needs a new ReservedPages."""
 
     # Pages are taken only while the daemon is sure to keep the session (and these leases) alive at
     # least this share of its timeout longer: enough for the backup's DMA and its commit.
@@ -64,6 +66,7 @@ class ReservedPages:
         if client.info is None or client.geometry is None:
             raise ValueError("attach the client first")
         self.client = client
+        self.generation = client.generation
         self.chunk_pages = chunk_pages
         self.low_water_pages = chunk_pages if low_water_pages is None else low_water_pages
         self._chunks: list[_Chunk] = []
@@ -78,7 +81,7 @@ class ReservedPages:
         """Wait until a chunk is held (or the daemon had none to give): for start-up."""
         self._collect(wait=True)
         if not self._chunks or self.num_free < self.low_water_pages:
-            self._pending = self.client.reserve_pages_async(self.chunk_pages)
+            self._pending = self.client.reserve_pages_async(self.chunk_pages, generation=self.generation)
             self._collect(wait=True)
 
     def take(self, num_pages: int) -> TakenPages | None:
@@ -86,8 +89,8 @@ class ReservedPages:
         through a match's reservation instead). Sends nothing (see top_up)."""
         if self._closed:
             raise RuntimeError("closed")
-        if self.client.session_lost:
-            # The daemon reclaimed the leases: their pages may be anyone's now.
+        if self.client.generation != self.generation:
+            # The session ended (the client re-attached): its leases, and their pages, are void.
             self._chunks.clear()
             return None
         if self.client.session_valid_for() < self.MIN_SESSION_SHARE * self.client.info.session_timeout_s:
@@ -106,7 +109,11 @@ class ReservedPages:
         """Ask for one more chunk, without waiting, if fewer than low_water_pages are left and none
         is asked for yet."""
         if not self._closed and self._pending is None and self.num_free < self.low_water_pages:
-            self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False)
+            try:
+                self._pending = self.client.reserve_pages_async(self.chunk_pages, urgent=False,
+                                                                generation=self.generation)
+            except DaemonDown as exc:       # asked again by a later top-up, if the session resumes
+                logger.debug("no reservation while the daemon is down: %s", exc)
 
     def commit(self, taken: TakenPages, token_ids: Sequence[int] | np.ndarray, start_page: int = 0) -> None:
         """The backup into ``taken`` has completed (its Transfer waited for): publish it as pages
@@ -117,7 +124,7 @@ class ReservedPages:
                 or len(token_ids) < (start_page + len(taken.page_ids)) * page_size:
             raise ValueError(f"{len(token_ids)} tokens from start_page={start_page!r} do not cover "
                              f"{len(taken.page_ids)} pages of {page_size} tokens")
-        self.client.commit_pages(taken.lease_id, token_ids, start_page, taken.page_ids)
+        self.client.commit_pages(taken.lease_id, token_ids, start_page, taken.page_ids, generation=self.generation)
         chunk.taken.difference_update(taken.page_ids)
         if not chunk.page_ids and not chunk.taken:     # the daemon ended the lease with this commit
             self._chunks.remove(chunk)
@@ -141,7 +148,7 @@ class ReservedPages:
         chunks, self._chunks = self._chunks, []
         for chunk in chunks:
             try:
-                self.client.release(chunk.lease_id)
+                self.client.release(chunk.lease_id, generation=self.generation)
             except (DaemonUnavailable, DaemonError) as exc:     # its session's end reclaims it
                 logger.warning("could not release reserved pages (lease %d): %s", chunk.lease_id, exc)
 
@@ -160,6 +167,9 @@ class ReservedPages:
         pending, self._pending = self._pending, None
         try:
             reservation = pending.result()
+        except DaemonDown as exc:
+            logger.debug("reserving L2 pages ahead skipped: %s", exc)
+            return
         except (DaemonError, DaemonUnavailable) as exc:    # backups go through matches meanwhile
             logger.warning("reserving L2 pages ahead failed: %s", exc)
             return

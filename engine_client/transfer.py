@@ -636,6 +636,18 @@ class TransferEngine:
         l1_ids, host_runs = self._checked_ids(l1_page_ids, host_page_ids, destination="l1")
         return self._submit("H2D", l1_ids, host_runs)
 
+    def use_host_pool(self, host_pool: SharedHostPool) -> None:
+        """Move every later transfer to and from ``host_pool`` (a new session's L2 pool, after a
+        re-attach), keeping the backends chosen and the workspaces. Only with nothing in flight:
+        transfers queued against the old pool hold views of it."""
+        if self._transfer_to_workspace:
+            raise RuntimeError(f"{len(self._transfer_to_workspace)} transfers are in flight; drain() first")
+        if host_pool.geometry != self.l1_pool.geometry:
+            raise ValueError(f"host pool geometry {host_pool.geometry} differs from L1 pool "
+                             f"geometry {self.l1_pool.geometry}")
+        self.host_pool = host_pool
+        self._pool_address = host_pool.pages.data_ptr()
+
     def backend_report(self) -> dict[str, Any]:
         """The requested backend, the one chosen per direction (D2H gathers, H2D scatters) and, for
         `auto`, the timings (ms per call, median) it chose by. Plain types, for ENGINE_REPORT."""

@@ -36,6 +36,7 @@ class MsgKind(enum.IntEnum):
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65
+    SHUTDOWN = 66          # unsolicited (request_id 0), to each socket of a live session: the daemon is stopping
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 REAPER_INTERVAL_S = 0.1
 # A gap between two reaper observations longer than this is time the daemon did not run.
 PAUSE_GAP_S = 3 * REAPER_INTERVAL_S
+# Sockets remembered per session, to tell each that the daemon stops (a request socket and a
+# heartbeat socket; more only when an engine reconnects: the oldest are forgotten first).
+MAX_PEERS_PER_SESSION = 4
+# How long closing the socket may take to deliver what is queued: the SHUTDOWN frames.
+SHUTDOWN_LINGER_MS = 200
 # ZeroMQ drops a peer whose message exceeds this; below it, oversize frames get an error reply.
 HARD_FRAME_FACTOR = 4
 
@@ -77,6 +82,8 @@ class Server:
         self._stopping = False
         self._reap_requested = False
         self.watcher: PidWatcher | None = None
+        # session id -> the identities (an ordered set) of the sockets that sent its requests
+        self._session_peers: dict[int, dict[bytes, None]] = {}
         context = socket.context
         self._wake_address = f"inproc://kvcached-wake-{id(self)}"
         self._wake_receiver = context.socket(zmq.PAIR)
@@ -167,6 +174,8 @@ class Server:
                     with self.state_lock:       # _send_frames may count a dropped reply
                         while self._outbox:
                             self._send_frames(self._outbox.popleft())
+                        if self._stopping:
+                            self._send_shutdown()
                     if self._stopping:
                         return
                     if self._reap_requested:
@@ -203,6 +212,7 @@ class Server:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
             reply = handler(frame.body)
+            self._note_peer(identity, frame, reply)
             if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
                 self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
             elif reply is not None:           # None: a request that asked for no success reply
@@ -218,6 +228,39 @@ class Server:
             self.state.metrics.add("errors_internal")
             self._send(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _note_peer(self, identity: bytes, frame: codec.Frame, reply: Any) -> None:
+        """Remember which socket served a live session (a request of it was handled), so that a
+        stopping daemon can tell it (_send_shutdown)."""
+        if frame.kind == MsgKind.ATTACH:
+            session_id = reply["session_id"]
+            # A new session: forget those that ended (their sockets need no SHUTDOWN).
+            for ended in [s for s in self._session_peers if s not in self.state.sessions]:
+                del self._session_peers[ended]
+        else:
+            session_id = frame.body.get("session_id")
+            if type(session_id) is not int or session_id not in self.state.sessions:
+                return
+        peers = self._session_peers.setdefault(session_id, {})
+        if identity not in peers:
+            peers[identity] = None
+            if len(peers) > MAX_PEERS_PER_SESSION:
+                del peers[next(iter(peers))]
+
+    def _send_shutdown(self) -> None:
+        """On the socket thread, last: each socket of a live session learns that the daemon stops,
+        so that its engine skips the daemon at once instead of waiting for a heartbeat to fail."""
+        for session_id, peers in self._session_peers.items():
+            if session_id not in self.state.sessions:
+                continue
+            frame = codec.encode(MsgKind.SHUTDOWN, 0, {"session_id": session_id,
+                                                       "reason": "the daemon is shutting down"})
+            for identity in peers:
+                try:
+                    self.socket.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:        # gone, or not reading: it learns from its heartbeats
+                    pass
+        self._session_peers.clear()
 
     async def _reply_later(self, identity: bytes, request_id: int, reply: Awaitable[dict[str, Any]]) -> None:
         """Runs on the event loop; the reply goes out through the socket thread."""
@@ -548,7 +591,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             # Set before the first socket starts the I/O thread; the socket thread joins it there.
             context.set(zmq.THREAD_AFFINITY_CPU_ADD, config.socket_cpu)
         socket = context.socket(zmq.ROUTER)
-        resources.callback(socket.close, 0)
+        resources.callback(socket.close, SHUTDOWN_LINGER_MS)     # bounded: context.term() waits for it
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a reply that cannot be delivered raises, and is counted
         socket.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * config.max_frame_bytes)

@@ -29,6 +29,14 @@ class RecordingClient:
         self.shm_path = shm_path
         self.reports: list[dict[str, Any]] = []
         self.closed = False
+        self.generation = 1
+        self.reattach_listeners: list = []
+
+    def add_reattach_listener(self, listener) -> None:
+        self.reattach_listeners.append(listener)
+
+    def remove_reattach_listener(self, listener) -> None:
+        self.reattach_listeners.remove(listener)
 
     def attach(self, geometry: KVGeometry) -> AttachInfo:
         return AttachInfo(session_id=1, namespace_id=0, shm_path=self.shm_path,

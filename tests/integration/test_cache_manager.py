@@ -29,21 +29,25 @@ def random_tokens(num_tokens: int) -> np.ndarray:
 
 
 def test_lost_session_leaks_no_l1_pages(manager):
-    """When the daemon drops the session (here: detached behind the engine's back), finishing and
-    aborting open requests still frees or publishes every L1 page, and close() completes."""
+    """When the daemon drops the session (here: detached behind the engine's back), the client
+    re-attaches, and finishing and aborting the ended session's requests still frees or publishes
+    every L1 page, without a backup or a release sent for them."""
     finished, aborted = manager.prepare(random_tokens(5 * PAGE + 3)), manager.prepare(random_tokens(3 * PAGE))
     assert finished.lease_id is not None and aborted.lease_id is not None
+    generation = manager.client.generation
     manager.client.request_raw(MsgKind.DETACH, {"session_id": manager.client.info.session_id})
     deadline = time.monotonic() + 3.0
-    while not manager.client.session_lost:          # the heartbeat thread notices within an interval
-        assert time.monotonic() < deadline, "the client did not notice its session was gone"
-        time.sleep(0.05)
-    assert manager.finish(finished) == 0             # no backup without a session, but no exception
+    while not manager.client.is_attached(generation + 1):     # noticed and replaced within an interval
+        assert time.monotonic() < deadline, f"the client did not re-attach: {manager.client.connection}"
+        time.sleep(0.02)
+    assert manager.finish(finished) == 0             # no backup into the ended session's pages
     manager.abort(aborted)
     manager.check_integrity()
-    assert manager.counters["backups_skipped_session_lost"] == 1     # no DMA into pages it lost
+    assert manager.counters["backups_skipped_daemon_down"] == 1
+    assert manager.counters["backup_failures"] == 0
     assert manager.l1_index.num_cached_pages == 5     # the finished request's full pages stay in L1
     assert manager.l1_pool.num_free == 64 - 5
+    assert manager.client.flush() == []               # nothing was sent for the ended session
 
 
 def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch):

@@ -126,8 +126,10 @@ def test_an_l2_hit_longer_than_the_hint_is_restored_whole(make_manager):
     a, b = make_manager("a"), make_manager("b", reserve_ahead_pages=0)
     head = random_tokens(rng, 6 * PAGE)
     prefill_and_finish(a, head, seed=4)
+    assert a.client.flush() == []          # a's commit is handled, so b's match sees it
     whole = np.concatenate([head, random_tokens(rng, 3 * PAGE)])
     expected = prefill_and_finish(b, whole, seed=5)          # b restores the 6 from L2, adds 3
+    assert b.client.flush() == []          # b's commit is handled, so a's match sees it
     forget_l1(a)
     plan = a.prepare(whole, backup=False)
     assert plan.l2_hit_tokens == plan.restored_tokens == 9 * PAGE

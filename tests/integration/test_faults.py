@@ -92,12 +92,13 @@ def test_sigkilled_engines_lose_leases_within_one_second(daemon):
 
 
 def test_client_raises_when_daemon_is_killed(daemon):
-    """With the daemon SIGKILLed, a match raises DaemonUnavailable within its timeout instead of hanging."""
+    """With the daemon SIGKILLed, a match raises DaemonUnavailable within its timeout (or sooner,
+    once the heartbeats tell the daemon is down) instead of hanging."""
     client = connect(daemon.socket_path, timeout_s=1.0)
     client.attach(GEOMETRY)
     daemon.stop(signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match="within timeout_s=1.0"):
+    with pytest.raises(DaemonUnavailable, match="within timeout_s=1.0|unavailable"):
         client.match(np.arange(16, dtype=np.int32))
     assert time.monotonic() - started < 2.0
     client.close()       # must not hang either

@@ -154,7 +154,7 @@ def test_a_daemon_stopped_for_two_seconds_keeps_a_healthy_engines_session():
                 status = observer.status()
                 assert [s["client_name"] for s in status["sessions"]] == ["healthy"], status["metrics"]
                 time.sleep(0.05)
-            assert not engine.session_lost
+            assert engine.generation == 1 and engine.is_attached(1)     # the first session, never replaced
             reply = engine.match(np.arange(16, dtype=np.int32))
             assert reply.hit_tokens["l2"] == 0
             assert "sessions_expired" not in observer.status()["metrics"]

@@ -1,0 +1,309 @@
+"""Daemon outages seen from an engine: a down daemon costs a request no more than a miss, a
+stopping daemon says so (SHUTDOWN), and a restarted one is re-attached by itself, its new
+segment mapped in place of the old one. Real daemon processes, real signals."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import engine_client.client as client_module
+from engine_client.cache_manager import CacheManager
+from engine_client.client import ConnectionState, DaemonDown, connect
+from kvcached.server.shm import segment_name
+from proto import codec
+from proto.messages import PROTOCOL_VERSION, MsgKind
+from tests.integration.daemon_proc import DaemonProcess
+from tests.integration.engine_proc import GEOMETRY
+
+PAGE = GEOMETRY.page_size
+
+
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.01):
+    """Poll ``condition`` until it returns something true, at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(poll_s)
+
+
+def random_tokens(rng: np.random.Generator, num_tokens: int) -> np.ndarray:
+    return rng.integers(0, 150_000, size=num_tokens, dtype=np.int32)
+
+
+def prefill_and_finish(manager: CacheManager, tokens: np.ndarray, seed: int) -> tuple[torch.Tensor, int]:
+    """prepare, random KV into the new pages (the prefill), finish: the full pages' KV, and how
+    many pages were backed up."""
+    plan = manager.prepare(tokens)
+    kv = manager.l1_pool.kv
+    generator = torch.Generator().manual_seed(seed)
+    for page in plan.new_l1_page_ids:
+        kv[:, :, page] = (torch.randn(kv[:, :, page].shape, generator=generator) + 0.5).to(kv.dtype)
+    pages = (plan.l1_page_ids + plan.new_l1_page_ids)[:len(tokens) // PAGE]
+    expected = manager.read_tokens_kv(pages)
+    return expected, manager.finish(plan)
+
+
+def forget_l1(manager: CacheManager) -> None:
+    manager.l1_pool.free(manager.l1_index.evict(manager.l1_index.num_cached_pages))
+
+
+def engine_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("engine_client") and r.levelno >= logging.WARNING]
+
+
+def make_manager(socket_path: str, name: str, reserve_ahead_pages: int = 0) -> CacheManager:
+    return CacheManager.attach(connect(socket_path, timeout_s=5.0, client_name=name), GEOMETRY,
+                               num_l1_pages=64, device="cpu", reserve_ahead_pages=reserve_ahead_pages)
+
+
+def test_prepare_during_an_outage_costs_no_more_than_a_miss(daemon, caplog):
+    """With the daemon SIGKILLed (and the client aware of it), each of 100 consecutive prepare()
+    calls returns within 5 ms of a plain miss measured in the same test; one warning in all."""
+    seed = 20260101
+    rng = np.random.default_rng(seed)
+    manager = make_manager(daemon.socket_path, "outage")
+    try:
+        plain_miss_s = []
+        for _ in range(30):
+            tokens = random_tokens(rng, 6 * PAGE + 5)
+            started = time.perf_counter()
+            plan = manager.prepare(tokens)
+            plain_miss_s.append(time.perf_counter() - started)
+            assert plan.num_cached_tokens == 0 and plan.lease_id is not None
+            manager.abort(plan)
+        plain_miss = statistics.median(plain_miss_s)
+
+        caplog.set_level(logging.INFO)
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: manager.client.state is ConnectionState.DOWN, 5.0, "the client saw the daemon go")
+        outage_s = []
+        gc.disable()              # the engine's cost, not the collector's
+        try:
+            for _ in range(100):
+                tokens = random_tokens(rng, 6 * PAGE + 5)
+                started = time.perf_counter()
+                plan = manager.prepare(tokens)
+                outage_s.append(time.perf_counter() - started)
+                assert plan.num_cached_tokens == 0 and plan.lease_id is None
+                manager.finish(plan)
+        finally:
+            gc.enable()
+        slowest = max(outage_s)
+        assert slowest < plain_miss + 0.005, (
+            f"seed {seed}: a prepare during the outage took {slowest * 1e3:.2f} ms, a plain miss "
+            f"{plain_miss * 1e3:.2f} ms; all (ms): {[round(t * 1e3, 2) for t in outage_s]}")
+        assert manager.counters["daemon_down_skips"] == 100
+        assert manager.counters["match_failures"] == 0
+        manager.check_integrity()
+        warnings = engine_warnings(caplog)
+        assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+    finally:
+        manager.close()
+
+
+def test_a_stopping_daemon_tells_every_socket_of_a_live_session():
+    """On SIGTERM the daemon sends SHUTDOWN (request id 0, naming the session) to each socket that
+    served a live session: here the one that attached and the one that sent its heartbeats."""
+    daemon = DaemonProcess().start()
+    context = zmq.Context()
+    sockets = []
+    try:
+        def dealer() -> zmq.Socket:
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(f"ipc://{daemon.socket_path}")
+            sockets.append(socket)
+            return socket
+
+        def request(socket: zmq.Socket, kind: MsgKind, body: dict) -> codec.Frame:
+            socket.send(codec.encode(kind, 7, body))
+            assert socket.poll(5000), f"no reply to {kind.name}"
+            return codec.decode(socket.recv())
+
+        attacher, heartbeats = dealer(), dealer()
+        reply = request(attacher, MsgKind.ATTACH, {"protocol_version": PROTOCOL_VERSION, "pid": os.getpid(),
+                                                   "geometry": GEOMETRY.to_wire()})
+        assert reply.kind == MsgKind.REPLY, reply
+        session_id = reply.body["session_id"]
+        assert request(heartbeats, MsgKind.HEARTBEAT, {"session_id": session_id}).kind == MsgKind.REPLY
+        assert daemon.stop(signal.SIGTERM) == 0, daemon.log()
+        for socket in (attacher, heartbeats):
+            assert socket.poll(5000), "no SHUTDOWN on a socket of the live session"
+            frame = codec.decode(socket.recv())
+            assert (frame.kind, frame.request_id, frame.body["session_id"]) == (MsgKind.SHUTDOWN, 0, session_id)
+    finally:
+        for socket in sockets:
+            socket.close(0)
+        context.term()
+        daemon.cleanup()
+
+
+def test_sigterm_makes_the_client_down_at_once(daemon, caplog):
+    """A SIGTERMed daemon's SHUTDOWN puts the client DOWN, the session known to be over (not a
+    heartbeat that timed out); a match then fails at once, and there is one warning."""
+    caplog.set_level(logging.INFO)
+    with connect(daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        assert daemon.stop(signal.SIGTERM) == 0
+        wait_until(lambda: client.state is ConnectionState.DOWN, 5.0, "the client saw the daemon stop")
+        connection = client.connection
+        assert connection.session_ended and "shutting down" in connection.reason, connection
+        started = time.monotonic()
+        with pytest.raises(DaemonDown):
+            client.match(np.arange(4 * PAGE, dtype=np.int32))
+        assert time.monotonic() - started < 0.1
+        assert len(engine_warnings(caplog)) == 1, engine_warnings(caplog)
+
+
+@pytest.mark.parametrize("reserve_ahead_pages", [0, 8])
+def test_engine_reattaches_after_a_daemon_restart(daemon, caplog, reserve_ahead_pages):
+    """The daemon SIGKILLed and restarted on the same socket: without restarting the engine, its
+    next L2 hit comes within 3 s, bit for bit; only the new segment is mapped (the old one's memory
+    is freed); a request prepared before the outage finishes without writing the new pool or
+    touching the new session; its own backups reach the new daemon; one warning, one info line."""
+    seed = 4242 + reserve_ahead_pages
+    rng = np.random.default_rng(seed)
+    caplog.set_level(logging.INFO)
+    engine = make_manager(daemon.socket_path, "engine", reserve_ahead_pages)
+    restarted = writer = None
+    try:
+        segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        old_inode = os.stat(segment).st_ino
+        before = prefill_and_finish(engine, random_tokens(rng, 4 * PAGE), seed)
+        assert before[1] == 4
+        stale = engine.prepare(random_tokens(rng, 5 * PAGE))           # open across the outage
+        assert (stale.lease_id is not None) == (reserve_ahead_pages == 0)
+        caplog.clear()
+
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: engine.client.state is ConnectionState.DOWN, 5.0, "the engine saw the daemon go")
+        restarted = DaemonProcess(socket_dir=daemon.socket_dir).start()
+        back_at = time.monotonic()
+        new_inode = os.stat(segment).st_ino
+        assert new_inode != old_inode
+
+        # Another engine backs a prefix up into the new daemon; ours restores it from L2.
+        writer = make_manager(restarted.socket_path, "writer")
+        tokens = random_tokens(rng, 6 * PAGE)
+        expected, backed_up = prefill_and_finish(writer, tokens, seed + 1)
+        assert backed_up == 6 and writer.client.flush() == []
+
+        def restored():
+            plan = engine.prepare(tokens, backup=False)
+            if plan.restored_tokens == len(tokens):
+                return plan
+            engine.abort(plan)
+            return None
+
+        plan = wait_until(restored, 3.0 - (time.monotonic() - back_at), "an L2 hit after the restart")
+        assert torch.equal(engine.read_tokens_kv(plan.l1_page_ids).view(torch.int16), expected.view(torch.int16)), \
+            f"seed {seed}: restored KV differs"
+        engine.finish(plan)
+
+        # Only the new segment is mapped or held open by the engine.
+        with open("/proc/self/maps") as maps:
+            mapped = [line.split() for line in maps if segment in line]
+        assert mapped and all(int(fields[4]) == new_inode and fields[-1] == segment for fields in mapped), mapped
+        held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.islink(f"/proc/self/fd/{fd}")]
+        assert not [path for path in held if path.startswith(segment) and path != segment], held
+        assert sorted(n for n in os.listdir("/dev/shm") if n == os.path.basename(segment)) == [os.path.basename(segment)]
+
+        # The request prepared before the outage: finished in L1 only.
+        if stale.backup_page_ids:
+            untouched = engine.host_pool.pages[stale.backup_page_ids].clone()
+        assert engine.finish(stale) == 0
+        if stale.backup_page_ids:
+            assert torch.equal(engine.host_pool.pages[stale.backup_page_ids].view(torch.int16),
+                               untouched.view(torch.int16)), "an old plan's backup was written into the new pool"
+        assert engine.client.flush() == []       # no release or commit of the old session reached the new one
+
+        # The engine's own backups go to the new daemon, from where the writer restores them.
+        def backed_up_new():
+            new_tokens = random_tokens(rng, 3 * PAGE)
+            kv, count = prefill_and_finish(engine, new_tokens, seed + 2)
+            return (new_tokens, kv) if count == 3 else None
+
+        new_tokens, new_kv = wait_until(backed_up_new, 5.0, "a backup into the new daemon")
+        assert engine.client.flush() == []
+        forget_l1(writer)
+        plan = writer.prepare(new_tokens, backup=False)
+        assert plan.restored_tokens == len(new_tokens)
+        assert torch.equal(writer.read_tokens_kv(plan.l1_page_ids).view(torch.int16), new_kv.view(torch.int16))
+        writer.finish(plan)
+        engine.check_integrity()
+        status = writer.client.status(check_integrity=True)
+        assert status["integrity"] == "ok"
+
+        warnings = engine_warnings(caplog)
+        assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+        back = [r.getMessage() for r in caplog.records if r.name == "engine_client.client" and "back after" in r.getMessage()]
+        assert len(back) == 1 and "new session" in back[0], back
+    finally:
+        engine.close()
+        if writer is not None:
+            writer.close()
+        if restarted is not None:
+            restarted.stop()
+            restarted.cleanup()
+
+
+def test_a_stalled_daemon_is_down_then_attached_again(daemon, caplog):
+    """A daemon that stops answering (SIGSTOP) puts the client DOWN from a missed heartbeat reply;
+    once it runs again (SIGCONT) the client is attached within 2 s, its session kept or replaced."""
+    caplog.set_level(logging.INFO)
+    with connect(daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: client.state is ConnectionState.DOWN, 5.0, "the client saw the daemon stall")
+            assert not client.connection.session_ended and "no heartbeat reply" in client.connection.reason
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: client.is_attached(), 2.0, "attached again after SIGCONT")
+        assert client.match(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0
+        assert len(engine_warnings(caplog)) == 1, engine_warnings(caplog)
+
+
+def test_reattach_names_the_ended_session_only_once_drained(daemon, monkeypatch):
+    """When the daemon ends a session behind the engine's back, the re-attach waits for
+    mark_drained and then names the ended session (previous_session_id); without a drain in time it
+    names none. The listener learns each new generation."""
+    with connect(daemon.socket_path, timeout_s=5.0) as client:
+        client.attach(GEOMETRY)
+        sent = []
+        build = client._attach_body
+        monkeypatch.setattr(client, "_attach_body",
+                            lambda geometry, previous=None: sent.append(previous) or build(geometry, previous))
+        learned = []
+        client.add_reattach_listener(lambda generation, info: learned.append((generation, info.session_id)))
+
+        monkeypatch.setattr(client_module, "REATTACH_DRAIN_WAIT_S", 60.0)
+        ended = client.info.session_id
+        client.request_raw(MsgKind.DETACH, {"session_id": ended})
+        wait_until(lambda: client.state is ConnectionState.DOWN and client.connection.session_ended, 5.0,
+                   "the client saw its session end")
+        assert sent == []                          # waiting for the drain
+        client.mark_drained(client.generation)
+        wait_until(lambda: client.is_attached(2), 5.0, "re-attached after the drain")
+        assert sent == [ended] and learned == [(2, client.info.session_id)]
+
+        monkeypatch.setattr(client_module, "REATTACH_DRAIN_WAIT_S", 0.0)
+        client.request_raw(MsgKind.DETACH, {"session_id": client.info.session_id})
+        wait_until(lambda: client.is_attached(3), 5.0, "re-attached without a drain")
+        assert sent == [ended, None] and [g for g, _ in learned] == [2, 3]
+        assert client.match(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0   # the new session is live
