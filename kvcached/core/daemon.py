@@ -640,7 +640,7 @@ class DaemonState:
         arena_indices: set[int] = set()
         for entry in sorted(saved, key=lambda e: e.layout.arena_index):
             layout = entry.layout
-            reason = self._l3_region_unusable(layout, arena_indices)
+            reason = self._l3_region_unusable(layout, arena_indices, l3_bytes_kept)
             if reason is not None:
                 logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
                                reason)
@@ -673,7 +673,8 @@ class DaemonState:
                         plan.num_torn, plan.num_orphans)
         return restored
 
-    def _l3_region_unusable(self, layout: NamespaceLayout, taken_arena_indices: set[int]) -> str | None:
+    def _l3_region_unusable(self, layout: NamespaceLayout, taken_arena_indices: set[int],
+                            l3_bytes_kept: int) -> str | None:
         """Why a saved namespace's region cannot be used as it is now, or None."""
         if self.l3_plan is None:
             return "this daemon has no L3 room"
@@ -691,6 +692,8 @@ class DaemonState:
             return "one of its pages no longer fits in an L3 region"
         if self.arena_plan.arena_bytes < layout.bytes_per_page:
             return "one of its pages no longer fits in an L2 arena"
+        if l3_bytes_kept < layout.region_offset_bytes + layout.bytes_per_page:
+            return f"the L3 file kept only {l3_bytes_kept} bytes, none of its region"
         return None
 
     def _end_lease(self, lease: Lease, new_state: LeaseState) -> None:
