@@ -7,6 +7,7 @@ import os
 import secrets
 import sqlite3
 import stat
+import threading
 import zlib
 
 import numpy as np
@@ -152,3 +153,55 @@ def test_a_writer_that_fails_removes_the_index(tmp_path, rng):
     store.submit(PutSlots(namespace_key(GEOMETRY), rows_of(rng, 1, 1)))
     store.close()
     assert not os.path.exists(path)
+
+
+def test_a_write_through_overwrites_a_slot_only_after_its_old_row_is_deleted(tmp_path, rng, monkeypatch):
+    """The index writer is held back; slot 1's row is deleted (its page was evicted) and a
+    write-through into slot 1 starts: its pwrite comes only once the delete is committed, so the
+    index never names slot 1 while it holds another page's bytes. The result carries the crc32 of
+    each page written and the path's chained keys."""
+    from kvcached.core.storage import SlotLayout
+    from kvcached.core.tier_ops import TierMove
+    from kvcached.core.tiers import Tier
+    from kvcached.server import io_workers
+    from kvcached.server.io_workers import StorageFile
+    from kvcached.server.loop import _write_indexed
+
+    path = str(tmp_path / "l3.bin.index")
+    store, _ = L3IndexStore.open(path, fresh=False)
+    rows = rows_of(rng, 3, 0)
+    release_writer = threading.Event()
+    real_apply = store._apply
+    monkeypatch.setattr(store, "_apply", lambda batch: (release_writer.wait(10.0), real_apply(batch)))
+    store.start()
+    release_writer.set()
+    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutSlots(namespace_key(GEOMETRY), rows))
+    store.submit(DeleteSlots(namespace_key(GEOMETRY), [9]))      # a slot with no row: a marker
+    store.wait_for_deletes(timeout_s=10.0)                        # so the puts before it are committed too
+    release_writer.clear()
+    store.submit(DeleteSlots(namespace_key(GEOMETRY), [1]))
+    threading.Timer(0.2, release_writer.set).start()
+
+    rows_seen_at_pwrite = []
+    real_pwrite = io_workers._pwrite
+
+    def checking_pwrite(fd, data, offset):
+        reader = sqlite3.connect(path)
+        rows_seen_at_pwrite.append(reader.execute("SELECT COUNT(*) FROM slots WHERE slot = 1").fetchone()[0])
+        reader.close()
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(io_workers, "_pwrite", checking_pwrite)
+    bytes_per_page = 4096
+    arena = bytearray(rng.bytes(4 * bytes_per_page))
+    tokens = rng.integers(0, 150_000, size=2 * 16, dtype=np.int32)
+    move = TierMove(op_id=1, namespace_id=0, source=Tier.L2, destination=Tier.L3, token_ids=tokens, start_page=0,
+                    source_page_ids=[2, 3], private_page_ids=[1, 2], locks=[])
+    with StorageFile.open(str(tmp_path / "l3.bin"), 16 * bytes_per_page, keep_content=True) as storage:
+        result, keys = _write_indexed(store, storage, SlotLayout(0, bytes_per_page, 16), memoryview(arena), 16, move)
+    store.close()
+    assert rows_seen_at_pwrite and set(rows_seen_at_pwrite) == {0}
+    assert list(result.page_checksums) == [zlib.crc32(arena[p * bytes_per_page:(p + 1) * bytes_per_page])
+                                           for p in (2, 3)]
+    assert keys == chain_page_keys(tokens, 16, 2)
