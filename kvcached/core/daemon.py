@@ -191,8 +191,10 @@ class DaemonState:
                                 "start the daemon with a larger --max-namespaces")
         num_slots = min(self.l3_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER) if self.l3_plan else 0
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
-        index = self._free_arena_indices.pop(0) if arena_index is None else arena_index
-        if arena_index is not None:
+        if arena_index is None:
+            index = self._free_arena_indices.pop(0)
+        else:                           # a region rebuilt from the L3 index
+            index = arena_index
             self._free_arena_indices.remove(arena_index)
         namespace = Namespace(
             namespace_id=next(self._namespace_ids),
