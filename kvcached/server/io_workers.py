@@ -76,7 +76,7 @@ class IoResult(NamedTuple):
 
 
 class StorageFile:
-    """The L3 file: a fixed size, sparse until written, content discarded at open.
+    """The L3 file: a fixed size, sparse until written, content discarded at open unless kept.
 
     Build with `StorageFile.open`. Thread-safe for concurrent page I/O (pwrite/preadv carry
     their own offsets). `close()` refuses new I/O, then waits for I/O in flight, so a
