@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--socket", help=f"ipc socket path (default: {default_socket_path()})")
     serve.add_argument("--l2-size", type=_size, help="shared pinned host pool size, e.g. 64GiB "
                        "(default: 1 GiB or half of free /dev/shm, whichever is less)")
-    serve.add_argument("--l3-path", help="local file for the L3 tier (default: a temporary file)")
+    serve.add_argument("--l3-path", help="local file for the L3 tier, kept with its index (PATH.index) across "
+                       "restarts (default: a temporary file, empty at every start)")
+    serve.add_argument("--l3-fresh", action="store_true", default=None,
+                       help="with --l3-path: start with an empty L3, dropping what the last run left there")
     serve.add_argument("--l3-size", type=_size, help="L3 file size, e.g. 1TiB; 0 turns L3 off "
                        "(default 4 GiB, a sparse file)")
     serve.add_argument("--l3-o-direct", action="store_true", default=None,
@@ -71,6 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
                                        l3_bytes=args.l3_size, l3_o_direct=args.l3_o_direct,
+                                       l3_fresh=args.l3_fresh,
                                        io_threads=args.io_threads, socket_spin_us=args.spin_us,
                                        socket_cpu=args.socket_cpu,
                                        max_namespaces=args.max_namespaces,

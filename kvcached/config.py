@@ -58,6 +58,7 @@ class DaemonConfig:
     l3_path: str | None = None
     l3_bytes: int = DEFAULT_L3_BYTES
     l3_o_direct: bool = False
+    l3_fresh: bool = False              # with l3_path: start with an empty L3 (and index), not the last run's
     max_namespaces: int = 4
     heartbeat_interval_s: float = 0.5
     session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
@@ -105,6 +106,8 @@ class DaemonConfig:
             values["l3_bytes"] = parse_size(env["KVCACHED_L3_SIZE"])
         if env.get("KVCACHED_L3_O_DIRECT"):
             values["l3_o_direct"] = env["KVCACHED_L3_O_DIRECT"].lower() in ("1", "true", "yes")
+        if env.get("KVCACHED_L3_FRESH"):
+            values["l3_fresh"] = env["KVCACHED_L3_FRESH"].lower() in ("1", "true", "yes")
         if env.get("KVCACHED_MAX_NAMESPACES"):
             values["max_namespaces"] = int(env["KVCACHED_MAX_NAMESPACES"])
         values.update({k: v for k, v in overrides.items() if v is not None})

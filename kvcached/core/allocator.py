@@ -129,6 +129,31 @@ class PageAllocator:
                 self._free_run(ids[run_start], i - run_start)
                 run_start = i
 
+    def take(self, page_ids: Iterable[int]) -> None:
+        """Allocate exactly these ids (a rebuild that knows which pages hold data); ValueError,
+        and nothing changed, on an out-of-range, repeated or not-free id. Costs O(num_pages)."""
+        ids = [operator.index(page_id) for page_id in page_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("page ids repeated in one take() call")
+        for page_id in ids:
+            if not 0 <= page_id < self._num_pages:
+                raise ValueError(f"page id {page_id} out of range [0, {self._num_pages})")
+            if not self._is_free(page_id):
+                raise ValueError(f"page id {page_id} is not free")
+        if not ids:
+            return
+        free = np.zeros(self._num_pages, dtype=bool)
+        for start, length in self._start_to_length.items():
+            free[start:start + length] = True
+        free[ids] = False
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], free, [False])).astype(np.int8)))
+        starts, ends = edges[0::2].tolist(), edges[1::2].tolist()
+        self._run_starts = starts
+        self._start_to_length = {start: end - start for start, end in zip(starts, ends)}
+        self._runs_by_length = sorted((end - start, start) for start, end in zip(starts, ends))
+        self._num_free = int(free.sum())
+        self._epochs[ids] += 1
+
     # ---- integrity -----------------------------------------------------------------------
 
     def check_integrity(self) -> None:

@@ -24,6 +24,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core.allocator import PageAllocator
+from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
+                                    PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
@@ -72,6 +74,8 @@ class Namespace:
     session_ids: set[int] = dataclasses.field(default_factory=set)
     arena_index: int = 0                           # which L2 arena / L3 region it occupies
     idle_since: float | None = None                # when its last session ended; None while attached
+    index_key: str = ""                            # with a persistent L3 index: namespace_key(geometry)
+    l3_checksums: np.ndarray | None = None         # with a persistent L3 index: crc32 per L3 slot held
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
@@ -136,11 +140,14 @@ def session_tag(session_id: int) -> str:
 
 class DaemonState:
     def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float, session_grace_s: float = 30.0,
-                 l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic):
+                 l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic,
+                 l3_index_sink: Callable[[IndexChange], None] | None = None):
         """``session_timeout_s``: how long a session whose process the daemon cannot watch lives
         without a sign of life. ``session_grace_s``: how long a watched (living) process's session
         lives without one, and how long the pages of an unwatched one stay quarantined after its
-        last sign of life."""
+        last sign of life. ``l3_index_sink``: where every change of L3 residency is reported, in
+        order, for a persistent L3 file (the I/O layer writes them to its index); None: L3 is
+        temporary."""
         if arena_plan.arena_bytes <= 0:
             raise ValueError(f"L2 segment of {arena_plan.segment_bytes} bytes is too small for "
                              f"{arena_plan.max_namespaces} namespaces")
@@ -167,6 +174,7 @@ class DaemonState:
         self.metrics = Metrics()
         self._lease_ids = itertools.count(1)
         self._running_at = clock()
+        self._l3_index_sink = l3_index_sink if self.l3_plan is not None else None
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -210,19 +218,23 @@ class DaemonState:
             logger.warning("session %x names session %x as its previous one, which belongs to another "
                            "process; ignored", session.session_id, previous_session_id)
 
-    def _create_namespace(self, geometry: KVGeometry) -> Namespace:
+    def _create_namespace(self, geometry: KVGeometry, arena_index: int | None = None) -> Namespace:
         num_pages = min(self.arena_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER)
         if num_pages < 1:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
                                 f"one page of this geometry ({geometry.bytes_per_page} bytes) does not fit "
                                 f"in an L2 arena of {self.arena_plan.arena_bytes} bytes")
-        if not self._free_arena_indices and not self._reclaim_idle_namespace():
+        if arena_index is None and not self._free_arena_indices and not self._reclaim_idle_namespace():
             raise ProtocolError(ErrorCode.OUT_OF_SPACE,
                                 f"all {self.arena_plan.max_namespaces} namespaces have attached engines; "
                                 "start the daemon with a larger --max-namespaces")
         num_slots = min(self.l3_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER) if self.l3_plan else 0
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
-        index = self._free_arena_indices.pop(0)
+        if arena_index is None:
+            index = self._free_arena_indices.pop(0)
+        else:                           # a region rebuilt from the L3 index
+            index = arena_index
+            self._free_arena_indices.remove(arena_index)
         namespace = Namespace(
             namespace_id=next(self._namespace_ids),
             geometry=geometry,
@@ -236,6 +248,8 @@ class DaemonState:
         )
         self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
+        if num_slots:
+            self._index_namespace(namespace)
         logger.info("namespace %d (arena %d): %s, %d L2 pages and %d L3 slots of %d bytes",
                     namespace.namespace_id, index, geometry, num_pages, num_slots, geometry.bytes_per_page)
         return namespace
@@ -254,6 +268,8 @@ class DaemonState:
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
         self._free_arena_indices.append(victim.arena_index)
+        if victim.l3_checksums is not None:
+            self._l3_index_sink(DropNamespace(victim.index_key))
         self.metrics.add("namespaces_reclaimed")
         logger.info("namespace %d (%s) reclaimed: idle since %.1f s, %d L2 pages dropped", victim.namespace_id,
                     victim.geometry.model_id, self.clock() - victim.idle_since, victim.tree.owned_pages(Tier.L2))
@@ -464,6 +480,8 @@ class DaemonState:
             if evicted:
                 allocator.free(evicted)
                 self.metrics.add(f"evicted_pages_{tier.label}", len(evicted))
+                if tier is Tier.L3:
+                    self._unindex_slots(namespace, evicted)
         count = min(num_pages, allocator.num_free)
         if count == 0:
             return []
@@ -633,30 +651,169 @@ class DaemonState:
     def finish_move(self, move: TierMove, ok: bool, skipped: bool = False) -> int:
         """Publish a completed move's pages in the tree, or return them on failure.
 
-        Returns the number of pages the destination tier gained. Once published, the pages
-        belong to the tree: nothing that happens to a session later frees them."""
+        With a persistent L3 index, a promotion publishes only its leading pages whose bytes
+        read match the checksums recorded when they were written; the first page that does not
+        is dropped from L3 (with what lies below it) and counted, and the rest of the prefix is
+        left to recompute. Returns the number of pages the destination tier gained. Once
+        published, the pages belong to the tree: nothing that happens to a session later frees them."""
         namespace = self.namespaces[move.namespace_id]
         allocator = namespace.allocator(move.destination)
         gained = 0
-        if ok:
+        num_valid = self._num_verified_pages(namespace, move) if ok else 0
+        if num_valid:
             move.transition(OpState.PUBLISHED)
-            inserted = namespace.tree.insert(move.token_ids, move.destination, move.private_page_ids,
+            published = move.private_page_ids[:num_valid]
+            if num_valid < len(move.private_page_ids):
+                allocator.free(move.private_page_ids[num_valid:])
+            inserted = namespace.tree.insert(move.token_ids, move.destination, published,
                                              start_page=move.start_page)
             if inserted.duplicate_page_ids:      # someone published the same pages meanwhile
                 allocator.free(inserted.duplicate_page_ids)
+            if move.destination is Tier.L3:
+                self._index_written(namespace, move, set(inserted.duplicate_page_ids))
             gained = inserted.new_pages
+            move.num_published_pages = num_valid
             self.metrics.add(f"{move.direction}_pages_published", gained)
         else:
             move.transition(OpState.FAILED)
             allocator.free(move.private_page_ids)
-            # skipped: never started (policy), not an I/O failure
-            self.metrics.add(f"{move.direction}_{'policy_skips' if skipped else 'failures'}")
+            if not ok:      # skipped: never started (policy), not an I/O failure
+                self.metrics.add(f"{move.direction}_{'policy_skips' if skipped else 'failures'}")
         move.private_page_ids = []
         for node, tier in move.locks:
             namespace.tree.unlock(node, tier)
         move.locks = []
         del self.moves[move.op_id]
+        if ok and num_valid < len(move.source_page_ids):
+            self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
         return gained
+
+    # ---- the persistent L3 index (see l3_index.py) -------------------------------------------
+
+    def _index_namespace(self, namespace: Namespace) -> None:
+        if self._l3_index_sink is None:
+            return
+        assert namespace.l3_allocator is not None
+        namespace.index_key = namespace_key(namespace.geometry)
+        namespace.l3_checksums = np.zeros(namespace.l3_allocator.num_pages, dtype=np.uint32)
+        self._l3_index_sink(PutNamespace(NamespaceLayout(
+            namespace.index_key, namespace.geometry, namespace.arena_index, namespace.l3_region_offset_bytes,
+            namespace.l3_allocator.num_pages, namespace.geometry.bytes_per_page)))
+
+    def _unindex_slots(self, namespace: Namespace, slot_ids: list[int]) -> None:
+        if namespace.l3_checksums is not None:
+            self._l3_index_sink(DeleteSlots(namespace.index_key, list(slot_ids)))
+
+    def _index_written(self, namespace: Namespace, move: TierMove, duplicate_slot_ids: set[int]) -> None:
+        """Rows for the slots a write-through just gave the tree (not for duplicates: freed)."""
+        if namespace.l3_checksums is None:
+            return
+        assert len(move.page_checksums) == len(move.source_page_ids), "h2s finished without its checksums"
+        assert len(move.page_keys) >= move.start_page + len(move.source_page_ids), "h2s finished without its keys"
+        page_size = namespace.geometry.page_size
+        rows = []
+        for i, slot in enumerate(move.private_page_ids[:len(move.source_page_ids)]):
+            if slot in duplicate_slot_ids:
+                continue
+            page = move.start_page + i
+            rows.append(SlotRow(slot, move.page_keys[page], move.page_keys[page - 1] if page else ROOT_KEY,
+                                move.token_ids[page * page_size:(page + 1) * page_size].tobytes(),
+                                move.page_checksums[i]))
+            namespace.l3_checksums[slot] = move.page_checksums[i]
+        if rows:
+            self._l3_index_sink(PutSlots(namespace.index_key, rows))
+
+    def _num_verified_pages(self, namespace: Namespace, move: TierMove) -> int:
+        """Of a finished move, the leading pages that may be published: for a promotion with a
+        persistent index, those whose bytes read match their recorded checksums."""
+        if move.destination is not Tier.L2 or namespace.l3_checksums is None:
+            return len(move.private_page_ids)
+        assert len(move.page_checksums) == len(move.source_page_ids), "s2h finished without its checksums"
+        expected = namespace.l3_checksums[move.source_page_ids].tolist()
+        for i, (read, written) in enumerate(zip(move.page_checksums, expected)):
+            if read != written:
+                return i
+        return len(move.private_page_ids)
+
+    def _drop_corrupt_l3_page(self, namespace: Namespace, move: TierMove, page: int) -> None:
+        """A slot did not hold what its checksum says: drop that page (and what lies below it)
+        from L3 and the index. While another move still locks it, it stays until read again."""
+        slot = move.source_page_ids[page - move.start_page]
+        self.metrics.add("l3_checksum_mismatches")
+        freed = namespace.tree.discard(move.token_ids, Tier.L3, page)
+        if freed:
+            namespace.l3_allocator.free(freed)
+            self._unindex_slots(namespace, freed)
+            self.metrics.add("l3_pages_dropped_corrupt", len(freed))
+        logger.warning("namespace %d: L3 slot %d does not hold the page its index names (checksum mismatch); "
+                       "not served, %d slots dropped", namespace.namespace_id, slot, len(freed))
+
+    def restore_l3(self, saved: list[SavedNamespace], l3_bytes_kept: int) -> int:
+        """At start, before any engine attached: give each namespace of a persistent index its L3
+        region back and rebuild its L3 residency from its rows. What no longer fits (another
+        layout, file size or number of namespaces) or cannot be trusted is dropped from the
+        index, and logged. ``l3_bytes_kept``: how much of the file kept its content. Returns the
+        number of L3 pages restored."""
+        assert not self.namespaces, "restore_l3 runs before the first attach"
+        restored = 0
+        arena_indices: set[int] = set()
+        for entry in sorted(saved, key=lambda e: e.layout.arena_index):
+            layout = entry.layout
+            reason = self._l3_region_unusable(layout, arena_indices, l3_bytes_kept)
+            if reason is not None:
+                logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
+                               reason)
+                self.metrics.add("l3_index_rows_dropped", len(entry.rows))
+                if self._l3_index_sink is not None:
+                    self._l3_index_sink(DropNamespace(layout.namespace_key))
+                continue
+            arena_indices.add(layout.arena_index)
+            namespace = self._create_namespace(layout.geometry, arena_index=layout.arena_index)
+            namespace.idle_since = self.clock()
+            bytes_per_page = namespace.geometry.bytes_per_page
+            usable_slots = min(namespace.l3_allocator.num_pages,
+                               max(0, l3_bytes_kept - namespace.l3_region_offset_bytes) // bytes_per_page)
+            plan = plan_rebuild(entry.rows, namespace.geometry.page_size, usable_slots)
+            namespace.l3_allocator.take([slot for run in plan.runs for slot in run.slot_ids])
+            for run in plan.runs:
+                inserted = namespace.tree.insert(run.token_ids, Tier.L3, run.slot_ids, start_page=run.start_page)
+                assert inserted.new_pages == len(run.slot_ids), "a rebuilt page was already in the tree"
+                if namespace.l3_checksums is not None:
+                    namespace.l3_checksums[run.slot_ids] = run.checksums
+                restored += len(run.slot_ids)
+            if plan.dropped_slot_ids:
+                self._unindex_slots(namespace, plan.dropped_slot_ids)
+                self.metrics.add("l3_index_rows_dropped", len(plan.dropped_slot_ids))
+            num_pages = sum(len(run.slot_ids) for run in plan.runs)
+            self.metrics.add("l3_pages_restored", num_pages)
+            logger.info("L3 index: namespace %d (%s) back with %d pages; dropped %d rows past the region's end "
+                        "(the file or region shrank), %d torn, %d whose parent page is gone",
+                        namespace.namespace_id, layout.geometry.model_id, num_pages, plan.num_beyond,
+                        plan.num_torn, plan.num_orphans)
+        return restored
+
+    def _l3_region_unusable(self, layout: NamespaceLayout, taken_arena_indices: set[int],
+                            l3_bytes_kept: int) -> str | None:
+        """Why a saved namespace's region cannot be used as it is now, or None."""
+        if self.l3_plan is None:
+            return "this daemon has no L3 room"
+        if layout.arena_index >= self.arena_plan.max_namespaces:
+            return (f"its region {layout.arena_index} is past the {self.arena_plan.max_namespaces} namespaces "
+                    "served now (--max-namespaces)")
+        if layout.arena_index in taken_arena_indices or layout.geometry in self.geometry_to_namespace:
+            return "another namespace of the index claims the same region or geometry"
+        if layout.bytes_per_page != layout.geometry.bytes_per_page:
+            return f"its pages of {layout.bytes_per_page} bytes do not match its geometry's"
+        if layout.region_offset_bytes != self.l3_plan.arena_offset(layout.arena_index):
+            return (f"its region moved from byte {layout.region_offset_bytes} to "
+                    f"{self.l3_plan.arena_offset(layout.arena_index)} (the L3 size or --max-namespaces changed)")
+        if min(self.l3_plan.arena_bytes // layout.bytes_per_page, MAX_PAGES_PER_TIER) < 1:
+            return "one of its pages no longer fits in an L3 region"
+        if self.arena_plan.arena_bytes < layout.bytes_per_page:
+            return "one of its pages no longer fits in an L2 arena"
+        if l3_bytes_kept < layout.region_offset_bytes + layout.bytes_per_page:
+            return f"the L3 file kept only {l3_bytes_kept} bytes, none of its region"
+        return None
 
     def _end_lease(self, lease: Lease, new_state: LeaseState, quarantined: list[int] | None = None) -> None:
         """quarantined: a list that takes the lease's private pages instead of the allocator."""

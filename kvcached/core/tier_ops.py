@@ -50,6 +50,12 @@ class TierMove:
     private_page_ids: list[int]          # reserved in the destination tier
     locks: list[tuple[TreeNode, Tier]]   # released when the op ends
     state: OpState = OpState.PENDING
+    # With a persistent L3 index, set by the I/O layer before the move is finished: the crc32 of
+    # each page as written (h2s) or as read (s2h), and (h2s) the chained keys of pages
+    # 0..start_page + n - 1 of the path.
+    page_checksums: list[int] = dataclasses.field(default_factory=list)
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_published_pages: int = 0         # s2h: the leading pages whose checksums matched (all without an index)
 
     @property
     def direction(self) -> str:

@@ -298,6 +298,60 @@ class PrefixTree:
                 self._push_if_evictable(parent, tier)
         return freed
 
+    # ---- discard -------------------------------------------------------------------------
+
+    def discard(self, token_ids, tier: Tier, from_page: int) -> list[int]:
+        """Clear `tier`'s residency of page `from_page` of this path and of everything below it
+        (residency is prefix-closed: what lies below a page cannot stay without it); returns the
+        freed page ids. Frees nothing when the path does not reach that page, the page is not
+        resident in `tier`, or it (or anything below it) is locked there."""
+        tier = self._check_tier(tier)
+        from_page = operator.index(from_page)
+        data = self._token_bytes(token_ids)
+        page_bytes = self._page_bytes
+        if not 0 <= from_page < len(data) // page_bytes:
+            return []
+        node, page = self._root, 0
+        while True:
+            pos = page * page_bytes
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                return []
+            num_common = self._num_common_pages(data, pos, child.key)
+            if page + child.num_pages <= from_page:
+                if num_common < child.num_pages:
+                    return []
+                node, page = child, page + child.num_pages
+                continue
+            if num_common <= from_page - page:
+                return []
+            if from_page > page:
+                self._split(child, from_page - page)      # child stays the lower half, from from_page on
+            target = child
+            break
+        # A parent's ref count is >= each child's, so an unlocked target has an unlocked subtree.
+        if target.page_ids[tier] is None or target.ref_count[tier] > 0:
+            return []
+        freed: list[int] = []
+        cleared: list[TreeNode] = []
+        stack = [target]
+        while stack:
+            current = stack.pop()
+            if current.page_ids[tier] is None:
+                continue
+            freed.extend(current.page_ids[tier])
+            self._owned_page_ids[tier].difference_update(current.page_ids[tier])
+            current.page_ids[tier] = None
+            current.parent.num_resident_children[tier] -= 1
+            cleared.append(current)
+            stack.extend(current.children.values())
+        parent = target.parent
+        for current in reversed(cleared):       # deepest first: a node goes once its children have
+            self._remove_if_empty(current)
+        if parent is not self._root and parent.parent is not None:
+            self._push_if_evictable(parent, tier)
+        return freed
+
     # ---- integrity -----------------------------------------------------------------------
 
     def check_integrity(self) -> dict[Tier, set[int]]:

@@ -5,8 +5,12 @@ Design notes:
   memoryview slices: no serialisation, no intermediate copies.
 - One system-call loop per extent: a run where both the L2 pages and the slots are consecutive
   (`coalesce_extents`). A loop, because the kernel may move fewer bytes than asked.
-- No fsync: the L3 metadata lives only in this process, so the file's content is worthless after
-  a crash, and durability would only cost time.
+- No fsync. A temporary file's content dies with the process. A file kept across restarts
+  (``keep_content``) is described by the daemon's L3 index (``l3_index_store.py``), whose rows
+  are written only after a slot's bytes are, each with the crc32 of those bytes: what a crash
+  of the machine loses or tears in the file fails that check on read and is never served.
+- Checksums (``checksum=True``) are computed here, in the I/O thread, on the bytes moved: before
+  each write from the L2 page written, after each read on the L2 page read into.
 - O_DIRECT (opt-in): reads AND writes go through one O_DIRECT descriptor. L2 already caches L3,
   so a page-cache copy would hold the same bytes twice in host memory, and mixing buffered writes
   with direct reads makes the kernel flush dirty pages before each direct read. A plain
@@ -26,11 +30,13 @@ import atexit
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import tempfile
 import threading
 import time
+import zlib
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -66,10 +72,11 @@ class IoResult(NamedTuple):
     num_bytes: int
     num_extents: int
     seconds: float  # time in the system calls (service time), not validation or queueing
+    page_checksums: Sequence[int] = ()  # with checksum=True: zlib.crc32 of each page moved, in order
 
 
 class StorageFile:
-    """The L3 file: a fixed size, sparse until written, content discarded at open.
+    """The L3 file: a fixed size, sparse until written, content discarded at open unless kept.
 
     Build with `StorageFile.open`. Thread-safe for concurrent page I/O (pwrite/preadv carry
     their own offsets). `close()` refuses new I/O, then waits for I/O in flight, so a
@@ -77,7 +84,7 @@ class StorageFile:
     """
 
     def __init__(self, path: str, size_bytes: int, o_direct: bool, fd: int, direct_fd: int | None,
-                 is_temporary: bool):
+                 is_temporary: bool, kept_content_bytes: int = 0):
         # Private: use StorageFile.open, which owns the failure handling of a half-built file.
         self._path = path
         self._size_bytes = size_bytes
@@ -85,6 +92,7 @@ class StorageFile:
         self._fd = fd
         self._direct_fd = direct_fd
         self._is_temporary = is_temporary
+        self._kept_content_bytes = kept_content_bytes
         self._cond = threading.Condition()
         self._num_inflight_io = 0
         self._closing = False  # new I/O refused
@@ -94,10 +102,12 @@ class StorageFile:
 
     @classmethod
     def open(cls, path: str | None, size_bytes: int, o_direct: bool = False,
-             temp_dir: str | None = None) -> StorageFile:
-        """Create or open `path` (mode 0600) and size it to exactly `size_bytes`, discarding old
-        content. Without a path, a temporary file in `temp_dir` (default: the system temp dir)
-        whose name is removed as soon as it is open (nothing is left behind, whatever the exit)."""
+             temp_dir: str | None = None, keep_content: bool = False) -> StorageFile:
+        """Create or open `path` (mode 0600, locked against a second daemon) and size it to
+        exactly `size_bytes`, discarding old content unless `keep_content` (then the bytes below
+        both sizes stay: `kept_content_bytes`). Without a path, a temporary file in `temp_dir`
+        (default: the system temp dir) whose name is removed as soon as it is open (nothing is
+        left behind, whatever the exit)."""
         if not isinstance(size_bytes, int) or size_bytes <= 0:
             raise ValueError(f"size_bytes must be a positive int, got {size_bytes!r}")
         if o_direct and size_bytes % DIRECT_IO_ALIGNMENT_BYTES:
@@ -110,10 +120,19 @@ class StorageFile:
         else:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         direct_fd = None
+        kept_content_bytes = 0
         try:
             os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode otherwise
-            # Truncate to 0 first so no byte of a previous run survives below size_bytes.
-            os.ftruncate(fd, 0)
+            if not is_temporary:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # released when fd closes
+                except BlockingIOError:
+                    raise OSError(errno.EBUSY, "another kvcached daemon uses this L3 file", path) from None
+            if keep_content and not is_temporary:
+                kept_content_bytes = min(os.fstat(fd).st_size, size_bytes)
+            else:
+                # Truncate to 0 first so no byte of a previous run survives below size_bytes.
+                os.ftruncate(fd, 0)
             os.ftruncate(fd, size_bytes)
             if o_direct:
                 try:
@@ -131,8 +150,9 @@ class StorageFile:
             # The name goes at once: the open descriptors keep the file, and even a daemon killed
             # with SIGKILL leaves nothing behind.
             _unlink_quietly(path)
-        logger.info("L3 file %s: %d bytes, o_direct=%s, temporary=%s", path, size_bytes, o_direct, is_temporary)
-        return cls(path, size_bytes, o_direct, fd, direct_fd, is_temporary)
+        logger.info("L3 file %s: %d bytes (%d kept from before), o_direct=%s, temporary=%s", path, size_bytes,
+                    kept_content_bytes, o_direct, is_temporary)
+        return cls(path, size_bytes, o_direct, fd, direct_fd, is_temporary, kept_content_bytes)
 
     @property
     def path(self) -> str:
@@ -149,6 +169,11 @@ class StorageFile:
     @property
     def is_temporary(self) -> bool:
         return self._is_temporary
+
+    @property
+    def kept_content_bytes(self) -> int:
+        """Bytes at the file's start that kept their content from before this open."""
+        return self._kept_content_bytes
 
     @property
     def closed(self) -> bool:
@@ -300,8 +325,16 @@ def _preadv_all(storage: StorageFile, fd: int, view: memoryview, file_offset: in
         num_done_bytes += num_read_bytes
 
 
+def _page_checksums(view: memoryview, bytes_per_page: int) -> list[int]:
+    checksums = []
+    for start in range(0, len(view), bytes_per_page):
+        with view[start:start + bytes_per_page] as page:
+            checksums.append(zlib.crc32(page))
+    return checksums
+
+
 def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_page: int,
-                l2_page_ids: Sequence[int], slot_ids: Sequence[int]) -> IoResult:
+                l2_page_ids: Sequence[int], slot_ids: Sequence[int], checksum: bool = False) -> IoResult:
     """Copy L2 page `l2_page_ids[i]` of the arena `src` into slot `slot_ids[i]` of `layout`.
 
     `src` is the whole L2 arena (page p = bytes [p*bytes_per_page, (p+1)*bytes_per_page)).
@@ -309,6 +342,7 @@ def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_pa
     file; after an OSError the slots hold undefined bytes and must not be published.
     """
     extents = coalesce_extents(l2_page_ids, slot_ids)
+    checksums: list[int] = []
     with _byte_view(src) as arena:
         _check_transfer(storage, layout, arena, bytes_per_page, l2_page_ids, slot_ids, dst_ids=slot_ids)
         with storage._io_in_flight() as fd:
@@ -316,13 +350,15 @@ def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_pa
             for extent in extents:
                 arena_start = extent.src_start * bytes_per_page
                 with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
+                    if checksum:
+                        checksums += _page_checksums(view, bytes_per_page)
                     _pwrite_all(storage.path, fd, view, layout.offset(extent.dst_start))
             seconds = time.perf_counter() - start_s
-    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds)
+    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds, checksums)
 
 
 def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_page: int,
-               slot_ids: Sequence[int], l2_page_ids: Sequence[int]) -> IoResult:
+               slot_ids: Sequence[int], l2_page_ids: Sequence[int], checksum: bool = False) -> IoResult:
     """Copy slot `slot_ids[i]` of `layout` into L2 page `l2_page_ids[i]` of the arena `dst`.
 
     Raises ValueError on bad input before any byte moves, ShortReadError when the file ends
@@ -330,6 +366,7 @@ def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_pag
     be published.
     """
     extents = coalesce_extents(slot_ids, l2_page_ids)
+    checksums: list[int] = []
     with _byte_view(dst) as arena:
         if arena.readonly:
             raise ValueError("read_pages needs a writable arena")
@@ -340,8 +377,10 @@ def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_pag
                 arena_start = extent.dst_start * bytes_per_page
                 with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
                     _preadv_all(storage, fd, view, layout.offset(extent.src_start))
+                    if checksum:
+                        checksums += _page_checksums(view, bytes_per_page)
             seconds = time.perf_counter() - start_s
-    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds)
+    return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds, checksums)
 
 
 class IoExecutor:

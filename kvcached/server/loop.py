@@ -28,6 +28,7 @@ import logging
 import os
 import inspect
 import signal
+import sqlite3
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -36,11 +37,13 @@ import zmq
 
 from kvcached.config import DaemonConfig
 from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
+from kvcached.server.l3_index_store import L3IndexStore, index_path
 from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_private_dir, segment_name
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
@@ -60,18 +63,21 @@ MAX_PEERS_PER_SESSION = 4
 SHUTDOWN_LINGER_MS = 200
 # ZeroMQ drops a peer whose message exceeds this; below it, oversize frames get an error reply.
 HARD_FRAME_FACTOR = 4
+# A write-through waits this long, at most, for the index to forget its slots' old pages.
+INDEX_DELETE_TIMEOUT_S = 10.0
 
 
 class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
-                 executor: IoExecutor | None = None):
+                 executor: IoExecutor | None = None, index: L3IndexStore | None = None):
         self.config = config
         self.state = state
         self.socket = socket
         self.segment = segment
         self.storage = storage
         self.executor = executor
+        self.index = index
         self.started_at = time.time()
         self.stop_event = asyncio.Event()
         self.state_lock = threading.Lock()
@@ -315,14 +321,19 @@ class Server:
         direction = move.direction
         enqueued_s = time.perf_counter()
         ok = False
+        page_keys: list[bytes] = []
         try:
             with memoryview(self.segment.mapping) as whole, whole[arena_start:arena_end] as arena:
-                if move.destination is Tier.L3:
+                if move.destination is Tier.L3 and self.index is not None:
+                    result, page_keys = await self.executor.run(
+                        _write_indexed, self.index, self.storage, layout, arena, namespace.geometry.page_size, move)
+                elif move.destination is Tier.L3:
                     result = await self.executor.run(write_pages, self.storage, layout, arena, bytes_per_page,
                                                      move.source_page_ids, move.private_page_ids)
                 else:
                     result = await self.executor.run(read_pages, self.storage, layout, arena, bytes_per_page,
-                                                     move.source_page_ids, move.private_page_ids)
+                                                     move.source_page_ids, move.private_page_ids,
+                                                     self.index is not None)
             ok = True
             end_to_end_s = time.perf_counter() - enqueued_s
             with self.state_lock:
@@ -341,6 +352,8 @@ class Server:
                 self.state.finish_move(move, ok)
             raise
         with self.state_lock:
+            if ok:
+                move.page_checksums, move.page_keys = list(result.page_checksums), page_keys
             self.state.finish_move(move, ok)
             return then(ok) if then is not None else ok
 
@@ -452,13 +465,13 @@ class Server:
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
         page_size = self.state.namespaces[move.namespace_id].geometry.page_size
-        num_pages = len(move.private_page_ids)
 
         def match_now(ok: bool) -> dict[str, Any]:
-            # On failure the engine recomputes what L3 could not give.
-            self.state.metrics.add("promotions" if ok else "restore_fallbacks")
+            # On failure (or a page whose checksum failed) the engine recomputes what L3 could not give.
+            promoted_pages = move.num_published_pages
+            self.state.metrics.add("promotions" if promoted_pages else "restore_fallbacks")
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promoted_tokens=num_pages * page_size if ok else 0)
+                                       promoted_tokens=promoted_pages * page_size)
             assert not isinstance(outcome, TierMove)
             return outcome.to_wire()
 
@@ -547,6 +560,7 @@ class Server:
             "l3_bytes": self.storage.size_bytes if self.storage else 0,
             "l3_o_direct": self.storage.o_direct if self.storage else False,
             "l3_temporary": self.storage.is_temporary if self.storage else False,
+            "l3_index": self.index.status() if self.index else None,
             "io_threads": self.executor.max_workers if self.executor else 0,
             "protocol_version": PROTOCOL_VERSION,
         }
@@ -568,22 +582,31 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             os.unlink(config.socket_path)      # stale: we hold the lock
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
         resources.callback(segment.close)
-        storage = executor = None
+        storage = executor = index = None
+        saved_l3: list = []
         if config.l3_bytes > 0:
             try:
-                storage = StorageFile.open(config.l3_path, config.l3_bytes, o_direct=config.l3_o_direct)
+                storage = StorageFile.open(config.l3_path, config.l3_bytes, o_direct=config.l3_o_direct,
+                                           keep_content=not config.l3_fresh)
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
             resources.callback(storage.close)
             executor = IoExecutor(config.io_threads)
             resources.callback(executor.shutdown)      # closed before the file and the segment
+            if not storage.is_temporary:
+                index, saved_l3 = _open_index(config, storage)
+                resources.callback(index.close)        # after the last move, before the I/O threads
         try:
             state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
                                 session_timeout_s=config.session_timeout_s,
                                 session_grace_s=config.session_grace_s,
-                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None)
+                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None,
+                                l3_index_sink=index.submit if index else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        if index is not None:
+            state.restore_l3(saved_l3, storage.kept_content_bytes)
+            index.start()
 
         context = zmq.Context()
         resources.callback(context.term)
@@ -601,7 +624,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(_unlink_quietly, config.socket_path)
         os.chmod(config.socket_path, 0o600)
 
-        server = Server(config, state, socket, segment, storage, executor)
+        server = Server(config, state, socket, segment, storage, executor, index)
         resources.callback(server.close_wake_sockets)
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -618,6 +641,31 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _open_index(config: DaemonConfig, storage: StorageFile) -> tuple[L3IndexStore, list]:
+    """The L3 file's index and what it holds; empty when the file kept nothing (new, or --l3-fresh)."""
+    assert config.l3_path is not None
+    path = index_path(config.l3_path)
+    fresh = storage.kept_content_bytes == 0
+    try:
+        index, saved = L3IndexStore.open(path, fresh=fresh)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartupError(f"cannot open the L3 index {path}: {exc}") from None
+    logger.info("L3 index %s: %s", path, "starting empty" + (" (--l3-fresh)" if config.l3_fresh else "")
+                if fresh else f"{sum(len(entry.rows) for entry in saved)} pages of {len(saved)} namespaces")
+    return index, saved
+
+
+def _write_indexed(index: L3IndexStore, storage: StorageFile, layout: SlotLayout, arena: memoryview,
+                   page_size: int, move: TierMove) -> tuple[Any, list[bytes]]:
+    """A write-through with a persistent index, in an I/O thread: the index forgets what the
+    slots held before (so it never names them with another page's bytes), then the bytes go in
+    with their checksums; returns them with the keys of the path's pages."""
+    index.wait_for_deletes(INDEX_DELETE_TIMEOUT_S)
+    result = write_pages(storage, layout, arena, layout.bytes_per_page, move.source_page_ids,
+                         move.private_page_ids, checksum=True)
+    return result, chain_page_keys(move.token_ids, page_size, move.start_page + len(move.source_page_ids))
 
 
 def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None) -> None:

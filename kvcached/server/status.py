@@ -16,6 +16,8 @@ def render_table(snapshot: dict[str, Any]) -> str:
         f"pending h2s {snapshot.get('pending', {}).get('h2s', 0)} s2h {snapshot.get('pending', {}).get('s2h', 0)}  "
         f"L3 {format_size(daemon.get('l3_bytes', 0))} {daemon.get('l3_file') or '(off)'}"
         f"{' (temporary, already unlinked)' if daemon.get('l3_temporary') else ''}"
+        + (f"  index {daemon['l3_index']['path']} ({daemon['l3_index']['pending_changes']} changes queued"
+           f"{', FAILED' if daemon['l3_index']['failed'] else ''})" if daemon.get("l3_index") else "")
         + (f"  integrity {snapshot['integrity']}" if "integrity" in snapshot else ""),
         "",
         f"{'ns':>3} {'model':<24} {'tier':<4} {'page':>10} {'capacity':>9} {'free':>9} {'owned':>9} "

@@ -305,6 +305,53 @@ def test_insert_rejects_page_ids_the_tree_owns(rng):
     tree.check_integrity()
 
 
+def test_discard_clears_a_page_and_everything_below_it_in_one_tier(rng):
+    """discard(path, L3, k) frees the L3 ids of page k of the path and of every page below it (both
+    branches), keeps pages 0..k-1 in L3, and leaves L2 residency and other paths as they were."""
+    tree = _tree()
+    head = _tokens(rng, 5)
+    left, right, other = (np.concatenate([head, _tokens(rng, 2)]), np.concatenate([head, _tokens(rng, 3)]),
+                          _tokens(rng, 3))
+    l3_ids = {name: _page_ids(rng, 10, low=i * 200_000) for i, name in enumerate(("left", "right", "other"))}
+    tree.insert(left, L3, l3_ids["left"][:7])
+    tree.insert(right, L3, l3_ids["right"][:3], start_page=5)
+    tree.insert(other, L3, l3_ids["other"][:3])
+    l2_ids = _page_ids(rng, 8, low=900_000)
+    tree.insert(right, L2, l2_ids)
+    tree.check_integrity()
+
+    freed = tree.discard(left, L3, 3)
+    tree.check_integrity()
+    assert sorted(freed) == sorted(l3_ids["left"][3:7] + l3_ids["right"][:3])
+    assert tree.match(left).hit_tokens == {L2: 5 * PAGE, L3: 3 * PAGE}
+    assert tree.match(right).hit_tokens == {L2: 8 * PAGE, L3: 3 * PAGE}
+    assert tree.match(other).hit_tokens == {L2: 0, L3: 3 * PAGE}
+    # The left branch held nothing else: it left the tree. L3 evicts what remains of the head last.
+    assert tree.match(left).matched_tokens == 5 * PAGE
+    assert sorted(tree.evict(L3, 100)) == sorted(l3_ids["left"][:3] + l3_ids["other"][:3])
+    tree.check_integrity()
+
+
+def test_discard_of_a_locked_missing_or_unmatched_page_frees_nothing(rng):
+    """A page locked in the tier (or below a lock), not resident there, or off the path: discard
+    returns [] and changes no residency."""
+    tree = _tree()
+    tokens = _tokens(rng, 6)
+    ids = _page_ids(rng, 6)
+    tree.insert(tokens, L3, ids)
+    node = tree.match(tokens).last_node[L3]
+    tree.lock(node, L3)
+    assert tree.discard(tokens, L3, 2) == []
+    tree.unlock(node, L3)
+    assert tree.discard(tokens, L2, 0) == []
+    assert tree.discard(tokens, L3, 6) == []
+    diverging = tokens.copy()
+    diverging[2 * PAGE] += 1
+    assert tree.discard(diverging, L3, 3) == []
+    tree.check_integrity()
+    assert tree.match(tokens).page_ids[L3] == ids
+
+
 def test_check_integrity_detects_corruption(rng):
     """check_integrity() raises on a repeated page id, a residency hole, a lock off the path and a bad link."""
     def build():

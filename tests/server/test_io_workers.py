@@ -606,3 +606,33 @@ def test_concurrent_reads_and_writes_through_the_executor(storage, arena):
 
     asyncio.run(main())
     storage.check_integrity()
+
+
+def test_keep_content_keeps_the_bytes_below_both_sizes(tmp_path):
+    """Reopened with keep_content, a file keeps its bytes below the smaller of its old and new size
+    (kept_content_bytes says how many); reopened without it, nothing of before is left."""
+    path = str(tmp_path / "l3.bin")
+    old = os.urandom(3 * 4096)
+    with StorageFile.open(path, 3 * 4096) as storage:
+        os.pwrite(storage.io_fd, old, 0)
+    with StorageFile.open(path, 2 * 4096, keep_content=True) as storage:
+        assert storage.kept_content_bytes == 2 * 4096
+        assert os.pread(storage.io_fd, 2 * 4096, 0) == old[:2 * 4096]
+    with StorageFile.open(path, 4 * 4096, keep_content=True) as storage:
+        assert storage.kept_content_bytes == 2 * 4096
+        assert os.pread(storage.io_fd, 4 * 4096, 0) == old[:2 * 4096] + bytes(2 * 4096)
+    with StorageFile.open(path, 2 * 4096) as storage:
+        assert storage.kept_content_bytes == 0
+        assert os.pread(storage.io_fd, 2 * 4096, 0) == bytes(2 * 4096)
+
+
+def test_a_second_open_of_a_named_l3_file_is_refused(tmp_path):
+    """While one StorageFile has a named file open, another open of it fails with EBUSY (two
+    daemons would overwrite each other's slots); once closed, it opens again."""
+    path = str(tmp_path / "l3.bin")
+    with StorageFile.open(path, 4096):
+        with pytest.raises(OSError) as raised:
+            StorageFile.open(path, 4096, keep_content=True)
+        assert raised.value.errno == errno.EBUSY and "another kvcached daemon" in str(raised.value)
+    with StorageFile.open(path, 4096, keep_content=True) as storage:
+        assert storage.kept_content_bytes == 4096

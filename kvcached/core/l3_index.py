@@ -1,0 +1,176 @@
+"""What each L3 slot holds, as the daemon's state records it for a persistent L3 file. Pure logic.
+
+The daemon's state reports every change of L3 residency as an ``IndexChange`` to a sink that
+the I/O layer provides (it writes them to an index file beside the L3 file, in order, off the
+socket thread); at start the I/O layer loads what the file holds and ``plan_rebuild`` turns it
+back into tree insertions. Nothing here touches a file.
+
+Keys. Namespace ids are per process, so a namespace is named by a digest of its geometry
+(``namespace_key``). A page is named by a chained digest, ``key = H(parent_key || token bytes)``
+with the root's key ``ROOT_KEY``: a row holds its page's key, its parent's key and its own token
+ids, so the prefix of every page can be rebuilt from the rows alone, and a row that was torn
+(its key does not match its parent and tokens) or whose parent row is missing only loses itself
+and what lies below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import NamedTuple, Sequence, Union
+
+import numpy as np
+
+from proto.messages import KVGeometry
+
+logger = logging.getLogger(__name__)
+
+KEY_BYTES = 16
+ROOT_KEY = bytes(KEY_BYTES)
+_TOKEN_BYTES = 4          # int32 little-endian, as the tree keys pages
+
+
+def namespace_key(geometry: KVGeometry) -> str:
+    """A stable name of a geometry, the same in every process."""
+    canonical = json.dumps(geometry.to_wire(), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def page_key(parent_key: bytes, token_bytes: bytes) -> bytes:
+    return hashlib.blake2b(parent_key + token_bytes, digest_size=KEY_BYTES).digest()
+
+
+def chain_page_keys(token_ids: np.ndarray, page_size: int, num_pages: int) -> list[bytes]:
+    """The keys of pages 0..num_pages-1 of a path."""
+    data = np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
+    page_bytes = page_size * _TOKEN_BYTES
+    if len(data) < num_pages * page_bytes:
+        raise ValueError(f"{len(data) // page_bytes} whole pages of tokens, {num_pages} keys asked for")
+    keys: list[bytes] = []
+    parent = ROOT_KEY
+    for page in range(num_pages):
+        parent = page_key(parent, data[page * page_bytes:(page + 1) * page_bytes])
+        keys.append(parent)
+    return keys
+
+
+class NamespaceLayout(NamedTuple):
+    """Where a namespace's L3 region lies in the file, as it was when its slots were written."""
+
+    namespace_key: str
+    geometry: KVGeometry
+    arena_index: int
+    region_offset_bytes: int
+    num_slots: int
+    bytes_per_page: int
+
+
+class SlotRow(NamedTuple):
+    """One slot's content: the page named page_key, below parent_key, with these token ids."""
+
+    slot: int
+    page_key: bytes
+    parent_key: bytes
+    token_bytes: bytes
+    checksum: int             # zlib.crc32 of the page's bytes as written
+
+
+class SavedNamespace(NamedTuple):
+    layout: NamespaceLayout
+    rows: list[SlotRow]
+
+
+class PutNamespace(NamedTuple):
+    layout: NamespaceLayout
+
+
+class DropNamespace(NamedTuple):
+    """The namespace and every row of it are gone (its region is someone else's now)."""
+
+    namespace_key: str
+
+
+class PutSlots(NamedTuple):
+    namespace_key: str
+    rows: list[SlotRow]
+
+
+class DeleteSlots(NamedTuple):
+    namespace_key: str
+    slot_ids: list[int]
+
+
+IndexChange = Union[PutNamespace, DropNamespace, PutSlots, DeleteSlots]
+
+
+class RebuildRun(NamedTuple):
+    """Pages [start_page, start_page + len(slot_ids)) of the path token_ids, held by these slots."""
+
+    token_ids: np.ndarray
+    start_page: int
+    slot_ids: list[int]
+    checksums: list[int]
+
+
+class RebuildPlan(NamedTuple):
+    runs: list[RebuildRun]            # in insertion order: every run's prefix comes earlier
+    dropped_slot_ids: list[int]       # the slots of rows that cannot be trusted, used or reached
+    num_beyond: int                   # of those: rows of slots past the region's end now
+    num_torn: int                     # rows that are not what they claim to be
+    num_orphans: int                  # rows whose parent row is missing (or was dropped)
+
+
+def plan_rebuild(rows: Sequence[SlotRow], page_size: int, num_slots: int) -> RebuildPlan:
+    """Turn a namespace's rows into tree insertions, dropping what cannot be trusted or used.
+
+    A row is torn when its slot is repeated, its tokens are not one page, its checksum is not 32
+    bits or its key is not the digest of its parent key and tokens; a row of a slot at or past
+    num_slots no longer fits; a row whose parent is not reachable from the root is an orphan.
+    These are dropped; every other row comes back, whatever happened to its siblings."""
+    page_bytes = page_size * _TOKEN_BYTES
+    dropped: list[int] = []
+    seen_slots: set[int] = set()
+    by_key: dict[bytes, SlotRow] = {}
+    num_torn = num_beyond = 0
+    for row in sorted(rows, key=lambda r: r.slot):
+        if row.slot in seen_slots:
+            num_torn += 1         # the slot's first row decides; deleting the slot would delete that one
+            continue
+        seen_slots.add(row.slot)
+        if not 0 <= row.slot < num_slots:
+            num_beyond += 1
+            dropped.append(row.slot)
+            continue
+        sound = (len(row.token_bytes) == page_bytes and 0 <= row.checksum < 1 << 32
+                 and len(row.parent_key) == KEY_BYTES
+                 and page_key(row.parent_key, row.token_bytes) == row.page_key
+                 and row.page_key not in by_key)          # one slot per page: the lowest keeps it
+        if not sound:
+            num_torn += 1
+            dropped.append(row.slot)
+            continue
+        by_key[row.page_key] = row
+    children: dict[bytes, list[SlotRow]] = {}
+    for row in by_key.values():
+        children.setdefault(row.parent_key, []).append(row)
+
+    runs: list[RebuildRun] = []
+    reached = 0
+    # Depth first; a chain of only children is one run, inserted with one tree walk.
+    stack: list[tuple[SlotRow, int, list[bytes]]] = [(row, 0, []) for row in children.get(ROOT_KEY, ())]
+    while stack:
+        row, start_page, prefix = stack.pop()
+        chain = [row]
+        while len(children.get(chain[-1].page_key, ())) == 1:
+            chain.append(children[chain[-1].page_key][0])
+        path = prefix + [r.token_bytes for r in chain]
+        runs.append(RebuildRun(np.frombuffer(b"".join(path), dtype="<i4"), start_page,
+                               [r.slot for r in chain], [r.checksum for r in chain]))
+        reached += len(chain)
+        for child in children.get(chain[-1].page_key, ()):
+            stack.append((child, start_page + len(chain), path))
+    reached_slots = {slot for run in runs for slot in run.slot_ids}
+    orphans = [row.slot for row in by_key.values() if row.slot not in reached_slots]
+    assert reached == len(reached_slots)
+    return RebuildPlan(runs, dropped + orphans, num_beyond, num_torn, len(orphans))
