@@ -430,6 +430,15 @@ class KVCacheClient:
         })
         return PendingMatch(self._channel, request_id)
 
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False) -> PendingMatch:
+        """Ask how much of a prefix is cached, changing nothing (no lease, no LRU update): the reply
+        (``result()``) has the hit per tier and no lease or pages. tp_group: the least hit over
+        every rank of this engine's tensor-parallel group."""
+        request_id = self._channel.begin(MsgKind.MATCH, {
+            "session_id": self._session(), "token_ids": token_bytes(token_ids),
+            "lock": False, "tp_group": tp_group})
+        return PendingMatch(self._channel, request_id)
+
     def _release_orphan(self, lease_id: int) -> None:
         logger.warning("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
         if self.info is not None and self._session_lost is None:
