@@ -153,6 +153,7 @@ class PrefixLookup:
 
 @dataclasses.dataclass(eq=False)
 class _Load:
+    request_id: Hashable
     start_page: int
     block_ids: np.ndarray
     after: Any                          # the caller's stream event at load()
@@ -193,10 +194,6 @@ class _Request:
     saves: list[_Save] = dataclasses.field(default_factory=list)
     finished: bool = False
     hold_blocks: bool = False           # request_finished returned True
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.reserved) + self.hit_pages
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -276,7 +273,7 @@ class KVConnector:
         if (start_page + num_pages) * self.page_size > len(token_ids):
             raise ValueError(f"tokens [{start_token}, {start_token + num_tokens}) are beyond the {len(token_ids)} given")
         if num_pages:
-            load = _Load(start_page, block_ids, self._caller_event(), not asynchronous)
+            load = _Load(request_id, start_page, block_ids, self._caller_event(), not asynchronous)
             request.loads.append(load)
             self.counters["loads"] += 1
             if not asynchronous:
@@ -326,10 +323,21 @@ class KVConnector:
         the leases of finished requests. Never waits."""
         for request in list(self._requests.values()):
             self._advance(request)
-        for error in self.client.poll_errors():
+        self._count_refusals(self.client.poll_errors())
+        self._report()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the daemon has handled every commit and release sent so far (so that another
+        engine sees them). A host wait: for tests, benchmarks and shutdown, not a scheduler step."""
+        try:
+            self._count_refusals(self.client.flush(timeout_s))
+        except DaemonUnavailable as exc:
+            self._warn_once("flush_failed", f"could not flush: {exc}")
+
+    def _count_refusals(self, errors) -> None:
+        for error in errors:
             self.counters[f"daemon_refusals_{getattr(error.kind, 'name', 'request').lower()}"] += 1
             logger.warning("the daemon refused a request: %s", error)
-        self._report()
 
     def finished(self) -> Finished:
         """Loads completed (or failed) and requests released since the last call; polls first."""
@@ -346,8 +354,8 @@ class KVConnector:
         that layer-by-layer loads can come without changing engines."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer}")
-        for load in self._sync_loads:
-            request = self._owner(load)
+        for load in list(self._sync_loads):
+            request = self._requests.get(load.request_id)
             if request is not None and not load.queued:
                 self._take_reply(request, self.config.reply_timeout_s)
                 self._advance(request)
@@ -357,6 +365,11 @@ class KVConnector:
         for load in self._sync_loads:
             if load.transfer is not None:
                 load.transfer.wait_on(stream)
+
+    def leased_pages(self, request_id: Hashable) -> np.ndarray | None:
+        """The L2 pages of an open request's locked hit, in order (None before the reply; diagnostics)."""
+        request = self._requests.get(request_id)
+        return None if request is None or request.match is not None else request.host_page_ids.copy()
 
     def stats(self) -> dict[str, int]:
         counters = self.counters + self.lookups.counters
@@ -562,12 +575,6 @@ class KVConnector:
             if written:
                 self._skip(written, "commit_failed")
             self._warn_once("end_of_lease_failed", f"could not end a lease: {exc}")
-
-    def _owner(self, load: _Load) -> _Request | None:
-        for request in self._requests.values():
-            if load in request.loads:
-                return request
-        return None
 
     # ---- helpers ------------------------------------------------------------------------------------
 

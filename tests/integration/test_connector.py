@@ -63,8 +63,10 @@ class Engine:
             time.sleep(0.002)
 
     def settle(self) -> None:
-        """Poll until every request has ended (its lease committed or released)."""
+        """Poll until every request has ended (its lease committed or released), and the daemon has
+        handled those commits and releases (other sessions see them)."""
         self.poll_until(lambda: self.connector.stats()["requests_open"] == 0, "requests to end")
+        self.connector.flush()
 
     def close(self) -> None:
         self.connector.close()
@@ -80,6 +82,25 @@ def session_counters(daemon, name: str) -> dict:
             if session["client_name"] == name:
                 return session["report"].get("connector", {}).get("counters", {})
     raise AssertionError(f"no session named {name}")
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP pid and return once every one of its threads is stopped (delivery is not instant)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    task_dir = f"/proc/{pid}/task"
+    while True:
+        states = []
+        for task in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -134,7 +155,7 @@ def test_loads_and_saves_return_at_once_and_complete_by_polling(daemon):
         engine.connector.request_finished("warm")
         engine.settle()
         fresh = random_tokens(rng, 3 * P)
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        stop_process(daemon.proc.pid)
         try:
             started = time.monotonic()
             engine.connector.load("load", cached, [10, 11, 12, 13], 4 * P)
@@ -308,10 +329,10 @@ def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
         engine.connector.load("r", tokens, [5, 6, 7], 3 * P)
         deadline = time.monotonic() + 5.0
         while engine.connector.stats().get("load_pages_queued", 0) < 3:
-            engine.connector._advance(engine.connector._requests["r"])    # takes the reply, queues; sees nothing done
+            engine.connector.poll()      # the poll that queues the load sees it done only on a later one
             assert time.monotonic() < deadline, "the load was never queued"
             time.sleep(0.001)
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        stop_process(daemon.proc.pid)
         try:
             deadline = time.monotonic() + 5.0
             while engine.connector.client.session_valid_for() > 0:
