@@ -152,7 +152,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
             started = time.perf_counter()
             connector.save(request, tokens, source)
             connector.request_finished(request)
-            spin(lambda: connector.poll() or not connector.stats()["requests_open"], "the save")
+            spin(lambda: connector.poll() or not connector.num_open_requests, "the save")
             save_ms = (time.perf_counter() - started) * 1e3
             raw_save_ms = raw.ms("save", num_bytes)
             if connector.stats().get("committed_pages", 0) - committed != num_pages:
@@ -176,7 +176,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
                 rows.append({"geometry": name, "direction": direction, "layout": layout, "tokens": num_tokens,
                              "ms": round(ms, 4), "raw_dma_ms": round(raw_ms, 4), "ratio": round(raw_ms / ms, 4),
                              "first_of_size": first_of_size, "pages": num_pages, "l2_runs": l2_runs})
-        spin(lambda: connector.poll() or not connector.stats()["requests_open"], "the last lease to end")
+        spin(lambda: connector.poll() or not connector.num_open_requests, "the last lease to end")
         with connect(daemon.socket_path) as client:
             status = client.status(check_integrity=True)
         if status["integrity"] != "ok":

@@ -366,6 +366,11 @@ class KVConnector:
             if load.transfer is not None:
                 load.transfer.wait_on(stream)
 
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose lease has not ended yet (finished or not)."""
+        return len(self._requests)
+
     def leased_pages(self, request_id: Hashable) -> np.ndarray | None:
         """The L2 pages of an open request's locked hit, in order (None before the reply; diagnostics)."""
         request = self._requests.get(request_id)
@@ -634,8 +639,10 @@ class KVConnector:
     def _report(self, force: bool = False) -> None:
         """Send changed counters to the daemon (its status shows them), at most every report_interval_s."""
         now = time.monotonic()
+        if not force and now - self._reported_at < self.config.report_interval_s:
+            return
         stats = self.stats()
-        if not force and (stats == self._reported or now - self._reported_at < self.config.report_interval_s):
+        if not force and stats == self._reported:
             return
         try:
             self.client.report({"connector": {"layout": self.layout.kind, "page_layout": self.layout.page_layout,

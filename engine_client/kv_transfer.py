@@ -89,17 +89,12 @@ class _IdRing:
         if start + count > self.capacity:
             start = 0
         end = start + count
-        while self.in_flight:
-            first, last, event = self.in_flight[0]
-            if last <= start or first >= end:
-                if event.query():
-                    self.in_flight.popleft()
-                    continue
-                break
-            if not event.query():
+        while self.in_flight and self.in_flight[0][2].query():      # the oldest uploads are done
+            self.in_flight.popleft()
+        for first, last, event in self.in_flight:                   # still read: wait (rare)
+            if first < end and start < last:
                 self.host_waits += 1
                 event.synchronize()
-            self.in_flight.popleft()
         self.host_array[start:end] = block_ids
         view = self.ring[start:end]
         view.copy_(self.host[start:end], non_blocking=True)

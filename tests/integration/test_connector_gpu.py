@@ -169,3 +169,25 @@ def test_gpu_the_engines_stream_waits_for_a_synchronous_load(daemon):
     finally:
         a.connector.close()
         b.connector.close()
+
+
+def test_gpu_many_small_loads_wrap_the_id_ring_bit_for_bit(daemon):
+    """Hundreds of small loads in a row (more block ids than the lane's id ring holds, so its slots
+    are reused) each land bit for bit."""
+    rng = np.random.default_rng(SEED + 10)
+    a, b = GpuEngine(daemon.socket_path, SEED + 10), GpuEngine(daemon.socket_path, SEED + 11)
+    try:
+        tokens = rng.integers(0, 100_000, size=4 * P, dtype=np.int32)
+        save_all(a, "r", tokens, [0, 1, 2, 3])
+        capacity = b.connector.transfer.lanes["load"].ids.capacity
+        for i in range(capacity // 4 + 50):
+            destination = rng.choice(np.arange(4, N), size=4, replace=False)
+            b.fill(destination.tolist(), seed=SEED + 100 + i)
+            result = load_all(b, f"r{i}", tokens, destination, 4 * P)
+            assert result.ok, (i, result)
+            if i % 97 == 0 or i >= capacity // 4:
+                for src, dst in zip([0, 1, 2, 3], destination):
+                    assert torch.equal(b.block(dst), a.block(src)), (SEED, i, src, dst)
+    finally:
+        a.connector.close()
+        b.connector.close()
