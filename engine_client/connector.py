@@ -269,9 +269,11 @@ class KVConnector:
         for its saves)."""
         start_page, num_pages = self._pages(start_token, num_tokens, "load")
         block_ids = self._block_ids(block_ids, num_pages)
-        request = self._request(request_id, token_ids)
         if (start_page + num_pages) * self.page_size > len(token_ids):
             raise ValueError(f"tokens [{start_token}, {start_token + num_tokens}) are beyond the {len(token_ids)} given")
+        request = self._request(request_id, token_ids)
+        if request.finished:
+            raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
         if num_pages:
             load = _Load(request_id, start_page, block_ids, self._caller_event(), not asynchronous)
             request.loads.append(load)
@@ -390,13 +392,14 @@ class KVConnector:
         tokens = self._tokens(token_ids)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
         pending, failure = None, None
+        session_id = self._session_id()     # the lease, if any, is this session's
         try:
             pending = self.client.match_async(tokens, reserve_backup=self.config.save,
                                               promote_l3=self.config.promote_l3)
         except DaemonUnavailable as exc:
             failure = "daemon_unavailable"
             self._warn_once(failure, f"no match for a request: {exc}")
-        request = _Request(request_id, tokens, pending, time.monotonic(), failure)
+        request = _Request(request_id, tokens, pending, time.monotonic(), failure, session_id)
         self._requests[request_id] = request
         return request
 
@@ -424,7 +427,6 @@ class KVConnector:
             self._warn_once(request.failure, f"a match was refused: {exc}")
             return
         request.match = None
-        request.session_id = self._session_id()
         request.lease_id = reply.lease_id
         request.hit_pages = reply.backup_start_token // self.page_size
         request.host_page_ids = np.asarray(reply.host_page_ids, dtype=np.int64)
