@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from typing import Any, Sequence
 
@@ -74,6 +75,19 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def git_commit() -> str | None:
+    """The commit the code ran at, "+dirty" when the work tree differs from it (None outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def write_result(name: str, payload: dict[str, Any], machine: str | None = None) -> str:
     machine = machine or machine_name()
     directory = os.path.join(RESULTS_DIR, machine)
@@ -82,6 +96,7 @@ def write_result(name: str, payload: dict[str, Any], machine: str | None = None)
         "benchmark": name,
         "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
         "versions": versions(),
         **payload,
     }

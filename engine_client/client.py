@@ -759,6 +759,17 @@ class KVCacheClient:
         })
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False,
+                     generation: int | None = None) -> PendingMatch:
+        """Ask how much of a prefix is cached, changing nothing (no lease, no LRU update): the reply
+        (``result()``) has the hit per tier and no lease or pages. tp_group: the least hit over
+        every rank of this engine's tensor-parallel group. DaemonDown at once while it is down."""
+        session_id, generation = self._session(generation, live=True)
+        request_id = self._channel.begin(MsgKind.MATCH, {
+            "session_id": session_id, "token_ids": token_bytes(token_ids),
+            "lock": False, "tp_group": tp_group})
+        return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
+
     def _release_orphan(self, lease_id: int, generation: int) -> None:
         session = self._session(generation or None, live=False)
         if session is None:       # its session ended, and with it the lease

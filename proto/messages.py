@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 from proto.errors import ErrorCode, ProtocolError
@@ -39,9 +40,24 @@ class MsgKind(enum.IntEnum):
     SHUTDOWN = 66          # unsolicited (request_id 0), to each socket of a live session: the daemon is stopping
 
 
+# The L2 page formats (KVGeometry.layout). "kv": K and V of a block apart, page [2, layers, *block];
+# "blocks": each layer's block is opaque bytes (an engine that packs K and V inside it), page [layers, *block].
+PAGE_LAYOUTS = ("kv", "blocks")
+MAX_BLOCK_DIMS = 8
+MAX_BLOCK_BYTES = 1 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class KVGeometry:
-    """What makes KV pages interchangeable: engines share pages only if these are equal."""
+    """What makes KV pages interchangeable: engines share pages only if these are equal.
+
+    The namespace key is the whole geometry: model and its revision, the KV shape per rank, the
+    page format and the block's byte shape, and a cache salt (a LoRA adapter, a tenant), so that
+    different fine-tunes, salts or page formats never share a page. ``block_shape`` is one block of
+    one layer (of K or of V, for "kv") as the engine holds it in memory: its dims in memory order,
+    the last in bytes. For "kv" the default, (page_size, num_kv_heads, head_dim * itemsize), is
+    written () so that every engine with the usual block has the same key.
+    """
 
     model_id: str
     num_layers: int
@@ -51,26 +67,57 @@ class KVGeometry:
     page_size: int         # tokens per page
     tp_rank: int = 0
     tp_size: int = 1
+    layout: str = "kv"                    # the L2 page format, one of PAGE_LAYOUTS
+    block_shape: tuple[int, ...] = ()     # see above; required for "blocks"
+    model_revision: str = ""
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.block_shape) if isinstance(self.block_shape, list) else self.block_shape
+        # A peer's geometry may be garbage until validate(): compare only well-typed values.
+        well_typed = isinstance(self.dtype, str) and self.dtype in DTYPE_ITEMSIZE and all(
+            type(value) is int for value in (self.page_size, self.num_kv_heads, self.head_dim))
+        if shape and self.layout == "kv" and well_typed and shape == self.default_block_shape:
+            shape = ()
+        object.__setattr__(self, "block_shape", shape)
 
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
 
     @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+    def default_block_shape(self) -> tuple[int, ...]:
+        """One K (or V) block of one layer in the usual token-major layout, the last dim in bytes."""
+        return (self.page_size, self.num_kv_heads, self.head_dim * DTYPE_ITEMSIZE[self.dtype])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (of K or V for "kv")."""
+        return math.prod(self.block_shape or self.default_block_shape)
 
     @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+        return (2 if self.layout == "kv" else 1) * self.num_layers * self.block_bytes
 
     @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """One L2 page: [K/V, layer, token_in_page, kv_head, head_dim]."""
-        return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+    def bytes_per_token(self) -> int:
+        """Bytes per token of a page (a page's bytes over its tokens, for "blocks" too)."""
+        return self.bytes_per_page // self.page_size
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One L2 page in dtype elements: [K/V, layer, *block] ("kv"; by default [2, layers,
+        token_in_page, kv_head, head_dim]) or [layer, block elements] ("blocks")."""
+        shape = self.block_shape or self.default_block_shape
+        elements = shape[:-1] + (shape[-1] // self.itemsize,)
+        if self.layout == "kv":
+            return (2, self.num_layers, *elements)
+        return (self.num_layers, math.prod(elements))
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        wire = dataclasses.asdict(self)
+        wire["block_shape"] = list(self.block_shape)
+        return wire
 
     @classmethod
     def from_wire(cls, body: Any) -> "KVGeometry":
@@ -81,12 +128,17 @@ class KVGeometry:
         if unknown:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown geometry fields {sorted(map(str, unknown))}")
         values: dict[str, Any] = {}
-        for name in fields:
+        for name, field in fields.items():
             if name not in body:
-                if name in ("tp_rank", "tp_size"):
+                if field.default is not dataclasses.MISSING:
                     continue
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"geometry is missing {name!r}")
             values[name] = body[name]
+        shape = values.get("block_shape", ())
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_BLOCK_DIMS:
+            raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
+                                f"block_shape must be a list of at most {MAX_BLOCK_DIMS} integers")
+        values["block_shape"] = tuple(shape)
         geometry = cls(**values)
         geometry.validate()
         return geometry
@@ -106,3 +158,27 @@ class KVGeometry:
             raise bad(f"tp_rank must be in 0..tp_size-1, got {self.tp_rank!r}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+        for name in ("model_revision", "cache_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 256:
+                raise bad(f"{name} must be a string of at most 256 characters")
+        if self.layout not in PAGE_LAYOUTS:
+            raise bad(f"layout must be one of {PAGE_LAYOUTS}, got {self.layout!r}")
+        shape = self.block_shape
+        if not isinstance(shape, tuple) or len(shape) > MAX_BLOCK_DIMS \
+                or any(type(d) is not int or d < 1 for d in shape):
+            raise bad(f"block_shape must be at most {MAX_BLOCK_DIMS} positive integers, got {shape!r}")
+        if self.layout == "blocks" and not shape:
+            raise bad("a \"blocks\" layout needs the block's byte shape (block_shape)")
+        if shape:
+            block_bytes = math.prod(shape)
+            if block_bytes > MAX_BLOCK_BYTES:
+                raise bad(f"a block of {block_bytes} bytes is larger than {MAX_BLOCK_BYTES}")
+            # The L2 page is viewed in the KV dtype; a block is a whole number of its elements.
+            if shape[-1] % self.itemsize:
+                raise bad(f"the block's last dim ({shape[-1]} bytes) is not a whole number of "
+                          f"{self.dtype} elements")
+            if self.layout == "kv" and block_bytes != math.prod(self.default_block_shape):
+                raise bad(f"a K or V block of {self.page_size} tokens, {self.num_kv_heads} heads of "
+                          f"{self.head_dim} {self.dtype} has {math.prod(self.default_block_shape)} bytes, "
+                          f"not {block_bytes} (block_shape {shape})")

@@ -117,15 +117,29 @@ class Match:
     token_ids: bytes
     reserve_backup: bool = False   # also reserve private L2 pages for the pages the daemon lacks
     promote_l3: bool = True        # read pages only L3 holds into L2 before replying
+    # False: a lookup. Nothing is locked, reserved, promoted or touched (no lease, no LRU update,
+    # no page ids in the reply): only the hit per tier, which an engine may ask for many times.
+    lock: bool = True
+    # With lock=False: the hit of the session's whole tensor-parallel group, per tier the least
+    # over its ranks' namespaces (0 while a rank has none): a prefix is cached only where every
+    # rank holds its shard.
+    tp_group: bool = False
 
     @classmethod
     def parse(cls, body: dict) -> "Match":
-        return cls(
+        request = cls(
             session_id=_int(body, "session_id"),
             token_ids=_token_bytes(body, "token_ids"),
             reserve_backup=_bool(body, "reserve_backup", False),
             promote_l3=_bool(body, "promote_l3", True),
+            lock=_bool(body, "lock", True),
+            tp_group=_bool(body, "tp_group", False),
         )
+        if not request.lock and request.reserve_backup:
+            raise _bad("a lookup (lock=false) reserves nothing: reserve_backup must be false")
+        if request.tp_group and request.lock:
+            raise _bad("tp_group is for lookups (lock=false); each rank locks its own shard")
+        return request
 
 
 @dataclasses.dataclass(frozen=True)

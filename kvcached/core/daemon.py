@@ -445,6 +445,38 @@ class DaemonState:
         return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
                           host_page_epochs, allocator.epochs_of(backup_page_ids))
 
+    def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False) -> MatchReply:
+        """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
+        LRU update, and no page ids (they are only ever handed out under a lease).
+
+        With tp_group, the hit of the session's tensor-parallel group: per tier, the least over
+        the namespaces of every rank (the same geometry but for tp_rank); 0 while a rank has none.
+        A prefix counts as cached only where every rank holds its shard."""
+        session = self.session(session_id)
+        geometry = self.namespaces[session.namespace_id].geometry
+        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        token_ids = token_ids[: len(token_ids) // geometry.page_size * geometry.page_size]
+        if tp_group:
+            namespaces = [self.geometry_to_namespace.get(dataclasses.replace(geometry, tp_rank=rank))
+                          for rank in range(geometry.tp_size)]
+        else:
+            namespaces = [self.namespaces[session.namespace_id]]
+        hits: dict[str, int] | None = None
+        for namespace in namespaces:
+            if namespace is None:
+                tiers = self.namespaces[session.namespace_id].tree.tiers
+                rank_hits = {tier.label: 0 for tier in tiers}
+            else:
+                rank_hits = {tier.label: count
+                             for tier, count in namespace.tree.match(token_ids, touch=False).hit_tokens.items()}
+            hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
+                                                   for label in hits}
+        assert hits is not None
+        self.metrics.add("lookups")
+        self.metrics.add("lookup_tokens", len(token_ids))
+        self.metrics.add("lookup_hit_tokens_l2", hits["l2"])
+        return MatchReply(hits, None, [], hits["l2"], [])
+
     def reserve_pages(self, session_id: int, num_pages: int) -> Reservation:
         """A standing lease on up to num_pages private L2 pages (evicting if needed; possibly none),
         for backups that the engine writes before it tells which prefix they hold (commit_pages).

@@ -120,8 +120,10 @@ class PrefixTree:
 
     # ---- match ---------------------------------------------------------------------------
 
-    def match(self, token_ids) -> MatchResult:
-        """Longest cached prefix (page-aligned) per tier; splits the last node at the match end."""
+    def match(self, token_ids, touch: bool = True) -> MatchResult:
+        """Longest cached prefix (page-aligned) per tier; splits the last node at the match end.
+
+        touch=False (a lookup): no node's LRU time changes, so asking changes no eviction order."""
         data = self._token_bytes(token_ids)
         page_bytes = self._page_bytes
         end = len(data)
@@ -158,12 +160,13 @@ class PrefixTree:
                 if node_page_ids is None:
                     break
                 tier_page_ids.extend(node_page_ids)
-                path_node.last_access[tier] = now
+                if touch:
+                    path_node.last_access[tier] = now
                 deepest = path_node
             hit_tokens[tier] = len(tier_page_ids) * self.page_size
             page_ids[tier] = tier_page_ids
             last_node[tier] = deepest
-            if deepest is not None:
+            if deepest is not None and touch:
                 # Only the deepest hit node can be evictable: each shallower one has a resident
                 # child on the path. Its LRU time changed, so it needs a fresh heap entry.
                 self._push_if_evictable(deepest, tier)

@@ -456,6 +456,8 @@ class Server:
 
     def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
+        if not request.lock:
+            return self.state.lookup(request.session_id, request.token_ids, request.tp_group).to_wire()
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                    promote_l3=request.promote_l3 and self.storage is not None)
         if isinstance(outcome, TierMove):

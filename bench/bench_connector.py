@@ -1,0 +1,263 @@
+"""Load and save through the engine connector, against a raw pinned DMA of the same bytes, in one loop.
+
+A seeded stream of requests (default 50) whose prefix lengths are drawn between 200 and 8,000
+tokens, no length twice. For each geometry (Qwen3-8B, Qwen3-32B, an 80-layer 2-KV-head one; bf16,
+16-token pages) and each L2 layout a daemon is started and one engine registers per-layer KV
+tensors ``[2, N, 16, H, 128]`` (vLLM's GPU layout) with a ``KVConnector``. Per request, on the
+product path, wall clock on the engine's thread:
+
+    save  save(fresh tokens, source blocks) + request_finished -> poll() until its lease ended
+          (match with reservation, gather, DMAs, completion seen, commit sent)
+    load  load(same tokens, other blocks) -> finished() until its LoadResult (match locking the
+          hit, DMAs, scatter, completion seen); then request_finished
+
+and right after each, in the same loop, a raw copy of the same byte count between a device buffer
+and a cudaHostAlloc'd buffer (torch copy_ non_blocking, then synchronize): ``raw_dma_ms``.
+``ratio`` = raw_dma_ms / ms (the path's bandwidth over the DMA's). Every load is checked bit for
+bit against its source blocks (outside the timing). ``first_of_size``: the first request of its
+page count in the run (nothing is built per size, so it should cost what the others do).
+
+L2 layouts: ``contiguous`` (the daemon's L2 holds four of the largest prefixes; older ones are
+evicted as the stream goes on: ``l2_runs`` says how many runs each request's pages made), and
+``fragmented`` (every L2 page was first taken by a one-page lease and every other one given back,
+so each page is a run of its own).
+
+Targets (issue 11), at >= 1,000 tokens: median ratio >= 0.85 and worst >= 0.7 for every geometry
+(contiguous); fragmented median >= 0.7.
+
+    python -m bench.bench_connector                      # on the H200: bench/results/h200/connector.json
+    python -m bench.bench_connector --quick              # CPU smoke run: tiny geometries, no result file
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.common import print_table, write_result
+from engine_client.client import connect
+from engine_client.connector import ConnectorConfig, KVConnector
+from tests.integration.daemon_proc import DaemonProcess
+
+PAGE_SIZE = 16
+HEAD_DIM = 128
+GEOMETRIES = {                    # name -> (layers, KV heads per rank)
+    "qwen3-8b": (36, 8),
+    "qwen3-32b": (64, 8),
+    "80-layer-2-kv-heads": (80, 2),
+}
+QUICK_GEOMETRIES = {"quick-4-layers": (4, 2), "quick-12-layers-1-kv-head": (12, 1)}
+TARGETS = {"contiguous": {"median": 0.85, "worst": 0.7}, "fragmented": {"median": 0.7}}
+ARENA_ALIGN_BYTES = 2 << 20
+COLUMNS = ["geometry", "layout", "direction", "tokens", "ms", "raw_dma_ms", "ratio", "first_of_size", "l2_runs"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class RawDma:
+    """The limit: one copy between a device buffer and a cudaHostAlloc'd pinned buffer."""
+
+    def __init__(self, max_bytes: int, device: torch.device):
+        self.device = device
+        self.device_buffer = torch.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.host_buffer = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def ms(self, direction: str, num_bytes: int) -> float:
+        device_part, host_part = self.device_buffer[:num_bytes], self.host_buffer[:num_bytes]
+        synchronize(self.device)
+        started = time.perf_counter()
+        if direction == "load":
+            device_part.copy_(host_part, non_blocking=True)
+        else:
+            host_part.copy_(device_part, non_blocking=True)
+        synchronize(self.device)
+        return (time.perf_counter() - started) * 1e3
+
+
+def fragment_l2(socket_path: str, geometry, rng: np.random.Generator):
+    """Take every L2 page of the namespace with a one-page lease, give back every other one; the
+    client returned holds the rest for the run."""
+    client = connect(socket_path, timeout_s=60.0, client_name="fragmenter")
+    client.attach(geometry)
+    page_to_lease = {}
+    while True:
+        reply = client.match(rng.integers(1, 2**31 - 1, size=PAGE_SIZE, dtype=np.int32), reserve_backup=True)
+        if not reply.backup_page_ids:
+            break
+        page_to_lease[reply.backup_page_ids[0]] = reply.lease_id
+    for page_id in sorted(page_to_lease)[::2]:
+        client.release(page_to_lease[page_id])
+    assert client.flush(timeout_s=60) == []
+    return client
+
+
+def num_runs(page_ids) -> int:
+    page_ids = np.asarray(page_ids)
+    return int(1 + np.count_nonzero(np.diff(page_ids) != 1)) if len(page_ids) else 0
+
+
+def spin(done, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_counts: list[int],
+             args, device: torch.device) -> list[dict]:
+    max_pages = max(token_counts) // PAGE_SIZE
+    bytes_per_page = 2 * num_layers * PAGE_SIZE * num_kv_heads * HEAD_DIM * 2
+    pool_pages = (8 if layout == "fragmented" else 4) * max_pages + 16
+    l2_bytes = math.ceil(pool_pages * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
+    daemon = DaemonProcess(l2_size=str(l2_bytes), extra_args=(
+        "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING")).start(timeout_s=120)
+    rows = []
+    connector = holder = None
+    try:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        num_blocks = 2 * max_pages + 8
+        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
+                                 generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
+                   for _ in range(num_layers)]
+        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20)
+        connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-connector"),
+                                         tensors, "layer", model_id=name, page_size=PAGE_SIZE,
+                                         num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)
+        assert connector.layout.page_bytes == bytes_per_page
+        rng = np.random.default_rng(args.seed)
+        if layout == "fragmented":
+            holder = fragment_l2(daemon.socket_path, connector.geometry, rng)
+        raw = RawDma(max_pages * bytes_per_page, device)
+        seen_pages: set[int] = set()
+        for index, num_tokens in enumerate(token_counts):
+            num_pages = num_tokens // PAGE_SIZE
+            first_of_size = num_pages not in seen_pages
+            seen_pages.add(num_pages)
+            tokens = rng.integers(1, 2**31 - 1, size=num_tokens, dtype=np.int32)
+            source = np.arange(num_pages)
+            destination = np.arange(max_pages, max_pages + num_pages)
+            num_bytes = num_pages * bytes_per_page
+            request = f"r{index}"
+
+            synchronize(device)
+            committed = connector.stats().get("committed_pages", 0)
+            started = time.perf_counter()
+            connector.save(request, tokens, source)
+            connector.request_finished(request)
+            spin(lambda: connector.poll() or not connector.num_open_requests, "the save")
+            save_ms = (time.perf_counter() - started) * 1e3
+            raw_save_ms = raw.ms("save", num_bytes)
+            if connector.stats().get("committed_pages", 0) - committed != num_pages:
+                raise AssertionError(f"the save of {num_pages} pages was not all committed: {connector.stats()}")
+
+            synchronize(device)
+            loads = []
+            started = time.perf_counter()
+            connector.load(request, tokens, destination, num_pages * PAGE_SIZE)
+            spin(lambda: loads.extend(connector.finished().loads) or loads, "the load")
+            load_ms = (time.perf_counter() - started) * 1e3
+            l2_runs = num_runs(connector.leased_pages(request)[:num_pages])
+            raw_load_ms = raw.ms("load", num_bytes)
+            connector.request_finished(request)
+            if not loads[0].ok:
+                raise AssertionError(f"load failed: {loads[0].reason}")
+            for tensor in tensors:
+                if not torch.equal(tensor[:, destination].view(torch.int16), tensor[:, source].view(torch.int16)):
+                    raise AssertionError(f"{name} {layout} {num_tokens} tokens: a loaded block differs (seed {args.seed})")
+            for direction, ms, raw_ms in (("save", save_ms, raw_save_ms), ("load", load_ms, raw_load_ms)):
+                rows.append({"geometry": name, "direction": direction, "layout": layout, "tokens": num_tokens,
+                             "ms": round(ms, 4), "raw_dma_ms": round(raw_ms, 4), "ratio": round(raw_ms / ms, 4),
+                             "first_of_size": first_of_size, "pages": num_pages, "l2_runs": l2_runs})
+        spin(lambda: connector.poll() or not connector.num_open_requests, "the last lease to end")
+        with connect(daemon.socket_path) as client:
+            status = client.status(check_integrity=True)
+        if status["integrity"] != "ok":
+            raise AssertionError(f"daemon integrity: {status['integrity']}")
+        stats = connector.stats()
+        skipped = {k: v for k, v in stats.items() if k.startswith(("save_skipped", "load_failed"))}
+        if skipped:
+            raise AssertionError(f"pages skipped or failed: {skipped}")
+        rows.append({"geometry": name, "layout": layout, "direction": "report",
+                     "transfer": connector.transfer.report(), "counters": stats})
+    finally:
+        if connector is not None:
+            connector.close()
+        if holder is not None:
+            holder.close()
+        daemon.cleanup()
+    return rows
+
+
+def summarize(rows: list[dict], min_tokens: int) -> list[dict]:
+    summary = []
+    for key in sorted({(r["geometry"], r["layout"], r["direction"]) for r in rows if "ms" in r}):
+        ratios = [r["ratio"] for r in rows if (r["geometry"], r["layout"], r["direction"]) == key
+                  and "ms" in r and r["tokens"] >= min_tokens]
+        if not ratios:
+            continue
+        target = TARGETS[key[1]]
+        median, worst = statistics.median(ratios), min(ratios)
+        summary.append({"geometry": key[0], "layout": key[1], "direction": key[2], "requests": len(ratios),
+                        "median_ratio": round(median, 4), "worst_ratio": round(worst, 4),
+                        "meets_target": median >= target["median"] and worst >= target.get("worst", 0.0)})
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--min-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=8000)
+    parser.add_argument("--geometries", default=",".join(GEOMETRIES))
+    parser.add_argument("--layouts", default="contiguous,fragmented")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--workspace-mib", type=int, default=256, help="packed device buffer per direction")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: two tiny geometries, 6 requests of 200-1000 tokens, no result file")
+    parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
+                                                     "default connector, none with --quick")
+    parser.add_argument("--machine", default=None)
+    args = parser.parse_args()
+    geometries = GEOMETRIES
+    if args.quick:
+        geometries = QUICK_GEOMETRIES
+        args.requests, args.max_tokens = min(args.requests, 6), min(args.max_tokens, 1000)
+        args.workspace_mib = min(args.workspace_mib, 1)
+    else:
+        geometries = {name: GEOMETRIES[name] for name in args.geometries.split(",")}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rng = np.random.default_rng(args.seed)
+    token_counts = rng.choice(np.arange(args.min_tokens, args.max_tokens + 1), size=args.requests,
+                              replace=False).tolist()
+    rows: list[dict] = []
+    for name, (num_layers, num_kv_heads) in geometries.items():
+        for layout in args.layouts.split(","):
+            rows += run_case(name, num_layers, num_kv_heads, layout, token_counts, args, device)
+    print_table([r for r in rows if "ms" in r], COLUMNS)
+    summary_tokens = 1000 if not args.quick else args.min_tokens      # the targets hold at >= 1,000 tokens
+    summary = summarize(rows, summary_tokens)
+    if summary:
+        print_table(summary, ["geometry", "layout", "direction", "requests", "median_ratio", "worst_ratio",
+                              "meets_target"])
+    name = args.name or (None if args.quick else "connector")
+    if name:
+        path = write_result(name, {
+            "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
+            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer",
+            "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
+            "targets": TARGETS, "summary_min_tokens": summary_tokens, "summary": summary, "rows": rows,
+        }, machine=args.machine)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

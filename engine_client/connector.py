@@ -1,0 +1,703 @@
+"""The engine connector: an engine keeps its own KV tensors; kvcached loads and saves its blocks.
+
+Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the host:
+
+    connector = KVConnector.register(client, kv_caches, "layer", model_id=..., page_size=16, ...)
+    n = connector.lookup(token_ids)                     # side-effect free; ask as often as you like
+    ... the engine allocates its own blocks for the request ...
+    connector.load(rid, token_ids, block_ids, n)        # queued: a match takes the lease, the DMA and
+                                                        # scatter follow its reply (poll)
+    connector.poll()                                    # once per step: replies in, transfers queued
+    connector.finished().loads                          # LoadResult per load: loaded or failed blocks
+    connector.wait_for_layer_load(layer)                # or: the engine's stream waits (sync loads)
+    ... prefill the rest ...
+    connector.save(rid, token_ids, block_ids, start)    # the new full blocks, queued
+    if connector.request_finished(rid): ...             # True: keep the blocks until finished().released
+
+One lease per request. The request's first load or save sends one match with a reservation
+(``MATCH(reserve_backup)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
+for the pages the daemon lacks (what saves write). The replies of a step's matches are collected by
+``poll`` in one sweep, so a step costs one round trip at most, and nobody waits for it. When the
+request is finished and its transfers are done, the written pages are committed (``BACKUP_COMMIT``,
+which ends the lease) or, with none written, the lease is released.
+
+Fencing. A DMA into private L2 pages is queued only while the session is sure to outlive it by
+``fence_margin_s`` (``KVCacheClient.session_valid_for``); a load whose session ended (or changed)
+before its DMA was seen complete is discarded, its blocks reported failed, to be recomputed.
+
+Nothing is skipped silently: a page a save could not write, or a load could not fill, is counted
+by cause (``stats()``), logged once per cause, and reported to the daemon, whose status shows it.
+
+Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
+moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
+ranks), so a prefix counts as cached only where every rank holds its shard. A rank whose own hit
+is shorter than asked loads what it has and reports the rest failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch, token_bytes
+from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
+from engine_client.layout import KVLayout, describe_layout
+from engine_client.shared_pool import SharedHostPool
+from proto.messages import KVGeometry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    save: bool = True                  # reserve L2 pages for each request's new blocks, and save them
+    promote_l3: bool = True            # a load's match first brings pages only L3 holds into L2
+    backend: str = "auto"              # gather/scatter: "auto" (timed on CUDA; torch on CPU), "triton", "torch"
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES     # packed device buffer, per direction
+    fence_margin_s: float = 0.5        # a DMA starts only while the session holds at least this long
+    reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
+    report_interval_s: float = 1.0     # how often changed counters go to the daemon's status
+
+
+class LoadResult(NamedTuple):
+    request_id: Hashable
+    num_tokens: int                # tokens loaded, from the load's start_token on
+    failed_block_ids: list[int]    # blocks left unfilled: the engine recomputes their tokens
+    reason: str | None             # why blocks failed (None when none did)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_block_ids
+
+
+class Finished(NamedTuple):
+    loads: list[LoadResult]        # each load() once, when it is complete or has failed
+    released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
+
+
+class PendingLookup:
+    """A lookup sent; ``result()`` is the number of leading tokens cached (0 on any failure)."""
+
+    def __init__(self, lookup: "PrefixLookup", pending: PendingMatch | None, num_tokens: int):
+        self._lookup = lookup
+        self._pending = pending
+        self._num_tokens = num_tokens
+        self._result: int | None = None if pending is not None else 0
+
+    def ready(self) -> bool:
+        if self._result is not None:
+            return True
+        try:
+            return self._pending.ready()
+        except (DaemonUnavailable, RuntimeError):
+            return True
+
+    def result(self, timeout_s: float | None = None) -> int:
+        if self._result is None:
+            self._result = self._lookup._hit_of(self._pending, timeout_s)
+        return self._result
+
+
+class PrefixLookup:
+    """Side-effect-free lookups of a namespace (or of its whole tensor-parallel group): no lease,
+    no lock, no LRU update. Usable alone by a scheduler process that holds no KV tensors (attach a
+    client with any rank's geometry)."""
+
+    def __init__(self, client: KVCacheClient, *, tp_group: bool, promote_l3: bool = True):
+        self.client = client
+        self.tp_group = tp_group
+        self.promote_l3 = promote_l3
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
+        self.counters["lookups"] += 1
+        try:
+            return PendingLookup(self, self.client.lookup_async(token_ids, tp_group=self.tp_group), len(token_ids))
+        except DaemonUnavailable as exc:
+            self._failed("lookup_failures_unavailable", exc)
+            return PendingLookup(self, None, len(token_ids))
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None) -> int:
+        """How many leading tokens of token_ids are cached (whole pages; 0 when the daemon is away)."""
+        return self.lookup_async(token_ids).result(timeout_s)
+
+    def _hit_of(self, pending: PendingMatch, timeout_s: float | None) -> int:
+        try:
+            reply = pending.result(timeout_s)
+        except DaemonUnavailable as exc:
+            self._failed("lookup_failures_unavailable", exc)
+            return 0
+        except DaemonError as exc:
+            self._failed("lookup_failures_refused", exc)
+            return 0
+        hit = reply.hit_tokens.get("l2", 0)
+        if self.promote_l3:
+            hit = max(hit, reply.hit_tokens.get("l3", 0))
+        self.counters["lookup_hit_tokens"] += hit
+        return hit
+
+    def _failed(self, counter: str, exc: Exception) -> None:
+        if not self.counters[counter]:
+            logger.warning("lookup failed (counted as %s, reported once): %s", counter, exc)
+        self.counters[counter] += 1
+
+
+# ---- per request --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Load:
+    request_id: Hashable
+    start_page: int
+    block_ids: np.ndarray
+    after: Any                          # the caller's stream event at load()
+    synchronous: bool
+    transfer: Transfer | None = None
+    num_pages_queued: int = 0
+    session_id: int | None = None
+    queued: bool = False
+    reason: str | None = None           # why pages beyond num_pages_queued are not loaded
+
+
+@dataclasses.dataclass(eq=False)
+class _Save:
+    first_page: int
+    block_ids: np.ndarray               # block of page first_page + i
+    after: Any
+    transfer: Transfer | None = None
+    reserve_indices: np.ndarray | None = None  # which pages of the request's reservation it writes
+    session_id: int | None = None
+    queued: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: Hashable
+    token_ids: np.ndarray               # int32, whole pages: what the lease covers
+    match: PendingMatch | None
+    match_sent_at: float
+    failure: str | None = None          # the match failed: why (loads fail, saves skip with it)
+    session_id: int | None = None
+    lease_id: int | None = None
+    hit_pages: int = 0
+    host_page_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    reserved: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    written: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, bool))
+    queued: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, bool))
+    loads: list[_Load] = dataclasses.field(default_factory=list)
+    saves: list[_Save] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    hold_blocks: bool = False           # request_finished returned True
+
+
+# ---- the connector ------------------------------------------------------------------------------
+
+
+class KVConnector:
+    """One engine rank's connector to the daemon; see the module note. Not thread-safe: one
+    scheduler thread calls it."""
+
+    def __init__(self, client: KVCacheClient, layout: KVLayout, geometry: KVGeometry, host_pool: SharedHostPool,
+                 transfer: KVTransfer, config: ConnectorConfig):
+        self.client = client
+        self.layout = layout
+        self.geometry = geometry
+        self.page_size = geometry.page_size
+        self.host_pool = host_pool
+        self.transfer = transfer
+        self.config = config
+        self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._requests: dict[Hashable, _Request] = {}
+        self._finished_loads: list[LoadResult] = []
+        self._released: list[Hashable] = []
+        self._sync_loads: list[_Load] = []
+        self._reported: dict[str, Any] | None = None
+        self._reported_at = 0.0
+        self._warned: set[str] = set()
+        self._closed = False
+        self._report(force=True)
+
+    @classmethod
+    def register(cls, client: KVCacheClient, kv_caches: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                 kind: str, *, model_id: str, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str | None = None, model_revision: str = "", cache_salt: str = "", tp_rank: int = 0,
+                 tp_size: int = 1, config: ConnectorConfig = ConnectorConfig()) -> "KVConnector":
+        """Describe the engine's KV tensors (``engine_client.layout``), attach ``client`` with the
+        namespace they make, map (on CUDA: pin) the L2 pool, and build and warm the transfers.
+        The connector owns the client from here on (``close`` closes it)."""
+        layout = describe_layout(kind, kv_caches)
+        geometry = layout.geometry(model_id, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                   dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, model_revision=model_revision,
+                                   cache_salt=cache_salt)
+        info = client.attach(geometry)
+        is_cuda = layout.device.type == "cuda"
+        host_pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
+                                        pin=is_cuda, device=layout.device if is_cuda else None)
+        try:
+            transfer = KVTransfer(layout, host_pool, backend=config.backend, workspace_bytes=config.workspace_bytes)
+        except BaseException:
+            host_pool.close()
+            raise
+        return cls(client, layout, geometry, host_pool, transfer, config)
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None) -> int:
+        """Leading tokens of token_ids cached for this engine (for its whole TP group): whole pages,
+        0 when the daemon is away. Changes nothing; one round trip."""
+        return self.lookups.lookup(token_ids, timeout_s)
+
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
+        """Send a lookup now, collect it later (``ready()``, ``result()``): a step's lookups in one round trip."""
+        return self.lookups.lookup_async(token_ids)
+
+    # ---- loads and saves ---------------------------------------------------------------------
+
+    def load(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
+             num_tokens: int, start_token: int = 0, *, asynchronous: bool = True) -> None:
+        """Queue the load of tokens [start_token, start_token + num_tokens) of token_ids (whole pages)
+        into block_ids (block_ids[i] gets page start_token // page_size + i). Its LoadResult comes
+        through ``finished()``; an asynchronous=False load is also waited for by the engine's stream
+        in ``wait_for_layer_load``. num_tokens=0 only takes the request's lease (reserving L2 pages
+        for its saves)."""
+        start_page, num_pages = self._pages(start_token, num_tokens, "load")
+        block_ids = self._block_ids(block_ids, num_pages)
+        if (start_page + num_pages) * self.page_size > len(token_ids):
+            raise ValueError(f"tokens [{start_token}, {start_token + num_tokens}) are beyond the {len(token_ids)} given")
+        request = self._request(request_id, token_ids)
+        if request.finished:
+            raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
+        if num_pages:
+            load = _Load(request_id, start_page, block_ids, self._caller_event(), not asynchronous)
+            request.loads.append(load)
+            self.counters["loads"] += 1
+            if not asynchronous:
+                self._sync_loads.append(load)
+        self._advance(request)
+
+    def save(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
+             start_token: int = 0) -> None:
+        """Queue the save of the full pages of token_ids from start_token on (block_ids[i] holds page
+        start_token // page_size + i). The blocks are read after the work queued so far on the
+        engine's stream; the engine reuses them once ``request_finished`` says so, or
+        ``finished().released`` names the request."""
+        tokens = self._tokens(token_ids)
+        start_page, _ = self._pages(start_token, 0, "save")
+        end_page = len(tokens) // self.page_size
+        if end_page < start_page:
+            raise ValueError(f"start_token {start_token} is beyond the {len(tokens)} tokens given")
+        block_ids = self._block_ids(block_ids, end_page - start_page)
+        request = self._request(request_id, tokens)
+        if request.finished:
+            raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
+        covered = min(len(request.token_ids), end_page * self.page_size)
+        if not np.array_equal(request.token_ids[:covered], tokens[:covered]):
+            raise ValueError(f"request {request_id!r}: these tokens differ from those its first call gave")
+        self.counters["saves"] += 1
+        if not self.config.save:
+            self._skip(end_page - start_page, "saving_off")
+            return
+        request.saves.append(_Save(start_page, block_ids, self._caller_event()))
+        self._advance(request)
+
+    def request_finished(self, request_id: Hashable) -> bool:
+        """The engine is done with the request. True: a transfer may still touch its blocks; keep
+        them until ``finished().released`` names it. Its lease ends once its transfers are done."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request)
+        self._advance(request)
+        if request_id not in self._requests:
+            return False
+        request.hold_blocks = self._touches_blocks(request)
+        return request.hold_blocks
+
+    def poll(self) -> None:
+        """Take in the daemon's replies, queue the transfers they allow, see which are done, end
+        the leases of finished requests. Never waits."""
+        for request in list(self._requests.values()):
+            self._advance(request)
+        self._count_refusals(self.client.poll_errors())
+        self._report()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the daemon has handled every commit and release sent so far (so that another
+        engine sees them). A host wait: for tests, benchmarks and shutdown, not a scheduler step."""
+        try:
+            self._count_refusals(self.client.flush(timeout_s))
+        except DaemonUnavailable as exc:
+            self._warn_once("flush_failed", f"could not flush: {exc}")
+
+    def _count_refusals(self, errors) -> None:
+        for error in errors:
+            self.counters[f"daemon_refusals_{getattr(error.kind, 'name', 'request').lower()}"] += 1
+            logger.warning("the daemon refused a request: %s", error)
+
+    def finished(self) -> Finished:
+        """Loads completed (or failed) and requests released since the last call; polls first."""
+        self.poll()
+        loads, self._finished_loads = self._finished_loads, []
+        released, self._released = self._released, []
+        return Finished(loads, released)
+
+    def wait_for_layer_load(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait until the synchronous loads (load(...,
+        asynchronous=False)) not yet reported hold ``layer``. A load whose match has no reply yet is
+        waited for here, on the host (bounded by reply_timeout_s): issue loads a step ahead, or
+        asynchronously, to avoid that. Today the whole load lands at once; the API is per layer so
+        that layer-by-layer loads can come without changing engines."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer}")
+        for load in list(self._sync_loads):
+            request = self._requests.get(load.request_id)
+            if request is not None and not load.queued:
+                self._take_reply(request, self.config.reply_timeout_s)
+                self._advance(request)
+        if self.layout.device.type != "cuda":
+            return
+        stream = stream or torch.cuda.current_stream(self.layout.device)
+        for load in self._sync_loads:
+            if load.transfer is not None:
+                load.transfer.wait_on(stream)
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose lease has not ended yet (finished or not)."""
+        return len(self._requests)
+
+    def leased_pages(self, request_id: Hashable) -> np.ndarray | None:
+        """The L2 pages of an open request's locked hit, in order (None before the reply; diagnostics)."""
+        request = self._requests.get(request_id)
+        return None if request is None or request.match is not None else request.host_page_ids.copy()
+
+    def stats(self) -> dict[str, int]:
+        counters = self.counters + self.lookups.counters
+        counters["requests_open"] = len(self._requests)
+        return dict(sorted(counters.items()))
+
+    # ---- the request's state machine ------------------------------------------------------------
+
+    def _request(self, request_id: Hashable, token_ids) -> _Request:
+        request = self._requests.get(request_id)
+        if request is not None:
+            return request
+        tokens = self._tokens(token_ids)
+        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        pending, failure = None, None
+        session_id = self._session_id()     # the lease, if any, is this session's
+        try:
+            pending = self.client.match_async(tokens, reserve_backup=self.config.save,
+                                              promote_l3=self.config.promote_l3)
+        except DaemonUnavailable as exc:
+            failure = "daemon_unavailable"
+            self._warn_once(failure, f"no match for a request: {exc}")
+        request = _Request(request_id, tokens, pending, time.monotonic(), failure, session_id)
+        self._requests[request_id] = request
+        return request
+
+    def _take_reply(self, request: _Request, timeout_s: float | None = None) -> None:
+        """Take the match's reply if it is here (or comes within timeout_s): the lease, the hit's
+        pages, the reservation."""
+        if request.match is None:
+            return
+        pending = request.match
+        try:
+            if timeout_s is None and not pending.ready():
+                if time.monotonic() - request.match_sent_at < self.config.reply_timeout_s:
+                    return
+                pending.cancel()        # a late reply's lease is released by the client
+                request.match, request.failure = None, "no_reply"
+                self._warn_once(request.failure, f"a match had no reply within {self.config.reply_timeout_s} s")
+                return
+            reply = pending.result(timeout_s)
+        except DaemonUnavailable as exc:
+            request.match, request.failure = None, "daemon_unavailable"
+            self._warn_once(request.failure, f"a match failed: {exc}")
+            return
+        except DaemonError as exc:
+            request.match, request.failure = None, "match_refused"
+            self._warn_once(request.failure, f"a match was refused: {exc}")
+            return
+        request.match = None
+        request.lease_id = reply.lease_id
+        request.hit_pages = reply.backup_start_token // self.page_size
+        request.host_page_ids = np.asarray(reply.host_page_ids, dtype=np.int64)
+        request.reserved = np.asarray(reply.backup_page_ids, dtype=np.int64)
+        request.written = np.zeros(len(request.reserved), dtype=bool)
+        request.queued = np.zeros(len(request.reserved), dtype=bool)
+        self.counters["matches"] += 1
+        self.counters["promoted_tokens"] += reply.promoted_tokens
+        lacking = len(request.token_ids) // self.page_size - request.hit_pages
+        if self.config.save and len(request.reserved) < lacking:     # skipped, by cause, at save
+            self.counters["reservation_short_pages"] += lacking - len(request.reserved)
+
+    def _advance(self, request: _Request) -> None:
+        # What was queued by an earlier call is seen done first, then what the reply allows is
+        # queued: a transfer is checked for completion (and its session for validity) on a later
+        # call than the one that queued it, also on CPU, where copies are done on return.
+        for load in list(request.loads):
+            if load.queued and (load.transfer is None or load.transfer.done()):
+                self._complete_load(request, load)
+        for save in request.saves:
+            if save.transfer is not None and save.transfer.done():
+                self._complete_save(request, save)
+        self._take_reply(request)
+        if request.match is None:
+            for load in request.loads:
+                if not load.queued:
+                    self._queue_load(request, load)
+            for save in request.saves:
+                if not save.queued:
+                    self._queue_save(request, save)
+        if request.finished and request.match is None and not request.loads \
+                and all(s.transfer is None for s in request.saves):
+            self._end(request)
+
+    def _queue_load(self, request: _Request, load: _Load) -> None:
+        load.queued = True
+        num_pages = len(load.block_ids)
+        if load.reason is not None:             # set by request_finished
+            usable = 0
+        elif request.failure is not None:
+            usable, load.reason = 0, request.failure
+        else:
+            usable = max(0, min(load.start_page + num_pages, request.hit_pages) - load.start_page)
+            if usable < num_pages:
+                load.reason = "not_cached"      # evicted since the lookup, or this rank holds less
+            if usable and not self._session_holds(request.session_id, self.config.fence_margin_s):
+                usable, load.reason = 0, "session_margin"
+        if usable:
+            self.counters["load_pages_queued"] += usable
+            load.transfer = self.transfer.load(request.host_page_ids[load.start_page: load.start_page + usable],
+                                               load.block_ids[:usable], load.after)
+            load.session_id = request.session_id
+        load.num_pages_queued = usable
+
+    def _complete_load(self, request: _Request, load: _Load) -> None:
+        usable = load.num_pages_queued
+        reason = load.reason
+        if load.transfer is not None and not self._session_holds(load.session_id, 0.0):
+            # The lease may have ended while the DMA read its pages: they may hold another's bytes.
+            usable, reason = 0, "session_lost"
+        failed = load.block_ids[usable:].tolist()
+        if failed:
+            self._count_failure(len(failed), reason or "unknown")
+        self.counters["loaded_pages"] += usable
+        self._finished_loads.append(LoadResult(request.request_id, usable * self.page_size, failed,
+                                               reason if failed else None))
+        request.loads.remove(load)
+        if load in self._sync_loads:
+            self._sync_loads.remove(load)
+
+    def _queue_save(self, request: _Request, save: _Save) -> None:
+        save.queued = True
+        first, end = save.first_page, save.first_page + len(save.block_ids)
+        cached_end = min(end, request.hit_pages)
+        self.counters["save_pages_cached"] += max(0, cached_end - first)
+        first = max(first, request.hit_pages)
+        if first >= end:
+            return
+        if request.failure is not None:
+            self._skip(end - first, request.failure)
+            return
+        # The lease covers the pages of the tokens its match was sent with; of those the daemon
+        # reserved what it could free (hit_pages on): the rest cannot be written.
+        lease_end = len(request.token_ids) // self.page_size
+        reserved_end = request.hit_pages + len(request.reserved)
+        self._skip(end - max(first, lease_end), "beyond_lease")
+        self._skip(min(end, lease_end) - max(first, reserved_end), "no_space")
+        end = min(end, reserved_end)
+        if first >= end:
+            return
+        lo, hi = first - request.hit_pages, end - request.hit_pages
+        already = int(request.queued[lo:hi].sum())
+        if already:          # saved before by this request: written once is enough
+            self.counters["save_pages_again"] += already
+        todo = np.flatnonzero(~request.queued[lo:hi]) + lo
+        if not len(todo):
+            return
+        if not self._session_holds(request.session_id, self.config.fence_margin_s):
+            self._skip(len(todo), "session_margin")
+            return
+        blocks = save.block_ids[todo + request.hit_pages - save.first_page]
+        save.transfer = self.transfer.save(blocks, request.reserved[todo], save.after)
+        save.reserve_indices = todo
+        save.session_id = request.session_id
+        request.queued[todo] = True
+        self.counters["save_pages_queued"] += len(todo)
+
+    def _complete_save(self, request: _Request, save: _Save) -> None:
+        if not self._session_holds(save.session_id, 0.0):
+            # Started inside the margin, done after the session's end: the pages may have been
+            # handed to someone else. Never committed (the lease is gone); counted loudly.
+            logger.error("a save's DMA completed after its session ended (%d pages)", save.transfer.num_pages)
+            self._skip(save.transfer.num_pages, "session_lost")
+        else:
+            request.written[save.reserve_indices] = True
+            self.counters["saved_pages"] += save.transfer.num_pages
+        save.transfer = None
+
+    @staticmethod
+    def _finish(request: _Request) -> None:
+        request.finished = True
+        for load in request.loads:          # a load not started for a finished request is not wanted
+            if not load.queued:
+                load.queued, load.reason = True, "request_finished"
+
+    def _touches_blocks(self, request: _Request) -> bool:
+        return any(load.transfer is not None and not load.transfer.blocks_free() for load in request.loads) \
+            or any(not save.queued and request.match is not None for save in request.saves) \
+            or any(save.transfer is not None and not save.transfer.blocks_free() for save in request.saves)
+
+    def _end(self, request: _Request) -> None:
+        """Commit the written prefix of the reservation (ending the lease), or release the lease."""
+        del self._requests[request.request_id]
+        if request.hold_blocks:
+            self._released.append(request.request_id)
+        written = int(np.argmin(request.written)) if not request.written.all() else len(request.written)
+        stranded = int(request.written[written:].sum())
+        if stranded:
+            self._skip(stranded, "gap")      # written after a page that was not: not a prefix
+        if request.lease_id is None:
+            return
+        if not self._session_holds(request.session_id, 0.0):
+            if written:
+                self._skip(written, "session_lost")
+            return
+        try:
+            if written:
+                self.client.commit_backup(request.lease_id, request.reserved[:written].tolist())
+                self.counters["committed_pages"] += written
+            else:
+                self.client.release(request.lease_id)
+        except (DaemonUnavailable, DaemonError) as exc:
+            if written:
+                self._skip(written, "commit_failed")
+            self._warn_once("end_of_lease_failed", f"could not end a lease: {exc}")
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _session_id(self) -> int | None:
+        info = self.client.info
+        return info.session_id if info is not None else None
+
+    def _session_holds(self, session_id: int | None, margin_s: float) -> bool:
+        """The lease's session is still this client's, and the daemon keeps it (and so its pages)
+        for more than margin_s even if no heartbeat gets through from now on."""
+        return session_id is not None and session_id == self._session_id() \
+            and self.client.session_valid_for() > margin_s
+
+    def _caller_event(self):
+        if self.layout.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.layout.device))
+        return event
+
+    def _tokens(self, token_ids) -> np.ndarray:
+        return np.frombuffer(token_bytes(token_ids), dtype="<i4")
+
+    def _pages(self, start_token: int, num_tokens: int, what: str) -> tuple[int, int]:
+        for name, value in (("start_token", start_token), ("num_tokens", num_tokens)):
+            if type(value) is not int or value < 0 or value % self.page_size:
+                raise ValueError(f"{what}: {name} must be a non-negative multiple of the page size "
+                                 f"{self.page_size}, got {value!r}")
+        return start_token // self.page_size, num_tokens // self.page_size
+
+    def _block_ids(self, block_ids: Sequence[int], num_pages: int) -> np.ndarray:
+        block_ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if len(block_ids) != num_pages:
+            raise ValueError(f"{len(block_ids)} block ids given for {num_pages} pages")
+        self.layout.check_block_ids(block_ids)
+        return block_ids
+
+    def _skip(self, num_pages: int, cause: str) -> None:
+        """A save's pages not written: counted, logged once per cause, reported to the daemon."""
+        if num_pages <= 0:
+            return
+        self._warn_once(f"save_{cause}", f"save pages skipped: {cause}")
+        self.counters[f"save_skipped_pages_{cause}"] += num_pages
+        self.counters["save_skipped_pages"] += num_pages
+
+    def _count_failure(self, num_pages: int, cause: str) -> None:
+        self._warn_once(f"load_{cause}", f"load pages not loaded (to be recomputed): {cause}")
+        self.counters[f"load_failed_pages_{cause}"] += num_pages
+        self.counters["load_failed_pages"] += num_pages
+
+    def _warn_once(self, cause: str, message: str) -> None:
+        key = f"warned_{cause}"
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s (each further one is counted, not logged)", message)
+
+    def _report(self, force: bool = False) -> None:
+        """Send changed counters to the daemon (its status shows them), at most every report_interval_s."""
+        now = time.monotonic()
+        if not force and now - self._reported_at < self.config.report_interval_s:
+            return
+        stats = self.stats()
+        if not force and stats == self._reported:
+            return
+        try:
+            self.client.report({"connector": {"layout": self.layout.kind, "page_layout": self.layout.page_layout,
+                                              "block_shape": list(self.layout.block_shape),
+                                              "transfer": self.transfer.report(), "counters": stats}})
+        except (DaemonUnavailable, RuntimeError) as exc:
+            logger.debug("report not sent: %s", exc)
+            return
+        self._reported, self._reported_at = stats, now
+
+    def flush_report(self) -> None:
+        """Send the counters now (tests, shutdown)."""
+        self._report(force=True)
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) for the transfers in flight, end every lease, report, and close the pool and
+        the client. Loads not done are reported failed; saves not done are skipped and counted."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            deadline = time.monotonic() + timeout_s
+            for request in list(self._requests.values()):
+                self._finish(request)
+                if request.match is not None:
+                    request.match.cancel()
+                    request.match, request.failure = None, "closing"
+            while self._requests and time.monotonic() < deadline:
+                self.poll()
+                if self._requests:
+                    time.sleep(0.001)
+            if self.layout.device.type == "cuda":
+                torch.cuda.synchronize(self.layout.device)
+            self.poll()
+            for request in list(self._requests.values()):     # past the deadline: nothing is waited for
+                for save in request.saves:
+                    if save.transfer is not None:
+                        self._skip(save.transfer.num_pages, "closing")
+                        save.transfer = None
+                request.loads.clear()
+                self._end(request)
+            self.flush_report()
+        finally:
+            try:
+                del self.transfer
+                self.host_pool.close()
+            finally:
+                self.client.close()
+
+    def __enter__(self) -> "KVConnector":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,294 @@
+"""Move whole pages between an engine's KV tensors and the shared L2 pool: one path per direction.
+
+    save  gather the blocks (all layers, through the segment table) into a packed device buffer,
+          then one DMA per run of consecutive L2 pages straight into the shared pool mapping
+    load  one DMA per run of L2 pages into the packed buffer, then scatter it into the blocks
+
+Each direction is a lane: a private copy stream, a packed workspace and a ring of block ids, all
+allocated (and the kernels compiled) at construction, so that nothing on a request's path depends
+on its size. A lane's work runs in its stream's order, so the workspace is reused by each transfer
+without any host-side tracking; a transfer larger than the workspace goes in chunks that reuse it,
+one after the other. Saves and loads have a lane each, so a save's D2H runs beside a load's H2D.
+A transfer's first operation waits on an event of the caller's stream (``after``): the gather reads
+blocks only once the engine's prefill wrote them, and the scatter writes blocks only once the work
+the engine queued before the load is done with them.
+
+Nothing here waits on the host: ``save`` and ``load`` queue and return a ``Transfer`` whose
+``done()`` queries events. On CPU the copies run at once and every transfer is done on return.
+The DMAs are torch ``copy_(non_blocking=True)`` between device memory and the pinned mapping, cut
+where one pinned chunk of the mapping ends (``SharedHostPool.chunk_pieces``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from typing import Any, Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from engine_client.block_copy import BACKENDS, SegmentTable, triton_available
+from engine_client.layout import KVLayout
+from engine_client.shared_pool import SharedHostPool
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WORKSPACE_BYTES = 256 << 20      # per lane
+TRANSFER_BACKENDS = ("auto", "triton", "torch")
+_ID_ALIGN = 4                            # 16-byte aligned id slices: one Triton specialisation
+_AUTO_TIMING_PAGES = 64
+_AUTO_TIMING_REPEATS = 3
+
+
+class Transfer:
+    """A queued transfer. ``blocks_free()``: the engine's blocks are no longer touched (a save's
+    gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete."""
+
+    __slots__ = ("num_pages", "blocks_event", "done_event")
+
+    def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
+                 done_event: torch.cuda.Event | None):
+        self.num_pages = num_pages
+        self.blocks_event = blocks_event
+        self.done_event = done_event
+
+    def blocks_free(self) -> bool:
+        return self.blocks_event is None or self.blocks_event.query()
+
+    def done(self) -> bool:
+        return self.done_event is None or self.done_event.query()
+
+    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` wait for the transfer (no host wait); nothing to do on CPU."""
+        if self.done_event is not None and stream is not None:
+            stream.wait_event(self.done_event)
+
+
+class _IdRing:
+    """Block ids on their way to the device: written into pinned host memory, copied on the lane's
+    stream into a device ring. A host slot is rewritten only once the copy that read it is done
+    (an event per upload; the ring holds several workspaces' worth, so that wait is rare)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = capacity
+        self.device = device
+        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.host_array = self.host.numpy()
+        self.ring = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.position = 0
+        self.in_flight: collections.deque[tuple[int, int, torch.cuda.Event]] = collections.deque()
+        self.host_waits = 0
+
+    def upload(self, block_ids: np.ndarray, stream: torch.cuda.Stream) -> torch.Tensor:
+        count = len(block_ids)
+        assert count <= self.capacity // 2, (count, self.capacity)
+        start = -(-self.position // _ID_ALIGN) * _ID_ALIGN
+        if start + count > self.capacity:
+            start = 0
+        end = start + count
+        while self.in_flight and self.in_flight[0][2].query():      # the oldest uploads are done
+            self.in_flight.popleft()
+        for first, last, event in self.in_flight:                   # still read: wait (rare)
+            if first < end and start < last:
+                self.host_waits += 1
+                event.synchronize()
+        self.host_array[start:end] = block_ids
+        view = self.ring[start:end]
+        view.copy_(self.host[start:end], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.in_flight.append((start, end, event))
+        self.position = end
+        return view
+
+
+class _Lane:
+    def __init__(self, name: str, table: SegmentTable, workspace_pages: int):
+        self.name = name
+        device = table.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.workspace = torch.empty(table.packed_shape(workspace_pages), dtype=table.word_dtype, device=device)
+        self.workspace_bytes = self.workspace.view(torch.uint8).view(-1)
+        self.workspace_pages = workspace_pages
+        self.ids = _IdRing(max(4096, 4 * workspace_pages + 2 * _ID_ALIGN), device) if self.stream else None
+
+    def upload(self, block_ids: np.ndarray) -> torch.Tensor:
+        if self.ids is None:
+            return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int32))
+        return self.ids.upload(block_ids, self.stream)
+
+
+class Runs(NamedTuple):
+    starts: np.ndarray      # index into the transfer's pages of each run's first page
+    ends: np.ndarray
+
+
+def page_runs(host_page_ids: np.ndarray) -> Runs:
+    """Maximal runs of consecutive L2 page ids, as [start, end) index ranges."""
+    breaks = np.flatnonzero(np.diff(host_page_ids) != 1) + 1
+    return Runs(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(host_page_ids)])))
+
+
+class KVTransfer:
+    """Saves and loads of whole pages between one engine's KV tensors and one mapped L2 pool."""
+
+    def __init__(self, layout: KVLayout, host_pool: SharedHostPool, *, backend: str = "auto",
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        if backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"backend must be one of {TRANSFER_BACKENDS}, got {backend!r}")
+        if backend == "triton" and not triton_available():
+            raise RuntimeError("backend 'triton' was asked for, but triton is not installed")
+        if host_pool.geometry.bytes_per_page != layout.page_bytes:
+            raise ValueError(f"L2 pages of {host_pool.geometry.bytes_per_page} bytes cannot hold this layout's "
+                             f"pages of {layout.page_bytes}")
+        self.layout = layout
+        self.device = layout.device
+        self.table = SegmentTable(layout)
+        self.host_pool = host_pool
+        self.host_bytes = host_pool.byte_view()
+        self.num_host_pages = host_pool.num_pages
+        self.page_bytes = layout.page_bytes
+        workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
+        self.lanes = {"save": _Lane("save", self.table, workspace_pages),
+                      "load": _Lane("load", self.table, workspace_pages)}
+        self.workspace_pages = workspace_pages
+        self.backend_by_direction = self._choose_backends(backend)
+        self._gather = BACKENDS[self.backend_by_direction["save"]][0]
+        self._scatter = BACKENDS[self.backend_by_direction["load"]][1]
+        self._warm()
+
+    # ---- the two paths ------------------------------------------------------------------------
+
+    def save(self, block_ids: np.ndarray, host_page_ids: np.ndarray,
+             after: torch.cuda.Event | None = None) -> Transfer:
+        """Queue: blocks -> packed -> L2 pages (block_ids[i] into host_page_ids[i])."""
+        block_ids, host_page_ids = self._check(block_ids, host_page_ids)
+        lane = self.lanes["save"]
+        blocks_event = None
+        with self._on(lane, after):
+            for first in range(0, len(block_ids), lane.workspace_pages):
+                last = min(first + lane.workspace_pages, len(block_ids))
+                self._gather(self.table, lane.upload(block_ids[first:last]), lane.workspace[: last - first])
+                if last == len(block_ids):
+                    blocks_event = self._record(lane)      # the last gather: the blocks are read
+                self._copy_runs(lane, host_page_ids[first:last], to_host=True)
+            return Transfer(len(block_ids), blocks_event, self._record(lane))
+
+    def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
+             after: torch.cuda.Event | None = None) -> Transfer:
+        """Queue: L2 pages -> packed -> blocks (host_page_ids[i] into block_ids[i])."""
+        block_ids, host_page_ids = self._check(block_ids, host_page_ids)
+        lane = self.lanes["load"]
+        with self._on(lane, after):
+            for first in range(0, len(block_ids), lane.workspace_pages):
+                last = min(first + lane.workspace_pages, len(block_ids))
+                self._copy_runs(lane, host_page_ids[first:last], to_host=False)
+                self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
+            done_event = self._record(lane)
+            return Transfer(len(block_ids), done_event, done_event)
+
+    def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray, to_host: bool) -> None:
+        """One DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
+        page_bytes = self.page_bytes
+        runs = page_runs(host_page_ids)
+        for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
+            host_start = int(host_page_ids[start]) * page_bytes
+            packed_start = start * page_bytes
+            for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
+                host = self.host_bytes[piece_start:piece_end]
+                offset = packed_start + piece_start - host_start
+                packed = lane.workspace_bytes[offset: offset + piece_end - piece_start]
+                if to_host:
+                    host.copy_(packed, non_blocking=True)
+                else:
+                    packed.copy_(host, non_blocking=True)
+
+    def _check(self, block_ids, host_page_ids) -> tuple[np.ndarray, np.ndarray]:
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        host_page_ids = np.asarray(host_page_ids, dtype=np.int64)
+        if block_ids.ndim != 1 or block_ids.shape != host_page_ids.shape:
+            raise ValueError(f"block_ids {block_ids.shape} and host_page_ids {host_page_ids.shape} must be "
+                             "1-D and of one length")
+        self.layout.check_block_ids(block_ids)
+        if host_page_ids.size and (int(host_page_ids.min()) < 0 or int(host_page_ids.max()) >= self.num_host_pages):
+            raise ValueError(f"L2 page ids outside [0, {self.num_host_pages})")
+        return block_ids, host_page_ids
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _on(lane: _Lane, after: torch.cuda.Event | None) -> Iterator[None]:
+        """Queue on the lane's stream, after ``after`` (an event of the caller's stream)."""
+        if lane.stream is None:
+            yield
+            return
+        with torch.cuda.stream(lane.stream):
+            if after is not None:
+                lane.stream.wait_event(after)
+            yield
+
+    @staticmethod
+    def _record(lane: _Lane) -> torch.cuda.Event | None:
+        if lane.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(lane.stream)
+        return event
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _choose_backends(self, backend: str) -> dict[str, str]:
+        if backend != "auto":
+            return {"save": backend, "load": backend}
+        if self.device.type != "cuda" or not triton_available():
+            # On CPU Triton runs interpreted (for tests), far slower than torch.
+            return {"save": "torch", "load": "torch"}
+        return self._time_backends()
+
+    def _time_backends(self) -> dict[str, str]:
+        """Time the gather and the scatter of both backends on this layout; keep the faster per
+        direction. The scatter writes back the bytes just gathered from the same blocks."""
+        lane = self.lanes["save"]
+        num_pages = min(_AUTO_TIMING_PAGES, lane.workspace_pages, self.layout.num_blocks)
+        ids = torch.arange(num_pages, dtype=torch.int32, device=self.device)
+        packed = lane.workspace[:num_pages]
+        seconds: dict[tuple[str, str], float] = {}
+
+        def timed(run) -> float:
+            run()                                   # compiles, and leaves nothing to the timing
+            torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            for _ in range(_AUTO_TIMING_REPEATS):
+                run()
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter() - started
+
+        for name, (gather, scatter) in BACKENDS.items():
+            seconds[(name, "save")] = timed(lambda: gather(self.table, ids, packed))
+            # packed now holds these blocks' own bytes: the scatter rewrites them unchanged.
+            seconds[(name, "load")] = timed(lambda: scatter(self.table, packed, ids))
+        choice = {direction: min(BACKENDS, key=lambda name: seconds[(name, direction)]) for direction in ("save", "load")}
+        logger.info("transfer backends: %s (gather/scatter of %d pages: %s)", choice, num_pages,
+                    {f"{n}/{d}": round(s / _AUTO_TIMING_REPEATS * 1e3, 4) for (n, d), s in seconds.items()})
+        return choice
+
+    def _warm(self) -> None:
+        """Run each lane's path once on one page, so that the first real transfer compiles and
+        allocates nothing: block 0 is gathered and scattered back unchanged, and L2 page 0 is read
+        into the workspace (never written: it is not this engine's)."""
+        block = np.zeros(1, dtype=np.int64)
+        for lane in self.lanes.values():
+            with self._on(lane, None):
+                packed = lane.workspace[:1]
+                self._gather(self.table, lane.upload(block), packed)
+                self._scatter(self.table, packed, lane.upload(block))
+                lane.workspace_bytes[: self.page_bytes].copy_(self.host_bytes[: self.page_bytes], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def report(self) -> dict[str, Any]:
+        return {"backends": dict(self.backend_by_direction), "workspace_pages": self.workspace_pages,
+                "word_bytes": self.table.word_bytes, "segments": self.table.num_segments,
+                "id_host_waits": sum(l.ids.host_waits for l in self.lanes.values() if l.ids is not None)}

@@ -1,0 +1,100 @@
+"""Lookups (MATCH with lock=false) in-process: they change nothing, and a TP group's hit is its least rank's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.tiers import Tier
+from proto.errors import ProtocolError
+from proto.messages import KVGeometry
+from proto.schema import Match
+from tests.core.test_daemon_state import FakeClock
+
+# 16384-byte pages: one 2 MiB arena per namespace holds 128 pages of 8 tokens.
+GEOMETRY = KVGeometry("m", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=8)
+PAGE = GEOMETRY.page_size
+
+
+def make_state(num_namespaces: int = 1) -> DaemonState:
+    return DaemonState(ArenaPlan(num_namespaces << 21, num_namespaces), session_timeout_s=1.5, clock=FakeClock())
+
+
+def tokens(rng, num_pages: int) -> bytes:
+    return rng.integers(0, 1 << 30, size=num_pages * PAGE, dtype=np.int32).tobytes()
+
+
+def back_up(state, session_id, token_bytes) -> None:
+    reply = state.match(session_id, token_bytes, reserve_backup=True)
+    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+
+
+def test_a_lookup_locks_nothing_and_hands_out_no_pages():
+    """A lookup answers the hit per tier but takes no lease, protects no page and names no page id,
+    however often it is asked."""
+    state = make_state()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(np.random.default_rng(1), 5)
+    back_up(state, session.session_id, prefix)
+    for _ in range(3):
+        reply = state.lookup(session.session_id, prefix + tokens(np.random.default_rng(2), 2))
+        assert reply.hit_tokens["l2"] == 5 * PAGE and reply.lease_id is None
+        assert reply.host_page_ids == [] and reply.backup_page_ids == []
+    assert not state.leases and not session.lease_ids
+    assert namespace.tree.protected_pages(Tier.L2) == 0
+    state.check_integrity()
+
+
+def test_a_lookup_does_not_change_which_prefix_is_evicted_first():
+    """Eviction is least-recently-used: a lookup of the older prefix does not make it recent, so a
+    reservation under pressure still evicts it (a locked match of it would have saved it)."""
+    state = make_state()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    rng = np.random.default_rng(3)
+    older, newer = tokens(rng, 60), tokens(rng, 60)
+    back_up(state, session.session_id, older)
+    state.clock.advance(1.0)
+    back_up(state, session.session_id, newer)
+    state.clock.advance(1.0)
+    state.heartbeat(session.session_id)
+    assert state.lookup(session.session_id, older).hit_tokens["l2"] == 60 * PAGE
+    state.clock.advance(1.0)
+    reply = state.match(session.session_id, tokens(rng, 10), reserve_backup=True)   # evicts 2 pages
+    assert len(reply.backup_page_ids) == 10
+    assert state.lookup(session.session_id, older).hit_tokens["l2"] < 60 * PAGE
+    assert state.lookup(session.session_id, newer).hit_tokens["l2"] == 60 * PAGE
+    state.check_integrity()
+
+
+def test_a_group_lookup_is_the_least_hit_over_the_ranks():
+    """With tp_group the hit is, per tier, the least over every rank's namespace, and 0 while a rank
+    of the group has not attached; without it, only the asking rank's own hit."""
+    state = make_state(num_namespaces=3)
+    geometries = [dataclasses.replace(GEOMETRY, tp_size=2, tp_rank=rank) for rank in range(2)]
+    rank0, _ = state.attach(geometries[0], pid=1)
+    rng = np.random.default_rng(4)
+    prefix = tokens(rng, 6)
+    back_up(state, rank0.session_id, prefix)
+    assert state.lookup(rank0.session_id, prefix).hit_tokens["l2"] == 6 * PAGE
+    assert state.lookup(rank0.session_id, prefix, tp_group=True).hit_tokens["l2"] == 0   # rank 1 is absent
+    rank1, _ = state.attach(geometries[1], pid=2)
+    back_up(state, rank1.session_id, prefix[: 4 * PAGE * 4])                           # rank 1 holds 4 pages
+    assert state.lookup(rank0.session_id, prefix, tp_group=True).hit_tokens["l2"] == 4 * PAGE
+    assert state.lookup(rank1.session_id, prefix, tp_group=True).hit_tokens["l2"] == 4 * PAGE
+    other_model, _ = state.attach(dataclasses.replace(geometries[1], model_id="other"), pid=3)
+    assert state.lookup(other_model.session_id, prefix, tp_group=True).hit_tokens["l2"] == 0
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("body", [
+    {"lock": False, "reserve_backup": True},      # a lookup reserves nothing
+    {"lock": True, "tp_group": True},             # each rank locks its own shard
+    {"lock": 0},
+])
+def test_contradictory_lookups_are_refused(body):
+    """A lookup that would reserve, a locked group match, and a mistyped lock are refused at parse."""
+    with pytest.raises(ProtocolError):
+        Match.parse({"session_id": 1, "token_ids": b"\0" * 4, **body})

@@ -1,0 +1,348 @@
+"""The engine connector against a real daemon process over ipc://, on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine_client.client import connect
+from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
+from tests.integration.daemon_proc import DaemonProcess
+
+L, N, P, H, D = 3, 24, 16, 2, 32
+MODEL = "connector-test"
+SEED = 1201
+
+
+def random_bits(shape, generator) -> torch.Tensor:
+    """Random bf16 bit patterns (NaNs included), never zeros."""
+    return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(torch.bfloat16)
+
+
+class Engine:
+    """One engine rank: its own KV tensors (random), registered with a connector of its own."""
+
+    def __init__(self, socket_path: str, kind: str = "layer", seed: int = SEED, num_blocks: int = N,
+                 layers: int = L, heads: int = H, head_dim: int = D, config: ConnectorConfig | None = None,
+                 **register):
+        generator = torch.Generator().manual_seed(seed)
+        self.kind = kind
+        if kind == "pool":
+            self.tensors = random_bits((2, layers, num_blocks, P, heads, head_dim), generator)
+        elif kind == "layer":
+            self.tensors = [random_bits((2, num_blocks, P, heads, head_dim), generator) for _ in range(layers)]
+        else:    # "blocks": K and V packed inside each block
+            self.tensors = [random_bits((num_blocks, 2, heads, P, head_dim), generator) for _ in range(layers)]
+        self.connector = KVConnector.register(
+            connect(socket_path, client_name=f"{kind}-{seed}"), self.tensors, kind, model_id=MODEL, page_size=P,
+            num_kv_heads=heads, head_dim=head_dim, config=config or ConnectorConfig(report_interval_s=0), **register)
+        self.loads: list[LoadResult] = []
+        self.released: list = []
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """Every byte the engine holds for one block (all layers, K and V)."""
+        if self.kind == "pool":
+            return self.tensors[:, :, block_id].contiguous().view(torch.int16).clone()
+        parts = [t[:, block_id] if self.kind == "layer" else t[block_id] for t in self.tensors]
+        return torch.stack(parts).view(torch.int16).clone()
+
+    def poll_until(self, done, what: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            finished = self.connector.finished()
+            self.loads += finished.loads
+            self.released += finished.released
+            if done():
+                return
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.connector.stats()}"
+            time.sleep(0.002)
+
+    def settle(self) -> None:
+        """Poll until every request has ended (its lease committed or released), and the daemon has
+        handled those commits and releases (other sessions see them)."""
+        self.poll_until(lambda: self.connector.stats()["requests_open"] == 0, "requests to end")
+        self.connector.flush()
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+def random_tokens(rng, num_tokens: int) -> np.ndarray:
+    return rng.integers(0, 100_000, size=num_tokens, dtype=np.int32)
+
+
+def session_counters(daemon, name: str) -> dict:
+    with connect(daemon.socket_path) as client:
+        for session in client.status()["sessions"]:
+            if session["client_name"] == name:
+                return session["report"].get("connector", {}).get("counters", {})
+    raise AssertionError(f"no session named {name}")
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP pid and return once every one of its threads is stopped (delivery is not instant)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    task_dir = f"/proc/{pid}/task"
+    while True:
+        states = []
+        for task in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def daemon():
+    process = DaemonProcess().start()
+    yield process
+    process.cleanup()
+
+
+@pytest.mark.parametrize("kind", ["pool", "layer", "blocks"])
+def test_a_saved_prefix_loads_into_other_blocks_bit_for_bit(daemon, kind):
+    """Engine A saves a prefix from random blocks; engine B (its own session and random tensors, same
+    namespace) finds it by lookup, loads it into different blocks, and holds A's bytes bit for bit;
+    B's other blocks are untouched."""
+    rng = np.random.default_rng(SEED)
+    a, b = Engine(daemon.socket_path, kind, seed=SEED), Engine(daemon.socket_path, kind, seed=SEED + 1)
+    try:
+        tokens = random_tokens(rng, 7 * P + 5)
+        source = rng.permutation(N)[:7]
+        a.connector.save("r", tokens, source)
+        a.connector.request_finished("r")
+        a.settle()
+        assert b.connector.lookup(tokens) == 7 * P
+        destination = np.setdiff1d(rng.permutation(N), source)[:7]
+        untouched = {block: b.block(block) for block in range(N) if block not in destination}
+        b.connector.load("r", tokens, destination, 7 * P)
+        b.poll_until(lambda: b.loads, "the load")
+        assert b.loads == [LoadResult("r", 7 * P, [], None)]
+        for src, dst in zip(source, destination):
+            assert torch.equal(b.block(dst), a.block(src)), (kind, SEED, src, dst)
+        for block, before in untouched.items():
+            assert torch.equal(b.block(block), before), (kind, block)
+        b.connector.request_finished("r")
+        b.settle()
+        with connect(daemon.socket_path) as client:
+            status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok" and status["leases"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_loads_and_saves_return_at_once_and_complete_by_polling(daemon):
+    """With the daemon stopped (SIGSTOP), save(), load() and request_finished() still return at
+    once: nothing waits for a reply. The saved request holds its blocks (request_finished says so)
+    until, the daemon resumed, polling completes everything and reports the request released."""
+    rng = np.random.default_rng(SEED + 2)
+    engine = Engine(daemon.socket_path, "layer", seed=SEED + 2)
+    try:
+        cached = random_tokens(rng, 4 * P)
+        engine.connector.save("warm", cached, [0, 1, 2, 3])
+        engine.connector.request_finished("warm")
+        engine.settle()
+        fresh = random_tokens(rng, 3 * P)
+        stop_process(daemon.proc.pid)
+        try:
+            started = time.monotonic()
+            engine.connector.load("load", cached, [10, 11, 12, 13], 4 * P)
+            engine.connector.save("save", fresh, [20, 21, 22])
+            holds = engine.connector.request_finished("save")
+            engine.connector.poll()
+            finished = engine.connector.finished()
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert holds and finished.loads == [] and finished.released == []
+        assert elapsed < 2.0, f"the calls took {elapsed:.3f} s with the daemon stopped"
+        engine.poll_until(lambda: engine.loads and "save" in engine.released, "the load and the save")
+        assert engine.loads[0].ok
+        for src, dst in zip([0, 1, 2, 3], [10, 11, 12, 13]):
+            assert torch.equal(engine.block(src), engine.block(dst))
+        engine.connector.request_finished("load")
+        engine.settle()
+        assert engine.connector.lookup(fresh) == 3 * P
+    finally:
+        engine.close()
+
+
+def test_one_match_per_request_however_many_saves(daemon):
+    """A request's load and its chunked saves share one lease: the daemon sees one match for the
+    request, and the pages of every chunk are committed."""
+    rng = np.random.default_rng(SEED + 3)
+    engine = Engine(daemon.socket_path, "layer", seed=SEED + 3)
+    other = Engine(daemon.socket_path, "layer", seed=SEED + 4)
+    try:
+        prompt = random_tokens(rng, 6 * P)
+        engine.connector.load("r", prompt, [], 0)               # opens the request: lease + reservation
+        engine.connector.save("r", prompt[: 2 * P], [4, 5])     # chunked prefill: three chunks
+        engine.connector.save("r", prompt[: 4 * P], [6, 7], start_token=2 * P)
+        engine.connector.save("r", prompt, [8, 9], start_token=4 * P)
+        engine.connector.request_finished("r")
+        engine.settle()
+        assert engine.connector.stats()["matches"] == 1
+        assert engine.connector.stats()["committed_pages"] == 6
+        assert other.connector.lookup(prompt) == 6 * P
+        other.connector.load("r", prompt, [0, 1, 2, 3, 10, 11], 6 * P)
+        other.poll_until(lambda: other.loads, "the load")
+        for src, dst in zip([4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 10, 11]):
+            assert torch.equal(other.block(dst), engine.block(src)), (src, dst)
+    finally:
+        engine.close()
+        other.close()
+
+
+def test_two_tensor_parallel_ranks(daemon):
+    """Each rank saves and loads its own shard; a prefix counts as cached (for both ranks' lookups)
+    only as far as every rank holds it; a rank asked for more than it holds loads its part and
+    reports the rest failed."""
+    rng = np.random.default_rng(SEED + 5)
+    ranks = [Engine(daemon.socket_path, "layer", seed=SEED + 10 + r, tp_rank=r, tp_size=2) for r in range(2)]
+    try:
+        tokens = random_tokens(rng, 5 * P)
+        ranks[0].connector.save("a", tokens, [0, 1, 2, 3, 4])
+        ranks[0].connector.request_finished("a")
+        ranks[0].settle()
+        assert [rank.connector.lookup(tokens) for rank in ranks] == [0, 0]      # rank 1 holds nothing
+        ranks[1].connector.save("a", tokens[: 3 * P], [5, 6, 7])
+        ranks[1].connector.request_finished("a")
+        ranks[1].settle()
+        assert [rank.connector.lookup(tokens) for rank in ranks] == [3 * P, 3 * P]
+        ranks[1].connector.load("b", tokens, [10, 11, 12, 13, 14], 5 * P)         # more than it holds
+        ranks[1].poll_until(lambda: ranks[1].loads, "rank 1's load")
+        assert ranks[1].loads == [LoadResult("b", 3 * P, [13, 14], "not_cached")]
+        ranks[1].connector.request_finished("b")
+        ranks[1].connector.save("c", tokens, [5, 6, 7, 8, 9])                      # pages 3, 4 are new
+        ranks[1].connector.request_finished("c")
+        ranks[1].settle()
+        assert [rank.connector.lookup(tokens) for rank in ranks] == [5 * P, 5 * P]
+        for rank, source in zip(ranks, ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])):
+            rank.connector.load("d", tokens, [15, 16, 17, 18, 19], 5 * P)
+            rank.poll_until(lambda: any(r.request_id == "d" for r in rank.loads), "the load")
+            for src, dst in zip(source, [15, 16, 17, 18, 19]):
+                assert torch.equal(rank.block(dst), rank.block(src)), (rank.connector.geometry.tp_rank, src)
+        assert not torch.equal(ranks[0].block(15), ranks[1].block(15))              # two shards, not one
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
+def test_salts_revisions_and_page_formats_are_separate_namespaces(daemon):
+    """A prefix saved under one cache salt is not found by engines with another salt, another
+    model revision, or opaque blocks of the same size; an engine with the same salt finds it."""
+    rng = np.random.default_rng(SEED + 6)
+    tokens = random_tokens(rng, 4 * P)
+    saver = Engine(daemon.socket_path, "layer", seed=SEED + 20, cache_salt="tenant-a")
+    others = [Engine(daemon.socket_path, "layer", seed=SEED + 21, cache_salt="tenant-b"),
+              Engine(daemon.socket_path, "layer", seed=SEED + 22, cache_salt="tenant-a", model_revision="r2"),
+              Engine(daemon.socket_path, "blocks", seed=SEED + 23, cache_salt="tenant-a")]
+    try:
+        saver.connector.save("r", tokens, [0, 1, 2, 3])
+        saver.connector.request_finished("r")
+        saver.settle()
+        assert [engine.connector.lookup(tokens) for engine in others] == [0, 0, 0]
+        same = Engine(daemon.socket_path, "pool", seed=SEED + 24, cache_salt="tenant-a")
+        try:
+            assert same.connector.lookup(tokens) == 4 * P
+        finally:
+            same.close()
+        with connect(daemon.socket_path) as client:
+            assert len(client.status()["namespaces"]) == 4
+    finally:
+        for engine in [saver, *others]:
+            engine.close()
+
+
+def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
+    """With a fence margin longer than the session timeout no DMA may start: every save page is
+    skipped, counted under its cause, shown in the daemon's status, and nothing is published; a
+    load is not started either and reports its blocks failed."""
+    rng = np.random.default_rng(SEED + 7)
+    engine = Engine(daemon.socket_path, "layer", seed=SEED + 7,
+                    config=ConnectorConfig(fence_margin_s=60.0, report_interval_s=0))
+    try:
+        tokens = random_tokens(rng, 5 * P)
+        engine.connector.save("r", tokens, [0, 1, 2, 3, 4])
+        engine.connector.request_finished("r")
+        engine.settle()
+        stats = engine.connector.stats()
+        assert stats["save_skipped_pages_session_margin"] == 5 and stats.get("committed_pages", 0) == 0
+        assert engine.connector.lookup(tokens) == 0
+        engine.connector.flush_report()
+        assert session_counters(daemon, f"layer-{SEED + 7}")["save_skipped_pages_session_margin"] == 5
+    finally:
+        engine.close()
+
+
+def test_pages_the_daemon_cannot_reserve_are_counted_as_skipped():
+    """A prefix longer than the L2 arena: the pages the daemon could not reserve are skipped (cause
+    no_space), the rest committed; pages beyond the tokens the request's lease was taken for are
+    skipped as beyond_lease. Every lacking page is accounted for."""
+    daemon = DaemonProcess(l2_size="8MiB").start()        # 4 arenas of 2 MiB: 32 pages of 64 KiB
+    engine = None
+    try:
+        engine = Engine(daemon.socket_path, "layer", seed=SEED + 8, num_blocks=48, layers=4, heads=4, head_dim=64)
+        rng = np.random.default_rng(SEED + 8)
+        tokens = random_tokens(rng, 40 * P)
+        engine.connector.save("long", tokens, np.arange(40))
+        engine.connector.request_finished("long")
+        short = random_tokens(rng, 2 * P)
+        engine.connector.load("short", short[:P], [], 0)                 # lease for one page only
+        engine.connector.save("short", short, [40, 41])
+        engine.connector.request_finished("short")
+        engine.settle()
+        stats = engine.connector.stats()
+        assert stats["save_skipped_pages_no_space"] + stats["committed_pages"] == 40 + 1
+        assert stats["save_skipped_pages_no_space"] >= 8
+        assert stats["save_skipped_pages_beyond_lease"] == 1
+        assert stats["save_skipped_pages"] == stats["save_skipped_pages_no_space"] + 1
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()
+
+
+def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
+    """A load is queued while the session is valid; the daemon stops (SIGSTOP) until the session can
+    no longer be trusted; the completed load is then discarded (its lease may have ended while the
+    DMA read): every block is reported failed, to be recomputed, and counted."""
+    rng = np.random.default_rng(SEED + 9)
+    engine = Engine(daemon.socket_path, "layer", seed=SEED + 9)
+    try:
+        tokens = random_tokens(rng, 3 * P)
+        engine.connector.save("w", tokens, [0, 1, 2])
+        engine.connector.request_finished("w")
+        engine.settle()
+        engine.connector.load("r", tokens, [5, 6, 7], 3 * P)
+        deadline = time.monotonic() + 5.0
+        while engine.connector.stats().get("load_pages_queued", 0) < 3:
+            engine.connector.poll()      # the poll that queues the load sees it done only on a later one
+            assert time.monotonic() < deadline, "the load was never queued"
+            time.sleep(0.001)
+        stop_process(daemon.proc.pid)
+        try:
+            deadline = time.monotonic() + 5.0
+            while engine.connector.client.session_valid_for() > 0:
+                assert time.monotonic() < deadline, "the session stayed valid"
+                time.sleep(0.01)
+            engine.connector.poll()
+            results = engine.connector.finished().loads
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert results == [LoadResult("r", 0, [5, 6, 7], "session_lost")]
+        assert engine.connector.stats()["load_failed_pages_session_lost"] == 3
+    finally:
+        engine.close()
