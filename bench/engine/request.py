@@ -50,6 +50,7 @@ class Request:
     num_registered_blocks: int = 0         # leading blocks known to the prefix cache (or tried)
     num_cached_tokens: int = 0             # the engine's own prefix-cache hit at admission
     num_loaded_tokens: int = 0             # tokens the connector loaded at admission
+    num_prefilled_tokens: int = 0          # tokens prefill computed (over preemptions too)
     load_start_token: int = 0
     num_preemptions: int = 0
     first_token_s: float | None = None

@@ -72,6 +72,7 @@ class Scheduler:
         complete = []
         for request, num_tokens in chunks:
             request.num_computed_tokens += num_tokens
+            request.num_prefilled_tokens += num_tokens
             self._register_blocks(request)
             if request.num_computed_tokens == len(request.token_ids):
                 num_full_blocks = len(request.token_ids) // self.block_size

@@ -88,11 +88,13 @@ def test_batched_requests_each_get_the_tokens_they_get_alone(tmp_path):
 
 def test_preempted_requests_get_the_tokens_they_get_alone(tmp_path):
     """With too few blocks for every request to decode to its end, requests are preempted and
-    recomputed, and each still gets the tokens it gets alone; every block comes back."""
+    recomputed, and each still gets the tokens it gets alone; every block comes back. (The last
+    request, with a 48-token prompt, needs a block at the first decode step, so a request already
+    in that step's batch is preempted.)"""
     seed = 1300
-    engine = engine_on(hf_model(seed), tmp_path, num_blocks=10)
+    engine = engine_on(hf_model(seed), tmp_path, num_blocks=9)
     generator = torch.Generator().manual_seed(seed)
-    prompts = [random_prompt(generator, 40) for _ in range(3)]      # 3 blocks each, 5 at the end
+    prompts = [random_prompt(generator, n) for n in (40, 40, 48)]     # 3 blocks each, 6 at the end
     alone = [solo_run(engine, p, 40) for p in prompts]
     requests = engine.generate(prompts, 40)
     assert engine.scheduler.num_preemptions > 0, f"seed {seed}: nothing was preempted"

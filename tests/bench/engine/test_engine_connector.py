@@ -77,6 +77,7 @@ def test_loaded_blocks_give_the_tokens_of_a_cold_run(tmp_path):
     run_to_idle(engine)
     assert (short.num_cached_tokens, short.num_loaded_tokens) == (0, 32), f"seed {seed}"
     assert (full.num_cached_tokens, full.num_loaded_tokens) == (32, 32), f"seed {seed}"
+    assert (short.num_prefilled_tokens, full.num_prefilled_tokens) == (1, 6), f"seed {seed}: loaded tokens recomputed"
     assert connector.counters["loaded_pages"] == 4, f"seed {seed}"
     assert_same_output(short, cold_short, seed)
     assert_same_output(first, cold, seed)
@@ -97,6 +98,7 @@ def test_blocks_a_load_did_not_fill_are_recomputed(tmp_path):
     engine.reset_prefix_cache()
     (partial,) = engine.generate([prompt], 6)
     assert partial.num_loaded_tokens == 16 and connector.counters["loaded_pages"] == 1, f"seed {seed}"
+    assert partial.num_prefilled_tokens == 70 - 16, f"seed {seed}"
     assert_same_output(partial, cold, seed)
 
 
