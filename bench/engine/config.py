@@ -28,10 +28,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token in bf16, all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """KV bytes of one token, all layers (bf16 by default)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf(cls, path: str) -> "ModelConfig":

@@ -26,7 +26,7 @@ from bench.engine.scheduler import PrefillChunk, Scheduler
 
 
 class Engine:
-    def __init__(self, model: Qwen3Model, config: EngineConfig, connector: EngineConnector | None = None):
+    def __init__(self, model: Qwen3Model, config: EngineConfig):
         self.model = model
         self.config = config
         self.device = model.device
@@ -38,7 +38,7 @@ class Engine:
                                       dtype=model.dtype, device=self.device) for _ in range(mc.num_layers)]
         backend = config.decode_backend
         self.decode_backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
-        self.scheduler = Scheduler(config, connector)
+        self.scheduler = Scheduler(config)
         self._next_request_id = itertools.count()
         self._requests: dict[int, Request] = {}
 
