@@ -21,6 +21,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40_960
+    qk_norm: bool = True               # Qwen3's RMSNorm of each head's q and k; False: Llama's architecture
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -34,15 +35,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path: str) -> "ModelConfig":
-        """Read a Hugging Face Qwen3 ``config.json`` (a file, or the directory holding it)."""
+        """Read a Hugging Face ``config.json`` (a file, or the directory holding it) of Qwen3, or of
+        Llama (Qwen3 without the q/k norms: small real checkpoints of it exist, e.g. SmolLM2)."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as f:
             hf = json.load(f)
-        if hf.get("model_type") != "qwen3":
-            raise ValueError(f"{path}: model_type {hf.get('model_type')!r}, not 'qwen3'")
-        if hf.get("attention_bias"):
-            raise ValueError(f"{path}: attention biases are not supported")
+        if hf.get("model_type") not in ("qwen3", "llama"):
+            raise ValueError(f"{path}: model_type {hf.get('model_type')!r}, not 'qwen3' or 'llama'")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError(f"{path}: biases are not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
         rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
         rope_type = (hf.get("rope_scaling") or hf.get("rope_parameters") or {}).get("rope_type", "default")
         if rope_type != "default":
@@ -53,7 +57,7 @@ class ModelConfig:
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                    rope_theta=float(rope_theta), rms_norm_eps=hf["rms_norm_eps"],
                    tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                   max_position_embeddings=hf["max_position_embeddings"])
+                   max_position_embeddings=hf["max_position_embeddings"], qk_norm=hf["model_type"] == "qwen3")
 
 
 # The released Qwen3 shapes, and one small enough for CPU tests.

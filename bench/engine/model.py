@@ -1,5 +1,5 @@
 """A Qwen3 decoder over the paged KV cache: RMSNorm, q/k norm, RoPE, GQA, SwiGLU, tied or untied
-embeddings. Projections are fused (one QKV matrix, one gate+up matrix); the numerics otherwise
+embeddings (without the q/k norm: Llama's architecture, for small real checkpoints). Projections are fused (one QKV matrix, one gate+up matrix); the numerics otherwise
 follow Hugging Face transformers' Qwen3 step for step (the norms compute in fp32 and cast back,
 RoPE's cos/sin are cast to the activations' dtype). Weights are random (``init_random``) or read
 from a safetensors directory with Hugging Face names (``load_safetensors``)."""
@@ -54,8 +54,8 @@ class DecoderLayer(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.input_norm = _empty(config.hidden_size, dtype=dtype, device=device)
         self.qkv_proj = _empty(q_size + 2 * kv_size, config.hidden_size, dtype=dtype, device=device)
-        self.q_norm = _empty(config.head_dim, dtype=dtype, device=device)
-        self.k_norm = _empty(config.head_dim, dtype=dtype, device=device)
+        self.q_norm = _empty(config.head_dim, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = _empty(config.head_dim, dtype=dtype, device=device) if config.qk_norm else None
         self.o_proj = _empty(config.hidden_size, q_size, dtype=dtype, device=device)
         self.post_attention_norm = _empty(config.hidden_size, dtype=dtype, device=device)
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
@@ -67,8 +67,9 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         q, k, v = F.linear(h, self.qkv_proj).split(self.split_sizes, dim=-1)
-        q = rms_norm(q.view(num_tokens, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps)
-        k = rms_norm(k.view(num_tokens, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
+        q, k = q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(kv_cache, k, v, slot_mapping)
@@ -176,12 +177,12 @@ class Qwen3Model(nn.Module):
                 p + "self_attn.k_proj.weight": layer.qkv_proj[q_size: q_size + kv_size],
                 p + "self_attn.v_proj.weight": layer.qkv_proj[q_size + kv_size:],
                 p + "self_attn.o_proj.weight": layer.o_proj,
-                p + "self_attn.q_norm.weight": layer.q_norm,
-                p + "self_attn.k_norm.weight": layer.k_norm,
                 p + "mlp.gate_proj.weight": layer.gate_up_proj[: c.intermediate_size],
                 p + "mlp.up_proj.weight": layer.gate_up_proj[c.intermediate_size:],
                 p + "mlp.down_proj.weight": layer.down_proj,
             })
+            if c.qk_norm:
+                targets.update({p + "self_attn.q_norm.weight": layer.q_norm, p + "self_attn.k_norm.weight": layer.k_norm})
         return targets
 
 

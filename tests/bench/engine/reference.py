@@ -4,21 +4,24 @@ its weights (read through the safetensors loader), greedy decoding with transfor
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from bench.engine import Engine, EngineConfig, load_model
 
 VOCAB_SIZE = 512
 
 
-def hf_model(seed: int, tie_word_embeddings: bool = False) -> Qwen3ForCausalLM:
-    """Two layers, GQA 4:2, head_dim 16, fp32. initializer_range 0.1 so that logits are not flat."""
+def hf_model(seed: int, tie_word_embeddings: bool = False, architecture: str = "qwen3") -> Qwen3ForCausalLM:
+    """Two layers, GQA 4:2, head_dim 16, fp32. initializer_range 0.1 so that logits are not flat.
+    architecture "llama": the same without the q/k norms."""
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         tie_word_embeddings=tie_word_embeddings, initializer_range=0.1,
-                         attn_implementation="sdpa")
-    return Qwen3ForCausalLM(config).eval()
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
+    config = config_class(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                          tie_word_embeddings=tie_word_embeddings, initializer_range=0.1,
+                          attn_implementation="sdpa")
+    return model_class(config).eval()
 
 
 def engine_on(hf: Qwen3ForCausalLM, directory, **config) -> Engine:

@@ -21,13 +21,15 @@ def solo_run(engine: Engine, prompt: list[int], max_new_tokens: int):
     return request
 
 
-@pytest.mark.parametrize("tie_word_embeddings", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("max_prefill_tokens", [4096, 24], ids=["one-chunk", "chunks-of-24"])
-def test_prefill_and_decode_match_transformers(tmp_path, tie_word_embeddings, max_prefill_tokens):
-    """The engine's logits at every sampled position are those of transformers' Qwen3 within 1e-4,
-    and its greedy tokens are transformers' greedy tokens, whole-prompt or chunked prefill."""
-    seed = 1000 + 10 * tie_word_embeddings + (max_prefill_tokens == 24)
-    hf = hf_model(seed, tie_word_embeddings)
+@pytest.mark.parametrize("architecture, tie_word_embeddings, max_prefill_tokens", [
+    ("qwen3", False, 4096), ("qwen3", True, 4096), ("qwen3", False, 24), ("qwen3", True, 24), ("llama", True, 24)],
+    ids=["untied", "tied", "untied-chunks-of-24", "tied-chunks-of-24", "llama-tied-chunks-of-24"])
+def test_prefill_and_decode_match_transformers(tmp_path, architecture, tie_word_embeddings, max_prefill_tokens):
+    """The engine's logits at every sampled position are those of transformers' Qwen3 (or Llama)
+    within 1e-4, and its greedy tokens are transformers' greedy tokens, whole-prompt or chunked
+    prefill."""
+    seed = 1000 + 10 * tie_word_embeddings + (max_prefill_tokens == 24) + 100 * (architecture == "llama")
+    hf = hf_model(seed, tie_word_embeddings, architecture)
     engine = engine_on(hf, tmp_path, max_prefill_tokens=max_prefill_tokens, keep_logits=True)
     prompt = random_prompt(torch.Generator().manual_seed(seed), 53)
     (request,) = engine.generate([prompt], max_new_tokens=8)
