@@ -5,7 +5,8 @@ same shape; it is not part of the installed packages.
 
     model.py          the Qwen3 decoder (fused QKV and gate+up); random weights from a preset
                       ("qwen3-4b", "qwen3-8b", "qwen3-32b", "tiny") or a ModelConfig, or real ones
-                      from a Hugging Face safetensors directory: ``load_model(source, dtype, device)``
+                      from a Hugging Face safetensors directory (Qwen3, or Llama: Qwen3 without
+                      the q/k norms): ``load_model(source, dtype=, device=, seed=)``
     attention.py      SDPA prefill over cached prefix + new tokens; paged decode (Triton, and the
                       torch reference); KV stores
     block_manager.py  the block allocator and the GPU prefix cache (hash chain, LRU eviction)
