@@ -542,7 +542,8 @@ class DaemonState:
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
-            self.metrics.add(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space")
+            self._count_skip(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space",
+                             f"no free {destination.label} page for a {'write-through' if destination is Tier.L3 else 'promotion'}")
             return None
         count = len(private_page_ids)
         page_size = namespace.geometry.page_size
@@ -553,6 +554,12 @@ class DaemonState:
             private_page_ids=private_page_ids, locks=locks)
         self.moves[move.op_id] = move
         return move
+
+    def _count_skip(self, counter: str, message: str) -> None:
+        """A copy to another tier not made: counted (status shows it), logged the first time."""
+        if not self.metrics.counters[counter]:
+            logger.warning("%s (counted as %s; each further one is counted, not logged)", message, counter)
+        self.metrics.add(counter)
 
     def pending_moves(self, direction: str) -> int:
         return sum(move.direction == direction for move in self.moves.values())
@@ -586,8 +593,10 @@ class DaemonState:
         else:
             move.transition(OpState.FAILED)
             allocator.free(move.private_page_ids)
-            if not ok:      # skipped: never started (policy), not an I/O failure
-                self.metrics.add(f"{move.direction}_{'policy_skips' if skipped else 'failures'}")
+            if skipped:     # never started (policy), not an I/O failure
+                self._count_skip(f"{move.direction}_policy_skips", f"a {move.direction} move was skipped (backlog)")
+            elif not ok:
+                self.metrics.add(f"{move.direction}_failures")
         move.private_page_ids = []
         for node, tier in move.locks:
             namespace.tree.unlock(node, tier)
