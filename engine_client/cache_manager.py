@@ -152,9 +152,9 @@ class CacheManager:
                 restore_seconds = time.perf_counter() - started
                 num_loaded = result.num_tokens // page_size
             if not backup:                  # nothing to save: the lease ends now
-                self.connector.request_finished(request_id)
+                self._end_request(request_id)
         except BaseException:
-            self.connector.request_finished(request_id)
+            self._end_request(request_id)   # nothing of it writes the pages freed below any more
             self.l1_index.unlock(l1_page_ids)
             self.l1_pool.free(new_l1_page_ids)
             raise
@@ -202,9 +202,12 @@ class CacheManager:
         saved = 0
         try:
             if plan.request_id is not None:
+                request_id, plan.request_id, plan.lease_id = plan.request_id, None, None
                 committed_before = self.stats().get("committed_pages", 0)
-                self.connector.save(plan.request_id, plan.token_ids, plan.l1_page_ids + new_full)
-                self._end_request(plan)
+                try:
+                    self.connector.save(request_id, plan.token_ids, plan.l1_page_ids + new_full)
+                finally:
+                    self._end_request(request_id)
                 saved = self.stats().get("committed_pages", 0) - committed_before
         finally:
             if new_full:
@@ -222,18 +225,17 @@ class CacheManager:
         """Give up a request: end its lease, free its new pages, unlock its cached ones."""
         self._check_open(plan)
         try:
-            self._end_request(plan)
+            if plan.request_id is not None:
+                request_id, plan.request_id, plan.lease_id = plan.request_id, None, None
+                self._end_request(request_id)
         finally:
             self.l1_index.unlock(plan.l1_page_ids)
             self.l1_pool.free(plan.new_l1_page_ids)
             self._close_plan(plan)
 
-    def _end_request(self, plan: RequestPlan) -> None:
-        """request_finished, then wait (bounded) until the connector has ended the lease: its saves
-        done and committed, or the lease released."""
-        if plan.request_id is None:
-            return
-        request_id, plan.request_id, plan.lease_id = plan.request_id, None, None
+    def _end_request(self, request_id: int) -> None:
+        """request_finished, then wait (bounded) until the connector has ended the request: its
+        transfers done, its saves committed or its lease released."""
         self.connector.request_finished(request_id)
         deadline = time.monotonic() + self.connector.config.reply_timeout_s
         while self.connector.is_open(request_id):

@@ -340,8 +340,7 @@ class _Channel:
 class PendingMatch:
     """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
 
-    kind = MsgKind.MATCH
-    reply_type: type = MatchReply
+    kind = MsgKind.MATCH       # lookups are matches too (lock=false)
 
     def __init__(self, channel: _Channel, request_id: int, generation: int,
                  on_not_attached: Callable[[int, str], None] | None = None):
@@ -371,7 +370,7 @@ class PendingMatch:
             if exc.code == ErrorCode.NOT_ATTACHED and self._on_not_attached is not None:
                 self._on_not_attached(self.generation, exc.message)
             raise
-        return from_wire(self.reply_type, body)
+        return from_wire(MatchReply, body)
 
     def cancel(self) -> None:
         """Give the request up: the lease of its reply, whenever that comes, is released."""
