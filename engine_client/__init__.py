@@ -1,8 +1,9 @@
-"""What runs inside an engine: the daemon client, the L1 pool and index, transfers, the cache manager."""
+"""What runs inside an engine: the daemon client (here), the connector (``engine_client.connector``,
+the engine API), KV layouts and transfers, and the reference cache manager built on the connector."""
 
-from engine_client.client import (AttachInfo, Connection, ConnectionState, DaemonDown, DaemonError,
-                                  DaemonUnavailable, KVCacheClient, MatchReply, connect)
+from engine_client.client import Connection, ConnectionState, DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, connect
 from proto.messages import KVGeometry
+from proto.replies import AttachInfo, MatchReply
 
 __all__ = ["AttachInfo", "Connection", "ConnectionState", "DaemonDown", "DaemonError", "DaemonUnavailable",
            "KVCacheClient", "KVGeometry", "MatchReply", "connect"]

@@ -11,11 +11,11 @@ Outages. The client's connection is in one of the states of ``ConnectionState``,
 place (``KVCacheClient._transition``). The heartbeat thread learns that the daemon is gone from
 a heartbeat whose reply does not come, or from the daemon's SHUTDOWN message (sent to each
 socket of a live session when it stops); the connection is then DOWN, and a request that would
-wait for the daemon (match, reserve) raises ``DaemonDown`` at once, without sending anything.
+wait for the daemon (a match, a lookup) raises ``DaemonDown`` at once, without sending anything.
 While DOWN, the heartbeat thread keeps probing, off every request's path: a heartbeat answered
 for the old session resumes it; a daemon that no longer knows it (restarted, or it expired the
 session) gets a new ATTACH with the same geometry, a new session of the next ``generation``.
-Objects that hold pages of a session (the cache manager) tag what they do with its generation,
+Objects that hold pages of a session (the connector) tag what they do with its generation,
 learn of a re-attach from ``add_reattach_listener``, and say when nothing of theirs will write
 the ended session's pages any more (``mark_drained``): only then does the ATTACH name that
 session (``previous_session_id``). One warning per outage, one info line when it ends.
@@ -35,9 +35,10 @@ import numpy as np
 import zmq
 
 from proto import codec
-from proto.errors import ErrorCode
+from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
 from proto.paths import default_socket_path
+from proto.replies import AttachInfo, MatchReply, from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SPIN_S = 200e-6       # busy-wait this long for a reply before blocking
 MAX_PENDING_ASYNC = 100_000
 # Requests whose reply may carry a lease: a reply nobody waits for any more must end it.
-LEASE_KINDS = (MsgKind.MATCH, MsgKind.RESERVE_PAGES)
+LEASE_KINDS = (MsgKind.MATCH,)
 # A heartbeat not answered within this many heartbeat intervals means the daemon is down.
 HEARTBEAT_REPLY_INTERVALS = 2.0
 # While a session request waits, how often it checks whether the connection went down meanwhile.
@@ -96,20 +97,6 @@ class DaemonError(Exception):
         super().__init__(f"{kind.name if kind else 'request'} refused: {name}: {message}")
 
 
-class AttachInfo(NamedTuple):
-    session_id: int
-    namespace_id: int
-    shm_path: str
-    arena_offset_bytes: int
-    num_pages: int
-    bytes_per_page: int
-    heartbeat_interval_s: float
-    session_timeout_s: float
-    max_frame_bytes: int
-    daemon_pid: int
-    protocol_version: int
-
-
 class Connection(NamedTuple):
     """One consistent view of the client's connection (replaced whole at each transition)."""
 
@@ -119,25 +106,6 @@ class Connection(NamedTuple):
     since: float                    # time.monotonic() when this state was entered
     reason: str = ""                # why DOWN
     session_ended: bool = False     # DOWN, and the daemon surely no longer knows the session
-
-
-class MatchReply(NamedTuple):
-    hit_tokens: dict[str, int]
-    lease_id: int | None
-    host_page_ids: list[int]
-    backup_start_token: int
-    backup_page_ids: list[int]
-    promoted_tokens: int = 0
-    host_page_epochs: list[int] = []      # allocation epochs of host_page_ids (see reserve_pages)
-    backup_page_epochs: list[int] = []
-
-
-class Reservation(NamedTuple):
-    """Private L2 pages held by a standing lease (``KVCacheClient.reserve_pages``)."""
-
-    lease_id: int | None           # None: the daemon had no page to give
-    page_ids: list[int]
-    page_epochs: list[int]         # each page's allocation epoch, to recognise it later (L2Hints)
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -225,16 +193,15 @@ class _Channel:
                 generation: int | None = None) -> dict[str, Any]:
         return self.wait_for(self.begin(kind, body), kind, timeout_s, generation)
 
-    def begin(self, kind: MsgKind, body: dict[str, Any], urgent: bool = True) -> int:
+    def begin(self, kind: MsgKind, body: dict[str, Any]) -> int:
         """Send a request whose reply ``wait_for`` will collect; replies that arrive meanwhile
-        (while other requests are waited for) are kept for it. urgent=False: the reply is not
-        awaited soon, so the request may leave whenever ZeroMQ's I/O thread next runs."""
+        (while other requests are waited for) are kept for it."""
         request_id = self.send(kind, body)
         self.awaited[request_id] = None
-        if urgent and self.yield_after_send:
+        if self.yield_after_send:
             # ZeroMQ's I/O thread writes the request to the socket. Sharing the engine thread's CPU
-            # (connect's cpu), it would wait for whatever the engine does next (say, the gather
-            # that a pipelined backup overlaps with this round trip) unless it gets the CPU now.
+            # (connect's cpu), it would wait for whatever the engine does next (say, the gathers
+            # queued while the reply is on its way) unless it gets the CPU now.
             os.sched_yield()
         return request_id
 
@@ -308,13 +275,11 @@ class _Channel:
             return None
 
     def drain(self) -> None:
-        """Collect error replies to earlier fire-and-forget requests without waiting."""
-        while True:
-            try:
-                frame = codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._absorb(frame)
+        """Take in what the socket holds without waiting: error replies to earlier fire-and-forget
+        requests, replies to awaited ones. (Asking ZMQ_EVENTS first: an empty socket's zmq.Again
+        costs tens of microseconds, and a scheduler drains once per step.)"""
+        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._absorb(codec.decode(self.socket.recv(flags=zmq.NOBLOCK)))
 
     def _absorb(self, frame: codec.Frame) -> None:
         if frame.kind == MsgKind.SHUTDOWN:       # unsolicited: no request of ours is answered by it
@@ -345,7 +310,7 @@ class _Channel:
             del self.pending_async[request_id]
 
     def abandoned_matches(self) -> int:
-        """Given-up matches and reservations whose replies (and leases) may still come. One given up longer ago than
+        """Given-up matches whose replies (and leases) may still come. One given up longer ago than
         the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
         reclaims whatever it held."""
         horizon = time.monotonic() - self.timeout_s
@@ -375,8 +340,7 @@ class _Channel:
 class PendingMatch:
     """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
 
-    kind = MsgKind.MATCH
-    reply_type: type = MatchReply
+    kind = MsgKind.MATCH       # lookups are matches too (lock=false)
 
     def __init__(self, channel: _Channel, request_id: int, generation: int,
                  on_not_attached: Callable[[int, str], None] | None = None):
@@ -406,8 +370,7 @@ class PendingMatch:
             if exc.code == ErrorCode.NOT_ATTACHED and self._on_not_attached is not None:
                 self._on_not_attached(self.generation, exc.message)
             raise
-        fields = self.reply_type._fields
-        return self.reply_type(**{f: body[f] for f in fields if f in body})
+        return from_wire(MatchReply, body)
 
     def cancel(self) -> None:
         """Give the request up: the lease of its reply, whenever that comes, is released."""
@@ -423,13 +386,6 @@ class PendingMatch:
             self.cancel()
         except Exception:
             pass
-
-
-class PendingReservation(PendingMatch):
-    """A reservation sent by ``KVCacheClient.reserve_pages_async``; ``result()`` is a Reservation."""
-
-    kind = MsgKind.RESERVE_PAGES
-    reply_type = Reservation
 
 
 class KVCacheClient:
@@ -619,7 +575,7 @@ class KVCacheClient:
         try:
             sent = time.monotonic()
             body = channel.request(MsgKind.ATTACH, self._attach_body(geometry))
-            info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+            info = from_wire(AttachInfo, body)
         except BaseException:
             channel.close()
             raise
@@ -726,7 +682,12 @@ class KVCacheClient:
         except DaemonUnavailable:
             channel.close()
             return self._heartbeat_channel()
-        info = AttachInfo(**{f: body[f] for f in AttachInfo._fields})
+        try:
+            info = from_wire(AttachInfo, body)
+        except ProtocolError as exc:
+            self._transition(ended, ConnectionState.DOWN, reason=f"re-attach reply unusable: {exc}",
+                             session_ended=True)
+            return channel
         self._session_confirmed_at = sent
         if self._transition(ended, ConnectionState.ATTACHED, info=info):
             for listener in list(self._reattach_listeners):
@@ -747,7 +708,7 @@ class KVCacheClient:
     def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
                     promote_l3: bool = True, generation: int | None = None) -> PendingMatch:
         """Send a match now and collect its reply later (``result()``), so that the round trip
-        overlaps the engine's own work, e.g. the gather of a backup (TransferEngine.start_backup).
+        overlaps the engine's own work (the connector sends a step's matches together).
         Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
         ``generation``: the session it is for (DaemonDown at once if that one has ended)."""
         session_id, generation = self._session(generation, live=True)
@@ -809,33 +770,6 @@ class KVCacheClient:
             return False
         self._channel.send_async(kind, {"session_id": session[0], **body})
         return True
-
-    def reserve_pages(self, num_pages: int, generation: int | None = None) -> Reservation:
-        """A standing lease on up to num_pages private L2 pages (fewer, or none, when the daemon
-        cannot free that many), into which backups are written before their prefix is known to
-        the daemon: a backup then needs no round trip before its DMA (``commit_pages``). The pages
-        stay this session's until committed, released with the lease, or reclaimed."""
-        return self.reserve_pages_async(num_pages, generation=generation).result()
-
-    def reserve_pages_async(self, num_pages: int, urgent: bool = True,
-                            generation: int | None = None) -> PendingReservation:
-        """Like ``reserve_pages``, collected later; urgent=False for a top-up whose reply is not
-        waited for soon (the send then costs the caller less)."""
-        if type(num_pages) is not int or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
-        session_id, generation = self._session(generation, live=True)
-        request_id = self._channel.begin(MsgKind.RESERVE_PAGES, {"session_id": session_id,
-                                                                 "num_pages": num_pages}, urgent)
-        return PendingReservation(self._channel, request_id, generation, self._on_not_attached)
-
-    def commit_pages(self, lease_id: int, token_ids: Sequence[int] | np.ndarray, start_page: int,
-                     host_page_ids: Sequence[int], generation: int | None = None) -> bool:
-        """Publish pages of a standing lease, written (and waited for) with pages [start_page,
-        start_page + n) of the prefix token_ids; without waiting. The pages leave the lease: the
-        daemon keeps those it lacks and frees the rest; a lease left with no pages ends."""
-        return self._send_async(MsgKind.COMMIT_PAGES, {
-            "lease_id": lease_id, "token_ids": token_bytes(token_ids), "start_page": start_page,
-            "host_page_ids": [int(p) for p in host_page_ids]}, generation)
 
     def report(self, report: dict[str, Any]) -> bool:
         """Tell the daemon facts about this engine (e.g. transfer backends); shown in its status."""

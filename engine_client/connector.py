@@ -27,6 +27,15 @@ before its DMA was seen complete is discarded, its blocks reported failed, to be
 
 Nothing is skipped silently: a page a save could not write, or a load could not fill, is counted
 by cause (``stats()``), logged once per cause, and reported to the daemon, whose status shows it.
+While the daemon is down (``DaemonDown``: the client logs each outage once) requests skip it at
+once, counted under ``daemon_down``.
+
+Re-attach. When the client attaches a new session (the daemon restarted, or ended the old one),
+the new session's L2 pool is mapped and pinned on a thread of its own; ``poll`` swaps it in once
+no transfer is in flight and unmaps the old one. Until then new requests skip the daemon, and a
+request of the ended session moves nothing and ends nothing: its pages and lease went with it.
+While the client is down, ``poll`` says when nothing writes the ended session's pages any more
+(``KVCacheClient.mark_drained``), so that the re-attach lets the daemon free them.
 
 Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
 moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
@@ -39,17 +48,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch, token_bytes
+from engine_client.client import (DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch,
+                                  token_bytes)
 from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from engine_client.shared_pool import SharedHostPool
+from proto.errors import ErrorCode
 from proto.messages import KVGeometry
+from proto.replies import AttachInfo
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +87,16 @@ class LoadResult(NamedTuple):
     @property
     def ok(self) -> bool:
         return not self.failed_block_ids
+
+
+class RequestLease(NamedTuple):
+    """What a request's match gave it (``KVConnector.wait_for_match``)."""
+
+    lease_id: int | None               # None: nothing leased (nothing hit or reserved, or no match)
+    hit_tokens: int                    # leading tokens its loads can fill: the L2 hit (L3 promotions in)
+    host_page_ids: np.ndarray          # the hit's L2 pages, locked by the lease
+    reserved_page_ids: np.ndarray      # private L2 pages its saves write, pages hit_tokens // page_size on
+    failure: str | None                # why the match failed (None when it did not)
 
 
 class Finished(NamedTuple):
@@ -119,6 +142,9 @@ class PrefixLookup:
         self.counters["lookups"] += 1
         try:
             return PendingLookup(self, self.client.lookup_async(token_ids, tp_group=self.tp_group), len(token_ids))
+        except DaemonDown:                  # the client logs the outage once
+            self.counters["lookup_failures_daemon_down"] += 1
+            return PendingLookup(self, None, len(token_ids))
         except DaemonUnavailable as exc:
             self._failed("lookup_failures_unavailable", exc)
             return PendingLookup(self, None, len(token_ids))
@@ -130,6 +156,9 @@ class PrefixLookup:
     def _hit_of(self, pending: PendingMatch, timeout_s: float | None) -> int:
         try:
             reply = pending.result(timeout_s)
+        except DaemonDown:
+            self.counters["lookup_failures_daemon_down"] += 1
+            return 0
         except DaemonUnavailable as exc:
             self._failed("lookup_failures_unavailable", exc)
             return 0
@@ -199,6 +228,13 @@ class _Request:
 # ---- the connector ------------------------------------------------------------------------------
 
 
+def _open_pool(layout: KVLayout, geometry: KVGeometry, info: AttachInfo) -> SharedHostPool:
+    """Map a session's L2 pool; on CUDA pin it for the device of the engine's tensors."""
+    is_cuda = layout.device.type == "cuda"
+    return SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
+                               pin=is_cuda, device=layout.device if is_cuda else None)
+
+
 class KVConnector:
     """One engine rank's connector to the daemon; see the module note. Not thread-safe: one
     scheduler thread calls it."""
@@ -222,6 +258,14 @@ class KVConnector:
         self._reported_at = 0.0
         self._warned: set[str] = set()
         self._closed = False
+        # The session whose pool is mapped (host_pool): every lease and page id in use is its.
+        self._generation = client.generation
+        self._session: AttachInfo = client.info
+        # A re-attach's pool, mapped in the background (_open_next_pool), swapped in by poll.
+        self._next_lock = threading.Lock()
+        self._next_pool: tuple[int, AttachInfo, SharedHostPool] | None = None
+        self._remap_threads: list[threading.Thread] = []
+        client.add_reattach_listener(self._on_reattach)
         self._report(force=True)
 
     @classmethod
@@ -237,9 +281,7 @@ class KVConnector:
                                    dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, model_revision=model_revision,
                                    cache_salt=cache_salt)
         info = client.attach(geometry)
-        is_cuda = layout.device.type == "cuda"
-        host_pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
-                                        pin=is_cuda, device=layout.device if is_cuda else None)
+        host_pool = _open_pool(layout, geometry, info)
         try:
             transfer = KVTransfer(layout, host_pool, backend=config.backend, workspace_bytes=config.workspace_bytes)
         except BaseException:
@@ -322,9 +364,11 @@ class KVConnector:
 
     def poll(self) -> None:
         """Take in the daemon's replies, queue the transfers they allow, see which are done, end
-        the leases of finished requests. Never waits."""
+        the leases of finished requests; after a re-attach, swap in the new session's pool once it
+        is mapped. Never waits."""
         for request in list(self._requests.values()):
             self._advance(request)
+        self._follow_session()
         self._count_refusals(self.client.poll_errors())
         self._report()
 
@@ -339,7 +383,8 @@ class KVConnector:
     def _count_refusals(self, errors) -> None:
         for error in errors:
             self.counters[f"daemon_refusals_{getattr(error.kind, 'name', 'request').lower()}"] += 1
-            logger.warning("the daemon refused a request: %s", error)
+            if error.code != ErrorCode.NOT_ATTACHED:    # sent for a session that ended since: the
+                logger.warning("the daemon refused a request: %s", error)   # end was logged already
 
     def finished(self) -> Finished:
         """Loads completed (or failed) and requests released since the last call; polls first."""
@@ -373,6 +418,20 @@ class KVConnector:
         """Requests whose lease has not ended yet (finished or not)."""
         return len(self._requests)
 
+    def is_open(self, request_id: Hashable) -> bool:
+        """Whether the request's lease has not ended yet (finished or not)."""
+        return request_id in self._requests
+
+    def wait_for_match(self, request_id: Hashable, timeout_s: float | None = None) -> RequestLease:
+        """What the open request's match gave it, waiting for the reply on the host if it has not
+        come (at most timeout_s, default reply_timeout_s), then queueing what it allows. For a
+        blocking caller (the reference ``CacheManager``); a scheduler polls instead."""
+        request = self._requests[request_id]
+        self._take_reply(request, self.config.reply_timeout_s if timeout_s is None else timeout_s)
+        self._advance(request)
+        return RequestLease(request.lease_id, request.hit_pages * self.page_size, request.host_page_ids.copy(),
+                            request.reserved.copy(), request.failure)
+
     def leased_pages(self, request_id: Hashable) -> np.ndarray | None:
         """The L2 pages of an open request's locked hit, in order (None before the reply; diagnostics)."""
         request = self._requests.get(request_id)
@@ -391,15 +450,15 @@ class KVConnector:
             return request
         tokens = self._tokens(token_ids)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
-        pending, failure = None, None
-        session_id = self._session_id()     # the lease, if any, is this session's
+        self._follow_session()
+        request = _Request(request_id, tokens, None, time.monotonic(), session_id=self._session.session_id)
         try:
-            pending = self.client.match_async(tokens, reserve_backup=self.config.save,
-                                              promote_l3=self.config.promote_l3)
+            # Sent for the session of the mapped pool (DaemonDown at once if that one has ended):
+            # the lease, if any, is that session's.
+            request.match = self.client.match_async(tokens, reserve_backup=self.config.save,
+                                                    promote_l3=self.config.promote_l3, generation=self._generation)
         except DaemonUnavailable as exc:
-            failure = "daemon_unavailable"
-            self._warn_once(failure, f"no match for a request: {exc}")
-        request = _Request(request_id, tokens, pending, time.monotonic(), failure, session_id)
+            self._match_failed(request, exc)
         self._requests[request_id] = request
         return request
 
@@ -414,17 +473,11 @@ class KVConnector:
                 if time.monotonic() - request.match_sent_at < self.config.reply_timeout_s:
                     return
                 pending.cancel()        # a late reply's lease is released by the client
-                request.match, request.failure = None, "no_reply"
-                self._warn_once(request.failure, f"a match had no reply within {self.config.reply_timeout_s} s")
+                self._match_failed(request, None)
                 return
             reply = pending.result(timeout_s)
-        except DaemonUnavailable as exc:
-            request.match, request.failure = None, "daemon_unavailable"
-            self._warn_once(request.failure, f"a match failed: {exc}")
-            return
-        except DaemonError as exc:
-            request.match, request.failure = None, "match_refused"
-            self._warn_once(request.failure, f"a match was refused: {exc}")
+        except (DaemonUnavailable, DaemonError) as exc:
+            self._match_failed(request, exc)
             return
         request.match = None
         request.lease_id = reply.lease_id
@@ -438,6 +491,23 @@ class KVConnector:
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
         if self.config.save and len(request.reserved) < lacking:     # skipped, by cause, at save
             self.counters["reservation_short_pages"] += lacking - len(request.reserved)
+
+    def _match_failed(self, request: _Request, exc: Exception | None) -> None:
+        """The request's match failed (exc None: no reply in time): its loads fail and its saves
+        are skipped under the cause, counted here too."""
+        if isinstance(exc, DaemonDown):
+            cause = "daemon_down"           # logged once per outage, by the client
+        elif isinstance(exc, DaemonUnavailable):
+            cause = "daemon_unavailable"
+        elif isinstance(exc, DaemonError):
+            cause = "match_refused"
+        else:
+            cause = "no_reply"
+        request.match, request.failure = None, cause
+        self.counters[f"match_failures_{cause}"] += 1
+        if cause != "daemon_down":
+            why = exc if exc is not None else f"no reply within {self.config.reply_timeout_s} s"
+            self._warn_once(cause, f"a match failed ({cause}): {why}")
 
     def _advance(self, request: _Request) -> None:
         # What was queued by an earlier call is seen done first, then what the reply allows is
@@ -473,12 +543,17 @@ class KVConnector:
             if usable < num_pages:
                 load.reason = "not_cached"      # evicted since the lookup, or this rank holds less
             if usable and not self._session_holds(request.session_id, self.config.fence_margin_s):
-                usable, load.reason = 0, "session_margin"
+                usable, load.reason = 0, self._fence_cause(request.session_id)
         if usable:
-            self.counters["load_pages_queued"] += usable
-            load.transfer = self.transfer.load(request.host_page_ids[load.start_page: load.start_page + usable],
-                                               load.block_ids[:usable], load.after)
-            load.session_id = request.session_id
+            try:
+                load.transfer = self.transfer.load(request.host_page_ids[load.start_page: load.start_page + usable],
+                                                   load.block_ids[:usable], load.after)
+            except Exception as exc:            # the blocks are recomputed; nothing else depends on them
+                self._warn_once("load_transfer_failed", f"a load's transfer failed: {exc!r}")
+                usable, load.reason = 0, "transfer_failed"
+            else:
+                self.counters["load_pages_queued"] += usable
+                load.session_id = request.session_id
         load.num_pages_queued = usable
 
     def _complete_load(self, request: _Request, load: _Load) -> None:
@@ -525,10 +600,15 @@ class KVConnector:
         if not len(todo):
             return
         if not self._session_holds(request.session_id, self.config.fence_margin_s):
-            self._skip(len(todo), "session_margin")
+            self._skip(len(todo), self._fence_cause(request.session_id))
             return
         blocks = save.block_ids[todo + request.hit_pages - save.first_page]
-        save.transfer = self.transfer.save(blocks, request.reserved[todo], save.after)
+        try:
+            save.transfer = self.transfer.save(blocks, request.reserved[todo], save.after)
+        except Exception as exc:                # never committed: the pages go back with the lease
+            self._warn_once("save_transfer_failed", f"a save's transfer failed: {exc!r}")
+            self._skip(len(todo), "transfer_failed")
+            return
         save.reserve_indices = todo
         save.session_id = request.session_id
         request.queued[todo] = True
@@ -568,16 +648,21 @@ class KVConnector:
             self._skip(stranded, "gap")      # written after a page that was not: not a prefix
         if request.lease_id is None:
             return
-        if not self._session_holds(request.session_id, 0.0):
-            if written:
-                self._skip(written, "session_lost")
-            return
+        # Every written page's DMA was seen complete while the session held (_complete_save), so a
+        # commit is sound while the daemon may still keep the session; once it ended, the daemon
+        # refuses the commit. Not sent at all for a session the client knows has ended.
         try:
-            if written:
-                self.client.commit_backup(request.lease_id, request.reserved[:written].tolist())
-                self.counters["committed_pages"] += written
+            if request.session_id != self._session.session_id:
+                sent = False        # of a session replaced by the pool's: its lease went with it
+            elif written:
+                sent = self.client.commit_backup(request.lease_id, request.reserved[:written].tolist(),
+                                                 self._generation)
             else:
-                self.client.release(request.lease_id)
+                sent = self.client.release(request.lease_id, self._generation)
+            if written and sent:
+                self.counters["committed_pages"] += written
+            elif written:
+                self._skip(written, "session_lost")
         except (DaemonUnavailable, DaemonError) as exc:
             if written:
                 self._skip(written, "commit_failed")
@@ -585,15 +670,16 @@ class KVConnector:
 
     # ---- helpers ------------------------------------------------------------------------------------
 
-    def _session_id(self) -> int | None:
-        info = self.client.info
-        return info.session_id if info is not None else None
-
     def _session_holds(self, session_id: int | None, margin_s: float) -> bool:
-        """The lease's session is still this client's, and the daemon keeps it (and so its pages)
-        for more than margin_s even if no heartbeat gets through from now on."""
-        return session_id is not None and session_id == self._session_id() \
-            and self.client.session_valid_for() > margin_s
+        """The lease's session is the mapped pool's and the client's live one, and the daemon keeps
+        it (and so its pages) for more than margin_s even if no heartbeat gets through from now on."""
+        return session_id == self._session.session_id and self.client.session_valid_for(self._generation) > margin_s
+
+    def _fence_cause(self, session_id: int | None) -> str:
+        """Why _session_holds refused: the session is gone, or not known valid for the margin."""
+        if session_id == self._session.session_id and self.client.is_attached(self._generation):
+            return "session_margin"
+        return "session_lost"
 
     def _caller_event(self):
         if self.layout.device.type != "cuda":
@@ -623,12 +709,14 @@ class KVConnector:
         """A save's pages not written: counted, logged once per cause, reported to the daemon."""
         if num_pages <= 0:
             return
-        self._warn_once(f"save_{cause}", f"save pages skipped: {cause}")
+        if cause != "daemon_down":          # an outage is logged once, by the client
+            self._warn_once(f"save_{cause}", f"save pages skipped: {cause}")
         self.counters[f"save_skipped_pages_{cause}"] += num_pages
         self.counters["save_skipped_pages"] += num_pages
 
     def _count_failure(self, num_pages: int, cause: str) -> None:
-        self._warn_once(f"load_{cause}", f"load pages not loaded (to be recomputed): {cause}")
+        if cause != "daemon_down":
+            self._warn_once(f"load_{cause}", f"load pages not loaded (to be recomputed): {cause}")
         self.counters[f"load_failed_pages_{cause}"] += num_pages
         self.counters["load_failed_pages"] += num_pages
 
@@ -641,6 +729,8 @@ class KVConnector:
     def _report(self, force: bool = False) -> None:
         """Send changed counters to the daemon (its status shows them), at most every report_interval_s."""
         now = time.monotonic()
+        if not self.client.is_attached(self._generation):
+            return                          # sent again once the session is back (or its successor's pool is in)
         if not force and now - self._reported_at < self.config.report_interval_s:
             return
         stats = self.stats()
@@ -649,7 +739,8 @@ class KVConnector:
         try:
             self.client.report({"connector": {"layout": self.layout.kind, "page_layout": self.layout.page_layout,
                                               "block_shape": list(self.layout.block_shape),
-                                              "transfer": self.transfer.report(), "counters": stats}})
+                                              "transfer": self.transfer.report(), "pin": self.host_pool.pin_report(),
+                                              "counters": stats}})
         except (DaemonUnavailable, RuntimeError) as exc:
             logger.debug("report not sent: %s", exc)
             return
@@ -659,14 +750,73 @@ class KVConnector:
         """Send the counters now (tests, shutdown)."""
         self._report(force=True)
 
+    # ---- after a re-attach -----------------------------------------------------------------------
+
+    def _on_reattach(self, generation: int, info: AttachInfo) -> None:
+        """The client's listener (on its heartbeat thread): map and pin the new session's pool on a
+        thread of its own, never on the scheduler's path."""
+        thread = threading.Thread(target=self._open_next_pool, args=(generation, info),
+                                  name="kvcached-remap", daemon=True)
+        with self._next_lock:
+            if self._closed:
+                return
+            self._remap_threads = [t for t in self._remap_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _open_next_pool(self, generation: int, info: AttachInfo) -> None:
+        try:
+            pool = _open_pool(self.layout, self.geometry, info)
+        except Exception as exc:        # requests skip the daemon until the next re-attach
+            logger.error("cannot map the L2 pool of the new kvcached session (generation %d): %s", generation, exc)
+            return
+        with self._next_lock:
+            if self._closed or (self._next_pool is not None and self._next_pool[0] > generation):
+                superseded = pool       # closed meanwhile, or a later re-attach's pool is ready
+            else:
+                superseded = self._next_pool[2] if self._next_pool is not None else None
+                self._next_pool = (generation, info, pool)
+        if superseded is not None:
+            superseded.close()
+
+    def _follow_session(self) -> None:
+        """While the mapped pool's session is not the client's live one: with no transfer in
+        flight, say that the ended session's pages are drained (client DOWN), or swap in the
+        pool of the client's newer session once it is mapped."""
+        if self._closed or self.client.is_attached(self._generation):
+            return
+        if any(t.transfer is not None and not t.transfer.done()
+               for request in self._requests.values() for t in (*request.loads, *request.saves)):
+            return
+        generation = self.client.generation
+        if generation == self._generation:
+            self.client.mark_drained(generation)    # DOWN: no transfer starts until it is back
+            return
+        with self._next_lock:
+            if self._next_pool is None or self._next_pool[0] != generation:
+                return
+            (_, info, pool), self._next_pool = self._next_pool, None
+        old = self.host_pool
+        self.transfer.use_host_pool(pool)
+        self.host_pool, self._generation, self._session = pool, generation, info
+        try:
+            old.close()
+        except RuntimeError as exc:     # a view of it still lives: it is unmapped with the view
+            logger.error("the ended session's L2 pool stays mapped: %s", exc)
+        logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
+        self._report(force=True)
+
     # ---- shutdown ---------------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for the transfers in flight, end every lease, report, and close the pool and
         the client. Loads not done are reported failed; saves not done are skipped and counted."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._next_lock:
+            if self._closed:
+                return
+            self._closed = True
+            next_pool, self._next_pool = self._next_pool, None
+            remap_threads = list(self._remap_threads)
+        self.client.remove_reattach_listener(self._on_reattach)
         try:
             deadline = time.monotonic() + timeout_s
             for request in list(self._requests.values()):
@@ -693,8 +843,12 @@ class KVConnector:
             try:
                 del self.transfer
                 self.host_pool.close()
+                if next_pool is not None:
+                    next_pool[2].close()
             finally:
                 self.client.close()
+                for thread in remap_threads:    # one still mapping closes what it maps (_closed)
+                    thread.join()
 
     def __enter__(self) -> "KVConnector":
         return self

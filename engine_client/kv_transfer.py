@@ -141,16 +141,11 @@ class KVTransfer:
             raise ValueError(f"backend must be one of {TRANSFER_BACKENDS}, got {backend!r}")
         if backend == "triton" and not triton_available():
             raise RuntimeError("backend 'triton' was asked for, but triton is not installed")
-        if host_pool.geometry.bytes_per_page != layout.page_bytes:
-            raise ValueError(f"L2 pages of {host_pool.geometry.bytes_per_page} bytes cannot hold this layout's "
-                             f"pages of {layout.page_bytes}")
         self.layout = layout
         self.device = layout.device
         self.table = SegmentTable(layout)
-        self.host_pool = host_pool
-        self.host_bytes = host_pool.byte_view()
-        self.num_host_pages = host_pool.num_pages
         self.page_bytes = layout.page_bytes
+        self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
         self.lanes = {"save": _Lane("save", self.table, workspace_pages),
                       "load": _Lane("load", self.table, workspace_pages)}
@@ -159,6 +154,17 @@ class KVTransfer:
         self._gather = BACKENDS[self.backend_by_direction["save"]][0]
         self._scatter = BACKENDS[self.backend_by_direction["load"]][1]
         self._warm()
+
+    def use_host_pool(self, host_pool: SharedHostPool) -> None:
+        """Move every later transfer to and from ``host_pool`` (a new session's, after a re-attach;
+        the caller makes sure none of the old one is in flight). Drops the view of the old pool,
+        which can then be closed."""
+        if host_pool.geometry.bytes_per_page != self.page_bytes:
+            raise ValueError(f"L2 pages of {host_pool.geometry.bytes_per_page} bytes cannot hold this layout's "
+                             f"pages of {self.page_bytes}")
+        self.host_pool = host_pool
+        self.host_bytes = host_pool.byte_view()
+        self.num_host_pages = host_pool.num_pages
 
     # ---- the two paths ------------------------------------------------------------------------
 

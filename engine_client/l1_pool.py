@@ -2,7 +2,7 @@
 
 Layout: `kv[kv_index, layer, page, token_in_page, kv_head, head_dim]` with kv_index 0 = K, 1 = V.
 This is the attention kernel's layout and is never changed; transfers to and from the page-major
-L2 pool repack pages on the way (see engine_client/transfer.py).
+L2 pool repack pages on the way (engine_client/kv_transfer.py, through the connector's "pool" layout).
 """
 
 from __future__ import annotations

@@ -28,12 +28,11 @@ class MsgKind(enum.IntEnum):
     HEARTBEAT = 3
     MATCH = 4
     RELEASE = 5
-    BACKUP_RESERVE = 6
+    # 6 was BACKUP_RESERVE (MATCH with reserve_backup does it): unused, never reuse
     BACKUP_COMMIT = 7
     STATUS = 8
-    ENGINE_REPORT = 9      # engine facts for status: transfer backends and their timings
-    RESERVE_PAGES = 10     # a standing lease on private L2 pages, for backups written before their commit
-    COMMIT_PAGES = 11      # publish pages of a standing lease as pages of a prefix
+    ENGINE_REPORT = 9      # engine facts for status: transfer backends, the connector's counters
+    # 10 and 11 were RESERVE_PAGES and COMMIT_PAGES (pages held ahead of backups): unused, never reuse
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65

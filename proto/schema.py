@@ -173,40 +173,6 @@ class BackupCommit:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class ReservePages:
-    kind: ClassVar[MsgKind] = MsgKind.RESERVE_PAGES
-    session_id: int
-    num_pages: int
-
-    @classmethod
-    def parse(cls, body: dict) -> "ReservePages":
-        return cls(session_id=_int(body, "session_id"),
-                   num_pages=_int(body, "num_pages", 1, MAX_PAGE_IDS_PER_REQUEST))
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitPages:
-    kind: ClassVar[MsgKind] = MsgKind.COMMIT_PAGES
-    session_id: int
-    lease_id: int              # a standing lease (ReservePages)
-    token_ids: bytes           # the prefix, covering at least pages [0, start_page + len(host_page_ids))
-    start_page: int            # the prefix's page that host_page_ids[0] holds
-    host_page_ids: list[int]   # pages of the lease, written with the prefix's pages from start_page on
-    ack: bool = True
-
-    @classmethod
-    def parse(cls, body: dict) -> "CommitPages":
-        return cls(
-            session_id=_int(body, "session_id"),
-            lease_id=_int(body, "lease_id"),
-            token_ids=_token_bytes(body, "token_ids"),
-            start_page=_int(body, "start_page", 0, MAX_TOKENS_PER_REQUEST),
-            host_page_ids=_page_ids(body, "host_page_ids"),
-            ack=_bool(body, "ack", True),
-        )
-
-
 MAX_REPORT_BYTES = 64 * 1024
 
 

@@ -7,11 +7,6 @@ covers a run of L3 slots. So free space is kept as maximal runs of consecutive i
   - `_runs_by_length`: sorted (length, start) pairs, to find the best-fitting run by bisection.
 Every operation costs O(log runs) searches plus list inserts/pops (memmove of at most a few
 thousand pointers), never O(num_pages).
-
-Each page also has an epoch, bumped every time the page is allocated. A reader that learned a
-page's id and epoch once (an engine that backed the page up itself) can later prove, by seeing
-the same epoch again, that the page was not handed to anyone else in between, so its bytes are
-still the ones it knew.
 """
 
 from __future__ import annotations
@@ -29,10 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, first_epoch: int = 0):
-        """``first_epoch``: every page's epoch before its first allocation. The daemon draws it at
-        random for each allocator, so that epochs of an allocator made again (a namespace made
-        anew) do not repeat the earlier one's."""
+    def __init__(self, num_pages: int):
         num_pages = operator.index(num_pages)
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -41,9 +33,6 @@ class PageAllocator:
         self._run_starts: list[int] = []
         self._start_to_length: dict[int, int] = {}
         self._runs_by_length: list[tuple[int, int]] = []
-        if not 0 <= first_epoch < 1 << 62:
-            raise ValueError(f"first_epoch must be in [0, 2**62), got {first_epoch}")
-        self._epochs = np.full(num_pages, first_epoch, dtype=np.int64)
         if num_pages:
             self._add_run(0, num_pages)
 
@@ -68,12 +57,6 @@ class PageAllocator:
         for start, length in self._start_to_length.items():
             free.update(range(start, start + length))
         return free
-
-    def epochs_of(self, page_ids: list[int]) -> list[int]:
-        """Each page's epoch: how many times it has been allocated."""
-        if not page_ids:
-            return []
-        return self._epochs[page_ids].tolist()
 
     # ---- allocate / free -----------------------------------------------------------------
 
@@ -100,14 +83,12 @@ class PageAllocator:
                 if length > remaining:
                     self._add_run(start + remaining, length - remaining)
                 page_ids.extend(range(start, start + remaining))
-                self._epochs[start:start + remaining] += 1
                 break
             longest = self._runs_by_length[-1][0]
             index = bisect.bisect_left(self._runs_by_length, (longest, -1))
             length, start = self._runs_by_length[index]
             self._remove_run(start)
             page_ids.extend(range(start, start + length))
-            self._epochs[start:start + length] += 1
             remaining -= length
         return page_ids
 
@@ -152,7 +133,6 @@ class PageAllocator:
         self._start_to_length = {start: end - start for start, end in zip(starts, ends)}
         self._runs_by_length = sorted((end - start, start) for start, end in zip(starts, ends))
         self._num_free = int(free.sum())
-        self._epochs[ids] += 1
 
     # ---- integrity -----------------------------------------------------------------------
 

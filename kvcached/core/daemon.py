@@ -32,6 +32,7 @@ from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
+from proto.replies import CommitReply, MatchReply
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,6 @@ ARENA_ALIGN_BYTES = 2 * 1024 * 1024
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
-# Of a namespace's L2 pages, at most this share is held ahead (standing leases) by one session:
-# every reservation may evict cached prefixes, and a session keeps what it holds while it lives.
-MAX_RESERVED_AHEAD_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
 MAX_ENDED_SESSIONS = 4096
@@ -81,42 +79,6 @@ class Namespace:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
         assert allocator is not None, f"namespace {self.namespace_id} has no {tier.label}"
         return allocator
-
-
-class MatchReply(NamedTuple):
-    hit_tokens: dict[str, int]      # per tier label
-    lease_id: int | None
-    host_page_ids: list[int]        # L2 pages of the hit prefix, in order
-    backup_start_token: int
-    backup_page_ids: list[int]      # private L2 pages to back up pages from backup_start_token on
-    promoted_tokens: int = 0        # of the L2 hit, tokens just promoted from L3 for this match
-    host_page_epochs: list[int] = []      # each host page's allocation epoch (see PageAllocator)
-    backup_page_epochs: list[int] = []
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"hit_tokens": self.hit_tokens, "lease_id": self.lease_id, "host_page_ids": self.host_page_ids,
-                "backup_start_token": self.backup_start_token, "backup_page_ids": self.backup_page_ids,
-                "promoted_tokens": self.promoted_tokens, "host_page_epochs": self.host_page_epochs,
-                "backup_page_epochs": self.backup_page_epochs}
-
-
-class Reservation(NamedTuple):
-    """A standing lease's pages: a backup may be written into them before its prefix is known."""
-
-    lease_id: int | None            # None: no page could be reserved
-    page_ids: list[int]
-    page_epochs: list[int]
-
-    def to_wire(self) -> dict[str, Any]:
-        return self._asdict()
-
-
-class CommitReply(NamedTuple):
-    new_pages: int
-    duplicate_pages: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return self._asdict()
 
 
 class Metrics:
@@ -241,7 +203,7 @@ class DaemonState:
             arena_offset_bytes=self.arena_plan.arena_offset(index),
             num_pages=num_pages,
             tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock),
-            l2_allocator=PageAllocator(num_pages, first_epoch=secrets.randbits(48)),
+            l2_allocator=PageAllocator(num_pages),
             l3_region_offset_bytes=self.l3_plan.arena_offset(index) if num_slots else 0,
             l3_allocator=PageAllocator(num_slots) if num_slots else None,
             arena_index=index,
@@ -426,10 +388,8 @@ class DaemonState:
         if reserve_backup and num_pages > hit_pages:
             backup_page_ids = self._reserve_l2(namespace, num_pages - hit_pages)
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
-        allocator = namespace.l2_allocator
-        host_page_epochs = allocator.epochs_of(host_page_ids)
         if locked_node is None and not backup_page_ids:
-            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, host_page_epochs)
+            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -442,8 +402,7 @@ class DaemonState:
         )
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
-        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
-                          host_page_epochs, allocator.epochs_of(backup_page_ids))
+        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens)
 
     def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False) -> MatchReply:
         """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
@@ -476,26 +435,6 @@ class DaemonState:
         self.metrics.add("lookup_tokens", len(token_ids))
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"])
         return MatchReply(hits, None, [], hits["l2"], [])
-
-    def reserve_pages(self, session_id: int, num_pages: int) -> Reservation:
-        """A standing lease on up to num_pages private L2 pages (evicting if needed; possibly none),
-        for backups that the engine writes before it tells which prefix they hold (commit_pages).
-        A session holds at most MAX_RESERVED_AHEAD_SHARE of the namespace's pages this way."""
-        session = self.session(session_id)
-        namespace = self.namespaces[session.namespace_id]
-        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids
-                   if self.leases[lease_id].standing)
-        allowed = int(namespace.num_pages * MAX_RESERVED_AHEAD_SHARE) - held
-        page_ids = self._reserve_l2(namespace, min(num_pages, allowed)) if allowed > 0 else []
-        self.metrics.add("pages_reserved_ahead", len(page_ids))
-        if not page_ids:
-            return Reservation(None, [], [])
-        lease = Lease(lease_id=next(self._lease_ids), session_id=session_id, namespace_id=namespace.namespace_id,
-                      token_ids=np.empty(0, dtype="<i4"), locked_node=None, hit_pages=0,
-                      private_page_ids=page_ids, standing=True)
-        self.leases[lease.lease_id] = lease
-        session.lease_ids.add(lease.lease_id)
-        return Reservation(lease.lease_id, page_ids, namespace.l2_allocator.epochs_of(page_ids))
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)
@@ -549,9 +488,6 @@ class DaemonState:
         Also returns the write-through of the committed path to L3, when there is one to run."""
         self._count_commit_of_ended(session_id)
         _, lease = self._lease_of(session_id, lease_id)
-        if lease.standing:
-            raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} holds pages reserved ahead: "
-                                "commit them with the prefix they hold (COMMIT_PAGES)")
         namespace = self.namespaces[lease.namespace_id]
         for page_id in host_page_ids:
             if not 0 <= page_id < namespace.num_pages:
@@ -578,65 +514,6 @@ class DaemonState:
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
         return CommitReply(new_pages, duplicates), write_through
-
-    def commit_pages(self, session_id: int, lease_id: int, token_bytes: bytes, start_page: int,
-                     host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
-        """Publish pages of a standing lease as pages [start_page, start_page + n) of a prefix.
-
-        The pages named leave the lease whatever happens: the tree keeps those it lacked, the
-        rest (pages it holds already, or all of them when the prefix's first start_page pages
-        are no longer in L2) go back to the allocator. A lease left with no pages ends.
-        Also returns the write-through of the committed path to L3, when there is one to run."""
-        self._count_commit_of_ended(session_id)
-        _, lease = self._lease_of(session_id, lease_id)
-        if not lease.standing:
-            raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} comes from a match: commit its "
-                                "reserved pages with BACKUP_COMMIT")
-        namespace = self.namespaces[lease.namespace_id]
-        page_size = namespace.geometry.page_size
-        if len(set(host_page_ids)) != len(host_page_ids):
-            raise ProtocolError(ErrorCode.BAD_PAGES, "a page id is named twice")
-        private = set(lease.private_page_ids)
-        foreign = [p for p in host_page_ids if p not in private]
-        if foreign:
-            raise ProtocolError(ErrorCode.NOT_LEASED, f"pages {foreign[:8]} are not held by lease {lease_id}")
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
-        num_tokens = (start_page + len(host_page_ids)) * page_size
-        if len(token_ids) < num_tokens:
-            # The pages still leave the lease (as the engine, which sends commits without waiting,
-            # counts on): freed, not published.
-            self._return_reserved(namespace, lease, host_page_ids)
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(token_ids)} tokens do not cover pages "
-                                f"[{start_page}, {start_page + len(host_page_ids)}) of {page_size} tokens; "
-                                "the pages were returned")
-        token_ids = token_ids[:num_tokens]
-        tree = namespace.tree
-        new_pages, duplicates, kept = 0, 0, set()
-        resident = tree.match(token_ids[:start_page * page_size]).hit_tokens[Tier.L2] // page_size if start_page else 0
-        if resident < start_page:
-            self.metrics.add("backup_commits_prefix_gone")
-        elif host_page_ids:
-            inserted = tree.insert(token_ids, Tier.L2, host_page_ids, start_page=start_page)
-            kept = set(host_page_ids) - set(inserted.duplicate_page_ids)
-            new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
-        self._return_reserved(namespace, lease, host_page_ids, kept)
-        self.metrics.add("backup_commits")
-        self.metrics.add("backup_pages_committed", new_pages)
-        self.metrics.add("backup_pages_duplicate", duplicates)
-        write_through = self.plan_write_through(namespace, token_ids) if new_pages else None
-        return CommitReply(new_pages, duplicates), write_through
-
-    def _return_reserved(self, namespace: Namespace, lease: Lease, page_ids: list[int],
-                         kept: set[int] = frozenset()) -> None:
-        """Take page_ids out of a standing lease: those the tree kept are its own now, the rest are
-        freed. A lease left with no pages ends."""
-        returned = [p for p in page_ids if p not in kept]
-        if returned:
-            namespace.l2_allocator.free(returned)
-        named = set(page_ids)
-        lease.private_page_ids = [p for p in lease.private_page_ids if p not in named]
-        if not lease.private_page_ids:
-            self._end_lease(lease, LeaseState.COMMITTED)
 
     # ---- moves between tiers (L3) ------------------------------------------------------------
 
@@ -665,7 +542,8 @@ class DaemonState:
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
-            self.metrics.add(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space")
+            self._count_skip(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space",
+                             f"no free {destination.label} page for a {'write-through' if destination is Tier.L3 else 'promotion'}")
             return None
         count = len(private_page_ids)
         page_size = namespace.geometry.page_size
@@ -676,6 +554,12 @@ class DaemonState:
             private_page_ids=private_page_ids, locks=locks)
         self.moves[move.op_id] = move
         return move
+
+    def _count_skip(self, counter: str, message: str) -> None:
+        """A copy to another tier not made: counted (status shows it), logged the first time."""
+        if not self.metrics.counters[counter]:
+            logger.warning("%s (counted as %s; each further one is counted, not logged)", message, counter)
+        self.metrics.add(counter)
 
     def pending_moves(self, direction: str) -> int:
         return sum(move.direction == direction for move in self.moves.values())
@@ -709,8 +593,10 @@ class DaemonState:
         else:
             move.transition(OpState.FAILED)
             allocator.free(move.private_page_ids)
-            if not ok:      # skipped: never started (policy), not an I/O failure
-                self.metrics.add(f"{move.direction}_{'policy_skips' if skipped else 'failures'}")
+            if skipped:     # never started (policy), not an I/O failure
+                self._count_skip(f"{move.direction}_policy_skips", f"a {move.direction} move was skipped (backlog)")
+            elif not ok:
+                self.metrics.add(f"{move.direction}_failures")
         move.private_page_ids = []
         for node, tier in move.locks:
             namespace.tree.unlock(node, tier)

@@ -2,11 +2,8 @@
 
 A lease is the only way an engine holds daemon pages: it locks the tree path of a match (so
 those L2 pages are never evicted or reused while the engine reads them) and owns the private
-pages reserved for a backup. A standing lease (``KVCacheClient.reserve_pages``) holds only
-private pages, with no prefix: the engine writes backups into them before telling the daemon
-which prefix they hold, and each commit takes the pages it names out of the lease. It ends
-exactly once, by release, by commit, or by reclaim when its session ends; the legal transitions
-live in ``_LEGAL_TRANSITIONS`` and nowhere else. The private pages of a lease reclaimed while its
+pages reserved for a backup. It ends exactly once, by release, by commit, or by reclaim when its
+session ends; the legal transitions live in ``_LEGAL_TRANSITIONS`` and nowhere else. The private pages of a lease reclaimed while its
 process may still be alive go to a ``Quarantine``, not back to the allocator (see "Fencing" in
 docs/architecture.md).
 """
@@ -49,7 +46,6 @@ class Lease:
     hit_pages: int                    # pages of the matched L2 prefix
     private_page_ids: list[int]       # reserved for a backup of pages [hit_pages, hit_pages + len)
     state: LeaseState = LeaseState.ACTIVE
-    standing: bool = False            # pages reserved ahead, for any prefix (token_ids is empty)
 
     def transition(self, new_state: LeaseState) -> None:
         if new_state not in _LEGAL_TRANSITIONS[self.state]:

@@ -48,8 +48,8 @@ from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.schema import (Attach, BackupCommit, CommitPages, EngineReport, Match, Release, ReservePages,
-                          SessionRequest)
+from proto.replies import AttachInfo, DetachReply, to_wire
+from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +101,10 @@ class Server:
             MsgKind.DETACH: self._detach,
             MsgKind.HEARTBEAT: self._heartbeat,
             MsgKind.MATCH: self._match,
-            MsgKind.BACKUP_RESERVE: self._backup_reserve,
             MsgKind.RELEASE: self._release,
             MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
             MsgKind.ENGINE_REPORT: self._engine_report,
-            MsgKind.RESERVE_PAGES: self._reserve_pages,
-            MsgKind.COMMIT_PAGES: self._commit_pages,
         }
 
     async def run(self) -> None:
@@ -430,25 +427,25 @@ class Server:
         else:
             logger.info("session %x: pid %d not watched (%s); heartbeats only", session.session_id,
                         request.pid, why)
-        return {
-            "session_id": session.session_id,
-            "namespace_id": namespace.namespace_id,
-            "shm_path": self.segment.path,
-            "arena_offset_bytes": namespace.arena_offset_bytes,
-            "num_pages": namespace.num_pages,
-            "bytes_per_page": namespace.geometry.bytes_per_page,
-            "heartbeat_interval_s": self.config.heartbeat_interval_s,
-            "session_timeout_s": self.config.session_timeout_s,
-            "max_frame_bytes": self.config.max_frame_bytes,
-            "daemon_pid": os.getpid(),
-            "protocol_version": PROTOCOL_VERSION,
-            "pid_watched": pidfd is not None,      # then the session lives session_grace_s unseen
-            "session_grace_s": self.config.session_grace_s,
-        }
+        return to_wire(AttachInfo(
+            session_id=session.session_id,
+            namespace_id=namespace.namespace_id,
+            shm_path=self.segment.path,
+            arena_offset_bytes=namespace.arena_offset_bytes,
+            num_pages=namespace.num_pages,
+            bytes_per_page=namespace.geometry.bytes_per_page,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            session_timeout_s=self.config.session_timeout_s,
+            max_frame_bytes=self.config.max_frame_bytes,
+            daemon_pid=os.getpid(),
+            protocol_version=PROTOCOL_VERSION,
+            pid_watched=pidfd is not None,
+            session_grace_s=self.config.session_grace_s,
+        ))
 
     def _detach(self, body: dict) -> dict[str, Any]:
         request = SessionRequest.parse(body)
-        return {"leases_reclaimed": self.state.detach(request.session_id)}
+        return to_wire(DetachReply(self.state.detach(request.session_id)))
 
     def _heartbeat(self, body: dict) -> dict[str, Any]:
         self.state.heartbeat(SessionRequest.parse(body).session_id)
@@ -457,12 +454,12 @@ class Server:
     def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
         if not request.lock:
-            return self.state.lookup(request.session_id, request.token_ids, request.tp_group).to_wire()
+            return to_wire(self.state.lookup(request.session_id, request.token_ids, request.tp_group))
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                    promote_l3=request.promote_l3 and self.storage is not None)
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
-        return outcome.to_wire()
+        return to_wire(outcome)
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
@@ -475,15 +472,9 @@ class Server:
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                        promoted_tokens=promoted_pages * page_size)
             assert not isinstance(outcome, TierMove)
-            return outcome.to_wire()
+            return to_wire(outcome)
 
         return await self._run_move(move, then=match_now)
-
-    def _backup_reserve(self, body: dict) -> dict[str, Any]:
-        request = Match.parse(body)
-        outcome = self.state.match(request.session_id, request.token_ids, reserve_backup=True)
-        assert not isinstance(outcome, TierMove)
-        return outcome.to_wire()
 
     def _release(self, body: dict) -> dict[str, Any] | None:
         request = Release.parse(body)
@@ -495,18 +486,7 @@ class Server:
         reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
                                                         request.host_page_ids)
         self._write_through(write_through)
-        return reply.to_wire() if request.ack else None
-
-    def _reserve_pages(self, body: dict) -> dict[str, Any]:
-        request = ReservePages.parse(body)
-        return self.state.reserve_pages(request.session_id, request.num_pages).to_wire()
-
-    def _commit_pages(self, body: dict) -> dict[str, Any] | None:
-        request = CommitPages.parse(body)
-        reply, write_through = self.state.commit_pages(request.session_id, request.lease_id, request.token_ids,
-                                                       request.start_page, request.host_page_ids)
-        self._write_through(write_through)
-        return reply.to_wire() if request.ack else None
+        return to_wire(reply) if request.ack else None
 
     def _write_through(self, write_through: TierMove | None) -> None:
         if write_through is not None:

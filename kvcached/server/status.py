@@ -41,6 +41,11 @@ def render_table(snapshot: dict[str, Any]) -> str:
                          f"{'yes' if session.get('pid_watched') else 'no':>7} {session['namespace_id']:>3} "
                          f"{session['leases']:>6} {session['age_s']:>8.1f} {session.get('idle_s', 0):>7.1f}  "
                          f"{session['client_name']}")
+        for session in sessions:
+            lost = connector_losses(session.get("report", {}))
+            if lost:
+                lines.append(f"  {session['session']} not saved / not loaded / failed: "
+                             + "  ".join(f"{k}={v}" for k, v in lost.items()))
     quarantines = snapshot.get("quarantines", [])
     if quarantines:
         lines += ["", f"{'quarantine of':<17} {'pid':>8} {'watched':>7} {'ns':>3} {'pages':>6} {'idle_s':>8}  "
@@ -63,6 +68,20 @@ def render_table(snapshot: dict[str, Any]) -> str:
     if metrics:
         lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
     return "\n".join(lines)
+
+
+# Counters of an engine's connector that say work was not done: pages a save skipped, pages a load
+# could not fill, matches and lookups that failed, requests the daemon refused (each by cause).
+_LOSS_MARKERS = ("skipped", "failed", "failures", "refusals")
+
+
+def connector_losses(report: dict[str, Any]) -> dict[str, int]:
+    """The non-zero loss counters of a session's connector report (ENGINE_REPORT), by name."""
+    counters = report.get("connector", {}).get("counters", {}) if isinstance(report, dict) else {}
+    if not isinstance(counters, dict):
+        return {}
+    return {name: value for name, value in sorted(counters.items())
+            if isinstance(value, int) and value and any(marker in name for marker in _LOSS_MARKERS)}
 
 
 class DaemonUnavailable(Exception):

@@ -197,3 +197,18 @@ def test_no_l3_means_no_moves():
     assert move is None and namespace.l3_allocator is None
     outcome = state.match(session.session_id, tokens(rng, 2), promote_l3=True)
     assert not isinstance(outcome, TierMove) and outcome.lease_id is None
+
+
+def test_a_skipped_write_through_is_counted_each_time_and_logged_once(state, caplog):
+    """Write-throughs skipped by policy (a backlog) are counted in the metrics every time and logged
+    once: no L3 copy is left out silently."""
+    rng = np.random.default_rng(11)
+    session, _ = state.attach(GEOMETRY, pid=1)
+    caplog.set_level("WARNING", logger="kvcached.core.daemon")
+    for _ in range(3):
+        _, move = commit(state, session.session_id, tokens(rng, 2))
+        state.finish_move(move, ok=False, skipped=True)
+    state.check_integrity()
+    assert state.metrics.counters["h2s_policy_skips"] == 3
+    skips = [r for r in caplog.records if "h2s_policy_skips" in r.getMessage()]
+    assert len(skips) == 1, [r.getMessage() for r in caplog.records]

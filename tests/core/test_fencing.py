@@ -33,19 +33,19 @@ def l2(state) -> dict:
 
 
 def holding(state, rng, pid: int = 7, watched: bool = False):
-    """A session holding both kinds of pages it may write: 3 backup pages of a match lease (with a
-    locked 2-page hit) and 4 pages of a standing lease."""
+    """A session holding pages it may write under two match leases: 3 backup pages after a locked
+    2-page hit, and 4 backup pages of a prefix the daemon has none of. Returns the leases too."""
     session, namespace = state.attach(GEOMETRY, pid=pid, pid_watched=watched, pid_namespace_id=NS_ID,
                                       process_start_time=START)
     hit = tokens(rng, 2)
     reply = state.match(session.session_id, hit, reserve_backup=True)
     state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
-    match = state.match(session.session_id, hit + tokens(rng, 3), reserve_backup=True)
-    reservation = state.reserve_pages(session.session_id, 4)
-    writable = set(match.backup_page_ids) | set(reservation.page_ids)
-    assert len(writable) == 7
+    after_hit = state.match(session.session_id, hit + tokens(rng, 3), reserve_backup=True)
+    fresh = state.match(session.session_id, tokens(rng, 4), reserve_backup=True)
+    writable = set(after_hit.backup_page_ids) | set(fresh.backup_page_ids)
+    assert len(writable) == 7 and after_hit.hit_tokens["l2"] == 2 * PAGE and fresh.hit_tokens["l2"] == 0
     state.check_integrity()
-    return session, namespace, match, writable
+    return session, namespace, (after_hit, fresh), writable
 
 
 def keep_alive(state, clock, session, seconds: float, step_s: float = 0.5) -> None:
@@ -58,7 +58,7 @@ def keep_alive(state, clock, session, seconds: float, step_s: float = 0.5) -> No
 
 def test_an_unwatched_session_that_expires_quarantines_what_it_could_write_until_the_grace(state, clock):
     """A session whose pid is not watched expires after session_timeout_s; the pages it could still
-    write (its match's backup pages, its standing lease's pages) are then quarantined: counted in
+    write (the backup pages of its two match leases) are then quarantined: counted in
     integrity and status, never handed to another session, until session_grace_s after its last
     sign of life, when they are free."""
     rng = np.random.default_rng(1)
@@ -155,19 +155,17 @@ def test_a_reattach_naming_a_live_session_ends_it_and_frees_its_pages(state):
 
 
 def test_a_commit_from_an_ended_session_is_refused_and_counted(state, clock):
-    """Commits (of a match's pages or of a standing lease's) from a session that has ended are
-    refused with NOT_ATTACHED, publish nothing, and are counted; a commit naming a session that
-    never existed is refused too but not counted as one."""
+    """Commits (after a locked hit or of a fresh prefix) from a session that has ended are refused
+    with NOT_ATTACHED, publish nothing, and are counted; a commit naming a session that never
+    existed is refused too but not counted as one."""
     rng = np.random.default_rng(6)
-    stale, namespace, match, _ = holding(state, rng)
-    reservation = state.reserve_pages(stale.session_id, 2)
+    stale, namespace, (after_hit, fresh), _ = holding(state, rng)
+    third = state.match(stale.session_id, tokens(rng, 2), reserve_backup=True)
     clock.advance(TIMEOUT_S + 0.1)
     state.expire_sessions()
-    prefix = tokens(rng, 2)
-    for commit in (lambda: state.commit_backup(stale.session_id, match.lease_id, match.backup_page_ids),
-                   lambda: state.commit_pages(stale.session_id, reservation.lease_id, prefix, 0,
-                                              reservation.page_ids),
-                   lambda: state.commit_backup(12345, match.lease_id, match.backup_page_ids)):
+    for commit in (lambda: state.commit_backup(stale.session_id, after_hit.lease_id, after_hit.backup_page_ids),
+                   lambda: state.commit_backup(stale.session_id, fresh.lease_id, fresh.backup_page_ids[:2]),
+                   lambda: state.commit_backup(12345, third.lease_id, third.backup_page_ids)):
         with pytest.raises(ProtocolError) as error:
             commit()
         assert error.value.code == ErrorCode.NOT_ATTACHED

@@ -1,4 +1,4 @@
-"""CacheManager.attach: the transfer backend it builds and what it reports to the daemon.
+"""CacheManager.attach: the connector it registers and what it reports to the daemon.
 
 A stand-in client answers attach with a real /dev/shm segment and records reports, so no daemon runs
 here; the wire path of ENGINE_REPORT is covered by tests/integration.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine_client.cache_manager import CacheManager
-from engine_client.client import AttachInfo
 from proto.messages import KVGeometry
+from proto.replies import AttachInfo
 from tests.engine_client.test_shared_pool import shm_segment
 
 GEOMETRY = KVGeometry(model_id="test-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16",
@@ -29,8 +29,20 @@ class RecordingClient:
         self.shm_path = shm_path
         self.reports: list[dict[str, Any]] = []
         self.closed = False
-        self.generation = 1
+        self.generation = 0
+        self.info: AttachInfo | None = None
         self.reattach_listeners: list = []
+
+    def attach(self, geometry: KVGeometry) -> AttachInfo:
+        self.generation = 1
+        self.info = AttachInfo(session_id=1, namespace_id=0, shm_path=self.shm_path,
+                               arena_offset_bytes=mmap.ALLOCATIONGRANULARITY, num_pages=NUM_HOST_PAGES,
+                               bytes_per_page=geometry.bytes_per_page, heartbeat_interval_s=0.5,
+                               session_timeout_s=1.5, max_frame_bytes=1 << 20, daemon_pid=0, protocol_version=1)
+        return self.info
+
+    def is_attached(self, generation: int | None = None) -> bool:
+        return not self.closed and generation in (None, self.generation)
 
     def add_reattach_listener(self, listener) -> None:
         self.reattach_listeners.append(listener)
@@ -38,14 +50,12 @@ class RecordingClient:
     def remove_reattach_listener(self, listener) -> None:
         self.reattach_listeners.remove(listener)
 
-    def attach(self, geometry: KVGeometry) -> AttachInfo:
-        return AttachInfo(session_id=1, namespace_id=0, shm_path=self.shm_path,
-                          arena_offset_bytes=mmap.ALLOCATIONGRANULARITY, num_pages=NUM_HOST_PAGES,
-                          bytes_per_page=geometry.bytes_per_page, heartbeat_interval_s=0.5,
-                          session_timeout_s=1.5, max_frame_bytes=1 << 20, daemon_pid=0, protocol_version=1)
-
-    def report(self, report: dict[str, Any]) -> None:
+    def report(self, report: dict[str, Any]) -> bool:
         self.reports.append(report)
+        return True
+
+    def poll_errors(self) -> list:
+        return []
 
     def close(self) -> None:
         self.closed = True
@@ -57,46 +67,43 @@ def client():
         yield RecordingClient(path)
 
 
-def test_attach_defaults_to_auto_and_reports_the_backends_and_pinning(client):
-    """attach() without a backend uses auto (torch on CPU) and sends one report holding the transfer
-    engine's backend report and the pool's pinning facts (not pinned on CPU)."""
+def test_attach_registers_the_l1_pool_and_reports_the_connector(client):
+    """attach() registers the L1 pool as a "pool" layout of the same geometry, with auto backends
+    (torch on CPU), and reports them with the pool's pinning facts (not pinned on CPU); close()
+    removes its re-attach listener and closes the client."""
     manager = CacheManager.attach(client, GEOMETRY, num_l1_pages=8)
     try:
-        assert len(client.reports) == 1
-        report = client.reports[0]
-        assert report["transfer"] == manager.transfer.backend_report()
-        assert report["transfer"]["requested"] == "auto"
-        assert report["transfer"]["chosen"] == {"D2H": "torch", "H2D": "torch"}
-        assert report["pin_seconds"] is None and report["pin"]["requested"] is False
+        assert manager.connector.geometry == GEOMETRY
+        assert client.reattach_listeners == [manager.connector._on_reattach]
+        (report,) = client.reports
+        connector = report["connector"]
+        assert connector["layout"] == "pool" and connector["page_layout"] == "kv"
+        assert connector["transfer"]["backends"] == {"save": "torch", "load": "torch"}
+        assert connector["pin"]["requested"] is False
+        assert connector["counters"] == manager.stats()
         manager.check_integrity()
     finally:
         manager.close()
-    assert client.closed
+    assert client.closed and client.reattach_listeners == []
 
 
 def test_attach_with_an_unknown_backend_raises_and_sends_nothing(client):
     """An unknown backend name makes attach() raise ValueError before anything is reported."""
-    with pytest.raises(ValueError, match="unknown transfer backend"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         CacheManager.attach(client, GEOMETRY, num_l1_pages=8, backend="no-such-backend")
     assert client.reports == []
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_attach_on_a_gpu_reports_the_pinning_time_once_background_pinning_is_done(client):
-    """On a GPU the pool is pinned in the background; once pinning has finished, the latest report
-    carries the pinning time (the attach report if it was done by then, else one sent by the next
-    prepare())."""
+def test_attach_on_a_gpu_pins_the_pool_and_reports_the_pinning_time(client):
+    """On a GPU the L2 pool is pinned at registration: the first report carries every chunk pinned
+    and the pinning time."""
     manager = CacheManager.attach(client, GEOMETRY, num_l1_pages=8, device="cuda")
     try:
-        manager.host_pool.wait_until_pinned(timeout_s=30)
-        assert client.reports[0]["transfer"]["requested"] == "auto"
-        try:
-            manager.prepare([5, 6, 7, 8, 9], backup=False)
-        except AttributeError:
-            pass      # the stand-in client has no match(); the report is sent before it is needed
-        last = client.reports[-1]
-        assert last["pin_seconds"] is not None and last["pin_seconds"] > 0
-        assert last["pin"]["pinned_chunks"] == last["pin"]["chunks"] >= 1
+        pin = client.reports[0]["connector"]["pin"]
+        assert manager.host_pool.is_pinned
+        assert pin["requested"] is True and pin["pinned_chunks"] == pin["chunks"] >= 1
+        assert pin["pin_seconds"] is not None and pin["pin_seconds"] > 0
     finally:
         manager.close()

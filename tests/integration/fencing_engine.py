@@ -6,7 +6,7 @@ Commands (one per line), each answered by one JSON line on stdout:
   prepare   prepare the prefix made from --prefix-seed (the match reserves backup pages), then
             "prefill" it with random KV from --kv-seed (never zeros); the KV of its full pages
             is saved to --state
-  finish    finish the prepared request (its backup DMA and commit), then flush
+  finish    finish the prepared request (its save's DMA and commit), then flush
   restore   prepare the prefix without backing it up and compare what was restored with the
             KV saved in the file named by --compare, page by page, bit for bit
   exit      close the manager and exit
@@ -69,7 +69,7 @@ def main() -> int:
                 errors = [str(e) for e in manager.client.flush()]
             except (DaemonError, DaemonUnavailable) as exc:
                 errors = [str(exc)]
-            say(finished=args.name, backed_up=backed_up, errors=errors, counters=dict(manager.counters))
+            say(finished=args.name, backed_up=backed_up, errors=errors, stats=manager.stats())
         elif command == "restore":
             plan = manager.prepare(tokens, backup=False)
             expected = torch.load(args.compare)

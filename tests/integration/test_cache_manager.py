@@ -9,7 +9,7 @@ import pytest
 
 from engine_client.cache_manager import CacheManager, L1Full
 from engine_client.client import connect
-from engine_client.transfer import PendingRestore
+from engine_client.kv_transfer import KVTransfer
 from proto.messages import MsgKind
 from tests.integration.engine_proc import GEOMETRY
 
@@ -31,7 +31,8 @@ def random_tokens(num_tokens: int) -> np.ndarray:
 def test_lost_session_leaks_no_l1_pages(manager):
     """When the daemon drops the session (here: detached behind the engine's back), the client
     re-attaches, and finishing and aborting the ended session's requests still frees or publishes
-    every L1 page, without a backup or a release sent for them."""
+    every L1 page, without a save (its pages counted as skipped, session_lost) or a release sent
+    for them."""
     finished, aborted = manager.prepare(random_tokens(5 * PAGE + 3)), manager.prepare(random_tokens(3 * PAGE))
     assert finished.lease_id is not None and aborted.lease_id is not None
     generation = manager.client.generation
@@ -40,33 +41,34 @@ def test_lost_session_leaks_no_l1_pages(manager):
     while not manager.client.is_attached(generation + 1):     # noticed and replaced within an interval
         assert time.monotonic() < deadline, f"the client did not re-attach: {manager.client.connection}"
         time.sleep(0.02)
-    assert manager.finish(finished) == 0             # no backup into the ended session's pages
+    assert manager.finish(finished) == 0             # no save into the ended session's pages
     manager.abort(aborted)
     manager.check_integrity()
-    assert manager.counters["backups_skipped_daemon_down"] == 1
-    assert manager.counters["backup_failures"] == 0
+    stats = manager.stats()
+    assert stats["save_skipped_pages_session_lost"] == stats["save_skipped_pages"] == 5, stats
+    assert stats.get("save_pages_queued", 0) == 0
     assert manager.l1_index.num_cached_pages == 5     # the finished request's full pages stay in L1
     assert manager.l1_pool.num_free == 64 - 5
     assert manager.client.flush() == []               # nothing was sent for the ended session
 
 
 def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch):
-    """A restore whose transfer fails leaves the request to recompute from L1's hit: no L1 page
-    leaks, the lease ends, and the daemon's integrity holds."""
+    """A load whose transfer fails leaves the request to recompute from L1's hit (its pages counted
+    as failed, transfer_failed): no L1 page leaks, the lease ends, and the daemon's integrity holds."""
     tokens = random_tokens(6 * PAGE)
     plan = manager.prepare(tokens)
     manager.finish(plan)
     evicted = manager.l1_index.evict(manager.l1_index.num_cached_pages)   # L1 forgets it; L2 still has it
     manager.l1_pool.free(evicted)
 
-    def broken_restore(*args, **kwargs):
+    def broken_load(*args, **kwargs):
         raise RuntimeError("injected transfer failure")
 
-    monkeypatch.setattr(PendingRestore, "receive_from", broken_restore)
+    monkeypatch.setattr(KVTransfer, "load", broken_load)
     plan = manager.prepare(tokens, backup=False)
     assert plan.l2_hit_tokens == 6 * PAGE and plan.restored_tokens == 0 and plan.num_cached_tokens == 0
     assert len(plan.new_l1_page_ids) == 6 and plan.lease_id is None
-    assert manager.counters["restore_failures"] == 1
+    assert manager.stats()["load_failed_pages_transfer_failed"] == 6
     manager.check_integrity()
     manager.finish(plan)
     manager.check_integrity()
@@ -75,10 +77,9 @@ def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch
     assert status["integrity"] == "ok" and status["leases"] == 0
 
 
-def test_l1_full_while_the_match_is_in_flight_leaks_nothing(manager):
-    """prepare() sends the match before it allocates L1 pages; when the request needs more pages than
-    L1 has, L1Full is raised and neither the match's lease (with its reserved backup pages) nor any
-    L1 page is left behind."""
+def test_l1_full_leaks_nothing(manager):
+    """When the request needs more pages than L1 has, L1Full is raised and neither a lease (with
+    reserved pages) nor any L1 page is left behind."""
     cached = random_tokens(4 * PAGE)
     manager.finish(manager.prepare(cached))
     with pytest.raises(L1Full):

@@ -12,6 +12,7 @@ import torch
 
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
+from kvcached.server.status import render_table
 from tests.integration.daemon_proc import DaemonProcess
 
 L, N, P, H, D = 3, 24, 16, 2, 32
@@ -268,8 +269,8 @@ def test_salts_revisions_and_page_formats_are_separate_namespaces(daemon):
 
 def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
     """With a fence margin longer than the session timeout no DMA may start: every save page is
-    skipped, counted under its cause, shown in the daemon's status, and nothing is published; a
-    load is not started either and reports its blocks failed."""
+    skipped, counted under its cause, shown in the daemon's status (JSON and the table), and nothing
+    is published."""
     rng = np.random.default_rng(SEED + 7)
     engine = Engine(daemon.socket_path, "layer", seed=SEED + 7,
                     config=ConnectorConfig(fence_margin_s=60.0, report_interval_s=0))
@@ -283,6 +284,9 @@ def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
         assert engine.connector.lookup(tokens) == 0
         engine.connector.flush_report()
         assert session_counters(daemon, f"layer-{SEED + 7}")["save_skipped_pages_session_margin"] == 5
+        with connect(daemon.socket_path) as client:
+            table = render_table(client.status())
+        assert "save_skipped_pages_session_margin=5" in table and "load_failed_pages" not in table, table
     finally:
         engine.close()
 

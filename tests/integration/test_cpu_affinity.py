@@ -82,9 +82,9 @@ def test_unusable_cpus_are_refused(daemon):
 @pytest.mark.parametrize("pinned", [False, True])
 def test_a_client_pinned_to_a_cpu_yields_it_right_after_sending_an_awaited_request(monkeypatch, pinned):
     """With connect(cpu=...) the engine thread shares its CPU with ZeroMQ's I/O thread, which must
-    run for a request to leave: sending a request whose reply is awaited yields the CPU once. An
-    unpinned client does not yield there (its I/O thread runs elsewhere), nor does a request
-    sent with urgent=False."""
+    run for a request to leave: sending a request whose reply is awaited yields the CPU once, and a
+    request sent without waiting for its reply (a release) does not. An unpinned client does not
+    yield there (its I/O thread runs elsewhere)."""
     from engine_client import client as client_module
 
     daemon = DaemonProcess().start()
@@ -94,15 +94,15 @@ def test_a_client_pinned_to_a_cpu_yields_it_right_after_sending_an_awaited_reque
             yields = []
             monkeypatch.setattr(client_module.os, "sched_yield", lambda: yields.append(1))
             tokens = np.random.default_rng().integers(1, 2**31 - 1, size=32, dtype=np.int32)
-            pending = client.match_async(tokens)
+            pending = client.match_async(tokens, reserve_backup=True)
             sent_yields = len(yields)
-            top_up = client.reserve_pages_async(2, urgent=False)     # not awaited soon: no yield
-            top_up_yields = len(yields) - sent_yields
+            lease_id = pending.result().lease_id            # a miss whose reservation is leased
+            before_release = len(yields)
+            client.release(lease_id)                        # not awaited: no yield
+            release_yields = len(yields) - before_release
             monkeypatch.undo()
-            assert pending.result().lease_id is None        # a miss: nothing to release
-            client.release(top_up.result().lease_id)
             assert client.flush() == []
         assert sent_yields == (1 if pinned else 0)
-        assert top_up_yields == 0
+        assert release_yields == 0
     finally:
         daemon.cleanup()

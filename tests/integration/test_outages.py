@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -65,14 +66,15 @@ def engine_warnings(caplog) -> list[str]:
             if r.name.startswith("engine_client") and r.levelno >= logging.WARNING]
 
 
-def make_manager(socket_path: str, name: str, reserve_ahead_pages: int = 0) -> CacheManager:
+def make_manager(socket_path: str, name: str) -> CacheManager:
     return CacheManager.attach(connect(socket_path, timeout_s=5.0, client_name=name), GEOMETRY,
-                               num_l1_pages=64, device="cpu", reserve_ahead_pages=reserve_ahead_pages)
+                               num_l1_pages=64, device="cpu")
 
 
 def test_prepare_during_an_outage_costs_no_more_than_a_miss(daemon, caplog):
     """With the daemon SIGKILLed (and the client aware of it), each of 100 consecutive prepare()
-    calls returns within 5 ms of a plain miss measured in the same test; one warning in all."""
+    calls returns within 5 ms of a plain miss measured in the same test, skipping the daemon
+    (counted as daemon_down, with the pages finish could not save); one warning in all."""
     seed = 20260101
     rng = np.random.default_rng(seed)
     manager = make_manager(daemon.socket_path, "outage")
@@ -106,8 +108,10 @@ def test_prepare_during_an_outage_costs_no_more_than_a_miss(daemon, caplog):
         assert slowest < plain_miss + 0.005, (
             f"seed {seed}: a prepare during the outage took {slowest * 1e3:.2f} ms, a plain miss "
             f"{plain_miss * 1e3:.2f} ms; all (ms): {[round(t * 1e3, 2) for t in outage_s]}")
-        assert manager.counters["daemon_down_skips"] == 100
-        assert manager.counters["match_failures"] == 0
+        stats = manager.stats()
+        assert stats["match_failures_daemon_down"] == 100, stats
+        assert sum(v for k, v in stats.items() if k.startswith("match_failures_")) == 100, stats
+        assert stats["save_skipped_pages_daemon_down"] == stats["save_skipped_pages"] == 100 * 6, stats
         manager.check_integrity()
         warnings = engine_warnings(caplog)
         assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
@@ -169,16 +173,16 @@ def test_sigterm_makes_the_client_down_at_once(daemon, caplog):
         assert len(engine_warnings(caplog)) == 1, engine_warnings(caplog)
 
 
-@pytest.mark.parametrize("reserve_ahead_pages", [0, 8])
-def test_engine_reattaches_after_a_daemon_restart(daemon, caplog, reserve_ahead_pages):
+def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
     """The daemon SIGKILLed and restarted on the same socket: without restarting the engine, its
     next L2 hit comes within 3 s, bit for bit; only the new segment is mapped (the old one's memory
     is freed); a request prepared before the outage finishes without writing the new pool or
-    touching the new session; its own backups reach the new daemon; one warning, one info line."""
-    seed = 4242 + reserve_ahead_pages
+    touching the new session (its pages counted as skipped, session_lost); its own backups reach
+    the new daemon; one warning for the outage and one for that skip's cause, one info line."""
+    seed = 4242
     rng = np.random.default_rng(seed)
     caplog.set_level(logging.INFO)
-    engine = make_manager(daemon.socket_path, "engine", reserve_ahead_pages)
+    engine = make_manager(daemon.socket_path, "engine")
     restarted = writer = None
     try:
         segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
@@ -186,7 +190,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog, reserve_ahead_
         before = prefill_and_finish(engine, random_tokens(rng, 4 * PAGE), seed)
         assert before[1] == 4
         stale = engine.prepare(random_tokens(rng, 5 * PAGE))           # open across the outage
-        assert (stale.lease_id is not None) == (reserve_ahead_pages == 0)
+        assert stale.lease_id is not None and len(stale.backup_page_ids) == 5
         caplog.clear()
 
         daemon.stop(signal.SIGKILL)
@@ -224,12 +228,11 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog, reserve_ahead_
         assert sorted(n for n in os.listdir("/dev/shm") if n == os.path.basename(segment)) == [os.path.basename(segment)]
 
         # The request prepared before the outage: finished in L1 only.
-        if stale.backup_page_ids:
-            untouched = engine.host_pool.pages[stale.backup_page_ids].clone()
+        untouched = engine.host_pool.pages[stale.backup_page_ids].clone()
         assert engine.finish(stale) == 0
-        if stale.backup_page_ids:
-            assert torch.equal(engine.host_pool.pages[stale.backup_page_ids].view(torch.int16),
-                               untouched.view(torch.int16)), "an old plan's backup was written into the new pool"
+        assert torch.equal(engine.host_pool.pages[stale.backup_page_ids].view(torch.int16),
+                           untouched.view(torch.int16)), "an old plan's save was written into the new pool"
+        assert engine.stats()["save_skipped_pages_session_lost"] == 5
         assert engine.client.flush() == []       # no release or commit of the old session reached the new one
 
         # The engine's own backups go to the new daemon, from where the writer restores them.
@@ -250,7 +253,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog, reserve_ahead_
         assert status["integrity"] == "ok"
 
         warnings = engine_warnings(caplog)
-        assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+        assert len(warnings) == 2 and "unavailable" in warnings[0] and "session_lost" in warnings[1], warnings
         back = [r.getMessage() for r in caplog.records if r.name == "engine_client.client" and "back after" in r.getMessage()]
         assert len(back) == 1 and "new session" in back[0], back
     finally:
@@ -307,3 +310,45 @@ def test_reattach_names_the_ended_session_only_once_drained(daemon, monkeypatch)
         wait_until(lambda: client.is_attached(3), 5.0, "re-attached without a drain")
         assert sent == [ended, None] and [g for g, _ in learned] == [2, 3]
         assert client.match(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0   # the new session is live
+
+
+def test_the_connector_drains_an_ended_session_so_its_quarantine_ends_at_the_reattach(monkeypatch):
+    """The daemon (pid not watched) ends the session of an engine whose heartbeats stalled, with
+    pages reserved for a save still open: they are quarantined. Once heartbeats go again, the
+    connector, polled with no transfer in flight, marks the session drained, so the re-attach names
+    it and the daemon frees those pages at once; the connector swaps in the new session's pool and
+    the open request, of the ended session, ends without a save, counted as skipped."""
+    seed = 9090
+    rng = np.random.default_rng(seed)
+    daemon = DaemonProcess(extra_args=("--no-pid-watch",)).start()
+    engine = None
+    try:
+        engine = make_manager(daemon.socket_path, "drained")
+        client = engine.client
+        gate = threading.Event()
+        beat = client._beat
+
+        def stalled_beat(channel):
+            gate.wait(10.0)
+            return beat(channel)
+
+        monkeypatch.setattr(client, "_beat", stalled_beat)
+        plan = engine.prepare(random_tokens(rng, 6 * PAGE))
+        assert len(plan.backup_page_ids) == 6, f"seed {seed}"
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            def quarantined():
+                return sum(q["pages"] for q in observer.status()["quarantines"])
+
+            wait_until(lambda: quarantined() == 6, 10.0, "the stalled session's pages quarantined")
+            gate.set()
+            wait_until(lambda: engine.connector.poll() or client.is_attached(2), 5.0, "re-attached")
+            wait_until(lambda: engine.connector.poll() or engine.connector._generation == 2, 5.0, "new pool in use")
+            status = observer.status(check_integrity=True)
+            assert quarantined() == 0 and status["metrics"].get("quarantines_ended_reattach") == 1, status["metrics"]
+            assert engine.finish(plan) == 0
+            assert engine.stats()["save_skipped_pages_session_lost"] == 6
+            assert observer.status(check_integrity=True)["integrity"] == "ok"
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()

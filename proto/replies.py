@@ -1,0 +1,105 @@
+"""Reply bodies: each defined once, built by the daemon (``to_wire``) and decoded by engines
+(``from_wire``), strictly: a field missing or of the wrong type raises ``ProtocolError`` naming the
+reply and the field. Fields a peer does not know are ignored (new fields go last).
+
+Replies with no fields (HEARTBEAT, RELEASE, ENGINE_REPORT) are ``{}``; STATUS is a free-form map
+meant for people and dashboards (``kvcached/server/status.py`` renders it).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any, NamedTuple, TypeVar
+
+from proto.errors import ErrorCode, ProtocolError
+
+
+class AttachInfo(NamedTuple):
+    """The reply to ATTACH: the session, where its L2 pages are, and the daemon's timings."""
+
+    session_id: int
+    namespace_id: int
+    shm_path: str
+    arena_offset_bytes: int
+    num_pages: int
+    bytes_per_page: int
+    heartbeat_interval_s: float
+    session_timeout_s: float
+    max_frame_bytes: int
+    daemon_pid: int
+    protocol_version: int
+    pid_watched: bool = False          # the daemon sees this process exit: the session lives session_grace_s unseen
+    session_grace_s: float = 0.0
+
+
+class DetachReply(NamedTuple):
+    leases_reclaimed: int
+
+
+class MatchReply(NamedTuple):
+    """The reply to MATCH. A lookup (lock=false) carries only hit_tokens: no lease, no page ids."""
+
+    hit_tokens: dict[str, int]         # per tier label
+    lease_id: int | None               # None: nothing locked or reserved
+    host_page_ids: list[int]           # L2 pages of the hit prefix, in order (under the lease)
+    backup_start_token: int            # the L2 hit: reserved pages hold pages from here on
+    backup_page_ids: list[int]         # private L2 pages reserved for the pages the daemon lacks
+    promoted_tokens: int = 0           # of the L2 hit, tokens just promoted from L3 for this match
+
+
+class CommitReply(NamedTuple):
+    new_pages: int
+    duplicate_pages: int
+
+
+Reply = TypeVar("Reply", AttachInfo, DetachReply, MatchReply, CommitReply)
+
+
+def to_wire(reply: NamedTuple) -> dict[str, Any]:
+    return reply._asdict()
+
+
+def from_wire(reply_type: type[Reply], body: Any) -> Reply:
+    """Decode a reply body, every field checked against its annotation."""
+    name = reply_type.__name__
+    if type(body) is not dict:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"{name}: the reply is not a map: {body!r:.80}")
+    values = {}
+    for field, hint in _hints(reply_type).items():
+        if field not in body:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"{name}: the reply has no field {field!r}")
+        value = body[field]
+        if not _conforms(value, hint):
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"{name}: field {field!r} must be {_describe(hint)}, got {value!r:.80}")
+        values[field] = value
+    return reply_type(**values)
+
+
+@functools.cache
+def _hints(reply_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(reply_type)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (int, str, bool):
+        return type(value) is hint          # bool is not an int here, nor an int a bool
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is list:
+        # set(map(type, ...)) runs in C: a reply's page ids are checked at little cost.
+        return type(value) is list and (not value or set(map(type, value)) == {args[0]})
+    if origin is dict:
+        return type(value) is dict and all(_conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
+    raise AssertionError(f"no wire check for {hint!r}")
+
+
+def _describe(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)
