@@ -77,10 +77,12 @@ def _fmt(value: Any) -> str:
 
 def git_commit() -> str | None:
     """The commit the code ran at, "+dirty" when the work tree differs from it. Outside a git
-    checkout (a copy of the tree on another machine), $KVCACHED_BENCH_COMMIT, else None."""
+    checkout, or in a copy of the tree on another machine, $KVCACHED_BENCH_COMMIT names it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.environ.get("KVCACHED_BENCH_COMMIT"):
+        return os.environ["KVCACHED_BENCH_COMMIT"]
     if not os.path.exists(os.path.join(root, ".git")):
-        return os.environ.get("KVCACHED_BENCH_COMMIT") or None
+        return None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
