@@ -87,12 +87,15 @@ def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_
     context_lens int32 [B] (tokens in the cache, the query's own included). Returns [B, Hq, D]."""
     block_size = kv_cache.shape[2]
     out = torch.empty_like(q)
-    for i, num_tokens in enumerate(context_lens.tolist()):
-        blocks = block_tables[i, : triton.cdiv(num_tokens, block_size)].long()
-        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
-        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
-        out[i] = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale,
-                                                enable_gqa=True)[:, 0]
+    # A reference, not a fast path: the plain math kernel is allowed here even where the engine's
+    # forward admits only the fused ones (they take no 3-D inputs).
+    with sdpa_kernel([SDPBackend.MATH]):
+        for i, num_tokens in enumerate(context_lens.tolist()):
+            blocks = block_tables[i, : triton.cdiv(num_tokens, block_size)].long()
+            k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+            v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+            out[i] = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1),
+                                                    scale=scale, enable_gqa=True)[:, 0]
     return out
 
 
