@@ -1,0 +1,194 @@
+"""Attention over the paged KV cache: one KV tensor per layer, ``[2, num_blocks, block_size,
+kv_heads, head_dim]`` (K then V), a request's tokens in the blocks of its block table.
+
+- ``store_kv``: the step's new K/V into their slots (``block * block_size + offset``).
+- ``prefill_attention``: torch SDPA per request over its new tokens; with a cached prefix, over
+  prefix + new tokens with the causal diagonal at the bottom right (flash / memory-efficient
+  kernels on CUDA, the math kernel on CPU).
+- ``paged_decode_attention``: one query token per request read straight from the blocks (a
+  Triton kernel; on CPU tensors under the Triton interpreter, for tests), and
+  ``paged_decode_attention_torch``, the reference, which copies each request's context out dense.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, bias, sdpa_kernel
+
+import triton
+import triton.language as tl
+
+
+class PrefillSeq(NamedTuple):
+    """One request's part of a prefill batch: query rows [start, start + num_new_tokens) of the
+    batch, num_cached_tokens already in its blocks before them."""
+
+    start: int
+    num_new_tokens: int
+    num_cached_tokens: int
+    block_table: torch.Tensor | None   # int64 [blocks of the request] on the KV device (None: no cached prefix)
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [2, N, P, H, D]; k, v [T, H, D]; slot_mapping int64 [T]."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def fused_sdpa_only(device: torch.device):
+    """On CUDA, SDPA limited to its flash and memory-efficient kernels: a prefill that would fall
+    back to the math kernel raises instead of running slowly."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      seqs: Sequence[PrefillSeq], scale: float) -> torch.Tensor:
+    """q [T, Hq, D]; k, v [T, Hkv, D] (already stored in kv_cache). Returns [T, Hq, D]."""
+    if len(seqs) == 1 and seqs[0].num_cached_tokens == 0:
+        return _sdpa(q, k, v, 0, scale)
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[2]
+    for seq in seqs:
+        rows = slice(seq.start, seq.start + seq.num_new_tokens)
+        if seq.num_cached_tokens == 0:
+            out[rows] = _sdpa(q[rows], k[rows], v[rows], 0, scale)
+            continue
+        num_tokens = seq.num_cached_tokens + seq.num_new_tokens
+        blocks = seq.block_table[: triton.cdiv(num_tokens, block_size)]
+        context_k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        context_v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        out[rows] = _sdpa(q[rows], context_k, context_v, seq.num_cached_tokens, scale)
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached_tokens: int, scale: float) -> torch.Tensor:
+    """Causal attention of the n query rows q [n, Hq, D] at positions [c, c + n) over k, v [c + n, Hkv, D]."""
+    num_new_tokens = q.shape[0]
+    mask = None if num_cached_tokens == 0 else bias.causal_lower_right(num_new_tokens, k.shape[0])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+# ---- decode ---------------------------------------------------------------------------------------
+
+
+def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference: q [B, Hq, D] (the last token of each request), block_tables int32 [B, M],
+    context_lens int32 [B] (tokens in the cache, the query's own included). Returns [B, Hq, D]."""
+    block_size = kv_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, num_tokens in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : triton.cdiv(num_tokens, block_size)].long()
+        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        out[i] = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale,
+                                                enable_gqa=True)[:, 0]
+    return out
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, kv_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale,
+                         stride_qb, stride_qh, stride_kv, stride_block, stride_token, stride_head,
+                         stride_ob, stride_oh, stride_table,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (request, KV head): the GROUP query heads that share the KV head, online
+    # softmax over the context TILE tokens at a time, each token found through the block table.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_tokens = tl.load(context_lens_ptr + seq)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile_start in range(0, num_tokens, TILE):
+        tokens = tile_start + offs_t
+        valid = tokens < num_tokens
+        blocks = tl.load(block_tables_ptr + seq * stride_table + tokens // BLOCK_SIZE, mask=valid, other=0)
+        rows = blocks.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_token + kv_head * stride_head
+        k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=offs_g[:, None] < GROUP)
+
+
+def _kernel_for(device: torch.device):
+    """The compiled kernel on CUDA. On CPU the Triton interpreter runs it, which takes
+    TRITON_INTERPRET=1 before triton is imported (the tests start a process so)."""
+    if device.type == "cuda":
+        return _paged_decode_kernel
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if device.type != "cpu" or not isinstance(_paged_decode_kernel, InterpretedFunction):
+        raise ValueError(f"the paged decode kernel runs on cuda, or on cpu with TRITON_INTERPRET=1 set before "
+                         f"triton is imported; not on {device} here")
+    return _paged_decode_kernel
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, tile_tokens: int = 64) -> torch.Tensor:
+    """Same contract as ``paged_decode_attention_torch``; reads the blocks in place."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, N, P, H, D], got {tuple(kv_cache.shape)}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [B, Hq, {head_dim}] with Hq a multiple of {num_kv_heads}, got {tuple(q.shape)}")
+    if q.dtype != kv_cache.dtype or q.device != kv_cache.device:
+        raise ValueError(f"q ({q.dtype}, {q.device}) and kv_cache ({kv_cache.dtype}, {kv_cache.device}) differ")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("q and kv_cache need a contiguous head_dim")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if tile_tokens < 16 or tile_tokens & (tile_tokens - 1):
+        raise ValueError(f"tile_tokens must be a power of two >= 16, got {tile_tokens}")
+    batch = q.shape[0]
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch \
+            or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 [{batch}, M] with unit stride, got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"context_lens must be int32 [{batch}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if block_tables.device != q.device or context_lens.device != q.device:
+        raise ValueError("block_tables and context_lens must be on q's device")
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = q.shape[1] // num_kv_heads
+    _kernel_for(q.device)[(batch, num_kv_heads)](
+        q, kv_cache, out, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE=tile_tokens, IEEE=q.dtype == torch.float32)
+    return out

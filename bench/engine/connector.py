@@ -1,0 +1,52 @@
+"""What the engine asks of a KV connector. ``engine_client``'s ``KVConnector`` has these calls
+with these meanings, so it plugs in as it is; tests plug in an in-process fake. With no connector
+the engine recomputes whatever its own prefix cache lacks.
+
+The engine's side, per request (``scheduler.py``):
+
+  admission   n = lookup(tokens) beyond the engine's own hit -> allocate blocks ->
+              load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
+  each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
+              (its failed blocks are recomputed); a released id frees the blocks held for it
+  prefill     save(cid, tokens, every full block, 0) once the prompt's KV is written
+  the end     request_finished(cid) when it finishes, is aborted or preempted: True keeps its
+              blocks until finished().released names cid
+
+``cid`` is the request's ``connector_id``: a preempted request comes back under a new one.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple, Protocol, Sequence
+
+
+class LoadResult(NamedTuple):
+    request_id: Hashable
+    num_tokens: int                  # tokens loaded from the load's start_token on
+    failed_block_ids: list[int]      # blocks left unfilled: recomputed
+    reason: str | None
+
+
+class Finished(NamedTuple):
+    loads: list[LoadResult]          # each load once, done or failed
+    released: list[Hashable]         # requests whose blocks the connector no longer touches
+
+
+class EngineConnector(Protocol):
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens cached outside the engine (whole blocks). Changes nothing."""
+
+    def load(self, request_id: Hashable, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
+             start_token: int = 0) -> None:
+        """Queue the load of tokens [start_token, start_token + num_tokens) into block_ids."""
+
+    def save(self, request_id: Hashable, token_ids: Sequence[int], block_ids: Sequence[int],
+             start_token: int = 0) -> None:
+        """Queue the save of the full blocks of token_ids from start_token on (after the work
+        queued so far on the engine's stream)."""
+
+    def finished(self) -> Finished:
+        """Loads done and requests released since the last call; never waits."""
+
+    def request_finished(self, request_id: Hashable) -> bool:
+        """The engine is done with the request; True: keep its blocks until it is released."""

@@ -1,0 +1,169 @@
+"""The engine: requests in, one scheduler step at a time, greedy tokens out.
+
+    engine = Engine(load_model("qwen3-8b", seed=0), EngineConfig(num_blocks=4096))
+    request = engine.add_request(prompt_token_ids, max_new_tokens=16)
+    while engine.has_unfinished():
+        for done in engine.step(): ...          # requests finished this step
+    request.output_token_ids, request.ttft_s
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from bench.engine.attention import PrefillSeq
+from bench.engine.block_manager import block_hashes
+from bench.engine.config import EngineConfig
+from bench.engine.connector import EngineConnector
+from bench.engine.model import DecodeBatch, PrefillBatch, Qwen3Model
+from bench.engine.request import Request
+from bench.engine.scheduler import PrefillChunk, Scheduler
+
+
+class Engine:
+    def __init__(self, model: Qwen3Model, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = model.device
+        self.block_size = config.block_size
+        mc = model.config
+        # One tensor per layer, [K/V, block, token in block, KV head, head dim]: the "layer" layout
+        # of engine_client.layout, which the connector registers as it is.
+        self.kv_caches = [torch.zeros(2, config.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                      dtype=model.dtype, device=self.device) for _ in range(mc.num_layers)]
+        backend = config.decode_backend
+        self.decode_backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        self.scheduler = Scheduler(config)
+        self._next_request_id = itertools.count()
+        self._requests: dict[int, Request] = {}
+
+    @property
+    def connector(self) -> EngineConnector | None:
+        return self.scheduler.connector
+
+    def attach_connector(self, connector: EngineConnector | None) -> None:
+        """Plug in (or, with None, take out) the connector; only while no request is open (it
+        registers ``kv_caches``, so it is built after the engine)."""
+        if self.has_unfinished():
+            raise RuntimeError("attach the connector while the engine is idle")
+        self.scheduler.connector = connector
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, token_ids: Sequence[int], max_new_tokens: int = 1,
+                    stop_token_ids: Iterable[int] = ()) -> Request:
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids or max_new_tokens < 1:
+            raise ValueError("a request needs at least one token and max_new_tokens >= 1")
+        if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
+        num_tokens = len(token_ids) + max_new_tokens
+        if num_tokens > self.model.config.max_position_embeddings:
+            raise ValueError(f"{num_tokens} tokens exceed max_position_embeddings "
+                             f"{self.model.config.max_position_embeddings}")
+        if -(-num_tokens // self.block_size) > self.config.num_blocks:
+            raise ValueError(f"{num_tokens} tokens need more than the {self.config.num_blocks} KV blocks")
+        request = Request(next(self._next_request_id), token_ids, len(token_ids), max_new_tokens,
+                          frozenset(stop_token_ids), time.perf_counter())
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: int) -> bool:
+        """Finish the request now (its blocks are freed, or held for the connector). False if it
+        had finished already."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort", time.perf_counter())
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One scheduler step (a prefill batch or a decode batch, or only the connector's news);
+        returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.prefill:
+            logits = self._run_prefill(plan.prefill)
+            sampled = self.scheduler.prefill_done(plan.prefill)
+        elif plan.decode:
+            logits = self._run_decode(plan.decode)
+            self.scheduler.decode_done(plan.decode)
+            sampled = plan.decode
+        else:
+            return []
+        token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
+        now_s = time.perf_counter()
+        finished = []
+        for i, (request, token_id) in enumerate(zip(sampled, token_ids, strict=True)):
+            if self.config.keep_logits:
+                request.logits.append(logits[i].cpu())
+            if self.scheduler.append_token(request, token_id, now_s):
+                del self._requests[request.request_id]
+                finished.append(request)
+        return finished
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 1) -> list[Request]:
+        """Run prompts together to the end; the requests in prompt order."""
+        requests = [self.add_request(p, max_new_tokens) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return requests
+
+    # ---- the prefix cache ----------------------------------------------------------------------------
+
+    def cached_block_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """The blocks of the prefix cache that hold the leading full blocks of token_ids (for
+        reading their KV in ``kv_caches``). Changes nothing."""
+        num_blocks = len(token_ids) // self.block_size
+        return self.scheduler.blocks.match(block_hashes(list(token_ids), self.block_size, num_blocks))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many."""
+        return self.scheduler.blocks.evict_all()
+
+    # ---- the model --------------------------------------------------------------------------------
+
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """The chunks' tokens in one forward; logits of the last token of each chunk that ends its
+        request's prompt, in chunk order."""
+        input_ids, positions, slots, seqs, logits_rows = [], [], [], [], []
+        start = 0
+        for request, num_tokens in chunks:
+            first = request.num_computed_tokens
+            token_positions = np.arange(first, first + num_tokens)
+            block_ids = np.asarray(request.block_ids, dtype=np.int64)
+            input_ids.append(np.asarray(request.token_ids[first: first + num_tokens]))
+            positions.append(token_positions)
+            slots.append(block_ids[token_positions // self.block_size] * self.block_size
+                         + token_positions % self.block_size)
+            block_table = torch.from_numpy(block_ids).to(self.device) if first else None
+            seqs.append(PrefillSeq(start, num_tokens, first, block_table))
+            start += num_tokens
+            if first + num_tokens == len(request.token_ids):
+                logits_rows.append(start - 1)
+        return self.model(self._int64(input_ids), self._int64(positions), self.kv_caches, self._int64(slots),
+                          PrefillBatch(seqs), self._int64([logits_rows]))
+
+    def _run_decode(self, requests: list[Request]) -> torch.Tensor:
+        """The last token of each request in one forward; their logits in order."""
+        positions = np.array([len(r.token_ids) - 1 for r in requests], dtype=np.int64)
+        block_tables = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int32)
+        for i, request in enumerate(requests):
+            block_tables[i, : len(request.block_ids)] = request.block_ids
+        slots = block_tables[np.arange(len(requests)), positions // self.block_size].astype(np.int64) \
+            * self.block_size + positions % self.block_size
+        batch = DecodeBatch(torch.from_numpy(block_tables).to(self.device),
+                            torch.from_numpy((positions + 1).astype(np.int32)).to(self.device), self.decode_backend)
+        return self.model(self._int64([[r.token_ids[-1] for r in requests]]), self._int64([positions]),
+                          self.kv_caches, self._int64([slots]), batch, self._int64([np.arange(len(requests))]))
+
+    def _int64(self, parts) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).to(self.device)

@@ -1,0 +1,220 @@
+"""Continuous batching with a prefix cache and a connector hook; no tensors here.
+
+Each step: the connector's finished loads and released blocks come in; waiting requests are
+admitted in arrival order while blocks and seats last; then either a prefill batch (chunks of
+PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
+decode batch of every DECODE request. A LOADING request waits for its load without holding up
+the others. When a decode step lacks a block, the latest admitted request is preempted (its
+blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Hashable, NamedTuple
+
+from bench.engine.block_manager import BlockManager, block_hashes
+from bench.engine.config import EngineConfig
+from bench.engine.connector import EngineConnector
+from bench.engine.request import Request, RequestState
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillChunk(NamedTuple):
+    request: Request
+    num_tokens: int                  # tokens [num_computed_tokens, + num_tokens) of the request
+
+
+class StepPlan(NamedTuple):
+    prefill: list[PrefillChunk]      # at most one of the two is non-empty
+    decode: list[Request]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, connector: EngineConnector | None = None):
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.connector = connector
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
+        self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Requests not finished, or blocks the connector still holds."""
+        return bool(self.waiting or self.running or self.held_block_ids)
+
+    # ---- a step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        self._poll_connector()
+        self._admit()
+        budget = self.config.max_prefill_tokens
+        chunks = []
+        for request in self.running:
+            if request.state is RequestState.PREFILL and budget > 0:
+                num_tokens = min(len(request.token_ids) - request.num_computed_tokens, budget)
+                chunks.append(PrefillChunk(request, num_tokens))
+                budget -= num_tokens
+        if chunks:
+            return StepPlan(chunks, [])
+        return StepPlan([], self._schedule_decode())
+
+    def prefill_done(self, chunks: list[PrefillChunk]) -> list[Request]:
+        """After the prefill forward: advance each chunk; the requests whose prompt is all in now
+        (they are sampled next), in chunk order."""
+        complete = []
+        for request, num_tokens in chunks:
+            request.num_computed_tokens += num_tokens
+            request.num_prefilled_tokens += num_tokens
+            self._register_blocks(request)
+            if request.num_computed_tokens == len(request.token_ids):
+                num_full_blocks = len(request.token_ids) // self.block_size
+                if self.connector is not None and num_full_blocks:
+                    self.connector.save(request.connector_id, request.token_ids,
+                                        request.block_ids[:num_full_blocks], 0)
+                complete.append(request)
+        return complete
+
+    def decode_done(self, requests: list[Request]) -> None:
+        for request in requests:
+            request.num_computed_tokens += 1
+
+    def append_token(self, request: Request, token_id: int, now_s: float) -> bool:
+        """A sampled token; True when it finishes the request."""
+        request.token_ids.append(token_id)
+        if request.first_token_s is None:
+            request.first_token_s = now_s
+        if request.state is RequestState.PREFILL:
+            request.move_to(RequestState.DECODE)
+        if token_id in request.stop_token_ids:
+            self.finish(request, "stop", now_s)
+        elif len(request.output_token_ids) >= request.max_new_tokens:
+            self.finish(request, "length", now_s)
+        return request.state is RequestState.FINISHED
+
+    def finish(self, request: Request, reason: str, now_s: float) -> None:
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._free_blocks(request)
+        request.move_to(RequestState.FINISHED)
+        request.finish_reason, request.finish_s = reason, now_s
+
+    # ---- admission ----------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self._allocate_for(request):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+
+    def _allocate_for(self, request: Request) -> bool:
+        """The prefix cache's hit, blocks for the rest, and the connector's load beyond the hit."""
+        num_tokens = len(request.token_ids)
+        num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
+        request.block_hashes = block_hashes(request.token_ids, self.block_size, num_reusable_blocks,
+                                            request.block_hashes)
+        hit_block_ids = self.blocks.match(request.block_hashes)
+        num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
+        if not self.blocks.can_allocate(num_new_blocks, hit_block_ids):
+            return False
+        self.blocks.acquire(hit_block_ids)
+        request.block_ids = hit_block_ids + self.blocks.allocate(num_new_blocks)
+        request.num_cached_tokens = request.num_computed_tokens = len(hit_block_ids) * self.block_size
+        request.num_registered_blocks = len(hit_block_ids)
+        request.num_loaded_tokens = 0
+        if self.connector is not None:
+            num_external = min(self.connector.lookup(request.token_ids), num_reusable_blocks * self.block_size)
+            num_external -= num_external % self.block_size
+            if num_external > request.num_computed_tokens:
+                start = request.num_computed_tokens
+                request.load_start_token = start
+                self.connector.load(request.connector_id, request.token_ids,
+                                    request.block_ids[start // self.block_size: num_external // self.block_size],
+                                    num_external - start, start)
+                request.move_to(RequestState.LOADING)
+                return True
+        request.move_to(RequestState.PREFILL)
+        return True
+
+    def _poll_connector(self) -> None:
+        if self.connector is None:
+            return
+        finished = self.connector.finished()
+        loading = {r.connector_id: r for r in self.running if r.state is RequestState.LOADING}
+        for result in finished.loads:
+            request = loading.get(result.request_id)
+            if request is None:          # finished, aborted or preempted meanwhile
+                continue
+            if result.failed_block_ids:
+                logger.debug("request %s: %d blocks not loaded (%s), recomputed", request.request_id,
+                             len(result.failed_block_ids), result.reason)
+            request.num_loaded_tokens = result.num_tokens
+            request.num_computed_tokens = request.load_start_token + result.num_tokens
+            self._register_blocks(request)
+            request.move_to(RequestState.PREFILL)
+        for connector_id in finished.released:
+            self.blocks.release(self.held_block_ids.pop(connector_id))
+
+    # ---- blocks -------------------------------------------------------------------------------------
+
+    def _register_blocks(self, request: Request) -> None:
+        """Publish the request's newly complete prompt blocks in the prefix cache."""
+        num_full_blocks = request.num_computed_tokens // self.block_size
+        if num_full_blocks <= request.num_registered_blocks:
+            return
+        request.block_hashes = block_hashes(request.token_ids, self.block_size, num_full_blocks,
+                                            request.block_hashes)
+        for i in range(request.num_registered_blocks, num_full_blocks):
+            self.blocks.register(request.block_ids[i], request.block_hashes[i])
+        request.num_registered_blocks = num_full_blocks
+
+    def _free_blocks(self, request: Request) -> None:
+        block_ids, request.block_ids = request.block_ids, []
+        if self.connector is not None and self.connector.request_finished(request.connector_id):
+            self.held_block_ids[request.connector_id] = block_ids
+        else:
+            self.blocks.release(block_ids)
+
+    def _schedule_decode(self) -> list[Request]:
+        """Every DECODE request, each with a block for its next token; preempts to find blocks."""
+        batch = []
+        for request in list(self.running):
+            if request.state is not RequestState.DECODE:
+                continue
+            while len(request.block_ids) * self.block_size < len(request.token_ids):
+                new = self.blocks.allocate(1)
+                if new is not None:
+                    request.block_ids += new
+                elif not self._preempt_latest(but=request):
+                    self._preempt(request)
+                    break
+            batch.append(request)
+        return [r for r in batch if r.state is RequestState.DECODE]   # less those preempted
+
+    def _preempt_latest(self, but: Request) -> bool:
+        for victim in reversed(self.running):
+            if victim is not but:
+                self._preempt(victim)
+                return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting request %s", request.request_id)
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.move_to(RequestState.WAITING)
+        request.num_preemptions += 1
+        request.num_computed_tokens = request.num_registered_blocks = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1

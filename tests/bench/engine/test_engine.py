@@ -1,0 +1,126 @@
+"""The reference engine against Hugging Face transformers' Qwen3 (fp32, CPU, tiny random weights
+read through the engine's safetensors loader), and against itself: prefix-cache hits, continuous
+batching and preemption must not change any request's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.engine import Engine, EngineConfig, RequestState
+from tests.bench.engine.reference import engine_on, hf_greedy, hf_model, random_prompt
+
+LOGITS_ATOL = 1e-4   # fp32; observed differences are ~3e-6
+
+
+def solo_run(engine: Engine, prompt: list[int], max_new_tokens: int):
+    """The request alone on a cold prefix cache."""
+    engine.reset_prefix_cache()
+    (request,) = engine.generate([prompt], max_new_tokens)
+    engine.reset_prefix_cache()
+    return request
+
+
+@pytest.mark.parametrize("architecture, tie_word_embeddings, max_prefill_tokens", [
+    ("qwen3", False, 4096), ("qwen3", True, 4096), ("qwen3", False, 24), ("qwen3", True, 24), ("llama", True, 24)],
+    ids=["untied", "tied", "untied-chunks-of-24", "tied-chunks-of-24", "llama-tied-chunks-of-24"])
+def test_prefill_and_decode_match_transformers(tmp_path, architecture, tie_word_embeddings, max_prefill_tokens):
+    """The engine's logits at every sampled position are those of transformers' Qwen3 (or Llama)
+    within 1e-4, and its greedy tokens are transformers' greedy tokens, whole-prompt or chunked
+    prefill."""
+    seed = 1000 + 10 * tie_word_embeddings + (max_prefill_tokens == 24) + 100 * (architecture == "llama")
+    hf = hf_model(seed, tie_word_embeddings, architecture)
+    engine = engine_on(hf, tmp_path, max_prefill_tokens=max_prefill_tokens, keep_logits=True)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 53)
+    (request,) = engine.generate([prompt], max_new_tokens=8)
+    expected_tokens, expected_logits = hf_greedy(hf, prompt, 8)
+    assert request.output_token_ids == expected_tokens, f"seed {seed}"
+    difference = (torch.stack(request.logits) - expected_logits).abs().max().item()
+    assert difference < LOGITS_ATOL, f"seed {seed}: logits differ by {difference}"
+
+
+def test_a_prefix_cache_hit_gives_the_tokens_of_a_cold_run(tmp_path):
+    """A request whose leading blocks are in the engine's prefix cache reuses them (whole blocks,
+    at least one token computed) and gets the tokens and logits of a cold run of it."""
+    seed = 1100
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True)
+    generator = torch.Generator().manual_seed(seed)
+    prompt = random_prompt(generator, 70)
+    shares_3_blocks = prompt[:50] + random_prompt(generator, 30)
+    whole_blocks = prompt[:64]
+    cold = {len(p): solo_run(engine, p, 6) for p in (prompt, shares_3_blocks, whole_blocks)}
+
+    (warm,) = engine.generate([prompt], 6)          # prompt is cached now
+    (again,) = engine.generate([prompt], 6)
+    (sharing,) = engine.generate([shares_3_blocks], 6)
+    (aligned,) = engine.generate([whole_blocks], 6)
+    assert (warm.num_cached_tokens, again.num_cached_tokens) == (0, 64), f"seed {seed}"
+    assert sharing.num_cached_tokens == 48, f"seed {seed}"
+    assert aligned.num_cached_tokens == 48, f"seed {seed}: the last block is recomputed for its logits"
+    for request in (again, sharing, aligned):
+        reference = cold[request.num_prompt_tokens]
+        assert request.output_token_ids == reference.output_token_ids, f"seed {seed}"
+        difference = (torch.stack(request.logits) - torch.stack(reference.logits)).abs().max().item()
+        assert difference < LOGITS_ATOL, f"seed {seed}: logits differ by {difference}"
+
+
+def test_batched_requests_each_get_the_tokens_they_get_alone(tmp_path):
+    """Requests prefilled in shared chunks and decoded in one batch, one of them arriving while
+    the others decode, each get the tokens (and logits) they get alone."""
+    seed = 1200
+    engine = engine_on(hf_model(seed), tmp_path, max_prefill_tokens=40, keep_logits=True)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [random_prompt(generator, n) for n in (5, 33, 70, 16)]
+    alone = [solo_run(engine, p, 10) for p in prompts]
+
+    requests = [engine.add_request(p, 10) for p in prompts[:3]]
+    most_decoding_at_once = 0
+    while engine.has_unfinished():
+        engine.step()
+        decoding = [r for r in requests if r.state is RequestState.DECODE]
+        most_decoding_at_once = max(most_decoding_at_once, len(decoding))
+        if len(requests) == 3 and len(decoding) == 3:
+            requests.append(engine.add_request(prompts[3], 10))   # joins a running decode batch
+    assert len(requests) == 4 and most_decoding_at_once >= 3, f"seed {seed}: no batch formed"
+    for request, reference in zip(requests, alone):
+        assert request.output_token_ids == reference.output_token_ids, f"seed {seed}"
+        difference = (torch.stack(request.logits) - torch.stack(reference.logits)).abs().max().item()
+        assert difference < LOGITS_ATOL, f"seed {seed}: logits differ by {difference}"
+
+
+def test_preempted_requests_get_the_tokens_they_get_alone(tmp_path):
+    """With too few blocks for every request to decode to its end, requests are preempted and
+    recomputed, and each still gets the tokens it gets alone; every block comes back. (The last
+    request, with a 48-token prompt, needs a block at the first decode step, so a request already
+    in that step's batch is preempted.)"""
+    seed = 1300
+    engine = engine_on(hf_model(seed), tmp_path, num_blocks=9)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [random_prompt(generator, n) for n in (40, 40, 48)]     # 3 blocks each, 4-5 at the end
+    alone = [solo_run(engine, p, 24) for p in prompts]
+    requests = engine.generate(prompts, 24)
+    assert engine.scheduler.num_preemptions > 0, f"seed {seed}: nothing was preempted"
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in alone], f"seed {seed}"
+    blocks = engine.scheduler.blocks
+    blocks.check_integrity()
+    assert blocks.num_allocatable_blocks == blocks.num_blocks, f"seed {seed}"
+
+
+def test_stop_tokens_and_limits(tmp_path):
+    """A stop token ends a request (kept as its last token); requests too long for the KV blocks
+    or the positions are refused when added."""
+    seed = 1400
+    engine = engine_on(hf_model(seed), tmp_path, num_blocks=8)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 20)
+    (free_running,) = engine.generate([prompt], 6)
+    stop_at = free_running.output_token_ids[2]
+    first_stop = free_running.output_token_ids.index(stop_at)
+    stopped = engine.add_request(prompt, 6, stop_token_ids=[stop_at])
+    while engine.has_unfinished():
+        engine.step()
+    assert stopped.output_token_ids == free_running.output_token_ids[: first_stop + 1], f"seed {seed}"
+    assert stopped.finish_reason == "stop" and free_running.finish_reason == "length"
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(prompt, 8 * 16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.add_request(prompt, 1024)
