@@ -308,6 +308,8 @@ def daemon_sizes(model, token_counts: list[int]) -> tuple[int, int]:
 def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool) -> None:
     """One daemon for these tiers; each point's engine gets a connector, saves both prefixes, then
     each tier is timed from them."""
+    if run.over_budget(f"{points[0].model_name}, tiers {','.join(tiers)}"):
+        return
     model = points[0].engine.model
     l2_bytes, l3_bytes = daemon_sizes(model, [p.num_tokens for p in points])
     with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:

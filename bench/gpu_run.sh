@@ -20,12 +20,11 @@ OUT=${OUT:-/tmp/kvbench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
+QUICK=${1:-}
 RESULTS=$PWD/bench/results/h200
-if [[ ${1:-} == --quick ]]; then
-    RESULTS=$OUT/quick-results
-fi
+[[ $QUICK == --quick ]] && RESULTS=$(mktemp -d /tmp/kvbench-quick.XXXXXX)
 # name BENCH: the arguments that send BENCH's result file to $RESULTS/BENCH.json
-name() { if [[ $RESULTS == "$OUT/quick-results" ]]; then echo --quick --name "$1" --machine "$RESULTS";
+name() { if [[ $QUICK == --quick ]]; then echo --quick --name "$1" --machine "$RESULTS";
          else echo --name "$1" --machine h200; fi; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -35,7 +34,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 L3_DIR=$(mktemp -d /var/tmp/kvbench-l3.XXXXXX)       # a disk (not tmpfs): L3 reads are real reads
-trap 'rm -rf "$L3_DIR"' EXIT
+trap 'rm -rf "$L3_DIR"; [[ $QUICK == --quick ]] && rm -rf "$RESULTS"' EXIT
 
 { nvidia-smi; python3 -c 'import torch, triton, transformers, zmq; print("torch", torch.__version__, "cuda",
   torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__)'

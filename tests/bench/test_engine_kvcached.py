@@ -1,7 +1,7 @@
 """The reference engine on engine_client's real KVConnector, against a real daemon process over
 ipc:// (fp32 on CPU; the same in bf16 on CUDA, marked gpu): a prefix one engine prefilled and
 saved is restored by another engine, or by the same one once its own cache is cold, from L2 and
-from L3 alone, bit for bit, and gives a recompute's tokens."""
+from L3 alone, bit for bit, and gives a recompute's tokens (in bf16: its logits within rounding)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached,
 from tests.bench.engine.reference import hf_model, random_prompt
 
 LOGITS_ATOL = 1e-4
+BF16_RTOL = 0.02
 MODEL_ID = "engine-kvcached-test"
 
 
@@ -48,14 +49,19 @@ def without_connector(engine: Engine, prompt, max_new_tokens: int, cold: bool):
 
 
 def assert_same_output(restored, own_cache, recompute, seed, dtype):
-    """Bit for bit the logits of the engine's own cache hit on the same KV; the tokens of a
-    recompute (and in fp32 its logits, within rounding)."""
+    """Bit for bit the logits of the engine's own cache hit on the same KV; in fp32 the tokens of a
+    recompute and its logits within rounding; in bf16 the first token's logits within bf16
+    rounding of the recompute's (2% of the largest logit: greedy tokens of the two may part)."""
     assert torch.equal(torch.stack(restored.logits), torch.stack(own_cache.logits)), \
         f"seed {seed}: logits differ from the engine's own cache hit on the same KV"
-    assert restored.output_token_ids == recompute.output_token_ids, f"seed {seed}: tokens differ from recompute"
     if dtype == torch.float32:
+        assert restored.output_token_ids == recompute.output_token_ids, f"seed {seed}: tokens differ from recompute"
         difference = (torch.stack(restored.logits) - torch.stack(recompute.logits)).abs().max().item()
         assert difference < LOGITS_ATOL, f"seed {seed}: logits differ from recompute by {difference}"
+    else:
+        difference = (restored.logits[0] - recompute.logits[0]).abs().max().item()
+        assert difference < BF16_RTOL * recompute.logits[0].abs().max().item(), \
+            f"seed {seed}: first logits differ from recompute by {difference}"
 
 
 @pytest.mark.parametrize("device,dtype", devices())
@@ -63,8 +69,8 @@ def test_another_engine_restores_a_saved_prefix_from_l2_bit_for_bit(daemon, tmp_
     """Engine A prefills a 100-token prompt and saves its 6 full pages through its KVConnector;
     engine B (same weights, its own KV tensors, cache and session) gets a prompt with that prefix:
     it loads all 6 pages from L2 (none of them recomputed), its KV of them equals A's bit for bit,
-    its logits equal bit for bit A's from its own cache hit, its tokens (and fp32 logits within
-    1e-4) are a recompute's, and the daemon's integrity holds."""
+    its logits equal bit for bit A's from its own cache hit, its tokens (and logits within 1e-4)
+    are a recompute's (bf16: its first logits within rounding), and the daemon's integrity holds."""
     seed = 5100
     a = make_engine(seed, tmp_path, device, dtype)
     b = Engine(a.model, EngineConfig(num_blocks=64, keep_logits=True))
@@ -100,8 +106,8 @@ def test_a_prefix_only_l3_holds_is_promoted_and_restored_bit_for_bit(daemon, tmp
     """Once TierControl has emptied L2 (the lookup then sees the prefix in L3 alone) and the
     engine's own cache is cold, the engine's next request with the prefix restores it through an
     L3 -> L2 promotion: all 6 pages loaded, the promotion counted, its KV equal bit for bit to what
-    its own prefill wrote, its logits bit for bit its own cache hit's, its tokens a recompute's, and
-    the daemon's integrity holds."""
+    its own prefill wrote, its logits bit for bit its own cache hit's, its tokens a recompute's
+    (bf16: its first logits within rounding), and the daemon's integrity holds."""
     seed = 5200
     engine = make_engine(seed, tmp_path, device, dtype)
     generator = torch.Generator().manual_seed(seed)
