@@ -20,7 +20,11 @@ TTFT p50/p95/p99 (add_request -> first token), and:
                   near-tied argmax of random weights; reported, not a failure)
 the engine's own cache hits (0), the tokens loaded, and the daemon's integrity check.
 
+With ``--engines N``, also N engine processes on the GPU sharing prefixes through one daemon,
+against the same engines without kvcached (``bench/stress_engines.py``; rows with engines = N).
+
     python -m bench.bench_stress                     # H200: bench/results/h200/stress.json
+    python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # 8 Qwen3-4B engines
     python -m bench.bench_stress --quick             # CPU smoke run, tiny shape, no result file
 """
 
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import gc
 import time
 
 import numpy as np
@@ -35,6 +41,7 @@ import torch
 
 from bench.common import exit_on_sigterm, percentile, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
+from bench.stress_engines import Spec, run_engines
 from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_request,
                          settle)
 
@@ -202,39 +209,9 @@ def restored_kv(engine: Engine, control: TierControl, workload: Workload, prefix
     return prefix_kv(engine, prefix)
 
 
-def main() -> None:
-    exit_on_sigterm()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
-    parser.add_argument("--prefixes", type=int, default=8)
-    parser.add_argument("--prefix-tokens", type=int, default=350)
-    parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=80)
-    parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--tiers", default=",".join(STRESS_TIERS))
-    parser.add_argument("--l3-dir", default=None, help="where the daemon's L3 file goes")
-    parser.add_argument("--seed", type=int, default=17)
-    parser.add_argument("--quick", action="store_true", help="smoke run: the tiny shape, 24 requests; no result file")
-    parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
-                                                     "default stress, none with --quick")
-    parser.add_argument("--machine", default=None)
-    args = parser.parse_args()
-    requested = args.tiers.split(",")
-    if set(requested) - set(STRESS_TIERS):
-        raise SystemExit(f"--tiers: of {STRESS_TIERS}")
-    tiers = [t for t in STRESS_TIERS if t in requested]      # none first: the others' speed-up is over it
-    if args.quick:
-        args.model, args.prefix_tokens, args.requests = "tiny", min(args.prefix_tokens, 60), min(args.requests, 24)
-    else:
-        args.name = args.name or "stress"
-    batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype, report) -> None:
     model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
     workload = Workload(args, model.config.vocab_size)
-    started = time.monotonic()
-    rows: list[dict] = []
-    path = None
     daemon = None
     try:
         if "l2" in tiers:
@@ -249,34 +226,87 @@ def main() -> None:
             expected = {"recompute": reference.recompute(prompts)}
             if daemon is not None:
                 expected["own_cache"] = reference.own_cache(prompts)
+            baseline = None
             for tier in tiers:
                 row = run_case(model, workload, prompts, tier, batch, daemon, reference, expected, args)
-                none = next((r for r in rows + [row] if r["tier"] == "none" and r["batch"] == batch), None)
-                if none is not None:
-                    row["speedup"] = round(row["req_per_s"] / none["req_per_s"], 3)
-                rows.append(row)
-                print_table([row], COLUMNS)
-                if args.name:
-                    path = write_result(args.name, {
-                        "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
-                        "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
-                                     "suffix_tokens": args.suffix_tokens, "requests": args.requests,
-                                     "output_tokens": 1, "batches": batches, "tiers": tiers},
-                        "elapsed_s": round(time.monotonic() - started, 1),
-                        "notes": ["8 engine processes on one GPU: not run (not built yet)",
-                                  "tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request)"],
-                        "rows": rows}, machine=args.machine)
+                baseline = baseline or (row if tier == "none" else None)
+                if baseline is not None:
+                    row["speedup"] = round(row["req_per_s"] / baseline["req_per_s"], 3)
+                report(row)
     finally:
         if daemon is not None:
             daemon.stop()
+
+
+def main() -> None:
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=350)
+    parser.add_argument("--suffix-tokens", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--batches", default="1,4", help="of the single engine; empty: none")
+    parser.add_argument("--tiers", default=",".join(STRESS_TIERS))
+    parser.add_argument("--engines", type=int, default=0,
+                        help="also N engine processes on the GPU sharing 16 prefixes of 2,000 tokens (0: not run)")
+    parser.add_argument("--engines-model", default="qwen3-4b", choices=sorted(PRESETS))
+    parser.add_argument("--l3-dir", default=None, help="where the daemon's L3 file goes")
+    parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--quick", action="store_true", help="smoke run: the tiny shape, 24 requests; no result file")
+    parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
+                                                     "default stress, none with --quick")
+    parser.add_argument("--machine", default=None)
+    args = parser.parse_args()
+    requested = args.tiers.split(",")
+    if set(requested) - set(STRESS_TIERS):
+        raise SystemExit(f"--tiers: of {STRESS_TIERS}")
+    tiers = [t for t in STRESS_TIERS if t in requested]      # none first: the others' speed-up is over it
+    spec = Spec(args.engines_model, args.seed)
+    if args.quick:
+        args.model, args.prefix_tokens, args.requests = "tiny", min(args.prefix_tokens, 60), min(args.requests, 24)
+        spec = Spec("tiny", args.seed, num_prefixes=4, prefix_tokens=64, pool_requests=2)
+    else:
+        args.name = args.name or "stress"
+    batches = [int(b) for b in args.batches.split(",") if b]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.monotonic()
+    rows: list[dict] = []
+    notes = ["tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request)"]
+    if not args.engines:
+        notes.append("several engine processes on one GPU: not run (--engines N)")
+    paths = []
+
+    def report(row: dict) -> None:
+        rows.append(row)
+        print_table([row], COLUMNS)
+        if args.name:
+            paths[:] = [write_result(args.name, {
+                "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
+                "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
+                             "suffix_tokens": args.suffix_tokens, "requests": args.requests, "output_tokens": 1,
+                             "batches": batches, "tiers": tiers},
+                "engines_workload": dataclasses.asdict(spec) if args.engines else None,
+                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "rows": rows},
+                machine=args.machine)]
+
+    if batches:
+        run_single_engine(args, tiers, batches, device, dtype, report)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.engines:
+        for row in run_engines(args.engines, spec, args.l3_dir):
+            report(row)
     print()
-    print_table(rows, COLUMNS)
-    if path:
-        print(f"wrote {path}")
-    failures = [f"{r['tier']} batch {r['batch']}: {what}" for r in rows for what, bad in (
+    print_table(rows, COLUMNS + ["cross_engine_hit_tokens"])
+    if paths:
+        print(f"wrote {paths[0]}")
+    failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
         ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
         ("incomplete loads", r.get("loads_complete") is False),
-        ("engine cache hits", r["engine_cache_hit_tokens"] != 0)) if bad]
+        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0)) if bad]
     if failures:
         raise SystemExit(f"checks failed: {failures}")
 

@@ -41,9 +41,14 @@ def test_bench_ttft_quick_measures_every_tier_with_its_checks_passing(tmp_path):
 def test_bench_stress_quick_measures_both_tiers_with_no_mismatch(tmp_path):
     """8 requests at batch 1 and 2, tiers none and l2: a row each with its req/s and TTFT
     percentiles, no engine cache hit, every l2 request loading its whole prefix, no token or KV
-    mismatch, the daemon's integrity ok."""
-    result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2")
-    rows = {(row["tier"], row["batch"]): row for row in result["rows"]}
+    mismatch, the daemon's integrity ok. Two engine processes sharing 4 prefixes: with kvcached,
+    one loads prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
+    result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2")
+    engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
+    assert engines["none"]["cross_engine_hit_tokens"] == 0 and engines["l2"]["cross_engine_hit_tokens"] > 0, engines
+    assert engines["l2"]["mismatches"] == 0 and engines["l2"]["integrity"] == "ok", engines
+    assert engines["l2"]["requests"] == engines["none"]["requests"] == 2 * 4 * 2, engines
+    rows = {(row["tier"], row["batch"]): row for row in result["rows"] if row["engines"] == 1}
     assert sorted(rows) == [("l2", 1), ("l2", 2), ("none", 1), ("none", 2)], result
     for (tier, _), row in rows.items():
         assert row["requests"] == 8 and row["req_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
