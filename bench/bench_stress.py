@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import gc
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -209,7 +210,7 @@ def restored_kv(engine: Engine, control: TierControl, workload: Workload, prefix
     return prefix_kv(engine, prefix)
 
 
-def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype, report) -> None:
+def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype, report, fail) -> None:
     model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
     workload = Workload(args, model.config.vocab_size)
     daemon = None
@@ -228,7 +229,11 @@ def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype,
                 expected["own_cache"] = reference.own_cache(prompts)
             baseline = None
             for tier in tiers:
-                row = run_case(model, workload, prompts, tier, batch, daemon, reference, expected, args)
+                try:
+                    row = run_case(model, workload, prompts, tier, batch, daemon, reference, expected, args)
+                except Exception as exc:        # recorded; the other cases go on
+                    fail(f"{tier} batch {batch}", exc)
+                    continue
                 baseline = baseline or (row if tier == "none" else None)
                 if baseline is not None:
                     row["speedup"] = round(row["req_per_s"] / baseline["req_per_s"], 3)
@@ -276,11 +281,16 @@ def main() -> None:
     notes = ["tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request)"]
     if not args.engines:
         notes.append("several engine processes on one GPU: not run (--engines N)")
-    paths = []
+    paths, errors = [], []
 
-    def report(row: dict) -> None:
-        rows.append(row)
-        print_table([row], COLUMNS)
+    def fail(what: str, exc: Exception) -> None:
+        traceback.print_exc()
+        errors.append(f"{what}: {type(exc).__name__}: {exc}"[:1000])
+
+    def report(row: dict | None = None) -> None:
+        if row is not None:
+            rows.append(row)
+            print_table([row], COLUMNS)
         if args.name:
             paths[:] = [write_result(args.name, {
                 "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
@@ -288,17 +298,23 @@ def main() -> None:
                              "suffix_tokens": args.suffix_tokens, "requests": args.requests, "output_tokens": 1,
                              "batches": batches, "tiers": tiers},
                 "engines_workload": dataclasses.asdict(spec) if args.engines else None,
-                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "rows": rows},
+                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors, "rows": rows},
                 machine=args.machine)]
 
-    if batches:
-        run_single_engine(args, tiers, batches, device, dtype, report)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if args.engines:
-        for row in run_engines(args.engines, spec, args.l3_dir):
-            report(row)
+    try:
+        if batches:
+            run_single_engine(args, tiers, batches, device, dtype, report, fail)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.engines:
+            try:
+                for row in run_engines(args.engines, spec, args.l3_dir):
+                    report(row)
+            except Exception as exc:
+                fail(f"{args.engines} engines", exc)
+    finally:
+        report()
     print()
     print_table(rows, COLUMNS + ["cross_engine_hit_tokens"])
     if paths:
@@ -306,7 +322,7 @@ def main() -> None:
     failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
         ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
         ("incomplete loads", r.get("loads_complete") is False),
-        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0)) if bad]
+        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0)) if bad] + errors
     if failures:
         raise SystemExit(f"checks failed: {failures}")
 

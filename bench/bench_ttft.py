@@ -37,6 +37,7 @@ import gc
 import inspect
 import logging
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -217,6 +218,11 @@ class Run:
                 self.failures.append(f"{row['model']} {row['tier']} {row['tokens']}: {check}")
         self.write()
 
+    def fail(self, what: str, exc: Exception) -> None:
+        traceback.print_exc()
+        self.failures.append(f"{what}: {type(exc).__name__}: {exc}"[:1000])
+        self.write()
+
     def summary(self) -> list[dict]:
         summary = []
         for row in self.rows:
@@ -316,19 +322,23 @@ def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool
         control = None
         try:
             for point in points:
-                if run.over_budget(f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"):
+                what = f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"
+                if run.over_budget(what):
                     continue
-                connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
-                                            model_revision=f"random-seed-{run.args.seed}",
-                                            client_name=f"ttft-{point.model_name}-{point.num_tokens}")
                 try:
-                    if control is None:
-                        control = TierControl(daemon, connector.geometry)
-                    saved_kv, own_cache = save_prefixes(point, control)
-                    for tier in tiers:
-                        run.add(time_tier(run, point, tier, control, saved_kv, own_cache))
-                finally:
-                    detach_kvcached(point.engine)
+                    connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
+                                                model_revision=f"random-seed-{run.args.seed}",
+                                                client_name=f"ttft-{point.model_name}-{point.num_tokens}")
+                    try:
+                        if control is None:
+                            control = TierControl(daemon, connector.geometry)
+                        saved_kv, own_cache = save_prefixes(point, control)
+                        for tier in tiers:
+                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache))
+                    finally:
+                        detach_kvcached(point.engine)
+                except Exception as exc:        # recorded; the other points go on
+                    run.fail(what, exc)
         finally:
             if control is not None:
                 control.close()
@@ -428,9 +438,15 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
         print(why, flush=True)
     points = []
     for num_tokens in token_counts:
-        if not run.over_budget(f"{model_name} {num_tokens} tokens"):
-            points.append(make_point(model, model_name, num_tokens, args.seed))
-            run_recompute(run, points[-1], hf)
+        what = f"{model_name} {num_tokens} tokens"
+        if run.over_budget(what):
+            continue
+        try:
+            point = make_point(model, model_name, num_tokens, args.seed)
+            run_recompute(run, point, hf)
+            points.append(point)
+        except Exception as exc:                # recorded; the other points go on
+            run.fail(what, exc)
     warm = [t for t in tiers if t in ("l2", "l3")]
     if points and warm:
         run_restores(run, points, warm, o_direct=False)
@@ -477,7 +493,10 @@ def main() -> None:
     try:
         for model_name, token_counts in plan:
             if not run.over_budget(f"{model_name} (all of it)"):
-                run_model(run, model_name, token_counts)
+                try:
+                    run_model(run, model_name, token_counts)
+                except Exception as exc:        # e.g. out of memory: the next shape goes on
+                    run.fail(model_name, exc)
                 gc.collect()             # the model, its engines and KV before the next shape's
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

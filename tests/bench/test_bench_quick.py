@@ -16,7 +16,8 @@ def run_quick(module: str, result_dir, *args: str) -> dict:
     command = [sys.executable, "-m", module, "--quick", "--name", "quick", "--machine", str(result_dir), *args]
     done = subprocess.run(command, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, \
+        f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     with open(result_dir / "quick.json") as f:
         return json.load(f)
 
