@@ -110,3 +110,14 @@ def write_result(name: str, payload: dict[str, Any], machine: str | None = None)
         json.dump(document, f, indent=1, sort_keys=False)
         f.write("\n")
     return path
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a time limit's ``timeout``) raises SystemExit in the main thread, so that the
+    benchmark's ``finally`` blocks stop the daemons it started and remove their files."""
+    import signal
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

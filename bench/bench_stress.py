@@ -1,0 +1,331 @@
+"""Throughput on the reference engine: prefixes in rotation, recompute against restores from L2.
+
+8 prefixes of 350 tokens; 80 requests, request j = prefix j % 8 + a unique 16-token suffix, 1
+output token; each batch size has its own 80 requests, the same for every tier. A batch of b keeps
+b requests in the engine (closed loop: one finishes, the next enters). The engine's block pool
+holds b requests, so its own GPU cache never still holds a prefix when it comes round again.
+Tiers:
+
+  none  no connector: every request prefills its prefix
+  l2    the prefixes in L2 (saved by another engine first); each request loads its prefix
+
+Per tier and batch: req/s (80 over the time from the first request in to the last first token),
+TTFT p50/p95/p99 (add_request -> first token), and:
+  mismatches      requests whose token differs from the reference for the same prompt, run alone
+                  at batch 1 the way the tier computes it: a full prefill for none; for l2 the
+                  prefix from the engine's own cache, holding the very KV that L2 holds
+  kv_mismatches   (l2) prefixes whose restored KV, after the timed run, is not bit for bit what the
+                  engine's prefill wrote when it saved them
+  recompute_mismatches  (l2) tokens that differ from a full prefill's (bf16 rounding moves a
+                  near-tied argmax of random weights; reported, not a failure)
+the engine's own cache hits (0), the tokens loaded, and the daemon's integrity check.
+
+With ``--engines N``, also N engine processes on the GPU sharing prefixes through one daemon,
+against the same engines without kvcached (``bench/stress_engines.py``; rows with engines = N).
+
+    python -m bench.bench_stress                     # H200: bench/results/h200/stress.json
+    python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # 8 Qwen3-4B engines
+    python -m bench.bench_stress --quick             # CPU smoke run, tiny shape, no result file
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from bench.common import exit_on_sigterm, percentile, print_table, write_result
+from bench.engine import PRESETS, Engine, EngineConfig, load_model
+from bench.stress_engines import Spec, run_engines
+from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_request,
+                         settle)
+
+BLOCK_SIZE = 16
+STRESS_TIERS = ("none", "l2")
+COLUMNS = ["model", "tier", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms",
+           "mismatches", "kv_mismatches", "engine_cache_hit_tokens"]
+
+
+class Workload:
+    """The prefixes, and per batch size its own 80 prompts (unique suffixes: no run finds pages
+    that an earlier run saved beyond a prefix)."""
+
+    def __init__(self, args, vocab_size: int):
+        self.rng = np.random.default_rng(args.seed)
+        self.vocab_size = vocab_size
+        self.suffix_tokens = args.suffix_tokens
+        self.num_requests = args.requests
+        self.prefixes = [self._tokens(args.prefix_tokens) for _ in range(args.prefixes)]
+        self.restorable_tokens = args.prefix_tokens // BLOCK_SIZE * BLOCK_SIZE     # every whole page of a prefix
+        self.blocks_per_request = -(-(args.prefix_tokens + args.suffix_tokens + 1) // BLOCK_SIZE)
+
+    def _tokens(self, count: int) -> list[int]:
+        return self.rng.integers(0, self.vocab_size, size=count).tolist()
+
+    def fresh(self, prefix: list[int]) -> list[int]:
+        """The prefix with a suffix of its own (warm-ups, seeds, checks)."""
+        return prefix + self._tokens(self.suffix_tokens)
+
+    def prompts(self) -> list[list[int]]:
+        """Request j: prefix j % 8 and a new suffix."""
+        return [self.fresh(self.prefixes[j % len(self.prefixes)]) for j in range(self.num_requests)]
+
+
+def make_engine(model, blocks: int, max_num_seqs: int) -> Engine:
+    return Engine(model, EngineConfig(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs))
+
+
+def closed_loop(engine: Engine, prompts: list[list[int]], batch: int, timeout_s: float = 600.0):
+    """Every prompt through the engine, batch of them in it at a time. Returns the requests in
+    prompt order and the time from the first request in to the last one's first token."""
+    pending = collections.deque(prompts)
+    requests, in_flight = [], set()
+    deadline = time.monotonic() + timeout_s
+    with gc_paused():
+        started = time.perf_counter()
+        while pending or in_flight:
+            while pending and len(in_flight) < batch:
+                requests.append(engine.add_request(pending.popleft(), 1))
+                in_flight.add(requests[-1])
+            in_flight.difference_update(engine.step())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending) + len(in_flight)} requests left after {timeout_s} s")
+        wall_s = max(r.first_token_s for r in requests) - started
+    return requests, wall_s
+
+
+class Reference:
+    """What each prompt gives alone at batch 1: a full prefill (``recompute``); and, once one
+    engine has saved the prefixes to L2 (the KV its prefill wrote for each: ``saved_kv``), the
+    prefix from that engine's own cache, the very KV that L2 holds (``own_cache``)."""
+
+    def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args):
+        self.recompute_engine = make_engine(model, workload.blocks_per_request, 1)
+        self.workload = workload
+        self.cache_engine = self.saved_kv = None
+        if daemon is None:
+            return
+        # Room for every prefix and the suffix blocks of every prompt: nothing of a prefix is evicted.
+        self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
+                                        + 4 * workload.num_requests * len(args.batches.split(",")) + 64, 1)
+        connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
+                                    model_revision=f"random-seed-{args.seed}", client_name="stress-reference")
+        control = TierControl(daemon, connector.geometry)
+        self.saved_kv = []
+        try:
+            for prefix in workload.prefixes:
+                request = run_request(self.cache_engine, workload.fresh(prefix), 1)
+                if request.num_loaded_tokens or request.num_cached_tokens:
+                    raise RuntimeError("a fresh prefix was found cached")
+                self.saved_kv.append(prefix_kv(self.cache_engine, prefix))
+            settle(self.cache_engine, control)
+            hits = [control.hits(prefix)["l2"] for prefix in workload.prefixes]
+            if min(hits) < workload.restorable_tokens:
+                raise RuntimeError(f"the prefixes were not all saved to L2 (hits {hits}): {connector.stats()}")
+        finally:
+            control.close()
+            detach_kvcached(self.cache_engine)     # nothing more is saved from here on
+
+    def recompute(self, prompts) -> list[int]:
+        tokens = []
+        for prompt in prompts:
+            self.recompute_engine.reset_prefix_cache()
+            tokens.append(run_request(self.recompute_engine, prompt, 1).output_token_ids[0])
+        return tokens
+
+    def own_cache(self, prompts) -> list[int]:
+        tokens = []
+        for prompt in prompts:
+            request = run_request(self.cache_engine, prompt, 1)
+            if request.num_cached_tokens < self.workload.restorable_tokens:
+                raise RuntimeError(f"the own-cache reference hit only {request.num_cached_tokens} tokens")
+            tokens.append(request.output_token_ids[0])
+        return tokens
+
+
+def run_case(model, workload: Workload, prompts, tier: str, batch: int, daemon: KVDaemon | None,
+             reference: Reference, expected: dict[str, list[int]], args) -> dict:
+    # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
+    # one admitted, whose prefix (batch < the 8 prefixes of the rotation further on) is another.
+    engine = make_engine(model, batch * workload.blocks_per_request, batch)
+    control = None
+    if tier == "l2":
+        connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
+                                    model_revision=f"random-seed-{args.seed}", client_name=f"stress-b{batch}")
+        control = TierControl(daemon, connector.geometry)
+    try:
+        if control is not None:
+            for prefix in workload.prefixes:
+                control.force("l2", prefix, workload.restorable_tokens)
+        closed_loop(engine, [workload.fresh(p) for p in workload.prefixes], batch)     # warm-up, untimed
+        settle(engine, control)
+        engine.reset_prefix_cache()              # the warm-up's last prefixes
+        done, wall_s = closed_loop(engine, prompts, batch)
+        settle(engine, control)
+        tokens = [r.output_token_ids[0] for r in done]
+        ttft_ms = [r.ttft_s * 1e3 for r in done]
+        reference_name = "recompute" if tier == "none" else "own_cache"
+        row = {"model": args.model, "tier": tier, "engines": 1, "batch": batch, "requests": len(done),
+               "req_per_s": round(len(done) / wall_s, 3), "speedup": None, "wall_s": round(wall_s, 4),
+               "ttft_p50_ms": round(percentile(ttft_ms, 50), 3), "ttft_p95_ms": round(percentile(ttft_ms, 95), 3),
+               "ttft_p99_ms": round(percentile(ttft_ms, 99), 3),
+               "mismatches": sum(a != b for a, b in zip(tokens, expected[reference_name], strict=True)),
+               "reference": {"recompute": "a full prefill alone",
+                             "own_cache": "alone, the prefix from the engine's own cache (the KV L2 holds)"}[
+                   reference_name],
+               "kv_mismatches": None, "cross_engine_hit_tokens": None,
+               "engine_cache_hit_tokens": sum(r.num_cached_tokens for r in done),
+               "loaded_tokens": sum(r.num_loaded_tokens for r in done),
+               "ttft_samples_ms": [round(t, 4) for t in ttft_ms]}
+        if tier == "l2":
+            row["recompute_mismatches"] = sum(a != b for a, b in zip(tokens, expected["recompute"], strict=True))
+            row["kv_mismatches"] = sum(not torch.equal(restored_kv(engine, control, workload, prefix), kv)
+                                       for prefix, kv in zip(workload.prefixes, reference.saved_kv))
+            row["loads_complete"] = all(r.num_loaded_tokens == workload.restorable_tokens for r in done)
+            row["integrity"] = control.integrity()
+            row["connector"] = {k: v for k, v in engine.connector.stats().items()
+                                if k.startswith(("load", "save_skipped", "committed"))}
+        return row
+    finally:
+        if control is not None:
+            control.close()
+        detach_kvcached(engine)
+
+
+def restored_kv(engine: Engine, control: TierControl, workload: Workload, prefix: list[int]) -> torch.Tensor:
+    """The prefix restored alone from L2 into a cold engine cache; the KV it holds then."""
+    settle(engine, control)
+    engine.reset_prefix_cache()
+    control.force("l2", prefix, workload.restorable_tokens)
+    request = run_request(engine, workload.fresh(prefix), 1)
+    settle(engine, control)
+    if request.num_loaded_tokens != workload.restorable_tokens:
+        raise RuntimeError(f"the check request loaded {request.num_loaded_tokens} tokens")
+    return prefix_kv(engine, prefix)
+
+
+def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype, report, fail) -> None:
+    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
+    workload = Workload(args, model.config.vocab_size)
+    daemon = None
+    try:
+        if "l2" in tiers:
+            # The prefixes twice over, and two pages for each request's suffix (evicted first: leaves).
+            bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * BLOCK_SIZE
+            pages = 2 * len(workload.prefixes) * workload.blocks_per_request + 2 * (args.requests + 32) + 64
+            l2_bytes = max(pages * bytes_per_page, 8 << 20)
+            daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir)
+        reference = Reference(model, workload, daemon, args)
+        for batch in batches:
+            prompts = workload.prompts()
+            expected = {"recompute": reference.recompute(prompts)}
+            if daemon is not None:
+                expected["own_cache"] = reference.own_cache(prompts)
+            baseline = None
+            for tier in tiers:
+                try:
+                    row = run_case(model, workload, prompts, tier, batch, daemon, reference, expected, args)
+                except Exception as exc:        # recorded; the other cases go on
+                    fail(f"{tier} batch {batch}", exc)
+                    continue
+                baseline = baseline or (row if tier == "none" else None)
+                if baseline is not None:
+                    row["speedup"] = round(row["req_per_s"] / baseline["req_per_s"], 3)
+                report(row)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+
+
+def main() -> None:
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=350)
+    parser.add_argument("--suffix-tokens", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--batches", default="1,4", help="of the single engine; empty: none")
+    parser.add_argument("--tiers", default=",".join(STRESS_TIERS))
+    parser.add_argument("--engines", type=int, default=0,
+                        help="also N engine processes on the GPU sharing 16 prefixes of 2,000 tokens (0: not run)")
+    parser.add_argument("--engines-model", default="qwen3-4b", choices=sorted(PRESETS))
+    parser.add_argument("--l3-dir", default=None, help="where the daemon's L3 file goes")
+    parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--quick", action="store_true", help="smoke run: the tiny shape, 24 requests; no result file")
+    parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
+                                                     "default stress, none with --quick")
+    parser.add_argument("--machine", default=None)
+    args = parser.parse_args()
+    requested = args.tiers.split(",")
+    if set(requested) - set(STRESS_TIERS):
+        raise SystemExit(f"--tiers: of {STRESS_TIERS}")
+    tiers = [t for t in STRESS_TIERS if t in requested]      # none first: the others' speed-up is over it
+    spec = Spec(args.engines_model, args.seed)
+    if args.quick:
+        args.model, args.prefix_tokens, args.requests = "tiny", min(args.prefix_tokens, 60), min(args.requests, 24)
+        spec = Spec("tiny", args.seed, num_prefixes=4, prefix_tokens=64, pool_requests=2)
+    else:
+        args.name = args.name or "stress"
+    batches = [int(b) for b in args.batches.split(",") if b]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.monotonic()
+    rows: list[dict] = []
+    notes = ["tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request)"]
+    if not args.engines:
+        notes.append("several engine processes on one GPU: not run (--engines N)")
+    paths, errors = [], []
+
+    def fail(what: str, exc: Exception) -> None:
+        traceback.print_exc()
+        errors.append(f"{what}: {type(exc).__name__}: {exc}"[:1000])
+
+    def report(row: dict | None = None) -> None:
+        if row is not None:
+            rows.append(row)
+            print_table([row], COLUMNS)
+        if args.name:
+            paths[:] = [write_result(args.name, {
+                "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
+                "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
+                             "suffix_tokens": args.suffix_tokens, "requests": args.requests, "output_tokens": 1,
+                             "batches": batches, "tiers": tiers},
+                "engines_workload": dataclasses.asdict(spec) if args.engines else None,
+                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors, "rows": rows},
+                machine=args.machine)]
+
+    try:
+        if batches:
+            run_single_engine(args, tiers, batches, device, dtype, report, fail)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.engines:
+            try:
+                for row in run_engines(args.engines, spec, args.l3_dir):
+                    report(row)
+            except Exception as exc:
+                fail(f"{args.engines} engines", exc)
+    finally:
+        report()
+    print()
+    print_table(rows, COLUMNS + ["cross_engine_hit_tokens"])
+    if paths:
+        print(f"wrote {paths[0]}")
+    failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
+        ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
+        ("incomplete loads", r.get("loads_complete") is False),
+        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0)) if bad] + errors
+    if failures:
+        raise SystemExit(f"checks failed: {failures}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""Time to first token on the reference engine: a prefix restored from each tier against recompute.
+
+For each model shape (random bf16 weights, seeded) and prefix length, two different prefixes
+alternate; the engine's block pool holds one request, so each request evicts the other prefix
+from the engine's own GPU cache. A request is a prefix plus a unique 32-token suffix, 1 output
+token. TTFT is what the user sees: from ``add_request`` (the request entering the scheduler) to
+its first token. Two alternations warm up, then the median of 8 requests. The tier the prefix
+comes from is forced (``bench/tiers.py``):
+
+  none     no connector: the engine prefills all of it (recompute)
+  l2       the prefix in L2 (the daemon's shared pinned memory): lookup, match, DMA + scatter
+  l3       L2 emptied before each request, the prefix in L3 with a warm page cache: + preadv L3 -> L2
+  l3-cold  the same from a daemon started with --l3-o-direct, the L3 file's page cache dropped too
+
+Checked at every point: each request's own GPU-cache hit is 0 and it loads every whole page of
+its prefix (from L3: promoted); the restored KV equals bit for bit what the engine's own prefill
+wrote for that prefix when it was saved; a check request (the first prefix alone, 16 greedy
+tokens, from the tier, engine cache cold) gives the tokens of a recompute (``outputs_equal``), its
+logit difference from that recompute is set against the noise floor measured in the same run
+(the engine's own cache hit on the same KV against the same recompute), and its logits are
+compared bit for bit with that own cache hit's; the daemon's integrity check passes.
+
+In the same run, Hugging Face transformers' SDPA prefill of the same weights and tokens (bf16,
+``logits_to_keep=1``, then the argmax, as the engine's first token) is timed: ``engine_over_hf``
+is the engine's recompute TTFT over it (target <= 1.3).
+
+    python -m bench.bench_ttft                                    # H200: bench/results/h200/ttft.json
+    python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
+    python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import logging
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from bench.common import exit_on_sigterm, median, print_table, write_result
+from bench.engine import PRESETS, Engine, EngineConfig, Request, load_model
+from bench.tiers import (TIERS, KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv,
+                         run_request, settle)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POINTS = "qwen3-8b=350,1000,2000,3500,8000;qwen3-4b=1000,3500;qwen3-32b=1000,3500"
+QUICK_POINTS = "tiny=40,100"
+BLOCK_SIZE = 16
+SUFFIX_TOKENS = 32
+CHECK_TOKENS = 16
+TARGETS = {"l2_speedup_qwen3-8b_3500": 10.0, "l2_ttft_ms_qwen3-8b_8000": 25.0, "engine_over_hf": 1.3}
+COLUMNS = ["model", "tier", "tokens", "ttft_ms", "recompute_ms", "speedup", "outputs_equal", "kv_equal",
+           "logit_diff", "noise_floor", "hf_prefill_ms", "engine_over_hf"]
+
+
+def parse_points(text: str) -> list[tuple[str, list[int]]]:
+    """'qwen3-8b=350,1000;qwen3-4b=3500' -> [("qwen3-8b", [350, 1000]), ("qwen3-4b", [3500])]."""
+    plan = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, tokens = part.partition("=")
+        if name not in PRESETS or not tokens:
+            raise SystemExit(f"--points: {part!r} is not SHAPE=TOKENS,... with SHAPE one of {sorted(PRESETS)}")
+        plan.append((name, [int(t) for t in tokens.split(",")]))
+    return plan
+
+
+# ---- the model in transformers, on the engine's own weights ------------------------------------------
+
+
+def hf_twin(model) -> tuple[object | None, str | None]:
+    """transformers' Qwen3ForCausalLM (SDPA) holding the engine model's tensors (views, no copy);
+    (None, why) when transformers is not importable."""
+    try:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    except ImportError as exc:
+        return None, f"transformers not importable ({exc}): no HF prefill timed"
+    c = model.config
+    if not c.qk_norm:
+        return None, "a Llama-architecture model: no HF prefill timed"
+    options = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                   head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                   max_position_embeddings=c.max_position_embeddings, attn_implementation="sdpa")
+    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+        options["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    else:
+        options["rope_theta"] = c.rope_theta
+    config = Qwen3Config(**options)
+    with torch.device("meta"):
+        hf = Qwen3ForCausalLM(config)
+    missing, unexpected = hf.load_state_dict(model._hf_targets(), strict=False, assign=True)
+    if c.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+        missing = [name for name in missing if name != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers' Qwen3 does not take the engine's weights: missing {missing}, "
+                           f"unexpected {unexpected}")
+    hf.model.rotary_emb = Qwen3RotaryEmbedding(config).to(model.device)
+    left_on_meta = [name for name, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
+    if left_on_meta:
+        raise RuntimeError(f"transformers' Qwen3: tensors not filled: {left_on_meta[:4]}")
+    return hf.eval(), None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_hf_prefill(hf, prompt: list[int], device: torch.device, warmup: int, repeats: int):
+    """Median ms of transformers' prefill of prompt (logits of the last token only) and its argmax;
+    and those logits."""
+    input_ids = torch.tensor([prompt], device=device)
+    samples, logits = [], None
+    with torch.inference_mode(), gc_paused():
+        for i in range(warmup + repeats):
+            synchronize(device)
+            started = time.perf_counter()
+            logits = hf(input_ids, logits_to_keep=1).logits[0, -1]
+            logits.argmax().item()
+            if i >= warmup:
+                samples.append((time.perf_counter() - started) * 1e3)
+    return median(samples), samples, logits.float().cpu()
+
+
+# ---- one point: a shape, a prefix length, its engine --------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Point:
+    model_name: str
+    num_tokens: int                 # prefix length
+    engine: Engine
+    prefixes: list[list[int]]       # two, alternating
+    rng: np.random.Generator        # unique suffixes
+    recompute: Request | None = None        # the check prompt, cold, no connector
+    recompute_again: Request | None = None  # the same, once more (determinism)
+    recompute_ms: float | None = None
+
+    @property
+    def timed_loaded_tokens(self) -> int:
+        """A timed request (prefix + suffix) restores every whole page of the prefix."""
+        return self.num_tokens // BLOCK_SIZE * BLOCK_SIZE
+
+    @property
+    def check_loaded_tokens(self) -> int:
+        """The check request (the prefix alone) computes at least its last token."""
+        return (self.num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    @property
+    def check_prompt(self) -> list[int]:
+        return self.prefixes[0]
+
+    def suffix(self) -> list[int]:
+        vocab_size = self.engine.model.config.vocab_size
+        return self.rng.integers(0, vocab_size, size=SUFFIX_TOKENS).tolist()
+
+
+def make_point(model, model_name: str, num_tokens: int, seed: int) -> Point:
+    # One request's blocks, no more: the next request (the other prefix) evicts every block of this one.
+    num_blocks = -(-(num_tokens + SUFFIX_TOKENS + 1) // BLOCK_SIZE)
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=4,
+                                        max_prefill_tokens=num_blocks * BLOCK_SIZE, keep_logits=True))
+    rng = np.random.default_rng([seed, num_tokens])
+    vocab_size = model.config.vocab_size
+    prefixes = [rng.integers(0, vocab_size, size=num_tokens).tolist() for _ in range(2)]
+    return Point(model_name, num_tokens, engine, prefixes, rng)
+
+
+def logit_difference(a: Request, b: Request) -> float:
+    """Largest logit difference over the steps both sampled from the same tokens (up to and with
+    the first step whose greedy token differs)."""
+    steps = len(a.logits)
+    for i, (x, y) in enumerate(zip(a.output_token_ids, b.output_token_ids)):
+        if x != y:
+            steps = i + 1
+            break
+    return (torch.stack(a.logits[:steps]) - torch.stack(b.logits[:steps])).abs().max().item()
+
+
+def same_logits(a: Request, b: Request) -> bool:
+    return len(a.logits) == len(b.logits) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+class Run:
+    """The run's rows, written to the result file after each one."""
+
+    def __init__(self, args, device: torch.device, dtype: torch.dtype, plan):
+        self.args = args
+        self.device = device
+        self.dtype = dtype
+        self.plan = plan
+        self.started = time.monotonic()
+        self.rows: list[dict] = []
+        self.skipped: list[str] = []
+        self.notes: list[str] = []
+        self.failures: list[str] = []
+
+    def over_budget(self, what: str) -> bool:
+        if self.args.budget_s is not None and time.monotonic() - self.started > self.args.budget_s:
+            self.skipped.append(what)
+            print(f"skipped (over the {self.args.budget_s} s budget): {what}", flush=True)
+            return True
+        return False
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print_table([row], COLUMNS)
+        for check in ("kv_equal", "tier_forced", "integrity_ok"):
+            if row.get(check) is False:
+                self.failures.append(f"{row['model']} {row['tier']} {row['tokens']}: {check}")
+        self.write()
+
+    def fail(self, what: str, exc: Exception) -> None:
+        traceback.print_exc()
+        self.failures.append(f"{what}: {type(exc).__name__}: {exc}"[:1000])
+        self.write()
+
+    def summary(self) -> list[dict]:
+        summary = []
+        for row in self.rows:
+            key = (row["model"], row["tier"], row["tokens"])
+            if key == ("qwen3-8b", "l2", 3500):
+                summary.append({"target": "qwen3-8b, 3,500 tokens, L2: speed-up >= 10", "value": row["speedup"],
+                                "met": row["speedup"] is not None and row["speedup"] >= 10})
+            if key == ("qwen3-8b", "l2", 8000):
+                summary.append({"target": "qwen3-8b, 8,000 tokens, L2: TTFT <= 25 ms", "value": row["ttft_ms"],
+                                "met": row["ttft_ms"] <= 25})
+            if row["tier"] == "none" and row.get("engine_over_hf") is not None:
+                summary.append({"target": f"{row['model']}, {row['tokens']} tokens: engine / HF prefill <= 1.3",
+                                "value": row["engine_over_hf"], "met": row["engine_over_hf"] <= 1.3})
+        return summary
+
+    def write(self) -> None:
+        if not self.args.name:
+            return
+        args = self.args
+        self.path = write_result(args.name, {
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "seed": args.seed,
+            "points": {name: tokens for name, tokens in self.plan}, "tiers": args.tiers.split(","),
+            "method": {"block_size": BLOCK_SIZE, "suffix_tokens": SUFFIX_TOKENS, "output_tokens": 1,
+                       "warmup_alternations": args.warmup, "samples": args.samples, "check_tokens": CHECK_TOKENS,
+                       "hf": {"warmup": args.hf_warmup, "repeats": args.hf_repeats, "logits_to_keep": 1},
+                       "ttft": "add_request -> first token (Request.ttft_s), median of the samples"},
+            "targets": TARGETS, "summary": self.summary(), "failures": self.failures, "skipped": self.skipped,
+            "notes": self.notes, "elapsed_s": round(time.monotonic() - self.started, 1), "rows": self.rows,
+        }, machine=args.machine)
+
+
+# ---- recompute --------------------------------------------------------------------------------------
+
+
+def run_recompute(run: Run, point: Point, hf) -> None:
+    """The check prompt's recompute (twice), and with "none" among the tiers the timed recompute
+    and transformers' prefill of a timed prompt."""
+    engine, args = point.engine, run.args
+    assert engine.connector is None
+    engine.reset_prefix_cache()
+    point.recompute = run_request(engine, point.check_prompt, CHECK_TOKENS)
+    engine.reset_prefix_cache()
+    point.recompute_again = run_request(engine, point.check_prompt, CHECK_TOKENS)
+    engine.reset_prefix_cache()
+    if "none" not in args.tiers.split(","):
+        return
+    warmup_ms, samples_ms, cache_hits, last = [], [], 0, None
+    for i in range(2 * args.warmup + args.samples):
+        prompt = point.prefixes[i % 2] + point.suffix()
+        with gc_paused():
+            request = run_request(engine, prompt, 1)
+        cache_hits += request.num_cached_tokens
+        (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
+        last = (prompt, request)
+    point.recompute_ms = median(samples_ms)
+    row = {"model": point.model_name, "tier": "none", "tokens": point.num_tokens,
+           "ttft_ms": round(point.recompute_ms, 3), "recompute_ms": round(point.recompute_ms, 3), "speedup": 1.0,
+           "outputs_equal": point.recompute.output_token_ids == point.recompute_again.output_token_ids,
+           "logits_equal_recompute": same_logits(point.recompute, point.recompute_again),
+           "tier_forced": cache_hits == 0, "engine_cache_hit_tokens": cache_hits,
+           "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples_ms),
+           "warmup_ms": rounded(warmup_ms)}
+    if hf is not None:
+        prompt, request = last
+        hf_ms, hf_samples, hf_logits = time_hf_prefill(hf, prompt, run.device, args.hf_warmup, args.hf_repeats)
+        row.update({"hf_prefill_ms": round(hf_ms, 3), "engine_over_hf": round(point.recompute_ms / hf_ms, 4),
+                    "hf_samples_ms": rounded(hf_samples),
+                    "hf_logit_diff": round((hf_logits - request.logits[0]).abs().max().item(), 6),
+                    "hf_token_equal": int(hf_logits.argmax()) == request.output_token_ids[0]})
+    run.add(row)
+
+
+def rounded(samples: list[float]) -> list[float]:
+    return [round(s, 4) for s in samples]
+
+
+# ---- restore ------------------------------------------------------------------------------------------
+
+
+def daemon_sizes(model, token_counts: list[int]) -> tuple[int, int]:
+    """L2 holding both prefixes of the longest point 2.5 times over (the rest is evicted as the run
+    goes on), L3 three times that."""
+    bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
+    pages = -(-int(2.5 * (max(token_counts) + SUFFIX_TOKENS)) // BLOCK_SIZE) + 64
+    l2_bytes = max(pages * bytes_per_page, 8 << 20)
+    return l2_bytes, 3 * l2_bytes
+
+
+def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool) -> None:
+    """One daemon for these tiers; each point's engine gets a connector, saves both prefixes, then
+    each tier is timed from them."""
+    if run.over_budget(f"{points[0].model_name}, tiers {','.join(tiers)}"):
+        return
+    model = points[0].engine.model
+    l2_bytes, l3_bytes = daemon_sizes(model, [p.num_tokens for p in points])
+    with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
+        control = None
+        try:
+            for point in points:
+                what = f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"
+                if run.over_budget(what):
+                    continue
+                try:
+                    connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
+                                                model_revision=f"random-seed-{run.args.seed}",
+                                                client_name=f"ttft-{point.model_name}-{point.num_tokens}")
+                    try:
+                        if control is None:
+                            control = TierControl(daemon, connector.geometry)
+                        saved_kv, own_cache = save_prefixes(point, control)
+                        for tier in tiers:
+                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache))
+                    finally:
+                        detach_kvcached(point.engine)
+                except Exception as exc:        # recorded; the other points go on
+                    run.fail(what, exc)
+        finally:
+            if control is not None:
+                control.close()
+
+
+def save_prefixes(point: Point, control: TierControl) -> tuple[list[torch.Tensor], Request]:
+    """Each prefix's first request: prefilled (nothing to load) and saved. Returns the KV its
+    prefill wrote for each prefix, and the check prompt from the engine's own cache (its hit is
+    that same KV: the numbers a restore must give)."""
+    engine = point.engine
+    engine.reset_prefix_cache()
+    saved_kv, own_cache = [], None
+    for k, prefix in enumerate(point.prefixes):
+        request = run_request(engine, prefix + point.suffix(), 1)
+        settle(engine, control)
+        if request.num_loaded_tokens or request.num_cached_tokens:
+            raise RuntimeError(f"a fresh prefix was found cached: {request.num_cached_tokens} tokens in the "
+                               f"engine, {request.num_loaded_tokens} loaded")
+        saved_kv.append(prefix_kv(engine, prefix))
+        if k == 0:
+            own_cache = run_request(engine, point.check_prompt, CHECK_TOKENS)
+            settle(engine, control)
+            if own_cache.num_cached_tokens != point.check_loaded_tokens:
+                raise RuntimeError(f"the own-cache run hit {own_cache.num_cached_tokens} tokens, not "
+                                   f"{point.check_loaded_tokens}")
+    hits = [control.hits(prefix) for prefix in point.prefixes]
+    if any(h["l2"] < point.timed_loaded_tokens for h in hits):
+        raise RuntimeError(f"the prefixes were not all saved to L2: {hits}; {engine.connector.stats()}")
+    return saved_kv, own_cache
+
+
+def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv: list[torch.Tensor],
+              own_cache: Request) -> dict:
+    engine, args = point.engine, run.args
+    connector = engine.connector
+    warmup_ms, samples_ms, loaded, promoted, cache_hits, kv_equal = [], [], [], [], 0, True
+    settle(engine, control)
+    engine.reset_prefix_cache()          # the last check request's prefix
+    for i in range(2 * args.warmup + args.samples):
+        k = i % 2
+        prefix = point.prefixes[k]
+        prompt = prefix + point.suffix()
+        settle(engine, control)
+        control.force(tier, prefix, point.timed_loaded_tokens)
+        promoted_before = connector.stats().get("promoted_tokens", 0)
+        with gc_paused():
+            request = run_request(engine, prompt, 1)
+        settle(engine, control)
+        (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
+        cache_hits += request.num_cached_tokens
+        loaded.append(request.num_loaded_tokens)
+        promoted.append(connector.stats().get("promoted_tokens", 0) - promoted_before)
+        kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
+
+    # The check request: the first prefix alone from the tier, 16 greedy tokens.
+    settle(engine, control)
+    engine.reset_prefix_cache()
+    control.force(tier, point.check_prompt, point.check_loaded_tokens)
+    check = run_request(engine, point.check_prompt, CHECK_TOKENS)
+    settle(engine, control)
+    kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0]), saved_kv[0])
+    integrity = control.integrity()
+
+    expected_promoted = point.timed_loaded_tokens if tier.startswith("l3") else 0
+    ttft_ms = median(samples_ms)
+    recompute = point.recompute
+    row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "ttft_ms": round(ttft_ms, 3),
+           "recompute_ms": None if point.recompute_ms is None else round(point.recompute_ms, 3),
+           "speedup": None if point.recompute_ms is None else round(point.recompute_ms / ttft_ms, 3),
+           "outputs_equal": check.output_token_ids == recompute.output_token_ids,
+           "kv_equal": bool(kv_equal),
+           "logit_diff": round(logit_difference(check, recompute), 6),
+           "noise_floor": round(logit_difference(own_cache, recompute), 6),
+           "logits_equal_own_cache": same_logits(check, own_cache),
+           "tier_forced": cache_hits == 0 and all(n == point.timed_loaded_tokens for n in loaded)
+           and all(n == expected_promoted for n in promoted) and check.num_loaded_tokens == point.check_loaded_tokens,
+           "integrity_ok": integrity == "ok", "integrity": integrity,
+           "loaded_tokens": loaded, "promoted_tokens": promoted, "engine_cache_hit_tokens": cache_hits,
+           "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
+               torch.finfo(engine.model.dtype).bits // 8),
+           "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples_ms),
+           "warmup_ms": rounded(warmup_ms)}
+    row["within_noise"] = row["logit_diff"] <= row["noise_floor"]
+    return row
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
+def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
+    args = run.args
+    tiers = args.tiers.split(",")
+    model = load_model(model_name, dtype=run.dtype, device=run.device, seed=args.seed)
+    hf, why = (None, "--no-hf") if args.no_hf else hf_twin(model)
+    if why and why not in run.notes:
+        run.notes.append(why)
+        print(why, flush=True)
+    points = []
+    for num_tokens in token_counts:
+        what = f"{model_name} {num_tokens} tokens"
+        if run.over_budget(what):
+            continue
+        try:
+            point = make_point(model, model_name, num_tokens, args.seed)
+            run_recompute(run, point, hf)
+            points.append(point)
+        except Exception as exc:                # recorded; the other points go on
+            run.fail(what, exc)
+    warm = [t for t in tiers if t in ("l2", "l3")]
+    if points and warm:
+        run_restores(run, points, warm, o_direct=False)
+    if points and "l3-cold" in tiers:
+        run_restores(run, points, ["l3-cold"], o_direct=True)
+
+
+def main() -> None:
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", default=DEFAULT_POINTS,
+                        help=f"SHAPE=TOKENS,...;... in run order (default {DEFAULT_POINTS!r})")
+    parser.add_argument("--tiers", default=",".join(TIERS), help="of none,l2,l3,l3-cold")
+    parser.add_argument("--samples", type=int, default=8, help="timed requests per point and tier (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="alternations of the two prefixes, untimed")
+    parser.add_argument("--hf-warmup", type=int, default=2)
+    parser.add_argument("--hf-repeats", type=int, default=5)
+    parser.add_argument("--no-hf", action="store_true", help="do not time transformers' prefill")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new point after this many seconds (the rest is listed as skipped)")
+    parser.add_argument("--l3-dir", default=None, help="where the daemons' L3 files go (a disk, not tmpfs)")
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_POINTS}, 3 samples after 1 alternation; no result file")
+    parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
+                                                     "default ttft, none with --quick")
+    parser.add_argument("--machine", default=None)
+    args = parser.parse_args()
+    unknown = set(args.tiers.split(",")) - set(TIERS)
+    if unknown:
+        raise SystemExit(f"--tiers: unknown {sorted(unknown)}, not of {TIERS}")
+    if args.quick:
+        if args.points == DEFAULT_POINTS:
+            args.points = QUICK_POINTS
+        args.samples, args.warmup = min(args.samples, 3), min(args.warmup, 1)
+        args.hf_warmup, args.hf_repeats = min(args.hf_warmup, 1), min(args.hf_repeats, 2)
+    else:
+        args.name = args.name or "ttft"
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plan = parse_points(args.points)
+    run = Run(args, device, dtype, plan)
+    try:
+        for model_name, token_counts in plan:
+            if not run.over_budget(f"{model_name} (all of it)"):
+                try:
+                    run_model(run, model_name, token_counts)
+                except Exception as exc:        # e.g. out of memory: the next shape goes on
+                    run.fail(model_name, exc)
+                gc.collect()             # the model, its engines and KV before the next shape's
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        run.write()
+        if run.rows:
+            print()
+            print_table(run.rows, COLUMNS)
+        summary = run.summary()
+        if summary:
+            print_table(summary, ["target", "value", "met"])
+        if getattr(run, "path", None):
+            print(f"wrote {run.path}")
+    if run.failures:
+        raise SystemExit(f"checks failed: {run.failures}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""kvcached around the reference engine, for the time-to-first-token benchmarks: a daemon sized for
+a run, the engine's connector plugged in, and the tier the next request restores from forced.
+
+The engine (``bench.engine``) takes ``engine_client``'s ``KVConnector`` as it is: its per-layer KV
+tensors ``[2, num_blocks, block_size, kv_heads, head_dim]`` are the connector's "layer" layout,
+and the calls it makes (lookup, load, save, finished, request_finished) are the connector's.
+``attach_kvcached`` registers them and plugs the connector in.
+
+Forcing a tier needs no switch in the daemon or the connector. A second session on the engine's
+namespace (``TierControl``) looks at the hit per tier without changing anything, and empties L2
+by taking every page L2 can free in one reservation and giving it back: the daemon evicts its LRU
+L2 leaves to fill it, and only their L2 residency goes, so a prefix written through to L3 is then
+held by L3 alone, and the engine's next load of it is an L3 -> L2 promotion, then a DMA. A cold
+L3 read is a daemon started with ``--l3-o-direct`` whose L3 file's page cache is dropped as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench.engine import Engine
+from engine_client.client import KVCacheClient, connect
+from engine_client.connector import ConnectorConfig, KVConnector
+from proto.messages import KVGeometry
+from tests.integration.daemon_proc import DaemonProcess
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("none", "l2", "l3", "l3-cold")      # none: recompute; l3: warm page cache; l3-cold: O_DIRECT
+ARENA_ALIGN_BYTES = 2 << 20
+SETTLE_TIMEOUT_S = 120.0
+
+
+def align_up(num_bytes: int, alignment: int = ARENA_ALIGN_BYTES) -> int:
+    return -(-num_bytes // alignment) * alignment
+
+
+class KVDaemon:
+    """A ``kvcached serve`` process for a run: one namespace (its arena is the whole L2), L3 in a
+    file of a directory of its own (removed by ``stop``), started empty."""
+
+    def __init__(self, l2_bytes: int, l3_bytes: int, *, o_direct: bool = False, l3_dir: str | None = None,
+                 start_timeout_s: float = 120.0):
+        self.o_direct = o_direct
+        self.l3_dir = tempfile.mkdtemp(prefix="kvl3-", dir=l3_dir)
+        self.l3_path = os.path.join(self.l3_dir, "l3.bin")
+        extra = ["--max-namespaces", "1", "--l3-path", self.l3_path, "--l3-fresh",
+                 "--l3-size", str(align_up(l3_bytes)), "--log-level", "WARNING"]
+        if o_direct:
+            extra.append("--l3-o-direct")
+        self.process = DaemonProcess(l2_size=str(align_up(l2_bytes)), extra_args=tuple(extra))
+        try:
+            self.process.start(timeout_s=start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def socket_path(self) -> str:
+        return self.process.socket_path
+
+    def stop(self) -> None:
+        try:
+            if self.process.alive():
+                self.process.stop()
+        finally:
+            self.process.cleanup()
+            shutil.rmtree(self.l3_dir, ignore_errors=True)
+
+    def __enter__(self) -> "KVDaemon":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def attach_kvcached(engine: Engine, socket_path: str, *, model_id: str, model_revision: str = "",
+                    client_name: str = "engine", config: ConnectorConfig | None = None) -> KVConnector:
+    """Register the engine's KV tensors with a connector of its own (its own session) and plug it
+    in; the engine must be idle."""
+    model_config = engine.model.config
+    connector = KVConnector.register(
+        connect(socket_path, timeout_s=60.0, client_name=client_name), engine.kv_caches, "layer",
+        model_id=model_id, model_revision=model_revision, page_size=engine.block_size,
+        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        config=config or ConnectorConfig())
+    try:
+        engine.attach_connector(connector)
+    except BaseException:
+        connector.close()
+        raise
+    return connector
+
+
+def detach_kvcached(engine: Engine) -> None:
+    """Take the engine's connector out (once the engine is idle) and close it."""
+    connector = engine.connector
+    if connector is None:
+        return
+    run_to_idle(engine)
+    engine.attach_connector(None)
+    connector.close()
+
+
+def run_to_idle(engine: Engine, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished():
+        engine.step()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine did not finish its requests within {timeout_s} s")
+
+
+def run_request(engine: Engine, token_ids, max_new_tokens: int, timeout_s: float = SETTLE_TIMEOUT_S):
+    """Add a request and step the engine until it is finished (work the connector still does for it
+    afterwards, its saves, goes on in later steps)."""
+    request = engine.add_request(token_ids, max_new_tokens)
+    deadline = time.monotonic() + timeout_s
+    while request.finish_s is None:
+        engine.step()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"request {request.request_id} did not finish within {timeout_s} s")
+    return request
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection inside a timed region (a full collection of a large heap takes ms)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def prefix_kv(engine: Engine, token_ids) -> torch.Tensor:
+    """A copy of the KV bytes the engine's prefix cache holds for the leading full blocks of
+    token_ids: [layers, 2, blocks, block_size, kv_heads, head_dim * itemsize] bytes (uint8, on the
+    engine's device), for comparing bit for bit."""
+    block_ids = engine.cached_block_ids(token_ids)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=engine.device)
+    return torch.stack([kv.index_select(1, index) for kv in engine.kv_caches]).view(torch.uint8)
+
+
+class TierControl:
+    """A session of its own on the engine's namespace, to see and force where a prefix is cached."""
+
+    def __init__(self, daemon: KVDaemon, geometry: KVGeometry):
+        self.daemon = daemon
+        self.geometry = geometry
+        self.client: KVCacheClient = connect(daemon.socket_path, timeout_s=60.0, client_name="tier-control")
+        try:
+            self.num_l2_pages = self.client.attach(geometry).num_pages
+        except BaseException:
+            self.client.close()
+            raise
+        self._rng = np.random.default_rng(0x7133)
+
+    def hits(self, token_ids) -> dict[str, int]:
+        """Leading tokens of token_ids each tier holds (whole pages); changes nothing."""
+        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32)).result()
+        return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0)}
+
+    def evict_l2(self) -> int:
+        """Evict every L2 page no lease holds (L3 keeps its copies): reserve as many pages as L2
+        has, which evicts what it must, and give them back. Returns the pages reserved."""
+        tokens = self._rng.integers(1, 2**31 - 1, size=self.num_l2_pages * self.geometry.page_size, dtype=np.int32)
+        reply = self.client.match(tokens, reserve_backup=True, promote_l3=False)
+        if reply.lease_id is not None:
+            self.client.release(reply.lease_id)
+        errors = self.client.flush()
+        if errors:
+            raise RuntimeError(f"the daemon refused the eviction's release: {errors}")
+        return len(reply.backup_page_ids)
+
+    def drop_l3_page_cache(self) -> None:
+        """Write back and drop the L3 file's pages from the page cache: the next read goes to disk."""
+        fd = os.open(self.daemon.l3_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def wait_idle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """Until the daemon has no L2 <-> L3 move pending (write-throughs done)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pending = self.client.status()["pending"]
+            if pending["h2s"] == 0 and pending["s2h"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon L3 moves still pending after {timeout_s} s: {pending}")
+            time.sleep(0.002)
+
+    def force(self, tier: str, token_ids, num_tokens: int) -> dict[str, int]:
+        """Make the next load of token_ids' first num_tokens tokens come from ``tier`` ("l2": as it
+        is; "l3", "l3-cold": L2 emptied, and for "l3-cold" L3's page cache too); raises unless the
+        tiers then hold it so. Returns the hits per tier it checked."""
+        if tier in ("l3", "l3-cold"):
+            self.evict_l2()
+            if tier == "l3-cold":
+                self.drop_l3_page_cache()
+        elif tier != "l2":
+            raise ValueError(f"no tier {tier!r} to force (one of l2, l3, l3-cold)")
+        hits = self.hits(token_ids)
+        wanted = {"l2": hits["l2"] >= num_tokens,
+                  "l3": hits["l2"] == 0 and hits["l3"] >= num_tokens}[tier[:2]]
+        if not wanted:
+            raise RuntimeError(f"could not force tier {tier} for {num_tokens} tokens: hits {hits}")
+        return hits
+
+    def integrity(self) -> str:
+        return self.client.status(check_integrity=True)["integrity"]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def settle(engine: Engine, control: TierControl | None = None, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """The engine idle, its connector's leases ended and handled by the daemon, and the daemon's
+    write-throughs done: what a timed request must not overlap."""
+    run_to_idle(engine, timeout_s)
+    connector = engine.connector
+    if connector is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while connector.num_open_requests:
+        connector.poll()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"connector leases still open after {timeout_s} s: {connector.stats()}")
+        time.sleep(0.0005)
+    connector.flush()
+    if control is not None:
+        control.wait_idle(timeout_s)

@@ -1,0 +1,59 @@
+"""The TTFT and stress benchmarks' --quick runs (tiny shape, CPU), as the H200 run starts them: each
+exits 0 and writes rows whose checks hold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.integration.daemon_proc import REPO_ROOT, child_env
+
+RUN_TIMEOUT_S = 300
+
+
+def run_quick(module: str, result_dir, *args: str) -> dict:
+    command = [sys.executable, "-m", module, "--quick", "--name", "quick", "--machine", str(result_dir), *args]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, \
+        f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    with open(result_dir / "quick.json") as f:
+        return json.load(f)
+
+
+def test_bench_ttft_quick_measures_every_tier_with_its_checks_passing(tmp_path):
+    """One point (40 tokens), every tier: a row each, every request's tier forced (no engine cache
+    hit, every whole page loaded, from L3 promoted), the restored KV bit for bit the saved KV, the
+    check request's logits bit for bit the own cache hit's and its tokens a recompute's, the
+    daemon's integrity ok."""
+    result = run_quick("bench.bench_ttft", tmp_path, "--points", "tiny=40", "--no-hf", "--samples", "2",
+                       "--warmup", "1")
+    rows = {row["tier"]: row for row in result["rows"]}
+    assert sorted(rows) == sorted(["none", "l2", "l3", "l3-cold"]) and not result["failures"], result
+    assert rows["none"]["tier_forced"] and rows["none"]["outputs_equal"], rows["none"]
+    for tier in ("l2", "l3", "l3-cold"):
+        row = rows[tier]
+        assert row["tier_forced"] and row["kv_equal"] and row["integrity"] == "ok", row
+        assert row["logits_equal_own_cache"] and row["outputs_equal"] and len(row["samples_ms"]) == 2, row
+        assert row["loaded_tokens"] == [32] * 4 and row["promoted_tokens"] == [32 if tier != "l2" else 0] * 4, row
+
+
+def test_bench_stress_quick_measures_both_tiers_with_no_mismatch(tmp_path):
+    """8 requests at batch 1 and 2, tiers none and l2: a row each with its req/s and TTFT
+    percentiles, no engine cache hit, every l2 request loading its whole prefix, no token or KV
+    mismatch, the daemon's integrity ok. Two engine processes sharing 4 prefixes: with kvcached,
+    one loads prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
+    result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2")
+    engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
+    assert engines["none"]["cross_engine_hit_tokens"] == 0 and engines["l2"]["cross_engine_hit_tokens"] > 0, engines
+    assert engines["l2"]["mismatches"] == 0 and engines["l2"]["integrity"] == "ok", engines
+    assert engines["l2"]["requests"] == engines["none"]["requests"] == 2 * 4 * 2, engines
+    rows = {(row["tier"], row["batch"]): row for row in result["rows"] if row["engines"] == 1}
+    assert sorted(rows) == [("l2", 1), ("l2", 2), ("none", 1), ("none", 2)], result
+    for (tier, _), row in rows.items():
+        assert row["requests"] == 8 and row["req_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
+        assert row["mismatches"] == 0 and row["engine_cache_hit_tokens"] == 0, row
+        if tier == "l2":
+            assert row["kv_mismatches"] == 0 and row["loads_complete"] and row["integrity"] == "ok", row
+            assert row["loaded_tokens"] == 8 * 48, row
