@@ -4,7 +4,6 @@ segment mapped in place of the old one. Real daemon processes, real signals."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from proto import codec
 from proto.messages import PROTOCOL_VERSION, MsgKind
 from tests.integration.daemon_proc import DaemonProcess
 from tests.integration.engine_proc import GEOMETRY
+from tests.integration.timing import timed
 
 PAGE = GEOMETRY.page_size
 
@@ -73,41 +73,45 @@ def make_manager(socket_path: str, name: str) -> CacheManager:
 
 def test_prepare_during_an_outage_costs_no_more_than_a_miss(daemon, caplog):
     """With the daemon SIGKILLed (and the client aware of it), each of 100 consecutive prepare()
-    calls returns within 5 ms of a plain miss measured in the same test, skipping the daemon
-    (counted as daemon_down, with the pages finish could not save); one warning in all."""
+    calls costs within 5 ms of a plain miss measured in the same test, and their median wall time
+    is within 1 ms of the plain miss's, skipping the daemon (counted as daemon_down, with the pages
+    finish could not save); one warning in all.
+
+    A call's cost is its wall time less the time its thread sat runnable waiting for a CPU
+    (tests/integration/timing.py): on a loaded machine the scheduler preempts any call for a time
+    slice (4-12 ms, involuntary switches with the thread's CPU time under 1 ms: neither the
+    collector nor the heartbeat thread). Waiting for the daemon, a lock or the GIL is blocked time
+    and still counts, so a prepare that waited would fail here as it did before (5 s)."""
     seed = 20260101
     rng = np.random.default_rng(seed)
     manager = make_manager(daemon.socket_path, "outage")
     try:
-        plain_miss_s = []
+        plain_miss_times = []
         for _ in range(30):
             tokens = random_tokens(rng, 6 * PAGE + 5)
-            started = time.perf_counter()
-            plan = manager.prepare(tokens)
-            plain_miss_s.append(time.perf_counter() - started)
+            plan, took = timed(lambda: manager.prepare(tokens))
+            plain_miss_times.append(took)
             assert plan.num_cached_tokens == 0 and plan.lease_id is not None
             manager.abort(plan)
-        plain_miss = statistics.median(plain_miss_s)
+        plain_miss_cost = statistics.median(t.cost_s for t in plain_miss_times)
+        plain_miss_wall = statistics.median(t.wall_s for t in plain_miss_times)
 
         caplog.set_level(logging.INFO)
         daemon.stop(signal.SIGKILL)
         wait_until(lambda: manager.client.state is ConnectionState.DOWN, 5.0, "the client saw the daemon go")
-        outage_s = []
-        gc.disable()              # the engine's cost, not the collector's
-        try:
-            for _ in range(100):
-                tokens = random_tokens(rng, 6 * PAGE + 5)
-                started = time.perf_counter()
-                plan = manager.prepare(tokens)
-                outage_s.append(time.perf_counter() - started)
-                assert plan.num_cached_tokens == 0 and plan.lease_id is None
-                manager.finish(plan)
-        finally:
-            gc.enable()
-        slowest = max(outage_s)
-        assert slowest < plain_miss + 0.005, (
-            f"seed {seed}: a prepare during the outage took {slowest * 1e3:.2f} ms, a plain miss "
-            f"{plain_miss * 1e3:.2f} ms; all (ms): {[round(t * 1e3, 2) for t in outage_s]}")
+        outage_times = []
+        for _ in range(100):
+            tokens = random_tokens(rng, 6 * PAGE + 5)
+            plan, took = timed(lambda: manager.prepare(tokens))
+            outage_times.append(took)
+            assert plan.num_cached_tokens == 0 and plan.lease_id is None
+            manager.finish(plan)
+        slowest = max(outage_times, key=lambda t: t.cost_s)
+        median_wall = statistics.median(t.wall_s for t in outage_times)
+        detail = (f"seed {seed}: plain miss {plain_miss_cost * 1e3:.2f} ms ({plain_miss_wall * 1e3:.2f} ms wall); "
+                  f"outage calls (cost/wall ms): {[(round(t.cost_s * 1e3, 2), round(t.wall_s * 1e3, 2)) for t in outage_times]}")
+        assert slowest.cost_s < plain_miss_cost + 0.005, detail
+        assert median_wall < plain_miss_wall + 0.001, detail
         stats = manager.stats()
         assert stats["match_failures_daemon_down"] == 100, stats
         assert sum(v for k, v in stats.items() if k.startswith("match_failures_")) == 100, stats

@@ -1,0 +1,420 @@
+"""The reliability drills of issue 10, on real daemon and engine processes, with real signals.
+
+Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect", "measured",
+"pass"} in bench/results/cpu/drills.json:
+
+  1 stale writer      A prepares (its match reserves backup pages) and is SIGSTOPped past the
+                      session timeout while B backs up another prefix and commits; A resumes and
+                      finishes; C restores B's prefix: every page equal to B's bytes, every run,
+                      with the engines' pids watched and with --no-pid-watch
+    SIGKILL           engines SIGKILLed mid-backup (a lease on a committed prefix and a match's
+                      reserved pages each): every lease gone within 1 s
+  2 daemon SIGKILLed  100 consecutive prepare() calls against a plain miss of the same run
+  3 daemon restarted  SIGKILL + restart: the engine's next L2 hit, without restarting it, and
+                      /dev/shm holding the new segment only; SIGTERM + restart on the same
+                      --l3-path: earlier prefixes are L3 hits, bit for bit; a flipped byte in the
+                      L3 file is caught and not served
+  4 socket takeover   a symlink planted at the lock path, a socket directory pre-created with the
+                      wrong mode (and, run as root, one owned by another user): refused, the
+                      victim file untouched
+
+    python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench.common import print_table, write_result
+from engine_client.cache_manager import CacheManager
+from engine_client.client import ConnectionState, connect
+from kvcached.server.shm import segment_name
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from tests.integration.engine_proc import GEOMETRY
+from tests.integration.fencing_engine import PREFIX_PAGES
+from tests.integration.test_end_to_end import run_engine
+from tests.integration.test_faults import start_holder
+from tests.integration.test_fencing import STALL_S, Engine, session_names, wait_until
+from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
+from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens
+from tests.integration.timing import timed
+
+PAGE = GEOMETRY.page_size
+
+
+def row(drill: str, expect: str, measured: str, passed: bool, **details) -> dict:
+    return {"drill": drill, "expect": expect, "measured": measured, "pass": bool(passed), **details}
+
+
+# ---- 1: fencing ---------------------------------------------------------------------------------
+
+def stale_writer_once(pid_watch: bool, seed: int) -> dict:
+    """One run of the stale-writer scenario; what C restored and what the daemon counted."""
+    extra = ("--l3-size", "0") + (() if pid_watch else ("--no-pid-watch", "--session-grace", "10"))
+    daemon = DaemonProcess(extra_args=extra).start()
+    a_state, b_state = (os.path.join(daemon.socket_dir, f"{n}.kv") for n in "ab")
+    engines = [Engine(daemon.socket_path, "fence-A", seed, kv_seed=seed + 1, state=a_state),
+               Engine(daemon.socket_path, "fence-B", seed + 1, kv_seed=seed + 2, state=b_state),
+               Engine(daemon.socket_path, "fence-C", seed + 1, compare=b_state)]
+    a, b, c = engines
+    try:
+        for engine in engines:       # importing torch may take long on a loaded machine
+            assert engine.read(timeout_s=120.0)["attached"] == engine.name
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            a_prepared = a.ask("prepare")
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            if not pid_watch:      # heartbeats only: the daemon ends A's session
+                wait_until(lambda: "fence-A" not in session_names(observer), 10.0, "A's session ended")
+            time.sleep(max(0.0, stopped_at + STALL_S - time.monotonic()))     # the stall itself
+            b_prepared = b.ask("prepare")
+            b_finished = b.ask("finish")
+            os.kill(a.proc.pid, signal.SIGCONT)
+            a_finished = a.ask("finish")
+            a.ask("exit")
+            restored = c.ask("restore")
+            final = observer.status(check_integrity=True)
+    finally:
+        for engine in engines:
+            engine.close()
+        daemon.cleanup()
+    return {"restored": restored, "b_backed_up": b_finished["backed_up"], "a_backed_up": a_finished["backed_up"],
+            "shared_pages": len(set(a_prepared["backup_page_ids"]) & set(b_prepared["backup_page_ids"])),
+            "integrity": final["integrity"], "commits_refused": final["metrics"].get("commits_refused_session_ended", 0)}
+
+
+def drill_stale_writer(repeats: int, pid_watch: bool) -> dict:
+    runs = [stale_writer_once(pid_watch, seed=5000 + 10 * i + pid_watch) for i in range(repeats)]
+    exact = [r["restored"]["equal_pages"] == r["restored"]["pages"] == PREFIX_PAGES
+             and r["restored"]["restored_tokens"] == PREFIX_PAGES * PAGE and r["integrity"] == "ok"
+             and r["b_backed_up"] == PREFIX_PAGES for r in runs]
+    mode = "pid watched" if pid_watch else "--no-pid-watch"
+    measured = (f"{sum(exact)}/{repeats} runs: C restored {PREFIX_PAGES}/{PREFIX_PAGES} pages equal to B's; "
+                f"A backed up {[r['a_backed_up'] for r in runs]} after the stall; "
+                f"A's reserved pages given to B: {[r['shared_pages'] for r in runs]}")
+    return row(f"1 stale writer ({mode})", f"C restores B's bytes, every page, in every run (SIGSTOP {STALL_S} s)",
+               measured, all(exact), runs=runs)
+
+
+def drill_sigkill_mid_backup() -> dict:
+    daemon = DaemonProcess().start()
+    try:
+        holders = [start_holder(daemon.socket_path, seed=seed) for seed in (1, 2)]
+        with connect(daemon.socket_path, timeout_s=5.0, client_name="observer") as observer:
+            while observer.status()["pending"]["h2s"]:
+                time.sleep(0.01)
+            leases_before = observer.status()["leases"]
+            for holder, _, _ in holders:
+                holder.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            while observer.status()["leases"] and time.monotonic() - killed_at < 10.0:
+                time.sleep(0.005)
+            gone_s = time.monotonic() - killed_at
+            status = observer.status(check_integrity=True)
+        for holder, _, _ in holders:
+            holder.wait()
+    finally:
+        daemon.cleanup()
+    ok = leases_before == 4 and status["leases"] == 0 and gone_s < 1.0 and status["integrity"] == "ok"
+    return row("1 SIGKILL mid-backup", "every lease of 2 SIGKILLed engines gone within 1 s",
+               f"{leases_before} leases gone {gone_s * 1e3:.0f} ms after SIGKILL, "
+               f"{len(status['quarantines'])} quarantines, integrity {status['integrity']}", ok)
+
+
+# ---- 2: outage ----------------------------------------------------------------------------------
+
+def drill_outage_prepare(calls: int = 100) -> dict:
+    seed = 20260102
+    rng = np.random.default_rng(seed)
+    daemon = DaemonProcess().start()
+    manager = make_manager(daemon.socket_path, "drill-outage")
+    try:
+        plain = []
+        for _ in range(30):
+            tokens = random_tokens(rng, 6 * PAGE + 5)
+            plan, took = timed(lambda: manager.prepare(tokens))
+            plain.append(took)
+            manager.abort(plan)
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: manager.client.state is ConnectionState.DOWN, 5.0, "the client saw the daemon go")
+        outage, skipped = [], 0
+        for _ in range(calls):
+            tokens = random_tokens(rng, 6 * PAGE + 5)
+            plan, took = timed(lambda: manager.prepare(tokens))
+            outage.append(took)
+            skipped += plan.lease_id is None
+            manager.finish(plan)
+    finally:
+        manager.close()
+        daemon.cleanup()
+    miss_wall = statistics.median(t.wall_s for t in plain)
+    miss_cost = statistics.median(t.cost_s for t in plain)
+    median_extra = statistics.median(t.wall_s for t in outage) - miss_wall
+    slowest_extra = max(t.cost_s for t in outage) - miss_cost
+    slowest_wall_extra = max(t.wall_s for t in outage) - miss_wall
+    ok = skipped == calls and median_extra < 0.005 and slowest_extra < 0.005
+    return row("2 daemon SIGKILLed: prepare()",
+               f"{calls} prepare() calls, median and slowest extra over a plain miss < 5 ms "
+               "(slowest: wall time less the run-queue wait)",
+               f"plain miss {miss_wall * 1e3:.3f} ms; extra: median {median_extra * 1e3:.3f} ms, "
+               f"slowest {slowest_extra * 1e3:.3f} ms ({slowest_wall_extra * 1e3:.3f} ms wall); "
+               f"{skipped}/{calls} skipped the daemon", ok,
+               plain_miss_ms=miss_wall * 1e3, median_extra_ms=median_extra * 1e3,
+               slowest_extra_ms=slowest_extra * 1e3, slowest_extra_wall_ms=slowest_wall_extra * 1e3)
+
+
+# ---- 3: restarts --------------------------------------------------------------------------------
+
+def drill_restart_l2_hit() -> dict:
+    seed = 4243
+    rng = np.random.default_rng(seed)
+    daemon = DaemonProcess().start()
+    restarted = writer = None
+    engine = make_manager(daemon.socket_path, "drill-engine")
+    try:
+        segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        old_inode = os.stat(segment).st_ino
+        prefill_and_finish(engine, random_tokens(rng, 4 * PAGE), seed)
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: engine.client.state is ConnectionState.DOWN, 5.0, "the engine saw the daemon go")
+        restarted = DaemonProcess(socket_dir=daemon.socket_dir).start()
+        back_at = time.monotonic()
+        writer = make_manager(restarted.socket_path, "drill-writer")
+        tokens = random_tokens(rng, 6 * PAGE)
+        expected, backed_up = prefill_and_finish(writer, tokens, seed + 1)
+        writer.client.flush()
+        hit_s, exact = None, False
+        while time.monotonic() - back_at < 10.0:
+            plan = engine.prepare(tokens, backup=False)
+            if plan.restored_tokens == len(tokens):
+                hit_s = time.monotonic() - back_at
+                exact = torch.equal(engine.read_tokens_kv(plan.l1_page_ids).view(torch.int16),
+                                    expected.view(torch.int16))
+                engine.finish(plan)
+                break
+            engine.abort(plan)
+            time.sleep(0.01)
+        new_inode = os.stat(segment).st_ino
+        with open("/proc/self/maps") as maps:
+            mapped = {int(line.split()[4]) for line in maps if segment in line}
+        in_shm = [n for n in os.listdir("/dev/shm") if n == os.path.basename(segment)]
+    finally:
+        engine.close()
+        if writer is not None:
+            writer.close()
+        if restarted is not None:
+            restarted.stop()
+            restarted.cleanup()
+        daemon.cleanup()
+    only_new = mapped == {new_inode} and new_inode != old_inode and len(in_shm) == 1
+    ok = hit_s is not None and hit_s < 3.0 and exact and only_new and backed_up == 6
+    hit = f"{hit_s:.2f} s" if hit_s is not None else "none within 10 s"
+    return row("3 daemon SIGKILLed + restarted",
+               "the engine's next L2 hit < 3 s after the restart, bit for bit, without restarting it; "
+               "only the new segment mapped and in /dev/shm",
+               f"next L2 hit {hit} after the restart, bit for bit: {exact}; "
+               f"mapped segment inodes {sorted(mapped)} (new {new_inode}, old {old_inode})", ok)
+
+
+def drill_warm_l3(workdir: str) -> list[dict]:
+    seed = 7070
+    run = RestartingDaemon()
+    state = os.path.join(workdir, "l3.pt")
+    try:
+        run.start()
+        backup = run_engine(run.daemon.socket_path, "backup", state, seed=seed)
+        run.wait_until_indexed()
+        sigterm_rc = run.stop(signal.SIGTERM)
+        run.start()
+        l3_pages = run.status()["namespaces"][0]["tiers"]["l3"]["owned_pages"]
+        restore = run_engine(run.daemon.socket_path, "restore", state)
+        whole = all(r["bit_exact"] and r["restored_tokens"] == r["tokens"] // PAGE * PAGE
+                    for r in restore["results"])
+        warm = row("3 SIGTERM + restart, same --l3-path",
+                   "prefixes backed up before are L3 hits after, bit for bit",
+                   f"SIGTERM exit {sigterm_rc}; {l3_pages}/{backup['pages']} pages in L3 after the restart; "
+                   f"{sum(r['bit_exact'] for r in restore['results'])}/{len(restore['results'])} prefixes "
+                   f"restored whole, bit for bit", sigterm_rc == 0 and l3_pages == backup["pages"] and whole)
+
+        # A second daemon run on a fresh file: flip one byte of page 2 of the first prefix.
+        run.stop(signal.SIGTERM)
+        run.cleanup()
+        run = RestartingDaemon()
+        run.start()
+        run_engine(run.daemon.socket_path, "backup", state, seed=seed + 1)
+        run.wait_until_indexed()
+        run.stop(signal.SIGTERM)
+        saved = torch.load(state, weights_only=False)
+        flip_byte(run.l3_path, run.index_path, saved[0]["tokens"], page=2,
+                  byte_in_page=int(np.random.default_rng(seed).integers(GEOMETRY.bytes_per_page)))
+        run.start()
+        first, *others = run_engine(run.daemon.socket_path, "restore", state)["results"]
+        metrics = run.status()["metrics"]
+        mismatches = metrics.get("l3_checksum_mismatches", 0)
+        ok = (mismatches == 1 and first["restored_tokens"] == 2 * PAGE and first["restored_part_bit_exact"]
+              and all(r["bit_exact"] for r in others))
+        flipped = row("3 flipped byte in the L3 file", "detected, not served (the prefix restores up to the bad page)",
+                      f"{mismatches} checksum mismatch counted; the prefix restored {first['restored_tokens']} of "
+                      f"{first['tokens']} tokens (bit for bit: {first['restored_part_bit_exact']}); "
+                      f"the other {len(others)} prefixes whole: {all(r['bit_exact'] for r in others)}", ok)
+    finally:
+        run.cleanup()
+    return [warm, flipped]
+
+
+# ---- 4: the socket ------------------------------------------------------------------------------
+
+def socket_safety_built() -> bool:
+    """Whether the client side checks the socket's owner (issue 10, finding 4)."""
+    import proto.paths
+
+    source = inspect.getsource(proto.paths)
+    return "st_uid" in source and "lstat" in source
+
+
+def start_refused(env_overrides: dict[str, str], timeout_s: float = 10.0) -> tuple[int | None, str]:
+    """Start `kvcached serve` on its default socket with these variables; (exit code, output).
+    None: it was still running (it started) and was stopped."""
+    env = child_env()
+    env.update(env_overrides)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcached.cli", "serve", "--l2-size", "16MiB", "--l3-size", "0"],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=10)
+        return None, output
+
+
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def takeover_case(name: str, prepare) -> dict:
+    """prepare(runtime_dir, victim) plants the trap; the daemon, started with XDG_RUNTIME_DIR set
+    to runtime_dir, must exit non-zero saying why, with the victim file untouched."""
+    runtime_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    victim_dir = tempfile.mkdtemp(prefix="kvv-", dir="/tmp")
+    victim = os.path.join(victim_dir, "victim")
+    with open(victim, "wb") as f:
+        f.write(os.urandom(4096))
+    before = digest(victim)
+    try:
+        socket_dir = os.path.join(runtime_dir, "kvcached")
+        prepare(socket_dir, victim)
+        rc, output = start_refused({"XDG_RUNTIME_DIR": runtime_dir})
+        after = digest(victim) if os.path.exists(victim) else "removed"
+        lines = [line for line in output.splitlines() if line.strip()]
+        return {"case": name, "exit_code": rc, "refused": rc not in (None, 0),
+                "victim_untouched": after == before, "message": lines[-1][:300] if lines else ""}
+    finally:
+        for directory in (runtime_dir, victim_dir):
+            subprocess.run(["chmod", "-R", "u+rwx", directory], check=False)
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def plant_lock_symlink(socket_dir: str, victim: str) -> None:
+    os.mkdir(socket_dir, 0o700)
+    os.symlink(victim, os.path.join(socket_dir, "kvcached.sock.lock"))
+
+
+def plant_socket_symlink(socket_dir: str, victim: str) -> None:
+    os.mkdir(socket_dir, 0o700)
+    os.symlink(victim, os.path.join(socket_dir, "kvcached.sock"))
+
+
+def open_socket_dir(socket_dir: str, victim: str) -> None:
+    os.mkdir(socket_dir)
+    os.chmod(socket_dir, 0o777)
+
+
+def foreign_socket_dir(socket_dir: str, victim: str) -> None:
+    os.mkdir(socket_dir, 0o700)
+    os.chown(socket_dir, 65534, 65534)          # nobody
+
+
+def drill_socket_takeover() -> dict:
+    cases = [takeover_case("symlink at the lock path", plant_lock_symlink),
+             takeover_case("symlink at the socket path", plant_socket_symlink),
+             takeover_case("socket dir pre-created 0777", open_socket_dir)]
+    if os.geteuid() == 0:
+        cases.append(takeover_case("socket dir owned by another user", foreign_socket_dir))
+    held = all(c["refused"] and c["victim_untouched"] for c in cases)
+    observed = "; ".join(f"{c['case']}: {'refused' if c['refused'] else 'NOT refused'}, victim "
+                         f"{'untouched' if c['victim_untouched'] else 'CHANGED'}" for c in cases)
+    expect = "each planted symlink and pre-created directory refused with a clear message, the victim untouched"
+    if not socket_safety_built():
+        return row("4 socket takeover", expect, "not built yet", False, observed=observed, cases=cases)
+    return row("4 socket takeover", expect, observed, held, cases=cases)
+
+
+DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover")
+
+
+def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
+    rows: list[dict] = []
+    for name in names:
+        started = time.monotonic()
+        try:
+            produced = run_drill(name, repeats, workdir)
+        except Exception as exc:          # a drill that could not run is a failed row, not a crash
+            produced = [row(name, "the drill runs", f"failed to run: {exc!r}"[:500], False)]
+        for entry in produced:
+            entry["seconds"] = round(time.monotonic() - started, 1)
+        rows += produced
+    return rows
+
+
+def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
+    if name == "stale_writer":
+        return [drill_stale_writer(repeats, pid_watch=True), drill_stale_writer(repeats, pid_watch=False)]
+    if name == "sigkill_mid_backup":
+        return [drill_sigkill_mid_backup()]
+    if name == "outage_prepare":
+        return [drill_outage_prepare()]
+    if name == "restart_l2_hit":
+        return [drill_restart_l2_hit()]
+    if name == "warm_l3":
+        return drill_warm_l3(workdir)
+    return [drill_socket_takeover()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each stale-writer drill")
+    parser.add_argument("--only", default=",".join(DRILLS), help=f"comma-separated, of {', '.join(DRILLS)}")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args()
+    names = tuple(n for n in args.only.split(",") if n)
+    unknown = [n for n in names if n not in DRILLS]
+    if unknown:
+        parser.error(f"unknown drills {unknown}")
+    workdir = tempfile.mkdtemp(prefix="kvdrill-")
+    try:
+        rows = run_drills(names, args.repeats, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(rows, ("drill", "pass", "measured"))
+    if not args.no_write:
+        print(write_result("drills", {"rows": rows}, machine="cpu"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
