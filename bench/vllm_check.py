@@ -139,6 +139,18 @@ class Engine:
         self.last_metrics: dict[str, float] = {}
         self._wait("start", start_timeout_s)
 
+    def wait_attached(self, daemon: "Daemon", timeout_s: float = 60.0) -> None:
+        """Until the daemon lists this vLLM's two sessions (its scheduler's and its worker's):
+        a session that a long start-up starved of heartbeats is attached again first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            names = {s["client_name"] for s in daemon.status()["sessions"] if _descends_from(s["pid"], self.proc.pid)}
+            if {"vllm-scheduler", "vllm-worker-0"} <= names:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's sessions did not attach within {timeout_s} s: {names}")
+            time.sleep(0.1)
+
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(MARK):
@@ -180,13 +192,25 @@ class Engine:
         self.log.close()
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 # ---- the daemon -----------------------------------------------------------------------------------
 
 
 class Daemon:
     """A ``kvcached serve`` process on a socket of its own."""
 
-    def __init__(self, socket_path: str, log_path: str, l2_size: str = "256MiB"):
+    def __init__(self, socket_path: str, log_path: str, l2_size: str = "16MiB"):
         self.socket_path = socket_path
         self.log_path = log_path
         self.l2_size = l2_size
@@ -277,6 +301,54 @@ def overwrite_with_noise(daemon: Daemon, token_ids: list[int], seed: int) -> int
         return len(reply.host_page_ids)
 
 
+def lookup_tiers(daemon: Daemon, token_ids: list[int]) -> dict[str, int]:
+    """The hit per tier of token_ids in vLLM's namespace (side-effect free)."""
+    import numpy as np
+
+    from engine_client.client import KVCacheClient
+
+    with KVCacheClient(daemon.socket_path, client_name="lookup") as client:
+        client.attach(vllm_namespace(daemon))
+        return dict(client.lookup_async(np.asarray(token_ids, dtype=np.int32)).result().hit_tokens)
+
+
+def wait_for_tier(daemon: Daemon, token_ids: list[int], tier: str, min_tokens: int, timeout_s: float = 30.0) -> int:
+    """Until ``tier`` holds at least min_tokens of token_ids (L3 write-through follows a save's
+    commit without waiting); the tokens it holds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = lookup_tiers(daemon, token_ids).get(tier, 0)
+        if held >= min_tokens or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
+
+
+class L2Held:
+    """Every L2 page of vLLM's namespace reserved by a lease of our own (random tokens, nothing
+    cached evictable): a load whose pages are only in L3 then cannot be promoted, and fails."""
+
+    def __init__(self, daemon: Daemon, seed: int):
+        import numpy as np
+
+        from engine_client.client import KVCacheClient
+
+        geometry = vllm_namespace(daemon)
+        self.client = KVCacheClient(daemon.socket_path, client_name="l2-holder")
+        self.client.attach(geometry)
+        capacity = [n for n in daemon.status()["namespaces"] if n["geometry"]["layout"] == "blocks"][0]
+        num_pages = capacity["tiers"]["l2"]["capacity_pages"]
+        tokens = np.random.default_rng(seed).integers(VOCAB, 2**31 - 1, num_pages * geometry.page_size, dtype=np.int32)
+        reply = self.client.match(tokens, reserve_backup=True)
+        self.lease_id = reply.lease_id
+        self.reserved_pages = len(reply.backup_page_ids)
+
+    def release(self) -> None:
+        if self.lease_id is not None:
+            self.client.release(self.lease_id)
+            self.client.flush()
+        self.client.close()
+
+
 def wait_for_pages(daemon: Daemon, min_pages: int, timeout_s: float = 30.0) -> int:
     """Until the vLLM namespace's L2 holds at least min_pages pages (saves are committed after the
     request ends, without waiting); how many it holds."""
@@ -318,6 +390,7 @@ def check(workdir: str) -> dict[str, Any]:
 
         # process 1 computes and saves the long prompt; a fresh process 2 loads it.
         first = Engine(model, socket_path, log("process1"))
+        first.wait_attached(daemon)
         try:
             answer = first.generate([prompt["long"]])
             steps["process1"] = {"outputs_equal": answer["outputs"][0] == baseline["long"],
@@ -326,6 +399,7 @@ def check(workdir: str) -> dict[str, Any]:
             first.close()
         steps["process1"]["l2_pages_after"] = wait_for_pages(daemon, 4)
         second = Engine(model, socket_path, log("process2"))
+        second.wait_attached(daemon)
         try:
             answer = second.generate([prompt["long"]])
         finally:
@@ -338,18 +412,21 @@ def check(workdir: str) -> dict[str, Any]:
         # The same load, from pages overwritten with noise.
         noisy_pages = overwrite_with_noise(daemon, prompt["long"], SEED)
         noisy = Engine(model, socket_path, log("noise"))
+        noisy.wait_attached(daemon)
         try:
             answer = noisy.generate([prompt["long"]])
         finally:
             noisy.close()
         result["noise_changes_output"] = answer["outputs"][0] != baseline["long"]
         steps["noise"] = {"pages_overwritten": noisy_pages, "external_hit_tokens": external_hits(answer),
-                          "outputs": answer["outputs"][0]}
+                          "outputs": answer["outputs"][0], "kvcached": _kvcached(answer)}
 
         # Two vLLMs at once; the second's system prompt comes from the first's saves.
         engine_a = Engine(model, socket_path, log("two_a"))
+        engine_a.wait_attached(daemon)
         try:
             engine_b = Engine(model, socket_path, log("two_b"))
+            engine_b.wait_attached(daemon)
             try:
                 answer_a = engine_a.generate([prompt["a"]])
                 pages = wait_for_pages(daemon, 4 + 4 + 4)      # long (4) + a's 4 (noise pages stay)
@@ -375,7 +452,9 @@ def check(workdir: str) -> dict[str, Any]:
 
 def _daemon_kill(model, daemon, prompt, baseline, log, steps) -> dict[str, Any]:
     engine = Engine(model, daemon.socket_path, log("daemon_kill"), no_prefix_caching=True)
+    engine.wait_attached(daemon)
     try:
+        failed = _failed_load(engine, daemon, prompt, baseline, steps)
         before = engine.generate([prompt["a"]])               # "a" is in L2: a hit while the daemon is up
         daemon.kill()
         during = engine.generate([prompt["a"], prompt["other"], prompt["long"]])
@@ -396,9 +475,27 @@ def _daemon_kill(model, daemon, prompt, baseline, log, steps) -> dict[str, Any]:
                             "during_external_hit_tokens": external_hits(during), "during_seconds": during["seconds"],
                             "during_outputs_equal": completed, "during_kvcached": _kvcached(during),
                             "after_restart": attempts, "hits_resumed_after_s": round(resumed_s, 3)}
-    return {"daemon_kill_requests_completed": completed and len(during["outputs"]) == 3,
+    return {**failed, "daemon_kill_requests_completed": completed and len(during["outputs"]) == 3,
             "hits_resume_after_restart": bool(attempts and attempts[-1]["external_hit_tokens"])
                                          and all(a["equal"] for a in attempts)}
+
+
+def _failed_load(engine: Engine, daemon: Daemon, prompt, baseline, steps) -> dict[str, Any]:
+    """A lookup that finds the prompt in L3 only, and a load that cannot bring it into L2 (every
+    L2 page is held): the load fails, its blocks go back to vLLM, the request is recomputed."""
+    engine.generate([prompt["other"]])                        # saved: L2, then L3 (write-through)
+    l3_tokens = wait_for_tier(daemon, prompt["other"], "l3", 512)
+    holder = L2Held(daemon, SEED + 1)
+    try:
+        tiers = lookup_tiers(daemon, prompt["other"])
+        answer = engine.generate([prompt["other"]])
+    finally:
+        holder.release()
+    steps["failed_load"] = {"l3_tokens": l3_tokens, "l2_pages_held": holder.reserved_pages, "tiers_at_lookup": tiers,
+                            "external_hit_tokens": external_hits(answer), "kvcached": _kvcached(answer),
+                            "outputs_equal": answer["outputs"][0] == baseline["other"]}
+    return {"failed_load_tokens": int(answer["delta"].get("vllm:kvcached_load_failed_tokens", 0)),
+            "failed_load_outputs_equal": answer["outputs"][0] == baseline["other"]}
 
 
 def _kvcached(answer: dict[str, Any]) -> dict[str, float]:

@@ -84,7 +84,8 @@ class VLLMConnectorConfig:
     socket: str = ""                  # the daemon's socket ("": the per-user default)
     cache_salt: str = ""              # keeps this engine's pages apart from others' of the same model
     save: bool = True                 # save prompts' pages (False: only load)
-    lookup_timeout_s: float = 1.0     # a lookup unanswered this long is a miss
+    lookup_timeout_s: float = 1.0     # a lookup unanswered this long is a miss (then none is sent
+                                  # until the daemon answers a heartbeat again)
     reply_timeout_s: float = 5.0      # a load's or save's match unanswered this long: failed / skipped
     retry_interval_s: float = 1.0     # how often the daemon is probed while it is away
     client_timeout_s: float = 2.0     # attach and detach
@@ -310,11 +311,13 @@ class _SchedulerSide:
         self._finished_held: list[str] = []
         self._finished_freed: list[str] = []
         self._attached_before = False
+        self._suspect_since: float | None = None      # when a lookup last went unanswered
         self._attach()
 
     # -- the session
 
     def _attach(self) -> None:
+        self._suspect_since = None
         try:
             client = KVCacheClient(self.config.socket_path, timeout_s=self.config.client_timeout_s,
                                    client_name="vllm-scheduler")
@@ -337,6 +340,12 @@ class _SchedulerSide:
         """The lookups' client while the daemon keeps its session; re-attaches once the daemon
         answers again after the session was lost (never waits otherwise)."""
         client = self.lookups.client if self.lookups is not None else None
+        if _usable(client) and self._suspect_since is not None:
+            # A lookup went unanswered: ask no more until the daemon has answered since (a heartbeat).
+            confirmed_at = time.monotonic() + client.session_valid_for() - client.info.session_timeout_s
+            if confirmed_at <= self._suspect_since:
+                return None
+            self._suspect_since = None
         if _usable(client):
             return client
         if (client is None or client.session_lost) and self.probe.answered():
@@ -394,16 +403,21 @@ class _SchedulerSide:
                 return 0
             asked = self._asked[req_id] = _Asked(self.lookups.lookup_async(np.asarray(tokens, dtype=np.int32)), now)
         if asked.hit_tokens is None:
+            failures = self._lookup_failures()
             if asked.pending.ready():
                 asked.hit_tokens = asked.pending.result()
             elif now - asked.sent_at > self.config.lookup_timeout_s:
                 asked.hit_tokens = asked.pending.result(0.0)      # 0, counted by the lookups
+                self._suspect_since = now
             else:
                 return None
-            failed = self.lookups.counters["lookup_failures_unavailable"] + self.lookups.counters["lookup_failures_refused"]
-            self.counts.total["lookup_failures"] = failed
+            self.counts.total["lookup_failures"] += self._lookup_failures() - failures
             self.counts.total["lookup_hit_tokens"] += asked.hit_tokens
         return asked.hit_tokens
+
+    def _lookup_failures(self) -> int:
+        counters = self.lookups.counters
+        return counters["lookup_failures_unavailable"] + counters["lookup_failures_refused"]
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -635,8 +649,10 @@ class _WorkerSide:
 
     def get_finished(self, meta: KVCachedMetadata | None) -> tuple[set[str], set[str]]:
         connector = self._live_connector()
-        if connector is None and self.connector is not None:
-            # The session is not usable: loads in flight will fail; report them now.
+        if connector is None and self.connector is not None and self.connector.layout.device.type != "cuda":
+            # The session is not usable: loads in flight will fail; report them now rather than
+            # after their match's reply_timeout_s. Only on CPU, where a load's copies are done when
+            # queued: on CUDA a queued scatter may still write the blocks vLLM would recompute.
             for req_id, block_ids in self._loading.items():
                 self._load_failed(req_id, block_ids)
             self._loading.clear()
