@@ -307,6 +307,8 @@ class _SchedulerSide:
         self._external: dict[str, int] = {}           # req id -> the local hit its lookup was for
         self._tracked: dict[str, _Tracked] = {}
         self._loading: set[str] = set()               # loads sent, finished_recving not seen yet
+        self._load_blocks: dict[str, set[int]] = {}   # req id -> blocks of its load in flight
+        self._load_failed: set[str] = set()           # requests whose load failed: recomputed
         self._pending_loads: list[LoadOp] = []
         self._finished_held: list[str] = []
         self._finished_freed: list[str] = []
@@ -376,8 +378,8 @@ class _SchedulerSide:
             and bool(request.prompt_token_ids)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._cacheable(request):
-            return 0, False
+        if not self._cacheable(request) or request.request_id in self._load_failed:
+            return 0, False     # a request whose load failed is recomputed, not loaded again
         hit = self._hit_tokens(request)
         if hit is None:
             return None, False
@@ -436,6 +438,7 @@ class _SchedulerSide:
                       local, num_external_tokens)
         self._pending_loads.append(load)
         self._loading.add(req_id)
+        self._load_blocks[req_id] = set(load.block_ids)
 
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -476,8 +479,13 @@ class _SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output) -> None:
+        invalid = connector_output.invalid_block_ids or set()
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
+            if invalid & self._load_blocks.pop(req_id, set()):
+                # vLLM recomputes what failed; a lookup would offer the same pages again, and
+                # their load would fail again (the cause, say no L2 page to promote into, lasts).
+                self._load_failed.add(req_id)
 
     def request_finished(self, request: "Request") -> bool:
         """True: vLLM keeps the blocks until the worker reports the request (finished_recving for a
@@ -486,6 +494,7 @@ class _SchedulerSide:
         self._asked.pop(req_id, None)
         self._external.pop(req_id, None)
         tracked = self._tracked.pop(req_id, None)
+        self._load_failed.discard(req_id)
         if req_id in self._loading:
             # vLLM frees the blocks when the load is reported (finished_recving); the worker ends
             # the request's lease then.
