@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from proto.errors import ErrorCode, ProtocolError
+from proto.errors import ErrorCode, ProtocolError, preview
 
 PROTOCOL_VERSION = 1
 
@@ -78,7 +78,8 @@ class KVGeometry:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(body) - set(fields)
         if unknown:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown geometry fields {sorted(map(str, unknown))}")
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"unknown geometry fields {preview(sorted(map(str, unknown)))}")
         values: dict[str, Any] = {}
         for name in fields:
             if name not in body:
@@ -100,8 +101,8 @@ class KVGeometry:
                             ("page_size", 4096), ("tp_size", 1024)):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= upper:
-                raise bad(f"{name} must be an integer in 1..{upper}, got {value!r}")
+                raise bad(f"{name} must be an integer in 1..{upper}, got {preview(value)}")
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
-            raise bad(f"tp_rank must be in 0..tp_size-1, got {self.tp_rank!r}")
+            raise bad(f"tp_rank must be in 0..tp_size-1, got {preview(self.tp_rank)}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
-            raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+            raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {preview(self.dtype)}")

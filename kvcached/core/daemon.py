@@ -35,9 +35,11 @@ ARENA_ALIGN_BYTES = 2 * 1024 * 1024
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
-# Of a namespace's L2 pages, at most this share is held ahead (standing leases) by one session:
-# every reservation may evict cached prefixes, and a session keeps what it holds while it lives.
-MAX_RESERVED_AHEAD_SHARE = 0.5
+# Of a namespace's L2 pages, at most this share is reserved by one session at a time, counted
+# across all its leases (backup pages of its matches, pages held ahead); a match's L3 promotion
+# reserves no more than that allowance either. Every reservation may evict cached prefixes, and
+# a session keeps what it holds while it lives.
+MAX_SESSION_RESERVED_SHARE = 0.5
 
 
 class ArenaPlan(NamedTuple):
@@ -277,10 +279,11 @@ class DaemonState:
         token_ids = token_ids[: num_pages * page_size]
 
         result = namespace.tree.match(token_ids)
-        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
-            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2,
-                                   result.hit_tokens[Tier.L2] // page_size,
-                                   result.hit_tokens[Tier.L3] // page_size)
+        allowed = self._reservable_pages(session, namespace)
+        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2] and allowed > 0:
+            start_page = result.hit_tokens[Tier.L2] // page_size
+            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
+                                   min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
             if move is not None:
                 return move
         hits = {tier.label: count for tier, count in result.hit_tokens.items()}
@@ -299,7 +302,10 @@ class DaemonState:
             namespace.tree.lock(locked_node, Tier.L2)
         backup_page_ids: list[int] = []
         if reserve_backup and num_pages > hit_pages:
-            backup_page_ids = self._reserve_l2(namespace, num_pages - hit_pages)
+            wanted = num_pages - hit_pages
+            if wanted > allowed:
+                self.metrics.add("reservations_capped")
+            backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
         allocator = namespace.l2_allocator
         host_page_epochs = allocator.epochs_of(host_page_ids)
@@ -323,12 +329,12 @@ class DaemonState:
     def reserve_pages(self, session_id: int, num_pages: int) -> Reservation:
         """A standing lease on up to num_pages private L2 pages (evicting if needed; possibly none),
         for backups that the engine writes before it tells which prefix they hold (commit_pages).
-        A session holds at most MAX_RESERVED_AHEAD_SHARE of the namespace's pages this way."""
+        Capped with the session's other reservations (``_reservable_pages``)."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
-        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids
-                   if self.leases[lease_id].standing)
-        allowed = int(namespace.num_pages * MAX_RESERVED_AHEAD_SHARE) - held
+        allowed = self._reservable_pages(session, namespace)
+        if num_pages > allowed:
+            self.metrics.add("reservations_capped")
         page_ids = self._reserve_l2(namespace, min(num_pages, allowed)) if allowed > 0 else []
         self.metrics.add("pages_reserved_ahead", len(page_ids))
         if not page_ids:
@@ -339,6 +345,13 @@ class DaemonState:
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
         return Reservation(lease.lease_id, page_ids, namespace.l2_allocator.epochs_of(page_ids))
+
+    def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
+        """How many more L2 pages this session may reserve: MAX_SESSION_RESERVED_SHARE of the
+        namespace's pages, less the private pages of all its leases. One cap for every path that
+        reserves L2 pages for a session (a match's backup pages or L3 promotion, RESERVE_PAGES)."""
+        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
+        return max(0, int(namespace.num_pages * MAX_SESSION_RESERVED_SHARE) - held)
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from kvcached.core.allocator import PageAllocator
@@ -31,9 +30,8 @@ def test_epochs_count_allocations_per_page():
     allocator.check_integrity()
 
 
-def test_committed_pages_match_with_the_epochs_of_their_reservation(state):
+def test_committed_pages_match_with_the_epochs_of_their_reservation(state, rng):
     """What the engine learned when it reserved its pages is what a later match reports."""
-    rng = np.random.default_rng()
     session, _ = state.attach(GEOMETRY, pid=1)
     reservation = state.reserve_pages(session.session_id, 6)
     assert len(reservation.page_ids) == 6 and len(reservation.page_epochs) == 6
@@ -54,9 +52,8 @@ def test_committed_pages_match_with_the_epochs_of_their_reservation(state):
     assert namespace.l2_allocator.num_free == namespace.num_pages - 4
 
 
-def test_a_page_evicted_and_reused_changes_epoch(state):
+def test_a_page_evicted_and_reused_changes_epoch(state, rng):
     """Eviction then reuse of a page is visible to an engine that remembers the old epoch."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     reservation = state.reserve_pages(session.session_id, 8)
     prefix = tokens(rng, 8)
@@ -65,20 +62,24 @@ def test_a_page_evicted_and_reused_changes_epoch(state):
     for _ in range(2):                                        # fills the pool: the prefix goes
         back_up(state, session.session_id, tokens(rng, 8))
     assert state.match(session.session_id, prefix).hit_tokens["l2"] == 0
-    reused = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
-    same = set(reused.backup_page_ids) & set(reservation.page_ids)
+    other, _ = state.attach(GEOMETRY, pid=2)
+    # Each session may reserve half of L2 at once: together they take all of it, so every page.
+    reused = [state.match(s.session_id, tokens(rng, 8), reserve_backup=True) for s in (session, other)]
+    reused_pages = [p for reply in reused for p in reply.backup_page_ids]
+    reused_epochs = [e for reply in reused for e in reply.backup_page_epochs]
+    same = set(reused_pages) & set(reservation.page_ids)
     assert same
     before = dict(zip(reservation.page_ids, reservation.page_epochs))
-    for page_id, epoch in zip(reused.backup_page_ids, reused.backup_page_epochs):
+    for page_id, epoch in zip(reused_pages, reused_epochs):
         if page_id in before:
             assert epoch > before[page_id]
-    state.release(session.session_id, reused.lease_id)
+    for s, reply in zip((session, other), reused):
+        state.release(s.session_id, reply.lease_id)
     state.check_integrity()
 
 
-def test_commit_of_an_extension_and_of_pages_the_tree_has(state):
+def test_commit_of_an_extension_and_of_pages_the_tree_has(state, rng):
     """start_page > 0 extends a resident prefix; pages the tree holds already go back to the pool."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     head = tokens(rng, 3)
     head_pages = back_up(state, session.session_id, head)
@@ -101,8 +102,7 @@ def test_commit_of_an_extension_and_of_pages_the_tree_has(state):
     state.check_integrity()
 
 
-def test_commit_below_a_prefix_that_is_gone_publishes_nothing(state):
-    rng = np.random.default_rng()
+def test_commit_below_a_prefix_that_is_gone_publishes_nothing(state, rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     reservation = state.reserve_pages(session.session_id, 4)
     free_before = namespace.l2_allocator.num_free
@@ -115,8 +115,7 @@ def test_commit_below_a_prefix_that_is_gone_publishes_nothing(state):
     assert state.metrics.counters["backup_commits_prefix_gone"] == 1
 
 
-def test_bad_commits_of_reserved_pages_change_nothing(state):
-    rng = np.random.default_rng()
+def test_bad_commits_of_reserved_pages_change_nothing(state, rng):
     a, _ = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
     reservation = state.reserve_pages(a.session_id, 4)
@@ -141,10 +140,9 @@ def test_bad_commits_of_reserved_pages_change_nothing(state):
     state.check_integrity()
 
 
-def test_a_commit_whose_tokens_fall_short_returns_its_pages(state):
+def test_a_commit_whose_tokens_fall_short_returns_its_pages(state, rng):
     """The engine sends commits without waiting and counts the pages as gone: a commit refused for
     too few tokens still takes its pages out of the lease (freed, nothing published)."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     reservation = state.reserve_pages(session.session_id, 4)
     free_before = namespace.l2_allocator.num_free
@@ -194,3 +192,26 @@ def test_epochs_of_a_namespace_made_anew_or_a_new_daemon_do_not_repeat(state):
     fresh, _ = restarted.attach(GEOMETRY, pid=4)
     new = restarted.reserve_pages(fresh.session_id, 4)
     assert new.page_ids == old.page_ids and new.page_epochs != old.page_epochs
+
+
+def test_one_cap_bounds_all_the_pages_a_session_reserves(state, rng):
+    """Pages held ahead and a match's backup pages share one cap per session (half of the namespace's
+    L2 pages), counted across its leases; another session keeps its own share; what is committed or
+    released no longer counts."""
+    a, namespace = state.attach(GEOMETRY, pid=1)
+    b, _ = state.attach(GEOMETRY, pid=2)
+    cap = namespace.num_pages // 2
+    ahead = state.reserve_pages(a.session_id, 6)
+    assert len(ahead.page_ids) == 6
+    first = state.match(a.session_id, tokens(rng, namespace.num_pages), reserve_backup=True)
+    assert len(first.backup_page_ids) == cap - 6
+    assert state.match(a.session_id, tokens(rng, 4), reserve_backup=True).backup_page_ids == []
+    assert state.reserve_pages(a.session_id, 4).page_ids == []
+    assert state.metrics.counters["reservations_capped"] == 3
+    other = state.match(b.session_id, tokens(rng, namespace.num_pages), reserve_backup=True)
+    assert len(other.backup_page_ids) == cap
+    state.check_integrity()
+    state.release(a.session_id, ahead.lease_id)
+    again = state.reserve_pages(a.session_id, 8)       # the released pages no longer count
+    assert len(again.page_ids) == 6
+    state.check_integrity()
