@@ -173,15 +173,36 @@ class TierControl:
 
     def evict_l2(self) -> int:
         """Evict every L2 page no lease holds (L3 keeps its copies): reserve as many pages as L2
-        has, which evicts what it must, and give them back. Returns the pages reserved."""
-        tokens = self._rng.integers(1, 2**31 - 1, size=self.num_l2_pages * self.geometry.page_size, dtype=np.int32)
-        reply = self.client.match(tokens, reserve_backup=True, promote_l3=False)
-        if reply.lease_id is not None:
-            self.client.release(reply.lease_id)
-        errors = self.client.flush()
+        has, which evicts what it must, and give them back. A session may reserve only part of a
+        namespace's pages, so the reservations are spread over sessions held at once. Returns the
+        pages reserved."""
+        clients = [self.client]
+        held: list[tuple[KVCacheClient, int]] = []
+        reserved = 0
+        try:
+            while reserved < self.num_l2_pages and len(clients) <= 8:
+                client = clients[-1]
+                wanted = self.num_l2_pages - reserved
+                tokens = self._rng.integers(1, 2**31 - 1, size=wanted * self.geometry.page_size, dtype=np.int32)
+                reply = client.match(tokens, reserve_backup=True, promote_l3=False)
+                if reply.lease_id is not None:
+                    held.append((client, reply.lease_id))
+                if not reply.backup_page_ids:
+                    break                       # nothing more can be freed: what is left is leased
+                reserved += len(reply.backup_page_ids)
+                if reserved < self.num_l2_pages:
+                    extra = connect(self.daemon.socket_path, timeout_s=60.0, client_name="tier-control-extra")
+                    clients.append(extra)
+                    extra.attach(self.geometry)
+        finally:
+            for client, lease_id in held:
+                client.release(lease_id)
+            errors = [error for client in clients for error in client.flush()]
+            for client in clients[1:]:
+                client.close()
         if errors:
-            raise RuntimeError(f"the daemon refused the eviction's release: {errors}")
-        return len(reply.backup_page_ids)
+            raise RuntimeError(f"the daemon refused the eviction's releases: {errors}")
+        return reserved
 
     def drop_l3_page_cache(self) -> None:
         """Write back and drop the L3 file's pages from the page cache: the next read goes to disk."""

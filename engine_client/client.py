@@ -37,8 +37,8 @@ import zmq
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
-from proto.paths import default_socket_path
 from proto.replies import AttachInfo, MatchReply, from_wire
+from proto.paths import UntrustedSocket, check_socket  # noqa: F401 (engines catch UntrustedSocket from here)
 
 logger = logging.getLogger(__name__)
 
@@ -392,11 +392,12 @@ class KVCacheClient:
     """An engine's session with the daemon; see ``connect``, and the module note for outages."""
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None):
-        self.socket_path = socket_path or default_socket_path()
-        if not os.path.exists(self.socket_path):
-            raise DaemonUnavailable(f"no kvcached daemon socket at {self.socket_path} "
-                                    "(start one with `kvcached serve`)")
+                 client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None,
+                 daemon_uid: int | str | None = None):
+        try:       # a socket another user could have planted raises UntrustedSocket (proto.paths)
+            self.socket_path = check_socket(socket_path, daemon_uid)
+        except FileNotFoundError as exc:
+            raise DaemonUnavailable(f"{exc} (start one with `kvcached serve`)") from None
         if cpu is not None and cpu not in os.sched_getaffinity(0):
             raise ValueError(f"cpu {cpu} is not among the CPUs this process may use: {sorted(os.sched_getaffinity(0))}")
         self.timeout_s = timeout_s
@@ -843,12 +844,18 @@ class KVCacheClient:
 
 
 def connect(socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-            client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None) -> KVCacheClient:
-    """Connect to the daemon at ``socket_path`` (default: the per-user path); then ``attach``.
+            client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None,
+            daemon_uid: int | str | None = None) -> KVCacheClient:
+    """Connect to the daemon at ``socket_path`` (a path or an ipc:// URL; default: the per-user
+    path, see ``proto.paths.default_socket_path``); then ``attach``.
+
+    The socket and its directory must belong to ``daemon_uid`` (a uid or user name; default
+    $KVCACHED_DAEMON_UID, else this process's uid) and be writable by no one else, else
+    ``proto.paths.UntrustedSocket`` is raised: another local user could have planted them.
 
     ``spin_s``: how long a blocking request busy-waits for its reply before sleeping (0: never).
     ``cpu``: run the client's ZeroMQ I/O thread on this CPU. An engine whose scheduler thread is
     pinned to the same CPU then hands its requests and replies to a thread on a busy CPU, which
     is cheaper than waking an idle one (large on virtual machines); a request that awaits a reply
     yields the CPU once it is sent, so that it leaves at once."""
-    return KVCacheClient(socket_path, timeout_s, client_name, spin_s, cpu)
+    return KVCacheClient(socket_path, timeout_s, client_name, spin_s, cpu, daemon_uid)

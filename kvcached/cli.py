@@ -21,13 +21,21 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _default_socket() -> str:
+    try:
+        return default_socket_path()
+    except ValueError as exc:           # a bad $KVCACHED_SOCKET: serve and status report it
+        return f"none ({exc})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = DaemonConfig.__dataclass_fields__
     parser = argparse.ArgumentParser(prog="kvcached", description="Hierarchical KV-cache sidecar daemon")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--socket", help=f"ipc socket path (default: {default_socket_path()})")
+    serve.add_argument("--socket", help="socket path or ipc:// URL (default: $KVCACHED_SOCKET, else "
+                       f"$XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/; here {_default_socket()})")
     serve.add_argument("--l2-size", type=_size, help="shared pinned host pool size, e.g. 64GiB "
                        "(default: 1 GiB or half of free /dev/shm, whichever is less)")
     serve.add_argument("--l3-path", help="local file for the L3 tier, kept with its index (PATH.index) across "
@@ -58,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
 
     status = commands.add_parser("status", help="print the daemon's status")
-    status.add_argument("--socket", help="ipc socket path of the daemon")
+    status.add_argument("--socket", help="socket path or ipc:// URL of the daemon (default: as for serve)")
+    status.add_argument("--daemon-uid", help="uid or user name the daemon runs as, when not ours (a shared "
+                        "system daemon); its socket must belong to it (default: $KVCACHED_DAEMON_UID, else ours)")
     status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
     status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted")
     status.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --follow")
@@ -96,10 +106,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from kvcached.server.status import DaemonUnavailable, StatusClient, render_table
+    from proto.paths import UntrustedSocket
 
-    socket_path = args.socket or default_socket_path()
     try:
-        with StatusClient(socket_path, timeout_s=args.timeout_s) as client:
+        client = StatusClient(args.socket, timeout_s=args.timeout_s, daemon_uid=args.daemon_uid)
+    except (DaemonUnavailable, UntrustedSocket, ValueError) as exc:
+        print(f"kvcached: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with client:
             while True:
                 snapshot = client.status(check_integrity=args.check_integrity)
                 if args.json:

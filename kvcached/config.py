@@ -11,7 +11,7 @@ import re
 import shutil
 from typing import Mapping
 
-from proto.paths import default_socket_path
+from proto.paths import default_socket_path, normalize_socket_path
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -72,9 +72,12 @@ class DaemonConfig:
     socket_cpu: int | None = None       # run the socket thread and ZeroMQ's I/O thread on this CPU
     max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
     shm_dir: str = SHM_DIR
+    refusal_log_interval_s: float = 10.0   # refused requests: DEBUG each, one WARNING summary per interval
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        # A path or an ipc:// URL, made absolute; too long for a socket address: ValueError.
+        object.__setattr__(self, "socket_path", normalize_socket_path(self.socket_path))
         if self.l2_bytes < (2 << 20):
             raise ValueError(f"l2_bytes must be at least 2 MiB, got {self.l2_bytes}")
         if not 1 <= self.max_namespaces <= 1024:
@@ -91,13 +94,15 @@ class DaemonConfig:
         if self.socket_cpu is not None and self.socket_cpu not in os.sched_getaffinity(0):
             raise ValueError(f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
                              f"{sorted(os.sched_getaffinity(0))}")
+        if not self.refusal_log_interval_s > 0:
+            raise ValueError("refusal_log_interval_s must be positive")
         if not 1 <= self.io_threads <= 256:
             raise ValueError("io_threads must be in 1..256")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":
         values: dict = {
-            "socket_path": default_socket_path(env),
+            "socket_path": overrides.get("socket_path") or default_socket_path(env),
             "l2_bytes": parse_size(env["KVCACHED_L2_SIZE"]) if env.get("KVCACHED_L2_SIZE") else default_l2_bytes(),
             "l3_path": env.get("KVCACHED_L3_PATH") or None,
             "log_level": env.get("KVCACHED_LOG_LEVEL", "INFO"),

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from proto.errors import ErrorCode, ProtocolError
+from proto.errors import ErrorCode, ProtocolError, cap_message, preview
 from proto.messages import MsgKind
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -44,9 +44,9 @@ def decode(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         raise ProtocolError(ErrorCode.BAD_FRAME, "a frame is a 3-element array [kind, request_id, body]")
     kind, request_id, body = obj
     if type(request_id) is not int or not 0 <= request_id <= MAX_REQUEST_ID:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"request_id must be a non-negative integer, got {request_id!r}")
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"request_id must be a non-negative integer, got {preview(request_id)}")
     if type(kind) is not int:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"kind must be an integer, got {kind!r}")
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"kind must be an integer, got {preview(kind)}")
     known_kind = _KIND_BY_VALUE.get(kind)
     if known_kind is None:
         raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind}")
@@ -68,4 +68,5 @@ def peek_request_id(data: bytes) -> int:
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"code": int(code), "message": message}
+    """Every error reply's body; its message is capped, whatever it quotes."""
+    return {"code": int(code), "message": cap_message(message)}

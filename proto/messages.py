@@ -7,7 +7,7 @@ import enum
 import math
 from typing import Any
 
-from proto.errors import ErrorCode, ProtocolError
+from proto.errors import ErrorCode, ProtocolError, preview
 
 PROTOCOL_VERSION = 1
 
@@ -125,7 +125,8 @@ class KVGeometry:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(body) - set(fields)
         if unknown:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown geometry fields {sorted(map(str, unknown))}")
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"unknown geometry fields {preview(sorted(map(str, unknown)))}")
         values: dict[str, Any] = {}
         for name, field in fields.items():
             if name not in body:
@@ -152,21 +153,21 @@ class KVGeometry:
                             ("page_size", 4096), ("tp_size", 1024)):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= upper:
-                raise bad(f"{name} must be an integer in 1..{upper}, got {value!r}")
+                raise bad(f"{name} must be an integer in 1..{upper}, got {preview(value)}")
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
-            raise bad(f"tp_rank must be in 0..tp_size-1, got {self.tp_rank!r}")
+            raise bad(f"tp_rank must be in 0..tp_size-1, got {preview(self.tp_rank)}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
-            raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+            raise bad(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {preview(self.dtype)}")
         for name in ("model_revision", "cache_salt"):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 256:
                 raise bad(f"{name} must be a string of at most 256 characters")
         if self.layout not in PAGE_LAYOUTS:
-            raise bad(f"layout must be one of {PAGE_LAYOUTS}, got {self.layout!r}")
+            raise bad(f"layout must be one of {PAGE_LAYOUTS}, got {preview(self.layout)}")
         shape = self.block_shape
         if not isinstance(shape, tuple) or len(shape) > MAX_BLOCK_DIMS \
                 or any(type(d) is not int or d < 1 for d in shape):
-            raise bad(f"block_shape must be at most {MAX_BLOCK_DIMS} positive integers, got {shape!r}")
+            raise bad(f"block_shape must be at most {MAX_BLOCK_DIMS} positive integers, got {preview(shape)}")
         if self.layout == "blocks" and not shape:
             raise bad("a \"blocks\" layout needs the block's byte shape (block_shape)")
         if shape:

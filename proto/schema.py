@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from proto.errors import ErrorCode, ProtocolError
+from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import KVGeometry, MsgKind
 
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
@@ -28,14 +28,14 @@ def _int(body: dict, name: str, lo: int = 0, hi: int = MAX_ID, default: Any = da
     if value is dataclasses.MISSING:
         raise _bad(f"missing field {name!r}")
     if type(value) is not int or not lo <= value <= hi:
-        raise _bad(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+        raise _bad(f"{name} must be an integer in {lo}..{hi}, got {preview(value)}")
     return value
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if type(value) is not bool:
-        raise _bad(f"{name} must be a boolean, got {value!r}")
+        raise _bad(f"{name} must be a boolean, got {preview(value)}")
     return value
 
 
@@ -65,7 +65,7 @@ def _page_ids(body: dict, name: str) -> list[int]:
         raise _bad(f"{name} must be a list of at most {MAX_PAGE_IDS_PER_REQUEST} page ids")
     for page_id in value:
         if type(page_id) is not int:
-            raise _bad(f"{name} must hold integers, got {page_id!r}")
+            raise _bad(f"{name} must hold integers, got {preview(page_id)}")
     return value
 
 

@@ -40,6 +40,11 @@ ARENA_ALIGN_BYTES = 2 * 1024 * 1024
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
+# Of a namespace's L2 pages, at most this share is reserved by one session at a time, counted
+# across all its leases (the backup pages of its matches); a match's L3 promotion reserves no
+# more than that allowance either. Every reservation may evict cached prefixes, and a session
+# keeps what it holds while it lives.
+MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
 MAX_ENDED_SESSIONS = 4096
@@ -364,10 +369,11 @@ class DaemonState:
         token_ids = token_ids[: num_pages * page_size]
 
         result = namespace.tree.match(token_ids)
-        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
-            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2,
-                                   result.hit_tokens[Tier.L2] // page_size,
-                                   result.hit_tokens[Tier.L3] // page_size)
+        allowed = self._reservable_pages(session, namespace)
+        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2] and allowed > 0:
+            start_page = result.hit_tokens[Tier.L2] // page_size
+            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
+                                   min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
             if move is not None:
                 return move
         hits = {tier.label: count for tier, count in result.hit_tokens.items()}
@@ -386,7 +392,10 @@ class DaemonState:
             namespace.tree.lock(locked_node, Tier.L2)
         backup_page_ids: list[int] = []
         if reserve_backup and num_pages > hit_pages:
-            backup_page_ids = self._reserve_l2(namespace, num_pages - hit_pages)
+            wanted = num_pages - hit_pages
+            if wanted > allowed:
+                self.metrics.add("reservations_capped")
+            backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
         if locked_node is None and not backup_page_ids:
             return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens)
@@ -435,6 +444,13 @@ class DaemonState:
         self.metrics.add("lookup_tokens", len(token_ids))
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"])
         return MatchReply(hits, None, [], hits["l2"], [])
+
+    def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
+        """How many more L2 pages this session may reserve: MAX_SESSION_RESERVED_SHARE of the
+        namespace's pages, less the private pages of all its leases. One cap for every path that
+        reserves L2 pages for a session (a match's backup pages or its L3 promotion)."""
+        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
+        return max(0, int(namespace.num_pages * MAX_SESSION_RESERVED_SHARE) - held)
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)

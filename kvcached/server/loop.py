@@ -44,9 +44,10 @@ from kvcached.core.tiers import Tier
 from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import L3IndexStore, index_path
-from kvcached.server.shm import DaemonLock, SharedSegment, StartupError, ensure_private_dir, segment_name
+from kvcached.server.refusals import RefusalLog
+from kvcached.server.shm import DaemonLock, SharedSegment, SocketDirectory, StartupError, segment_name
 from proto import codec
-from proto.errors import ErrorCode, ProtocolError
+from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
 from proto.replies import AttachInfo, DetachReply, to_wire
 from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
@@ -81,6 +82,7 @@ class Server:
         self.started_at = time.time()
         self.stop_event = asyncio.Event()
         self.state_lock = threading.Lock()
+        self.refusals = RefusalLog(config.refusal_log_interval_s)
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._socket_thread: threading.Thread | None = None
@@ -126,6 +128,7 @@ class Server:
             self._stop_socket_thread()
             await self._loop.run_in_executor(None, self._socket_thread.join)
             self.watcher.close()
+            self.refusals.flush()
 
     def _stop_socket_thread(self) -> None:
         self._stopping = True
@@ -203,8 +206,9 @@ class Server:
                     self._handle(frames[0], frames[1])
                 elif frames:
                     # A DEALER sends [identity, payload]; anything else has no single payload to answer.
-                    self._send(frames[0], MsgKind.ERROR, 0,
-                               codec.error_body(ErrorCode.BAD_FRAME, f"expected one frame, got {len(frames) - 1}"))
+                    message = f"expected one frame, got {len(frames) - 1}"
+                    self._refused(ErrorCode.BAD_FRAME, message)
+                    self._send(frames[0], MsgKind.ERROR, 0, codec.error_body(ErrorCode.BAD_FRAME, message))
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         request_id = 0
@@ -223,8 +227,7 @@ class Server:
         except ProtocolError as exc:
             if request_id == 0:
                 request_id = codec.peek_request_id(payload)
-            self.state.metrics.add(f"errors_{exc.code.name.lower()}")
-            logger.info("refused a request: %s", exc)
+            self._refused(exc.code, exc.message)
             self._send(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
         except Exception as exc:  # our bug: report it to the peer, keep serving the others
             logger.exception("internal error while handling a request")
@@ -272,7 +275,7 @@ class Server:
             self._post(identity, MsgKind.REPLY, request_id, body)
         except ProtocolError as exc:
             with self.state_lock:
-                self.state.metrics.add(f"errors_{exc.code.name.lower()}")
+                self._refused(exc.code, exc.message)
             self._post(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
         except asyncio.CancelledError:
             self._post(identity, MsgKind.ERROR, request_id,
@@ -284,6 +287,11 @@ class Server:
                 self.state.metrics.add("errors_internal")
             self._post(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _refused(self, code: ErrorCode, message: str) -> None:
+        """Count a refused request; logged at DEBUG, summarised per interval (RefusalLog). Under state_lock."""
+        self.state.metrics.add(f"errors_{code.name.lower()}")
+        self.refusals.note(code.name, message)
 
     def _post(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
         """Send from the event loop: queue the frames and wake the socket thread."""
@@ -388,6 +396,7 @@ class Server:
         with self.state_lock:
             self.state.note_running(PAUSE_GAP_S)
             self.state.expire_sessions()
+            self.refusals.flush_due()
 
     def _watch(self, session_id: int, pidfd: int) -> None:
         """On the loop: read the pidfd of a session attached by the socket thread."""
@@ -408,7 +417,7 @@ class Server:
         version = body.get("protocol_version")
         if version != PROTOCOL_VERSION:
             raise ProtocolError(ErrorCode.VERSION_MISMATCH,
-                                f"daemon speaks protocol {PROTOCOL_VERSION}, engine sent {version!r}")
+                                f"daemon speaks protocol {PROTOCOL_VERSION}, engine sent {preview(version)}")
         request = Attach.parse(body)
         pidfd, why = (open_pidfd(request.pid, request.pid_namespace_id, request.process_start_time)
                       if self.config.pid_watch else (None, "pid watching is off"))
@@ -556,12 +565,11 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
     on the way out. ``on_ready`` gets the running server once the socket is bound."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as resources:
-        socket_dir = os.path.dirname(os.path.abspath(config.socket_path))
-        ensure_private_dir(socket_dir)
-        lock = DaemonLock(config.socket_path)
+        directory = SocketDirectory(config.socket_path)
+        resources.callback(directory.close)
+        lock = DaemonLock(directory)
         resources.callback(lock.close)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(config.socket_path)      # stale: we hold the lock
+        directory.remove_stale_socket()        # stale: we hold the lock
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
         resources.callback(segment.close)
         storage = executor = index = None
@@ -603,8 +611,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         socket.setsockopt(zmq.SNDHWM, 10_000)
         socket.setsockopt(zmq.RCVHWM, 10_000)
         socket.bind(f"ipc://{config.socket_path}")
-        resources.callback(_unlink_quietly, config.socket_path)
-        os.chmod(config.socket_path, 0o600)
+        resources.callback(directory.remove_socket)
+        directory.socket_bound()
 
         server = Server(config, state, socket, segment, storage, executor, index)
         resources.callback(server.close_wake_sockets)
@@ -618,11 +626,6 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             on_ready(server)
         await server.run()
         logger.info("kvcached shutting down")
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _open_index(config: DaemonConfig, storage: StorageFile) -> tuple[L3IndexStore, list]:

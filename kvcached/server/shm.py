@@ -5,6 +5,11 @@ The segment is one file under /dev/shm, mode 0600, created by the daemon, filled
 unpopulated shared memory is 15-20x slower per GiB), and removed at exit. A daemon killed
 with SIGKILL cannot remove it; the next daemon on the same socket holds the lock file and
 therefore knows any segment with its name is stale, and removes it.
+
+Every file the daemon makes or removes (the socket's directory, the lock file, the socket, the
+segment) is checked first with lstat or opened with O_NOFOLLOW (O_EXCL where it is created), and
+removed only while it is still the file the daemon made: a symlink or file another user planted
+is refused with a message, never followed, truncated or unlinked.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 import stat
 import time
 
+from proto.paths import user_label
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,18 +37,104 @@ def segment_name(socket_path: str) -> str:
     return f"kvcached-{os.getuid()}-{digest}.l2"
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create the socket's directory 0700; refuse one that another user owns."""
-    if not os.path.isdir(path):
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISFIFO, "a FIFO")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class SocketDirectory:
+    """The socket's directory, checked and held open: the lock file and the socket are created,
+    checked and removed through it (``dir_fd``), never by a path that a symlink could redirect.
+
+    It must be a real directory (not a symlink) of the daemon's user, writable by no one else; a
+    missing one is created 0700. Anything else is refused with a message that says why and what
+    to do, before any file in it is opened."""
+
+    def __init__(self, socket_path: str):
+        self.path = os.path.dirname(socket_path)
+        self.socket_name = os.path.basename(socket_path)
+        self.socket_path = socket_path
+        self._socket_stat: os.stat_result | None = None
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.mkdir(self.path, 0o700)
+            logger.info("created the socket directory %s (mode 700)", self.path)
+        except FileExistsError:
+            pass
         except OSError as exc:
-            raise StartupError(f"cannot create socket directory {path}: {exc.strerror}") from None
-    info = os.stat(path)
-    if info.st_uid != os.getuid():
-        raise StartupError(f"socket directory {path} belongs to uid {info.st_uid}, not to us ({os.getuid()})")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        logger.warning("socket directory %s is writable by others (mode %o)", path, info.st_mode & 0o777)
+            raise StartupError(f"cannot create the socket directory {self.path}: {exc.strerror}") from None
+        info = os.lstat(self.path)
+        uid = os.geteuid()
+        if stat.S_ISLNK(info.st_mode):
+            raise StartupError(f"the socket directory {self.path} is a symlink (to {os.readlink(self.path)}); "
+                               "kvcached uses only a real directory of its own: remove the link, or choose "
+                               "another --socket")
+        if not stat.S_ISDIR(info.st_mode):
+            raise StartupError(f"the socket directory {self.path} is {_kind(info.st_mode)}, not a directory: "
+                               "remove it, or choose another --socket")
+        if info.st_uid != uid:
+            raise StartupError(f"the socket directory {self.path} belongs to {user_label(info.st_uid)}, not to "
+                               f"{user_label(uid)} who runs the daemon: another user created it first (perhaps to "
+                               "take over kvcached's socket). Remove it (as root or that user), or set "
+                               "XDG_RUNTIME_DIR or --socket to a directory of your own")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise StartupError(f"the socket directory {self.path} is writable by other users (mode "
+                               f"{info.st_mode & 0o7777:o}), who could replace the socket: chmod 700 it, or "
+                               "choose another --socket in a directory of its own")
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StartupError(f"cannot open the socket directory {self.path}: {exc.strerror}") from None
+        if not _same_file(os.fstat(self.fd), info):       # replaced between the check and the open
+            os.close(self.fd)
+            raise StartupError(f"the socket directory {self.path} changed while it was checked; try again")
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.lstat(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+
+    def remove_stale_socket(self) -> None:
+        """A socket of ours left by a daemon that is gone (the caller holds the lock) is removed;
+        anything else at the socket's name is refused, not removed."""
+        info = self.lstat(self.socket_name)
+        if info is None:
+            return
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
+            raise StartupError(f"{self.socket_path} is {_kind(info.st_mode)} of {user_label(info.st_uid)}, not a "
+                               "stale socket of this daemon's; kvcached does not remove it: remove it yourself, "
+                               "or choose another --socket")
+        os.unlink(self.socket_name, dir_fd=self.fd)
+
+    def socket_bound(self) -> None:
+        """After bind: make the socket 0600 and remember it, so that remove_socket removes this one only."""
+        info = self.lstat(self.socket_name)
+        if info is None or not stat.S_ISSOCK(info.st_mode):
+            raise StartupError(f"the socket {self.socket_path} vanished or was replaced right after bind")
+        os.chmod(self.socket_name, 0o600, dir_fd=self.fd)
+        self._socket_stat = info
+
+    def unlink_if_same(self, name: str, expected: os.stat_result | None) -> None:
+        """Remove ``name`` only if it is still the file we made (a replaced file is left alone)."""
+        info = self.lstat(name)
+        if expected is not None and info is not None and _same_file(info, expected):
+            os.unlink(name, dir_fd=self.fd)
+
+    def remove_socket(self) -> None:
+        self.unlink_if_same(self.socket_name, self._socket_stat)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # Linux 5.14+: fault every page in writable, as a write would, without changing its bytes.
@@ -65,26 +158,43 @@ def _touch_every_page(mapping: mmap.mmap, size_bytes: int) -> None:
 
 
 class DaemonLock:
-    """An flock on <socket>.lock: one daemon per socket, and proof that leftovers are stale."""
+    """An flock on <socket>.lock: one daemon per socket, and proof that leftovers are stale.
 
-    def __init__(self, socket_path: str):
-        self.path = socket_path + ".lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    Opened with O_NOFOLLOW through the checked directory, and used only if it is a regular file of
+    ours with one link: a planted symlink or hard link never makes the daemon write another file."""
+
+    def __init__(self, directory: SocketDirectory):
+        self.directory = directory
+        self.name = directory.socket_name + ".lock"
+        self.path = os.path.join(directory.path, self.name)
+        try:
+            self.fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                              0o600, dir_fd=directory.fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StartupError(f"the lock file {self.path} is a symlink; kvcached never follows one: "
+                                   "remove it, or choose another --socket") from None
+            raise StartupError(f"cannot open the lock file {self.path}: {exc.strerror}") from None
+        self._stat = os.fstat(self.fd)
+        if (not stat.S_ISREG(self._stat.st_mode) or self._stat.st_uid != os.geteuid()
+                or self._stat.st_nlink != 1):
+            os.close(self.fd)
+            raise StartupError(f"the lock file {self.path} is {_kind(self._stat.st_mode)} of "
+                               f"{user_label(self._stat.st_uid)} with {self._stat.st_nlink} links, not a lock "
+                               "file of this daemon's; kvcached leaves it alone: remove it, or choose another "
+                               "--socket")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise StartupError(f"another kvcached daemon (pid {holder}) is serving {socket_path}") from None
+            raise StartupError(f"another kvcached daemon (pid {holder}) is serving {directory.socket_path}") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def close(self) -> None:
         if self.fd >= 0:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self.directory.unlink_if_same(self.name, self._stat)
             os.close(self.fd)
             self.fd = -1
 
@@ -96,17 +206,28 @@ class SharedSegment:
         self.path = path
         self.size_bytes = size_bytes
         self._fd = fd
+        self._stat = os.fstat(fd)
         self.mapping = mapping
 
     @classmethod
     def create(cls, shm_dir: str, name: str, size_bytes: int) -> "SharedSegment":
         path = os.path.join(shm_dir, name)
-        if os.path.exists(path):
-            # We hold the daemon lock for this socket, so whoever made this file is gone.
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        if info is not None:
+            # We hold the daemon lock for this socket, so a segment of ours by this name is stale.
+            # Anything else (a symlink, another user's file) was not made by us and stays. In the
+            # sticky shared-memory directory nobody else can replace our file before the unlink.
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise StartupError(f"{path} is {_kind(info.st_mode)} of {user_label(info.st_uid)}, not an L2 "
+                                   "segment this daemon left behind; kvcached does not remove it: remove it "
+                                   "yourself, or choose another --socket (the segment is named after it)")
             logger.warning("removing stale L2 segment %s left by a daemon that did not exit cleanly", path)
             os.unlink(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot create L2 segment {path}: {exc.strerror}") from None
         try:
@@ -121,8 +242,8 @@ class SharedSegment:
             mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             _touch_every_page(mapping, size_bytes)
         except BaseException:
+            _unlink_if_same(path, os.fstat(fd))
             os.close(fd)
-            os.unlink(path)
             raise
         logger.info("L2 segment %s: %d bytes, populated", path, size_bytes)
         return cls(path, size_bytes, fd, mapping)
@@ -136,9 +257,16 @@ class SharedSegment:
             # A view is still exported (an I/O in flight at shutdown); the unlink below still
             # frees the memory once the last mapping goes.
             logger.warning("L2 segment still has exported views at close")
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        _unlink_if_same(self.path, self._stat)
         os.close(self._fd)
         self._fd = -1
+
+
+def _unlink_if_same(path: str, expected: os.stat_result) -> None:
+    """Remove the file at path only if it is still ours (a file put there since is left alone)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if _same_file(info, expected):
+        os.unlink(path)

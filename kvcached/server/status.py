@@ -91,13 +91,17 @@ class DaemonUnavailable(Exception):
 class StatusClient:
     """What ``kvcached status`` uses: one DEALER socket, STATUS requests with a bounded wait."""
 
-    def __init__(self, socket_path: str, timeout_s: float):
-        import os
-
+    def __init__(self, socket_path: str | None, timeout_s: float, daemon_uid: int | str | None = None):
+        """socket_path None: the default. The socket must pass ``proto.paths.check_socket`` (it
+        raises UntrustedSocket or ValueError); no socket there: DaemonUnavailable."""
         import zmq
 
-        if not os.path.exists(socket_path):
-            raise DaemonUnavailable(f"no kvcached daemon socket at {socket_path}")
+        from proto.paths import check_socket
+
+        try:
+            socket_path = check_socket(socket_path, daemon_uid)
+        except FileNotFoundError as exc:
+            raise DaemonUnavailable(str(exc)) from None
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._context = zmq.Context()

@@ -8,7 +8,7 @@ import pytest
 from kvcached.core.daemon import ArenaPlan, DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
+from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, extension_ends, tokens
 
 # 16 L2 pages and 32 L3 slots of 131072 bytes.
 L3_PLAN = ArenaPlan(4 << 20, 1)
@@ -25,11 +25,18 @@ def state(clock):
 
 
 def commit(state, session_id, token_bytes):
-    """Back up a prefix to L2; returns its L2 pages and the write-through it started (not yet run)."""
-    reply = state.match(session_id, token_bytes, reserve_backup=True)
-    _, write_through = state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
-    state.check_integrity()
-    return reply.backup_page_ids, write_through
+    """Back up a prefix to L2; returns its L2 pages and the write-through it started (not yet run).
+    A prefix longer than a session may reserve at once is backed up in extensions, the
+    write-through of each but the last run to success."""
+    page_ids, write_through = [], None
+    for end in extension_ends(state, session_id, len(token_bytes) // (4 * PAGE)):
+        if write_through is not None:
+            state.finish_move(write_through, ok=True)
+        reply = state.match(session_id, token_bytes[:end * 4 * PAGE], reserve_backup=True)
+        _, write_through = state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        state.check_integrity()
+        page_ids += reply.backup_page_ids
+    return page_ids, write_through
 
 
 def only_in_l3(state, session_id, rng, num_pages: int) -> bytes:
@@ -51,9 +58,8 @@ def l2_l3_hits(state, session_id, token_bytes):
     return reply.hit_tokens["l2"] // PAGE, reply.hit_tokens["l3"] // PAGE
 
 
-def test_write_through_publishes_l3_only_after_success(state):
+def test_write_through_publishes_l3_only_after_success(state, rng):
     """A commit plans an H2S move of the new pages; L3 residency appears only when the move is published."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 4)
     l2_pages, move = commit(state, session.session_id, prefix)
@@ -70,9 +76,8 @@ def test_write_through_publishes_l3_only_after_success(state):
         move.transition(OpState.FAILED)
 
 
-def test_failed_write_through_returns_slots(state):
+def test_failed_write_through_returns_slots(state, rng):
     """A failed H2S returns its private slots; the prefix stays in L2 only."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 3)
     _, move = commit(state, session.session_id, prefix)
@@ -83,9 +88,8 @@ def test_failed_write_through_returns_slots(state):
     assert state.metrics.counters["h2s_failures"] == 1
 
 
-def test_only_the_missing_suffix_is_written_through(state):
+def test_only_the_missing_suffix_is_written_through(state, rng):
     """Extending a prefix already in L3 writes only the new pages."""
-    rng = np.random.default_rng()
     session, _ = state.attach(GEOMETRY, pid=1)
     head, tail = tokens(rng, 3), tokens(rng, 2)
     _, move = commit(state, session.session_id, head)
@@ -97,10 +101,9 @@ def test_only_the_missing_suffix_is_written_through(state):
     assert l2_l3_hits(state, session.session_id, head + tail) == (5, 5)
 
 
-def test_promotion_restores_l2_residency_from_l3(state, clock):
+def test_promotion_restores_l2_residency_from_l3(state, clock, rng):
     """After L2 evicts a prefix that L3 still holds, a promotion reads it into new L2 pages and a
     match then hits it in L2; L3 residency is untouched by the L2 eviction."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 5)
     _, move = commit(state, session.session_id, prefix)
@@ -126,10 +129,9 @@ def test_promotion_restores_l2_residency_from_l3(state, clock):
     state.check_integrity()
 
 
-def test_published_promotion_survives_the_sessions_death(state, clock):
+def test_published_promotion_survives_the_sessions_death(state, clock, rng):
     """Once a promotion is published its L2 pages belong to the tree: the requesting session dying
     before it restores (its lease reclaimed) does not free them."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     keeper, _ = state.attach(GEOMETRY, pid=2)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
@@ -146,9 +148,36 @@ def test_published_promotion_survives_the_sessions_death(state, clock):
     assert set(promoted) <= owned
 
 
-def test_failed_promotion_falls_back_without_leaks(state):
+def test_a_promotion_reserves_no_more_than_the_sessions_allowance(state, rng):
+    """A match's L3 promotion takes L2 pages under the same per-session cap as its reservations:
+    with backup pages reserved by another of its matches, it promotes only what the session may
+    still reserve; with none left, none."""
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = only_in_l3(state, session.session_id, rng, num_pages=8)
+
+    def reserve(num_pages: int):
+        other = rng.integers(0, 50_000, size=num_pages * PAGE, dtype=np.int32).tobytes()
+        reply = state.match(session.session_id, other, reserve_backup=True, promote_l3=False)
+        assert len(reply.backup_page_ids) == num_pages
+        return reply
+
+    ahead = reserve(namespace.num_pages // 2 - 3)
+    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    assert isinstance(promotion, TierMove) and len(promotion.private_page_ids) == 3
+    state.finish_move(promotion, ok=True)
+    state.check_integrity()
+    assert l2_l3_hits(state, session.session_id, prefix) == (3, 8)
+    more = reserve(3)                                  # the cap is reached now
+    outcome = state.match(session.session_id, prefix, promote_l3=True)
+    assert not isinstance(outcome, TierMove) and outcome.hit_tokens["l2"] == 3 * PAGE
+    state.release(session.session_id, outcome.lease_id)
+    for reservation in (ahead, more):
+        state.release(session.session_id, reservation.lease_id)
+    state.check_integrity()
+
+
+def test_failed_promotion_falls_back_without_leaks(state, rng):
     """A failed S2H returns its private L2 pages; L3 still holds the prefix; nothing is published."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
     promotion = state.match(session.session_id, prefix, promote_l3=True)
@@ -162,35 +191,28 @@ def test_failed_promotion_falls_back_without_leaks(state):
     assert state.metrics.counters["s2h_failures"] == 1
 
 
-def test_l3_evicts_its_own_lru_and_nodes_leave_only_when_no_tier_holds_them(state, clock):
-    """L3 pressure evicts L3's least recently used pages; a node still in L2 stays in the tree,
+def test_l3_evicts_its_own_lru_and_nodes_leave_only_when_no_tier_holds_them(state, clock, rng):
+    """L3 pressure evicts L3's least recently used pages; a node still in L3 stays in the tree,
     a node in no tier leaves it."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
-    old = tokens(rng, 12)
-    _, move = commit(state, session.session_id, old)
-    state.finish_move(move, ok=True)
-    clock.advance(1)
-    state.heartbeat(session.session_id)
-    newer = tokens(rng, 6)
-    _, move = commit(state, session.session_id, newer)           # L2 full now (16 pages)
-    state.finish_move(move, ok=True)
-    clock.advance(1)
-    state.heartbeat(session.session_id)
-    big = tokens(rng, 16)                                          # L2: evicts both; L3: 34 > 32 -> evicts old
-    _, move = commit(state, session.session_id, big)
-    state.finish_move(move, ok=True)
+    old, newer, big, last = tokens(rng, 8), tokens(rng, 8), tokens(rng, 16), tokens(rng, 4)
+    # newer fills L2 (16 pages); big evicts both from L2 and fills L3 (32 slots); last needs 4
+    # more slots: L3 evicts old, its least recently used.
+    for prefix in (old, newer, big, last):
+        _, move = commit(state, session.session_id, prefix)
+        state.finish_move(move, ok=True)
+        clock.advance(1)
+        state.heartbeat(session.session_id)
     state.check_integrity()
-    assert state.metrics.counters["evicted_pages_l3"] == 12
+    assert state.metrics.counters["evicted_pages_l3"] == 8
     assert l2_l3_hits(state, session.session_id, old) == (0, 0)
-    assert l2_l3_hits(state, session.session_id, newer) == (0, 6)
-    assert namespace.tree.owned_pages(Tier.L3) == 22
-    assert namespace.tree.num_nodes == 2                           # old left the tree entirely
+    assert l2_l3_hits(state, session.session_id, newer) == (0, 8)
+    assert namespace.tree.owned_pages(Tier.L3) == 28
+    assert namespace.tree.num_nodes == 4         # newer, big (two extensions), last: old left the tree
 
 
-def test_no_l3_means_no_moves():
+def test_no_l3_means_no_moves(rng):
     """Without an L3 plan the daemon plans no write-through and no promotion."""
-    rng = np.random.default_rng()
     state = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5)
     session, namespace = state.attach(GEOMETRY, pid=1)
     _, move = commit(state, session.session_id, tokens(rng, 2))
@@ -199,10 +221,9 @@ def test_no_l3_means_no_moves():
     assert not isinstance(outcome, TierMove) and outcome.lease_id is None
 
 
-def test_a_skipped_write_through_is_counted_each_time_and_logged_once(state, caplog):
+def test_a_skipped_write_through_is_counted_each_time_and_logged_once(state, caplog, rng):
     """Write-throughs skipped by policy (a backlog) are counted in the metrics every time and logged
     once: no L3 copy is left out silently."""
-    rng = np.random.default_rng(11)
     session, _ = state.attach(GEOMETRY, pid=1)
     caplog.set_level("WARNING", logger="kvcached.core.daemon")
     for _ in range(3):

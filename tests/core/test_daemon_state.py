@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import MAX_SESSION_RESERVED_SHARE, ArenaPlan, DaemonState
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
@@ -41,15 +41,26 @@ def tokens(rng, num_pages: int) -> bytes:
 
 
 def back_up(state, session_id, token_bytes) -> list[int]:
-    reply = state.match(session_id, token_bytes, reserve_backup=True)
-    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
-    state.check_integrity()
-    return reply.backup_page_ids
+    """Back up a prefix, in extensions of at most what one session may reserve at once."""
+    page_ids = []
+    for end in extension_ends(state, session_id, len(token_bytes) // (4 * PAGE)):
+        reply = state.match(session_id, token_bytes[:end * 4 * PAGE], reserve_backup=True)
+        state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        state.check_integrity()
+        page_ids += reply.backup_page_ids
+    return page_ids
 
 
-def test_backup_then_match_returns_the_committed_pages(state):
+def extension_ends(state, session_id, num_pages: int) -> list[int]:
+    """Page counts at which a backup of num_pages pages is committed, each step no more than a
+    session's reservation cap."""
+    namespace = state.namespaces[state.sessions[session_id].namespace_id]
+    step = int(namespace.num_pages * MAX_SESSION_RESERVED_SHARE)
+    return list(range(step, num_pages, step)) + [num_pages]
+
+
+def test_backup_then_match_returns_the_committed_pages(state, rng):
     """Pages committed by one session are what a later match of the same prefix (by another session) returns."""
-    rng = np.random.default_rng()
     a, namespace = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
     assert namespace.num_pages == 16
@@ -67,9 +78,8 @@ def test_backup_then_match_returns_the_committed_pages(state):
     assert namespace.tree.protected_pages(Tier.L2) == 0
 
 
-def test_extending_a_cached_prefix_reserves_only_missing_pages(state):
+def test_extending_a_cached_prefix_reserves_only_missing_pages(state, rng):
     """A reservation covers only the pages after the L2 hit; committing it extends the cached prefix."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     head, tail = tokens(rng, 3), tokens(rng, 2)
     first = back_up(state, session.session_id, head)
@@ -84,9 +94,8 @@ def test_extending_a_cached_prefix_reserves_only_missing_pages(state):
     state.check_integrity()
 
 
-def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock):
+def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock, rng):
     """When L2 is full, a reservation evicts least-recently-used prefixes; a prefix under a lease survives."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefixes = []
     for _ in range(3):                      # 3 x 5 pages of 16
@@ -112,9 +121,8 @@ def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock):
     state.check_integrity()
 
 
-def test_reservation_is_best_effort_when_everything_is_leased(state):
+def test_reservation_is_best_effort_when_everything_is_leased(state, rng):
     """With every L2 page tree-owned and locked, a reservation gets as many pages as are free (here none)."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 16)
     back_up(state, session.session_id, prefix)
@@ -126,9 +134,8 @@ def test_reservation_is_best_effort_when_everything_is_leased(state):
     state.check_integrity()
 
 
-def test_release_twice_and_foreign_lease_are_refused_without_change(state):
+def test_release_twice_and_foreign_lease_are_refused_without_change(state, rng):
     """Releasing a lease twice raises UNKNOWN_LEASE; touching another session's lease raises NOT_LEASED."""
-    rng = np.random.default_rng()
     a, namespace = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
     reply = state.match(a.session_id, tokens(rng, 2), reserve_backup=True)
@@ -148,9 +155,8 @@ def test_release_twice_and_foreign_lease_are_refused_without_change(state):
     assert namespace.l2_allocator.num_free == 16
 
 
-def test_commit_checks_page_ids(state):
+def test_commit_checks_page_ids(state, rng):
     """Commit refuses out-of-range ids (BAD_PAGES) and ids that are not a prefix of the reservation (NOT_LEASED)."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     reply = state.match(session.session_id, tokens(rng, 3), reserve_backup=True)
     with pytest.raises(ProtocolError) as error:
@@ -166,9 +172,8 @@ def test_commit_checks_page_ids(state):
     assert namespace.tree.owned_pages(Tier.L2) == 2 and namespace.l2_allocator.num_free == 14
 
 
-def test_concurrent_backups_of_one_prefix_keep_one_copy(state):
+def test_concurrent_backups_of_one_prefix_keep_one_copy(state, rng):
     """Two sessions backing up the same prefix: the second commit's pages are duplicates and return to the pool."""
-    rng = np.random.default_rng()
     a, namespace = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
     prefix = tokens(rng, 4)
@@ -182,11 +187,10 @@ def test_concurrent_backups_of_one_prefix_keep_one_copy(state):
     assert namespace.tree.owned_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 12
 
 
-def test_expired_session_loses_its_leases(state, clock):
+def test_expired_session_loses_its_leases(state, clock, rng):
     """A session silent for longer than session_timeout_s is ended and every lease it held is
     reclaimed: its locked prefix becomes evictable, its private backup pages are quarantined (its
     process may still write them), neither free nor reserved."""
-    rng = np.random.default_rng()
     dead, namespace = state.attach(GEOMETRY, pid=1)
     alive, _ = state.attach(GEOMETRY, pid=2)
     prefix = tokens(rng, 4)
@@ -211,10 +215,9 @@ def test_expired_session_loses_its_leases(state, clock):
     assert error.value.code == ErrorCode.NOT_ATTACHED
 
 
-def test_namespaces_are_isolated(state):
+def test_namespaces_are_isolated(state, rng):
     """Engines with different geometry never see each other's pages; a geometry that needs a new arena
     when none is left is refused."""
-    rng = np.random.default_rng()
     two = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
     a, ns_a = two.attach(GEOMETRY, pid=1)
     other = KVGeometry("other-model", 4, 4, 128, "float32", 8)
@@ -229,9 +232,8 @@ def test_namespaces_are_isolated(state):
     two.check_integrity()
 
 
-def test_integrity_check_detects_a_page_both_owned_and_free(state):
+def test_integrity_check_detects_a_page_both_owned_and_free(state, rng):
     """check_integrity fails when a tree-owned page is also in the free pool (a leak waiting to corrupt data)."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     committed = back_up(state, session.session_id, tokens(rng, 2))
     namespace.l2_allocator.free([committed[0]])
@@ -239,9 +241,8 @@ def test_integrity_check_detects_a_page_both_owned_and_free(state):
         state.check_integrity()
 
 
-def test_integrity_check_detects_a_lost_private_page(state):
+def test_integrity_check_detects_a_lost_private_page(state, rng):
     """check_integrity fails when a reserved page is neither owned, free nor private (capacity accounting)."""
-    rng = np.random.default_rng()
     session, namespace = state.attach(GEOMETRY, pid=1)
     reply = state.match(session.session_id, tokens(rng, 2), reserve_backup=True)
     state.leases[reply.lease_id].private_page_ids.pop()
@@ -249,10 +250,9 @@ def test_integrity_check_detects_a_lost_private_page(state):
         state.check_integrity()
 
 
-def test_idle_namespace_gives_its_arena_to_a_new_geometry(clock):
+def test_idle_namespace_gives_its_arena_to_a_new_geometry(clock, rng):
     """With every arena taken, a new geometry gets the arena of the namespace idle longest (no session,
     cache dropped); namespaces with attached engines are never taken."""
-    rng = np.random.default_rng()
     state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5, clock=clock)
     first, ns_first = state.attach(GEOMETRY, pid=1)
     back_up(state, first.session_id, tokens(rng, 3))

@@ -300,7 +300,8 @@ def test_a_slot_whose_bytes_fail_their_checksum_is_never_published(rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = rng.integers(0, 1 << 30, size=6 * PAGE, dtype=np.int32).tobytes()
     tiers.back_up(session.session_id, prefix)
-    tiers.back_up(session.session_id, rng.integers(0, 1 << 30, size=16 * PAGE, dtype=np.int32).tobytes())
+    for _ in range(2):      # L2 emptied of the prefix, half of it at a time (the per-session cap)
+        tiers.back_up(session.session_id, rng.integers(0, 1 << 30, size=8 * PAGE, dtype=np.int32).tobytes())
     slots = l3_page_ids(state, GEOMETRY, prefix)
     assert len(slots) == 6 and namespace.tree.match(np.frombuffer(prefix, "<i4")).hit_tokens[Tier.L2] == 0
     written = [tiers.l3[slot] for slot in slots]

@@ -21,19 +21,25 @@ def child_env() -> dict[str, str]:
 
 
 class DaemonProcess:
-    def __init__(self, l2_size: str = "64MiB", extra_args: tuple[str, ...] = (), socket_dir: str | None = None):
+    def __init__(self, l2_size: str = "64MiB", extra_args: tuple[str, ...] = (), socket_dir: str | None = None,
+                 socket_arg: str | None = None, env: dict[str, str] | None = None, cwd: str = REPO_ROOT):
+        """socket_arg: what --socket is given (default: socket_dir/kvcached.sock; "" gives none,
+        so that the daemon takes its default, which must then be socket_dir/kvcached.sock)."""
         # ipc:// paths must stay short (sun_path is 108 bytes), so not under pytest's tmp_path.
         self.socket_dir = socket_dir or tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
         self.socket_path = os.path.join(self.socket_dir, "kvcached.sock")
-        self.args = [sys.executable, "-m", "kvcached.cli", "serve", "--socket", self.socket_path,
+        socket_arg = self.socket_path if socket_arg is None else socket_arg
+        self.args = [sys.executable, "-m", "kvcached.cli", "serve", *(["--socket", socket_arg] if socket_arg else []),
                      "--l2-size", l2_size, *extra_args]
-        self.log_path = os.path.join(self.socket_dir, "daemon.log")
+        self.log_path = os.path.join(tempfile.mkdtemp(prefix="kvt-log-", dir="/tmp"), "daemon.log")
+        self.env = {**child_env(), **(env or {})}
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 20.0) -> "DaemonProcess":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, env=child_env(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO_ROOT)
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=self.cwd)
         # Ready means: this process answers STATUS on the socket (a stale socket file may exist already).
         from kvcached.server.status import DaemonUnavailable, StatusClient
 
@@ -76,6 +82,7 @@ class DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(signal.SIGKILL)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
         # A daemon killed on purpose leaves its segment behind; do not leak it into /dev/shm.
         from kvcached.server.shm import segment_name
 

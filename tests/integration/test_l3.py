@@ -37,12 +37,15 @@ def wait_for_write_through(client, timeout_s: float = 10.0) -> dict:
 
 
 def back_up_random(client, num_pages: int, rng) -> np.ndarray:
-    """Back up a new random prefix of num_pages pages (evicting older ones if L2 is full)."""
+    """Back up a new random prefix of num_pages pages (evicting older ones if L2 is full), in
+    extensions of at most half of L2: what one session may reserve at once."""
     tokens = rng.integers(0, 150_000, size=num_pages * PAGE, dtype=np.int32)
-    reply = client.match(tokens, reserve_backup=True)
-    assert len(reply.backup_page_ids) == num_pages
-    client.commit_backup(reply.lease_id, reply.backup_page_ids)
-    assert client.flush() == []
+    step = client.info.num_pages // 2
+    for end in list(range(step, num_pages, step)) + [num_pages]:
+        reply = client.match(tokens[:end * PAGE], reserve_backup=True)
+        assert reply.backup_start_token + len(reply.backup_page_ids) * PAGE == end * PAGE
+        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        assert client.flush() == []
     return tokens
 
 
@@ -53,23 +56,24 @@ def l2_l3(client, tokens) -> tuple[int, int]:
     return reply.hit_tokens["l2"], reply.hit_tokens["l3"]
 
 
-def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path):
+def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path, rng):
     """Engine A backs up three prefixes; L2 pressure evicts them (L3 keeps them); engine B's match
     promotes them from L3 and restores them bit for bit into different L1 pages."""
     daemon = DaemonProcess(l2_size="2MiB", extra_args=("--max-namespaces", "1")).start()
     try:
         state_path = str(tmp_path / "a.pt")
-        backup = run_engine(daemon.socket_path, "backup", state_path, seed=int.from_bytes(os.urandom(4), "little"))
+        # Each process gets its own seed drawn from rng: the same seed would make the same tokens.
+        backup = run_engine(daemon.socket_path, "backup", state_path, seed=int(rng.integers(2**31)))
         with connect(daemon.socket_path, timeout_s=5.0, client_name="filler") as filler:
             filler.attach(GEOMETRY)
             status = wait_for_write_through(filler)
             assert status["io"]["h2s"]["bytes"] == backup["pages"] * GEOMETRY.bytes_per_page
             capacity = status["namespaces"][0]["tiers"]["l2"]["capacity_pages"]
-            back_up_random(filler, capacity, np.random.default_rng())
+            back_up_random(filler, capacity, rng)
             status = wait_for_write_through(filler)
             assert status["namespaces"][0]["tiers"]["l2"]["owned_pages"] == capacity
 
-        restore = run_engine(daemon.socket_path, "restore", state_path)
+        restore = run_engine(daemon.socket_path, "restore", state_path, seed=int(rng.integers(2**31)))
         for result in restore["results"]:
             assert result["bit_exact"] and not result["same_pages_as_source"], result
             assert result["restored_tokens"] == result["tokens"] // PAGE * PAGE
@@ -84,14 +88,14 @@ def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path):
         daemon.cleanup()
 
 
-def test_temporary_l3_file_leaves_nothing_behind():
+def test_temporary_l3_file_leaves_nothing_behind(rng):
     """Without --l3-path the L3 file is a temporary file whose name is removed as soon as the daemon
     opens it: it works (write-through happens) and nothing is left after exit, SIGKILL included."""
     daemon = DaemonProcess().start()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            back_up_random(client, 4, np.random.default_rng())
+            back_up_random(client, 4, rng)
             status = wait_for_write_through(client)
         path = status["daemon"]["l3_file"]
         assert path and status["io"]["h2s"]["count"] == 1 and status["io"]["h2s"]["failures"] == 0
@@ -121,14 +125,14 @@ def start_daemon_with_l3_file() -> tuple[DaemonProcess, str]:
     return daemon.start(), l3_path
 
 
-def test_l3_file_truncated_underneath_falls_back_to_recompute():
+def test_l3_file_truncated_underneath_falls_back_to_recompute(rng):
     """With the L3 file truncated under the daemon, a promotion's short read fails: the match
     replies with what L2 has (nothing), counts the fallback, publishes nothing, keeps serving."""
     daemon, l3_path = start_daemon_with_l3_file()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            tokens = evicted_prefix(client, np.random.default_rng())
+            tokens = evicted_prefix(client, rng)
             os.truncate(l3_path, 0)
             reply = client.match(tokens)
             assert reply.hit_tokens["l2"] == 0 and reply.promoted_tokens == 0
@@ -179,12 +183,11 @@ def inprocess_daemon():
         yield config
 
 
-def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monkeypatch):
+def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monkeypatch, rng):
     """EIO on an L3 read: the match falls back to L2 only and private pages return. ENOSPC on an L3
     write: the write-through fails, nothing gains L3 residency, the slots return. The daemon keeps serving."""
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
-        rng = np.random.default_rng()
         tokens = evicted_prefix(client, rng)
 
         def failing_preadv(*args):
@@ -213,14 +216,14 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
         assert client.status(check_integrity=True)["integrity"] == "ok"
 
 
-def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
+def test_l3_file_removed_underneath_keeps_serving_from_the_open_file(rng):
     """Removing the L3 file's name does not lose data: the daemon's open descriptor still reads it,
     so a promotion of an evicted prefix succeeds and nothing is counted as a failure."""
     daemon, l3_path = start_daemon_with_l3_file()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            tokens = evicted_prefix(client, np.random.default_rng())
+            tokens = evicted_prefix(client, rng)
             os.unlink(l3_path)
             reply = client.match(tokens)
             assert reply.hit_tokens["l2"] == 6 * PAGE and reply.promoted_tokens == 6 * PAGE
@@ -233,64 +236,72 @@ def test_l3_file_removed_underneath_keeps_serving_from_the_open_file():
         daemon.cleanup()
 
 
-def slow_down_reads(monkeypatch, seconds: float) -> None:
-    """Every L3 read of the (in-process) daemon first sleeps this long."""
+def hold_reads(monkeypatch) -> threading.Event:
+    """Every L3 read of the (in-process) daemon waits until the returned event is set (10 s at most)."""
     real_preadv = io_workers._preadv
+    gate = threading.Event()
 
-    def slow_preadv(*args):
-        time.sleep(seconds)
+    def held_preadv(*args):
+        assert gate.wait(10.0), "the test never let the L3 read go on"
         return real_preadv(*args)
 
-    monkeypatch.setattr(io_workers, "_preadv", slow_preadv)
+    monkeypatch.setattr(io_workers, "_preadv", held_preadv)
+    return gate
 
 
-def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch):
+def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch, rng):
     """A match slower than the client's timeout (a slow L3 read) raises DaemonUnavailable; the lease its
     late reply carries is released by the client, so the daemon is left holding nothing."""
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
-        tokens = evicted_prefix(client, np.random.default_rng())
-        slow_down_reads(monkeypatch, 0.5)
+        tokens = evicted_prefix(client, rng)
+        gate = hold_reads(monkeypatch)
         client._channel.timeout_s = 0.1
         with pytest.raises(DaemonUnavailable, match="MATCH"):
             client.match(tokens)
         client._channel.timeout_s = 5.0
-        time.sleep(0.8)                       # the promotion and the late reply complete meanwhile
-        assert client.flush() == []           # absorbs the late reply and releases its lease
+        gate.set()                            # the promotion completes, its reply comes late
+        assert client.flush() == []           # waits for the late reply and releases its lease
         status = client.status(check_integrity=True)
         assert status["integrity"] == "ok" and status["leases"] == 0
         assert status["namespaces"][0]["tiers"]["l2"]["protected_pages"] == 0
 
 
-def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess_daemon, monkeypatch):
+def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess_daemon, monkeypatch, rng):
     """A match that promotes from L3 is answered after its read, later than requests sent after it.
     Cancelled at once, its lease is still released by the next flush(), with no sleep in between."""
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
-        tokens = evicted_prefix(client, np.random.default_rng())
-        slow_down_reads(monkeypatch, 0.3)
+        tokens = evicted_prefix(client, rng)
+        gate = hold_reads(monkeypatch)
         pending = client.match_async(tokens)
-        assert client.status()["leases"] == 0      # answered before the match: the read is still going
+        assert client.status()["leases"] == 0      # answered before the match: the read is held
         pending.cancel()
+        gate.set()
         assert client.flush() == []
         status = client.status(check_integrity=True)
         assert status["integrity"] == "ok" and status["leases"] == 0
         assert status["metrics"]["promotions"] == 1
 
 
-def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_nothing(monkeypatch):
+def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_nothing(monkeypatch, rng):
     """Stopping the daemon while a match waits for its L3 read: the match is answered with
     SHUTTING_DOWN (not with a reply as if the read had failed), and its pages go back first."""
     with inprocess_daemon_with() as config:
         with connect(config.socket_path, timeout_s=2.0) as client:     # its detach finds no daemon
             client.attach(GEOMETRY)
-            tokens = evicted_prefix(client, np.random.default_rng())
-            slow_down_reads(monkeypatch, 0.5)
+            tokens = evicted_prefix(client, rng)
+            gate = hold_reads(monkeypatch)
             pending = client.match_async(tokens)
-            client.status()                      # handled after the match: its read has started
+            client.status()                      # handled after the match: its move is spawned
             loop, server = RUNNING_SERVERS[-1]
             state = server.state
             loop.call_soon_threadsafe(server.stop_event.set)
+            deadline = time.monotonic() + 10.0
+            while not any(task.cancelling() for task in list(server._tasks)):     # shutdown cut it short
+                assert time.monotonic() < deadline, "shutdown did not cancel the promoting match"
+                time.sleep(0.005)
+            gate.set()
             with pytest.raises(DaemonError) as raised:
                 pending.result()
             assert raised.value.code == ErrorCode.SHUTTING_DOWN
@@ -300,13 +311,13 @@ def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_no
         assert l2["private_pages"] == 0 and l2["free_pages"] + l2["owned_pages"] == l2["capacity_pages"], l2
 
 
-def test_write_through_backlog_is_bounded():
+def test_write_through_backlog_is_bounded(rng):
     """Past max_pending_writes, committed pages skip L3 (counted as policy skips) instead of queueing
     writes that would keep L2 pages locked."""
     with inprocess_daemon_with(max_pending_writes=0) as config:
         with connect(config.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
-            tokens = back_up_random(client, 4, np.random.default_rng())
+            tokens = back_up_random(client, 4, rng)
             status = wait_for_write_through(client)
             assert status["metrics"]["h2s_policy_skips"] == 1
             assert status["io"]["h2s"]["count"] == 0 and status["io"]["h2s"]["failures"] == 0

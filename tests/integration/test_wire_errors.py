@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from engine_client.client import DaemonError, connect
 from proto import codec
 from proto.errors import ErrorCode
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
+from tests.integration.daemon_proc import DaemonProcess
 
 GEOMETRY = KVGeometry("test-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 
@@ -54,7 +58,7 @@ def bystander(daemon):
 
 
 def assert_still_serving(client, daemon) -> None:
-    tokens = np.random.default_rng().integers(0, 50_000, size=32, dtype=np.int32)
+    tokens = np.random.randint(0, 50_000, size=32, dtype=np.int32)      # seeded (tests/conftest.py)
     reply = client.match(tokens)
     assert reply.hit_tokens["l2"] == 0
     assert daemon.alive()
@@ -145,12 +149,12 @@ def test_oversize_frame_is_refused(daemon, peer, bystander):
     assert_still_serving(bystander, daemon)
 
 
-def test_page_ids_out_of_range_or_not_leased(daemon, bystander):
+def test_page_ids_out_of_range_or_not_leased(daemon, bystander, rng):
     """Commit with page ids out of range gets BAD_PAGES; pages of another lease or session get NOT_LEASED."""
     other = connect(daemon.socket_path, timeout_s=5.0, client_name="other")
     other.attach(GEOMETRY)
     try:
-        tokens = np.random.default_rng().integers(0, 50_000, size=64, dtype=np.int32)
+        tokens = rng.integers(0, 50_000, size=64, dtype=np.int32)
         mine = bystander.match(tokens, reserve_backup=True)
         theirs = other.match(tokens[::-1].copy(), reserve_backup=True)
         assert mine.backup_page_ids and theirs.backup_page_ids
@@ -180,9 +184,9 @@ def test_page_ids_out_of_range_or_not_leased(daemon, bystander):
     assert_still_serving(bystander, daemon)
 
 
-def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander):
+def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander, rng):
     """The second release of a lease gets UNKNOWN_LEASE, delivered through poll/flush, not raised inline."""
-    tokens = np.random.default_rng().integers(0, 50_000, size=16, dtype=np.int32)
+    tokens = rng.integers(0, 50_000, size=16, dtype=np.int32)
     reply = bystander.match(tokens, reserve_backup=True)
     bystander.release(reply.lease_id)
     bystander.release(reply.lease_id)      # does not block or raise here
@@ -192,9 +196,9 @@ def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander):
     assert_still_serving(bystander, daemon)
 
 
-def test_unacknowledged_release_replies_only_on_error(daemon, bystander):
+def test_unacknowledged_release_replies_only_on_error(daemon, bystander, rng):
     """A release sent with ack=False gets no reply when it succeeds, and an error reply when it fails."""
-    tokens = np.random.default_rng().integers(0, 50_000, size=16, dtype=np.int32)
+    tokens = rng.integers(0, 50_000, size=16, dtype=np.int32)
     reply = bystander.match(tokens, reserve_backup=True)
     peer = RawPeer(daemon.socket_path)
     try:
@@ -236,3 +240,76 @@ def test_status_never_reveals_session_ids(daemon, bystander):
     text = json.dumps(status)
     assert f"{session_id:x}" not in text and str(session_id) not in text
     assert len(status["sessions"]) == 1 and status["sessions"][0]["session"]
+
+
+def test_error_replies_and_log_lines_never_echo_a_whole_value(daemon, peer):
+    """Fields far too large (a 1.37 MB string as the session id, huge lists, a map of 100,000 unknown
+    geometry fields, ...) are refused with an error whose message quotes at most a short head of the
+    value: every reply is under 2 KiB, and so is every line of the daemon's log."""
+    big_string = "7" * 1_370_000
+    huge_list = list(range(300_000))
+    geometry = dict(GEOMETRY.to_wire())
+    cases = [
+        (MsgKind.MATCH, {"session_id": big_string, "token_ids": b""}, ErrorCode.BAD_FRAME),
+        (MsgKind.RELEASE, {"session_id": 1, "lease_id": huge_list}, ErrorCode.BAD_FRAME),
+        (MsgKind.BACKUP_COMMIT, {"session_id": 1, "lease_id": 1, "host_page_ids": [big_string]}, ErrorCode.BAD_FRAME),
+        (MsgKind.ATTACH, attach_body(protocol_version=huge_list), ErrorCode.VERSION_MISMATCH),
+        (MsgKind.ATTACH, attach_body(geometry={**geometry, "num_layers": big_string}), ErrorCode.GEOMETRY_MISMATCH),
+        (MsgKind.ATTACH, attach_body(geometry={**geometry, **{f"f{i}": i for i in range(100_000)}}),
+         ErrorCode.BAD_FRAME),
+    ]
+    for kind, body, code in cases:
+        reply = peer.request(kind, body)
+        assert_error(reply, code)
+        assert len(codec.encode(reply.kind, reply.request_id, reply.body)) < 2048, reply.body["message"][:200]
+    assert_error(peer.send_raw(msgpack.packb([int(MsgKind.STATUS), big_string, {}])), ErrorCode.BAD_FRAME, 0)
+    assert daemon.stop() == 0
+    log = daemon.log()
+    assert "refused" in log
+    longest = max(log.splitlines(), key=len)
+    assert len(longest) < 2048, longest[:300]
+
+
+def test_refused_requests_are_summarised_per_interval_not_logged_one_by_one(daemon, peer):
+    """Hundreds of refused requests leave no line each in the daemon's log (INFO): they are counted per
+    error code and summarised (the first at once, the rest when the interval ends or at shutdown),
+    and the counts add up to what was sent."""
+    sent = {"NOT_ATTACHED": 0, "BAD_FRAME": 0}
+    for index in range(400):
+        if index % 3:
+            assert_error(peer.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b""}), ErrorCode.NOT_ATTACHED)
+            sent["NOT_ATTACHED"] += 1
+        else:
+            assert_error(peer.send_raw(b"\xc1 not msgpack"), ErrorCode.BAD_FRAME, request_id=0)
+            sent["BAD_FRAME"] += 1
+    assert daemon.stop() == 0
+    lines = [line for line in daemon.log().splitlines() if "refused" in line]
+    summaries = [re.search(r"refused \d+ requests? in the last [\d.]+ s \(([^)]*)\)", line) for line in lines]
+    assert all(summaries), lines             # no line but summaries
+    assert all(" WARNING " in line for line in lines)
+    assert 1 <= len(summaries) <= 3, lines   # 10 s apart, at most, and one at shutdown
+    counted = collections.Counter()
+    for summary in summaries:
+        for entry in summary.group(1).split(", "):
+            name, count = entry.split()
+            counted[name] += int(count)
+    assert counted == sent
+
+
+def test_each_refused_request_is_logged_at_debug():
+    """With --log-level DEBUG, every refused request has its own DEBUG line, naming its code."""
+    daemon = DaemonProcess(l2_size="8MiB", extra_args=("--l3-size", "0", "--log-level", "DEBUG"))
+    try:
+        daemon.start()
+        raw = RawPeer(daemon.socket_path)
+        try:
+            for _ in range(25):
+                assert_error(raw.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b""}),
+                             ErrorCode.NOT_ATTACHED)
+        finally:
+            raw.close()
+        assert daemon.stop() == 0
+        lines = [line for line in daemon.log().splitlines() if "refused a request: NOT_ATTACHED" in line]
+        assert len(lines) == 25 and all(" DEBUG " in line for line in lines), lines[:3]
+    finally:
+        daemon.cleanup()
