@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import secrets
 
 import pytest
 
@@ -12,9 +11,8 @@ from kvcached.core.tiers import IntegrityError
 
 
 @pytest.fixture
-def rng() -> random.Random:
-    seed = secrets.randbits(32)
-    print(f"seed={seed}")            # shown by pytest when the test fails
+def rng(seed) -> random.Random:
+    """A Python generator from the test's seed (tests/conftest.py: a failure names it)."""
     return random.Random(seed)
 
 

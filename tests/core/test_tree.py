@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 
 import numpy as np
@@ -15,13 +14,6 @@ from kvcached.core.tree import PrefixTree
 
 PAGE = 4
 L2, L3 = Tier.L2, Tier.L3
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = secrets.randbits(32)
-    print(f"seed={seed}")            # shown by pytest when the test fails
-    return np.random.default_rng(seed)
 
 
 def _tree() -> PrefixTree:

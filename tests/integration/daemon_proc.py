@@ -20,6 +20,27 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP pid and wait until every thread of it is stopped. The kernel stops the threads one
+    by one, so on a loaded machine a running thread can go on serving requests for a while after
+    kill() returns; a test that needs the process frozen waits for this."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:       # a thread that exited meanwhile
+                pass
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout_s} s: thread states {states}")
+        time.sleep(0.001)
+
+
 class DaemonProcess:
     def __init__(self, l2_size: str = "64MiB", extra_args: tuple[str, ...] = (), socket_dir: str | None = None,
                  socket_arg: str | None = None, env: dict[str, str] | None = None, cwd: str = REPO_ROOT):

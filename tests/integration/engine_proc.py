@@ -68,10 +68,10 @@ def run_backup(manager: CacheManager, seed: int, state_path: str) -> dict:
     return {"role": "backup", "prefixes": len(saved), "pages": sum(len(s["l1_page_ids"]) for s in saved)}
 
 
-def run_restore(manager: CacheManager, state_path: str) -> dict:
+def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
     saved = torch.load(state_path, weights_only=False)
     # Another request holds the first L1 pages, so our destinations differ from the source pages.
-    other_tokens = np.random.default_rng().integers(0, 150_000, size=11 * GEOMETRY.page_size, dtype=np.int32)
+    other_tokens = np.random.default_rng(seed).integers(0, 150_000, size=11 * GEOMETRY.page_size, dtype=np.int32)
     other_request = manager.prepare(other_tokens, backup=False)
     results = []
     for entry in saved:
@@ -122,7 +122,7 @@ def main() -> int:
         if args.role == "backup":
             report = run_backup(manager, args.seed, args.state)
         else:
-            report = run_restore(manager, args.state)
+            report = run_restore(manager, args.state, args.seed)
     finally:
         manager.close()
     report["seconds"] = time.perf_counter() - started

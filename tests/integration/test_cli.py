@@ -19,12 +19,12 @@ def status_command(socket_path: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "kvcached.cli", "status", "--socket", socket_path, *args]
 
 
-def test_status_table_and_json(daemon):
+def test_status_table_and_json(daemon, rng):
     """`status` prints a table naming the namespace and tiers; `status --json` one parseable snapshot
     with the tiers' page counts and the attached session."""
     with connect(daemon.socket_path, timeout_s=5.0, client_name="cli-test") as client:
         client.attach(GEOMETRY)
-        reply = client.match(np.random.default_rng().integers(0, 1000, size=64, dtype=np.int32),
+        reply = client.match(rng.integers(0, 1000, size=64, dtype=np.int32),
                              reserve_backup=True)
         client.commit_backup(reply.lease_id, reply.backup_page_ids)
         assert client.flush() == []

@@ -24,14 +24,13 @@ def run_engine(socket_path: str, role: str, state_path: str, seed: int = 0, devi
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_engine_b_restores_what_engine_a_backed_up(daemon, tmp_path):
+def test_engine_b_restores_what_engine_a_backed_up(daemon, tmp_path, rng):
     """Engine A backs up three random prefixes; engine B, another process, restores all of them
     from L2 into different L1 pages, equal bit for bit; daemon integrity holds after each phase."""
     state_path = str(tmp_path / "a.pt")
-    seed = int.from_bytes(os.urandom(4), "little")
-    backup = run_engine(daemon.socket_path, "backup", state_path, seed=seed)
+    backup = run_engine(daemon.socket_path, "backup", state_path, seed=int(rng.integers(2**31)))
     assert backup["prefixes"] == 3
-    restore = run_engine(daemon.socket_path, "restore", state_path)
+    restore = run_engine(daemon.socket_path, "restore", state_path, seed=int(rng.integers(2**31)))
     for result in restore["results"]:
         assert result["restored_tokens"] == result["tokens"] // 16 * 16, result
         assert result["bit_exact"], result
@@ -48,13 +47,12 @@ def test_engine_b_restores_what_engine_a_backed_up(daemon, tmp_path):
 SMALL = KVGeometry("pressure-model", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)
 
 
-def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones():
+def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones(rng):
     """Over the wire, with a 32-page L2: backing up more than fits evicts the least recently used
     prefixes, while a prefix another engine holds a lease on stays, whatever its age.
     (L3 is off: a write-through in flight also protects its source pages, which would blur the LRU order.)"""
     daemon = DaemonProcess(l2_size="2MiB", extra_args=("--max-namespaces", "1", "--l3-size", "0")).start()
     try:
-        rng = np.random.default_rng()
         writer = connect(daemon.socket_path, timeout_s=5.0, client_name="writer")
         reader = connect(daemon.socket_path, timeout_s=5.0, client_name="reader")
         assert writer.attach(SMALL).num_pages == 32

@@ -43,10 +43,9 @@ def assert_idle_and_sound(client) -> dict:
     return status
 
 
-def test_replies_reach_their_own_pending_match_whatever_the_order(client):
+def test_replies_reach_their_own_pending_match_whatever_the_order(client, rng):
     """Three matches in flight, collected last to first, with a blocking request in between: each
     result is the reply to its own tokens (the hit lengths differ), and no lease is left after."""
-    rng = np.random.default_rng()
     prefixes = [back_up(client, rng, num_pages) for num_pages in (1, 3, 5)]
     pending = [client.match_async(tokens) for tokens in prefixes]
     assert client.status()["leases"] == 3      # a blocking request while they are in flight; each holds a lease
@@ -58,8 +57,7 @@ def test_replies_reach_their_own_pending_match_whatever_the_order(client):
     assert_idle_and_sound(client)
 
 
-def test_pending_match_reserves_backup_pages_like_match(client):
-    rng = np.random.default_rng()
+def test_pending_match_reserves_backup_pages_like_match(client, rng):
     tokens = rng.integers(1, 2**31 - 1, size=4 * GEOMETRY.page_size, dtype=np.int32)
     reply = client.match_async(tokens, reserve_backup=True).result()
     assert reply.backup_start_token == 0 and len(reply.backup_page_ids) == 4
@@ -71,11 +69,10 @@ def test_pending_match_reserves_backup_pages_like_match(client):
 
 
 @pytest.mark.parametrize("reply_arrived", [False, True], ids=["before-reply", "after-reply"])
-def test_cancelled_match_leaves_no_lease(client, reply_arrived):
+def test_cancelled_match_leaves_no_lease(client, reply_arrived, rng):
     """A cancelled match's lease (on a hit, plus reserved backup pages) is released whether its reply
     had arrived when it was cancelled or arrives later: afterwards no lease is left and every
     reserved page is free again."""
-    rng = np.random.default_rng()
     cached = back_up(client, rng, 2)
     free_before = free_l2_pages(client.status())
     tokens = np.concatenate([cached, rng.integers(1, 2**31 - 1, size=3 * GEOMETRY.page_size, dtype=np.int32)])
@@ -89,8 +86,7 @@ def test_cancelled_match_leaves_no_lease(client, reply_arrived):
         pending.result()
 
 
-def test_result_twice_is_an_error(client):
-    rng = np.random.default_rng()
+def test_result_twice_is_an_error(client, rng):
     pending = client.match_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
     reply = pending.result()
     assert reply.lease_id is None and reply.hit_tokens["l2"] == 0
@@ -100,10 +96,9 @@ def test_result_twice_is_an_error(client):
     assert_idle_and_sound(client)
 
 
-def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch):
+def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch, rng):
     """An exception inside result() (here: a failure while receiving) gives the match up: its lease
     is released once its reply arrives."""
-    rng = np.random.default_rng()
     tokens = back_up(client, rng, 2)
     pending = client.match_async(tokens, reserve_backup=True)
     channel = client._channel
@@ -118,10 +113,9 @@ def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch):
     assert_idle_and_sound(client)
 
 
-def test_dropped_pending_match_leaves_no_lease(client):
+def test_dropped_pending_match_leaves_no_lease(client, rng):
     """A pending match dropped without result() or cancel() (an exception between match_async and
     result, say) is given up when it is collected: no lease is left."""
-    rng = np.random.default_rng()
     tokens = back_up(client, rng, 3)
     pending = client.match_async(tokens)
     del pending
@@ -129,10 +123,10 @@ def test_dropped_pending_match_leaves_no_lease(client):
     assert_idle_and_sound(client)
 
 
-def test_result_after_close_is_a_clear_error(daemon):
+def test_result_after_close_is_a_clear_error(daemon, rng):
     client = connect(daemon.socket_path, timeout_s=5.0)
     client.attach(GEOMETRY)
-    pending = client.match_async(np.random.default_rng().integers(1, 2**31 - 1, size=16, dtype=np.int32))
+    pending = client.match_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
     client.close()
     with pytest.raises(DaemonUnavailable, match="closed"):
         pending.result()
