@@ -35,10 +35,12 @@ A failed load never fails a request: its blocks are reported and vLLM recomputes
 ``kv_load_failure_policy="recompute"``; vLLM's default, "fail", would fail the request, so the
 scheduler side switches it to "recompute" (with a warning) when it is left at the default.
 
-The daemon being away costs a request the miss and nothing else: lookups answer 0 at once, loads
-are reported failed at once, saves are dropped (counted). A thread of our own probes the daemon
-every ``retry_interval_s``; once it answers, the connector attaches again (a restarted daemon
-starts with an empty L2; L3 survives). Requests with a LoRA adapter or a per-request cache salt
+The daemon being away costs a request the miss and nothing else: lookups answer 0, loads are
+reported failed, saves are dropped (counted). Each side's client re-attaches by itself once the
+daemon answers again (its heartbeat thread; the engine connector follows it to the new session's
+pool), so no lookup or step is needed for a session to come back; a restarted daemon starts with
+an empty L2, L3 survives. With no daemon at start-up, a thread of our own tries to attach every
+``retry_interval_s`` until one answers. Requests with a LoRA adapter or a per-request cache salt
 are left out (each would need a namespace of its own).
 """
 
@@ -49,7 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -58,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch
+from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.connector import ConnectorConfig, KVConnector, PendingLookup, PrefixLookup
 from proto.messages import KVGeometry
 from proto.paths import default_socket_path
@@ -87,7 +89,7 @@ class VLLMConnectorConfig:
     lookup_timeout_s: float = 1.0     # a lookup unanswered this long is a miss (then none is sent
                                   # until the daemon answers a heartbeat again)
     reply_timeout_s: float = 5.0      # a load's or save's match unanswered this long: failed / skipped
-    retry_interval_s: float = 1.0     # how often the daemon is probed while it is away
+    retry_interval_s: float = 1.0     # how often a side with no daemon at start-up tries to attach
     client_timeout_s: float = 2.0     # attach and detach
 
     @classmethod
@@ -138,45 +140,67 @@ def namespace_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
                       cache_salt=salt)
 
 
-# ---- the daemon's presence -----------------------------------------------------------------------
+# ---- the first attach ---------------------------------------------------------------------------
+
+_T = TypeVar("_T")
 
 
-class _DaemonProbe:
-    """Asks, off the engine's thread, whether the daemon answers (a STATUS round trip), at most
-    every retry_interval_s; ``answered()`` never waits. A client that attaches right after it
-    answered rarely waits long (and at most client_timeout_s)."""
+class _Attacher(Generic[_T]):
+    """A side's session, attached once: ``attach()`` is tried at once; while it fails for want of
+    a daemon, a thread of our own tries again every retry_interval_s, never on the engine's path.
+    ``result`` is None until then. Once attached, the client re-attaches by itself after outages."""
 
-    def __init__(self, socket_path: str, retry_interval_s: float, timeout_s: float):
-        self.socket_path = socket_path
-        self.retry_interval_s = retry_interval_s
-        self.timeout_s = timeout_s
+    def __init__(self, what: str, attach: Callable[[], _T], close: Callable[[_T], None], retry_interval_s: float):
+        self.what = what
+        self.result: _T | None = None
+        self._attach = attach
+        self._close = close
+        self._retry_interval_s = retry_interval_s
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._answered = threading.Event()
-        self._last_started = -float("inf")
-
-    def answered(self) -> bool:
-        if self._answered.is_set():
-            self._answered.clear()
-            return True
-        now = time.monotonic()
-        if (self._thread is None or not self._thread.is_alive()) and now - self._last_started >= self.retry_interval_s:
-            self._last_started = now
-            self._thread = threading.Thread(target=self._probe, name="kvcached-probe", daemon=True)
+        if not self._try(first=True):
+            self._thread = threading.Thread(target=self._retry, name="kvcached-attach", daemon=True)
             self._thread.start()
-        return False
 
-    def _probe(self) -> None:
+    def _try(self, first: bool = False) -> bool:
         try:
-            with KVCacheClient(self.socket_path, timeout_s=self.timeout_s, client_name="probe") as client:
-                client.status()
-        except (DaemonUnavailable, DaemonError, OSError):
-            return
-        self._answered.set()
+            result = self._attach()
+        except (DaemonUnavailable, DaemonError) as exc:
+            if first:
+                logger.warning("kvcached: %s could not attach (%s); running without it until the daemon answers",
+                               self.what, exc)
+            return False
+        if self._stop.is_set():             # closed meanwhile
+            self._close(result)
+            return True
+        if not first:
+            logger.info("kvcached: %s is attached", self.what)
+        self.result = result
+        return True
+
+    def _retry(self) -> None:
+        while not self._stop.wait(self._retry_interval_s):
+            if self._try():
+                return
+
+    def close(self, timeout_s: float) -> _T | None:
+        """Stop trying (waiting at most timeout_s for an attempt under way); what was attached."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.result
 
 
-def _usable(client: KVCacheClient | None) -> bool:
-    """The session is there and the daemon keeps it: requests on it are worth sending."""
-    return client is not None and not client.session_lost and client.session_valid_for() > 0
+def open_lookups(config: VLLMConnectorConfig, geometry: KVGeometry) -> PrefixLookup:
+    """The scheduler's session: a client attached with rank 0's namespace, its lookups for the
+    whole TP group. The client keeps it: after an outage it re-attaches by itself."""
+    client = KVCacheClient(config.socket_path, timeout_s=config.client_timeout_s, client_name="vllm-scheduler")
+    try:
+        client.attach(geometry)
+    except BaseException:
+        client.close()
+        raise
+    return PrefixLookup(client, tp_group=geometry.tp_size > 1)
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -300,8 +324,6 @@ class _SchedulerSide:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self.geometry = namespace_geometry(vllm_config, kv_cache_config, 0, config.cache_salt)
-        self.probe = _DaemonProbe(config.socket_path, config.retry_interval_s, config.client_timeout_s)
-        self.lookups: PrefixLookup | None = None
         self.counts = _Counts()
         self._asked: dict[str, _Asked] = {}
         self._external: dict[str, int] = {}           # req id -> the local hit its lookup was for
@@ -312,62 +334,30 @@ class _SchedulerSide:
         self._pending_loads: list[LoadOp] = []
         self._finished_held: list[str] = []
         self._finished_freed: list[str] = []
-        self._attached_before = False
         self._suspect_since: float | None = None      # when a lookup last went unanswered
-        self._attach()
+        self._attacher = _Attacher("the scheduler's lookups", lambda: open_lookups(config, self.geometry),
+                                   lambda lookups: lookups.client.close(), config.retry_interval_s)
 
     # -- the session
 
-    def _attach(self) -> None:
-        self._suspect_since = None
-        try:
-            client = KVCacheClient(self.config.socket_path, timeout_s=self.config.client_timeout_s,
-                                   client_name="vllm-scheduler")
-        except DaemonUnavailable as exc:
-            logger.warning("kvcached: no daemon (%s); running without it until one answers", exc)
-            return
-        try:
-            client.attach(self.geometry)
-        except (DaemonUnavailable, DaemonError) as exc:
-            logger.warning("kvcached: attach failed (%s); running without it until the daemon answers", exc)
-            client.close()
-            return
-        if self._attached_before:
-            self.counts.total["reattaches"] += 1
-            logger.info("kvcached: the scheduler's lookups are attached again")
-        self._attached_before = True
-        self.lookups = PrefixLookup(client, tp_group=self.geometry.tp_size > 1)
+    @property
+    def lookups(self) -> PrefixLookup | None:
+        return self._attacher.result
 
-    def _client(self) -> KVCacheClient | None:
-        """The lookups' client while the daemon keeps its session; re-attaches once the daemon
-        answers again after the session was lost (never waits otherwise)."""
-        client = self.lookups.client if self.lookups is not None else None
-        if _usable(client) and self._suspect_since is not None:
-            # A lookup went unanswered: ask no more until the daemon has answered since (a heartbeat).
+    def _live_lookups(self) -> PrefixLookup | None:
+        """The lookups while worth sending: None before the first attach, and, after a lookup went
+        unanswered, until the daemon has answered since (a heartbeat). While the client knows the
+        daemon is down they answer 0 at once; it re-attaches by itself, off this path."""
+        lookups = self.lookups
+        if lookups is None:
+            return None
+        client = lookups.client
+        if self._suspect_since is not None and client.is_attached():
             confirmed_at = time.monotonic() + client.session_valid_for() - client.info.session_timeout_s
             if confirmed_at <= self._suspect_since:
                 return None
-            self._suspect_since = None
-        if _usable(client):
-            return client
-        if (client is None or client.session_lost) and self.probe.answered():
-            if client is not None:
-                self._drop_lookups()
-            self._attach()
-            client = self.lookups.client if self.lookups is not None else None
-            return client if _usable(client) else None
-        return None
-
-    def _drop_lookups(self) -> None:
-        lookups, self.lookups = self.lookups, None
-        for asked in self._asked.values():
-            asked.pending = None
-            if asked.hit_tokens is None:
-                asked.hit_tokens = 0
-        try:
-            lookups.client.close()
-        except Exception:                     # a lost session: whatever closing says, it is gone
-            logger.debug("closing a lost session failed", exc_info=True)
+        self._suspect_since = None
+        return lookups
 
     # -- vLLM's calls
 
@@ -399,11 +389,11 @@ class _SchedulerSide:
             tokens = request.all_token_ids[: request.num_tokens - 1]
             tokens = tokens[: len(tokens) // self.block_size * self.block_size]
             self.counts.total["lookup_tokens"] += len(tokens)
-            client = self._client() if tokens else None
-            if client is None:
+            lookups = self._live_lookups() if tokens else None
+            if lookups is None:
                 self._asked[req_id] = _Asked(None, now, 0)
                 return 0
-            asked = self._asked[req_id] = _Asked(self.lookups.lookup_async(np.asarray(tokens, dtype=np.int32)), now)
+            asked = self._asked[req_id] = _Asked(lookups.lookup_async(np.asarray(tokens, dtype=np.int32)), now)
         if asked.hit_tokens is None:
             failures = self._lookup_failures()
             if asked.pending.ready():
@@ -419,7 +409,7 @@ class _SchedulerSide:
 
     def _lookup_failures(self) -> int:
         counters = self.lookups.counters
-        return counters["lookup_failures_unavailable"] + counters["lookup_failures_refused"]
+        return sum(counters[f"lookup_failures_{cause}"] for cause in ("daemon_down", "unavailable", "refused"))
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -507,11 +497,14 @@ class _SchedulerSide:
         return False
 
     def stats(self) -> KVCachedStats | None:
+        if self.lookups is not None:
+            self.counts.total["reattaches"] = self.lookups.client.generation - 1
         return self.counts.take()
 
     def close(self) -> None:
-        if self.lookups is not None:
-            self._drop_lookups()
+        lookups = self._attacher.close(self.config.client_timeout_s)
+        if lookups is not None:
+            lookups.client.close()
 
 
 # ---- the worker's side --------------------------------------------------------------------------
@@ -527,10 +520,9 @@ class _WorkerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.geometry = namespace_geometry(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(),
                                            config.cache_salt)
-        self.probe = _DaemonProbe(config.socket_path, config.retry_interval_s, config.client_timeout_s)
         self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s)
         self.kv_caches: list[torch.Tensor] | None = None
-        self.connector: KVConnector | None = None
+        self._attacher: _Attacher[KVConnector] | None = None
         self.counts = _Counts()
         self._reported = collections.Counter()        # the connector's counters already counted
         self._loading: dict[str, list[int]] = {}       # req id -> blocks of its load, not reported yet
@@ -538,7 +530,6 @@ class _WorkerSide:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self._attached_before = False
 
     # -- the session
 
@@ -551,25 +542,18 @@ class _WorkerSide:
         if self.kv_caches[0].shape[0] != self.kv_cache_config.num_blocks:
             raise ValueError(f"kvcached: the KV tensors hold {self.kv_caches[0].shape[0]} blocks (kernel blocks "
                              f"smaller than vLLM's blocks?), vLLM schedules {self.kv_cache_config.num_blocks}")
-        self._attach()
+        self._attacher = _Attacher("the worker", self._register, lambda connector: connector.close(),
+                                   self.config.retry_interval_s)
 
-    def _attach(self) -> None:
+    def _register(self) -> KVConnector:
         g = self.geometry
-        try:
-            client = KVCacheClient(self.config.socket_path, timeout_s=self.config.client_timeout_s,
-                                   client_name=f"vllm-worker-{g.tp_rank}")
-        except DaemonUnavailable as exc:
-            logger.warning("kvcached: no daemon (%s); running without it until one answers", exc)
-            return
+        client = KVCacheClient(self.config.socket_path, timeout_s=self.config.client_timeout_s,
+                               client_name=f"vllm-worker-{g.tp_rank}")
         try:
             connector = KVConnector.register(
                 client, self.kv_caches, "blocks", model_id=g.model_id, page_size=g.page_size,
                 num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype, model_revision=g.model_revision,
                 cache_salt=g.cache_salt, tp_rank=g.tp_rank, tp_size=g.tp_size, config=self.connector_config)
-        except (DaemonUnavailable, DaemonError) as exc:
-            logger.warning("kvcached: attach failed (%s); running without it until the daemon answers", exc)
-            client.close()
-            return
         except BaseException:
             client.close()
             raise
@@ -577,42 +561,12 @@ class _WorkerSide:
             connector.close()
             raise ValueError(f"kvcached: vLLM's KV tensors make the namespace {connector.geometry}, its "
                              f"configuration {g}: the scheduler's lookups would ask another namespace")
-        if self._attached_before:
-            self.counts.total["reattaches"] += 1
-            logger.info("kvcached: the worker is attached again")
-        self._attached_before = True
-        self._reported = collections.Counter()
-        self.connector = connector
+        return connector
 
-    def _live_connector(self) -> KVConnector | None:
-        """The connector while its session holds; once the daemon answers again after the session
-        was lost, a new one (never waits otherwise)."""
-        connector = self.connector
-        if connector is not None and _usable(connector.client):
-            return connector
-        if self.kv_caches is None:
-            return None
-        if (connector is None or connector.client.session_lost) and self.probe.answered():
-            if connector is not None:
-                self._drop_connector()
-            self._attach()
-            return self.connector if self.connector is not None and _usable(self.connector.client) else None
-        return None
-
-    def _drop_connector(self) -> None:
-        """The session is gone: whatever its transfers were doing is over (close waits for them);
-        loads in flight are reported failed, held requests released."""
-        connector, self.connector = self.connector, None
-        try:
-            connector.close(timeout_s=1.0)
-        except Exception:
-            logger.warning("kvcached: closing a lost session failed", exc_info=True)
-        self._take_counters(connector)
-        for req_id, block_ids in self._loading.items():
-            self._load_failed(req_id, block_ids)
-        self._loading.clear()
-        self._finished_sending |= self._held
-        self._held.clear()
+    @property
+    def connector(self) -> KVConnector | None:
+        """The engine connector once attached (it follows the client's re-attaches itself)."""
+        return self._attacher.result if self._attacher is not None else None
 
     # -- vLLM's calls
 
@@ -637,7 +591,7 @@ class _WorkerSide:
                 logger.error("kvcached: a preempted request's save did not end in time")
 
     def start_load_kv(self, meta: KVCachedMetadata) -> None:
-        connector = self._live_connector() if meta.loads else self.connector
+        connector = self.connector
         for load in meta.loads:
             if connector is None:
                 self._load_failed(load.req_id, load.block_ids)
@@ -647,7 +601,7 @@ class _WorkerSide:
                            load.num_tokens, load.start_token)
 
     def wait_for_save(self, meta: KVCachedMetadata) -> None:
-        connector = self._live_connector() if meta.saves else self.connector
+        connector = self.connector
         for save in meta.saves:
             if connector is None:
                 self.counts.total["save_skipped_tokens"] += save.end_token - save.start_token
@@ -657,14 +611,6 @@ class _WorkerSide:
             connector.save(save.req_id, tokens[: save.end_token], save.block_ids, save.start_token)
 
     def get_finished(self, meta: KVCachedMetadata | None) -> tuple[set[str], set[str]]:
-        connector = self._live_connector()
-        if connector is None and self.connector is not None and self.connector.layout.device.type != "cuda":
-            # The session is not usable: loads in flight will fail; report them now rather than
-            # after their match's reply_timeout_s. Only on CPU, where a load's copies are done when
-            # queued: on CUDA a queued scatter may still write the blocks vLLM would recompute.
-            for req_id, block_ids in self._loading.items():
-                self._load_failed(req_id, block_ids)
-            self._loading.clear()
         ended = (meta.finished_held + meta.finished_freed) if meta is not None else []
         for req_id in ended:
             if self.connector is not None and self.connector.request_finished(req_id):
@@ -711,12 +657,14 @@ class _WorkerSide:
         self._reported = stats
 
     def stats(self) -> KVCachedStats | None:
+        if self.connector is not None:
+            self.counts.total["reattaches"] = self.connector.client.generation - 1
         return self.counts.take()
 
     def close(self) -> None:
-        if self.connector is not None:
-            self.connector.close()
-            self.connector = None
+        connector = self._attacher.close(self.config.client_timeout_s) if self._attacher is not None else None
+        if connector is not None:
+            connector.close()
 
 
 # ---- the class vLLM loads -----------------------------------------------------------------------
