@@ -2,9 +2,9 @@
 
 For each model shape (random bf16 weights, seeded) and prefix length, two different prefixes
 alternate; the engine's block pool holds one request, so each request evicts the other prefix
-from the engine's own GPU cache. A request is a prefix plus a unique 32-token suffix, 1 output
-token. TTFT is what the user sees: from ``add_request`` (the request entering the scheduler) to
-its first token. Two alternations warm up, then the median of 8 requests. The tier the prefix
+from the engine's own GPU cache (what little it leaves is dropped before each timed request). A
+request is a prefix plus a unique 32-token suffix, 1 output token. TTFT is what the user sees:
+from ``add_request`` (the request entering the scheduler) to its first token. Two alternations warm up, then the median of 8 requests. The tier the prefix
 comes from is forced (``bench/tiers.py``):
 
   none     no connector: the engine prefills all of it (recompute)
@@ -272,6 +272,9 @@ def run_recompute(run: Run, point: Point, hf) -> None:
     warmup_ms, samples_ms, cache_hits, last = [], [], 0, None
     for i in range(2 * args.warmup + args.samples):
         prompt = point.prefixes[i % 2] + point.suffix()
+        # The other prefix's request evicts nearly all of this one's blocks, not always every one
+        # (the pool holds a request and a few blocks more): what is left goes explicitly.
+        engine.reset_prefix_cache()
         with gc_paused():
             request = run_request(engine, prompt, 1)
         cache_hits += request.num_cached_tokens
@@ -382,6 +385,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         prefix = point.prefixes[k]
         prompt = prefix + point.suffix()
         settle(engine, control)
+        engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
         control.force(tier, prefix, point.timed_loaded_tokens)
         promoted_before = connector.stats().get("promoted_tokens", 0)
         with gc_paused():
