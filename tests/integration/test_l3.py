@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_client.client import DaemonError, DaemonUnavailable, connect
+from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, connect
 from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
@@ -286,7 +286,10 @@ def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess
 
 def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_nothing(monkeypatch, rng):
     """Stopping the daemon while a match waits for its L3 read: the match is answered with
-    SHUTTING_DOWN (not with a reply as if the read had failed), and its pages go back first."""
+    SHUTTING_DOWN (never with a reply as if the read had failed), and its pages go back first.
+    The client may see the daemon's SHUTDOWN notice (sent to the session's heartbeat socket)
+    before that reply, on its other socket: it then gives the match up as DaemonDown, naming the
+    shutdown; either way no match reply is taken for a read that did not happen."""
     with inprocess_daemon_with() as config:
         with connect(config.socket_path, timeout_s=2.0) as client:     # its detach finds no daemon
             client.attach(GEOMETRY)
@@ -302,9 +305,12 @@ def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_no
                 assert time.monotonic() < deadline, "shutdown did not cancel the promoting match"
                 time.sleep(0.005)
             gate.set()
-            with pytest.raises(DaemonError) as raised:
+            with pytest.raises((DaemonError, DaemonDown)) as raised:
                 pending.result()
-            assert raised.value.code == ErrorCode.SHUTTING_DOWN
+            if isinstance(raised.value, DaemonError):
+                assert raised.value.code == ErrorCode.SHUTTING_DOWN
+            else:
+                assert "shutting down" in str(raised.value), raised.value
         state.check_integrity()
         assert not state.moves, "the cut-short move was never finished"
         l2 = state.status()["namespaces"][0]["tiers"]["l2"]
