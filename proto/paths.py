@@ -89,7 +89,8 @@ def user_label(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an lstat's mode says a path is, for messages ("a symlink", "a directory", ...)."""
     for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISFIFO, "a FIFO")):
         if test(mode):
@@ -116,14 +117,14 @@ def check_socket(socket_path: str | None, daemon_uid: int | str | None = None,
         raise FileNotFoundError(f"no kvcached daemon socket at {path}") from None
     why = None
     if not stat.S_ISDIR(dir_info.st_mode):
-        why = f"its directory {directory} is {_kind(dir_info.st_mode)}, not a directory"
+        why = f"its directory {directory} is {file_kind(dir_info.st_mode)}, not a directory"
     elif dir_info.st_uid != uid:
         why = f"its directory {directory} belongs to {user_label(dir_info.st_uid)}, not to {user_label(uid)}"
     elif dir_info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         why = (f"its directory {directory} is writable by other users (mode {dir_info.st_mode & 0o7777:o}), "
                "who could replace the socket")
     elif not stat.S_ISSOCK(info.st_mode):
-        why = f"it is {_kind(info.st_mode)}, not a socket"
+        why = f"it is {file_kind(info.st_mode)}, not a socket"
     elif info.st_uid != uid:
         why = f"it belongs to {user_label(info.st_uid)}, not to {user_label(uid)}"
     elif info.st_mode & stat.S_IWOTH:

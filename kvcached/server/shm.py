@@ -23,7 +23,7 @@ import os
 import stat
 import time
 
-from proto.paths import user_label
+from proto.paths import file_kind, user_label
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,6 @@ class StartupError(Exception):
 def segment_name(socket_path: str) -> str:
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
     return f"kvcached-{os.getuid()}-{digest}.l2"
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISFIFO, "a FIFO")):
-        if test(mode):
-            return name
-    return "a special file"
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -77,7 +69,7 @@ class SocketDirectory:
                                "kvcached uses only a real directory of its own: remove the link, or choose "
                                "another --socket")
         if not stat.S_ISDIR(info.st_mode):
-            raise StartupError(f"the socket directory {self.path} is {_kind(info.st_mode)}, not a directory: "
+            raise StartupError(f"the socket directory {self.path} is {file_kind(info.st_mode)}, not a directory: "
                                "remove it, or choose another --socket")
         if info.st_uid != uid:
             raise StartupError(f"the socket directory {self.path} belongs to {user_label(info.st_uid)}, not to "
@@ -109,7 +101,7 @@ class SocketDirectory:
         if info is None:
             return
         if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
-            raise StartupError(f"{self.socket_path} is {_kind(info.st_mode)} of {user_label(info.st_uid)}, not a "
+            raise StartupError(f"{self.socket_path} is {file_kind(info.st_mode)} of {user_label(info.st_uid)}, not a "
                                "stale socket of this daemon's; kvcached does not remove it: remove it yourself, "
                                "or choose another --socket")
         os.unlink(self.socket_name, dir_fd=self.fd)
@@ -179,7 +171,7 @@ class DaemonLock:
         if (not stat.S_ISREG(self._stat.st_mode) or self._stat.st_uid != os.geteuid()
                 or self._stat.st_nlink != 1):
             os.close(self.fd)
-            raise StartupError(f"the lock file {self.path} is {_kind(self._stat.st_mode)} of "
+            raise StartupError(f"the lock file {self.path} is {file_kind(self._stat.st_mode)} of "
                                f"{user_label(self._stat.st_uid)} with {self._stat.st_nlink} links, not a lock "
                                "file of this daemon's; kvcached leaves it alone: remove it, or choose another "
                                "--socket")
@@ -221,7 +213,7 @@ class SharedSegment:
             # Anything else (a symlink, another user's file) was not made by us and stays. In the
             # sticky shared-memory directory nobody else can replace our file before the unlink.
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise StartupError(f"{path} is {_kind(info.st_mode)} of {user_label(info.st_uid)}, not an L2 "
+                raise StartupError(f"{path} is {file_kind(info.st_mode)} of {user_label(info.st_uid)}, not an L2 "
                                    "segment this daemon left behind; kvcached does not remove it: remove it "
                                    "yourself, or choose another --socket (the segment is named after it)")
             logger.warning("removing stale L2 segment %s left by a daemon that did not exit cleanly", path)
