@@ -82,9 +82,13 @@ class EngineConfig:
     decode_backend: str = "auto"       # paged decode attention: "triton", "torch" (reference), "auto":
                                        # triton on CUDA, torch on CPU
     keep_logits: bool = False          # keep each sampled position's logits on the request (tests, checks)
+    graph_max_tokens: int = 512        # on CUDA, forwards of up to this many tokens replay CUDA graphs
+                                       # of the layers' pieces (bench/engine/graphs.py); 0: never
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError(f"every size must be positive: {self}")
+        if self.graph_max_tokens < 0:
+            raise ValueError(f"graph_max_tokens must be >= 0, got {self.graph_max_tokens}")
         if self.decode_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"decode_backend must be auto, triton or torch, got {self.decode_backend!r}")

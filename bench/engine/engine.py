@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from bench.engine.attention import PrefillSeq
+from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PrefillSeq
 from bench.engine.block_manager import block_hashes
 from bench.engine.config import EngineConfig
 from bench.engine.connector import EngineConnector
@@ -38,6 +38,8 @@ class Engine:
                                       dtype=model.dtype, device=self.device) for _ in range(mc.num_layers)]
         backend = config.decode_backend
         self.decode_backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        if config.graph_max_tokens and self.device.type == "cuda":
+            model.use_graphs(config.graph_max_tokens)           # captured once per model
         self.scheduler = Scheduler(config)
         self._next_request_id = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -144,8 +146,13 @@ class Engine:
             positions.append(token_positions)
             slots.append(block_ids[token_positions // self.block_size] * self.block_size
                          + token_positions % self.block_size)
-            block_table = torch.from_numpy(block_ids).to(self.device) if first else None
-            seqs.append(PrefillSeq(start, num_tokens, first, block_table))
+            block_table = row_lens = None
+            if first:
+                block_table = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
+                if self.decode_backend == "triton" and num_tokens <= PAGED_PREFILL_MAX_ROWS:
+                    row_lens = torch.from_numpy(np.arange(first + 1, first + num_tokens + 1, dtype=np.int32)
+                                                ).to(self.device)
+            seqs.append(PrefillSeq(start, num_tokens, first, block_table, row_lens))
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)

@@ -17,6 +17,7 @@ from torch import nn
 from bench.engine.attention import (PrefillSeq, fused_sdpa_only, paged_decode_attention,
                                     paged_decode_attention_torch, prefill_attention, store_kv)
 from bench.engine.config import PRESETS, ModelConfig
+from bench.engine.graphs import DEFAULT_MAX_GRAPH_TOKENS, LayerGraphs
 
 
 class PrefillBatch(NamedTuple):
@@ -63,6 +64,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, batch: PrefillBatch | DecodeBatch) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, cos, sin)
+        return self.post_attention(x, self.attention(q, k, v, kv_cache, slot_mapping, batch))
+
+    # The three pieces of a layer: the first and last are row by row (a token's rows never mix
+    # with another's), so they can run on a batch padded to a fixed size (bench/engine/graphs.py).
+
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], RoPE applied."""
         c = self.config
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
@@ -71,17 +80,24 @@ class DecoderLayer(nn.Module):
         if c.qk_norm:
             q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, batch: PrefillBatch | DecodeBatch) -> torch.Tensor:
+        """The step's K/V stored into the paged cache, then attention over it: [T, Hq, D]."""
         store_kv(kv_cache, k, v, slot_mapping)
-        scale = c.head_dim ** -0.5
+        scale = self.config.head_dim ** -0.5
         if isinstance(batch, PrefillBatch):
-            attn = prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
-        elif batch.backend == "triton":
-            attn = paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
-        else:
-            attn = paged_decode_attention_torch(q, kv_cache, batch.block_tables, batch.context_lens, scale)
-        x = x + F.linear(attn.reshape(num_tokens, -1), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_norm, c.rms_norm_eps), self.gate_up_proj).chunk(2, -1)
+            return prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
+        if batch.backend == "triton":
+            return paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+        return paged_decode_attention_torch(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output and the MLP: [T, hidden]."""
+        x = x + F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        gate, up = F.linear(rms_norm(x, self.post_attention_norm, self.config.rms_norm_eps),
+                            self.gate_up_proj).chunk(2, -1)
         return x + F.linear(F.silu(gate) * up, self.down_proj)
 
 
@@ -105,6 +121,15 @@ class Qwen3Model(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self.graphs: LayerGraphs | None = None      # use_graphs()
+
+    def use_graphs(self, max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS, capture: bool | None = None) -> "LayerGraphs":
+        """Run forwards of at most max_tokens tokens through the layers' pieces replayed as CUDA
+        graphs (captured now, once per model; ``bench/engine/graphs.py``); capture=False runs the
+        same padded pieces eagerly (CPU). Idempotent."""
+        if self.graphs is None or self.graphs.max_tokens < max_tokens:
+            self.graphs = LayerGraphs(self, max_tokens, self.device.type == "cuda" if capture is None else capture)
+        return self.graphs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
@@ -114,8 +139,12 @@ class Qwen3Model(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         with fused_sdpa_only(self.device):
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, kv_cache, slot_mapping, batch)
+            graphs = self.graphs.get(x.shape[0]) if self.graphs is not None else None
+            if graphs is not None:
+                x = graphs.run(x, cos, sin, kv_caches, slot_mapping, batch)
+            else:
+                for layer, kv_cache in zip(self.layers, kv_caches):
+                    x = layer(x, cos, sin, kv_cache, slot_mapping, batch)
         x = rms_norm(x.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
