@@ -1,5 +1,7 @@
 """A Qwen3 decoder over the paged KV cache: RMSNorm, q/k norm, RoPE, GQA, SwiGLU, tied or untied
-embeddings (without the q/k norm: Llama's architecture, for small real checkpoints). Projections are fused (one QKV matrix, one gate+up matrix); the numerics otherwise
+embeddings (without the q/k norm: Llama's architecture, for small real checkpoints). Projections are
+fused (one QKV matrix, one gate+up matrix), and on CUDA the element-wise steps are Triton kernels
+(``kernels.py``: norms, q/k norm + RoPE, SwiGLU); the numerics otherwise
 follow Hugging Face transformers' Qwen3 step for step (the norms compute in fp32 and cast back,
 RoPE's cos/sin are cast to the activations' dtype). Weights are random (``init_random``) or read
 from a safetensors directory with Hugging Face names (``load_safetensors``)."""
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.engine import kernels
 from bench.engine.attention import (PrefillSeq, fused_sdpa_only, paged_decode_attention,
                                     paged_decode_attention_torch, prefill_attention, store_kv)
 from bench.engine.config import PRESETS, ModelConfig
@@ -32,19 +35,6 @@ class DecodeBatch(NamedTuple):
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, sin [T, 1, D] (each frequency twice, as transformers lays them out)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DecoderLayer(nn.Module):
@@ -71,16 +61,15 @@ class DecoderLayer(nn.Module):
     # with another's), so they can run on a batch padded to a fixed size (bench/engine/graphs.py).
 
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], RoPE applied."""
+        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], q/k normed and rotated."""
         c = self.config
-        num_tokens = x.shape[0]
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        q, k, v = F.linear(h, self.qkv_proj).split(self.split_sizes, dim=-1)
-        q, k = q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if x.is_cuda:                       # fused (bench/engine/kernels.py)
+            h, _ = kernels.rms_norm(x, self.input_norm, c.rms_norm_eps)
+            return kernels.qk_norm_rope(F.linear(h, self.qkv_proj), self.q_norm, self.k_norm, cos, sin,
+                                        c.rms_norm_eps, c.num_heads, c.num_kv_heads)
+        h = kernels.rms_norm_torch(x, self.input_norm, c.rms_norm_eps)
+        return kernels.qk_norm_rope_torch(F.linear(h, self.qkv_proj), self.q_norm, self.k_norm, cos, sin,
+                                          c.rms_norm_eps, c.num_heads, c.num_kv_heads)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, batch: PrefillBatch | DecodeBatch) -> torch.Tensor:
@@ -95,10 +84,14 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the attention output and the MLP: [T, hidden]."""
-        x = x + F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_norm, self.config.rms_norm_eps),
-                            self.gate_up_proj).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        eps = self.config.rms_norm_eps
+        attn_out = F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        if x.is_cuda:
+            h, x = kernels.rms_norm(attn_out, self.post_attention_norm, eps, residual=x)
+            return x + F.linear(kernels.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        x = x + attn_out
+        h = kernels.rms_norm_torch(x, self.post_attention_norm, eps)
+        return x + F.linear(kernels.silu_mul_torch(F.linear(h, self.gate_up_proj)), self.down_proj)
 
 
 class Qwen3Model(nn.Module):
@@ -145,7 +138,7 @@ class Qwen3Model(nn.Module):
             else:
                 for layer, kv_cache in zip(self.layers, kv_caches):
                     x = layer(x, cos, sin, kv_cache, slot_mapping, batch)
-        x = rms_norm(x.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
+        x = kernels.rms_norm_torch(x.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------------
