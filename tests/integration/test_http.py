@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -314,3 +315,22 @@ def test_an_address_asked_for_must_be_free(tmp_path):
             assert client.status()["daemon"]["http"] is None
     finally:
         daemon.cleanup()
+
+
+def test_dashboard_queries_metrics_the_daemon_exports(traffic):
+    """Every metric the Grafana dashboard (deploy/grafana) queries is one the daemon exports: in
+    the scrape after the traffic, or, for events the traffic did not cause, named by the
+    collector's tables (a counter with _total, a histogram with _bucket)."""
+    from kvcached.server.metrics import DAEMON_COUNTERS, DAEMON_HISTOGRAMS, ENGINE_COUNTERS
+
+    _, t = traffic
+    with open(os.path.join(REPO_ROOT, "deploy", "grafana", "kvcached-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(exprs) >= 20
+    queried = {name for expr in exprs for name in re.findall(r"\b((?:kvcached|process)_[a-z0-9_]+)\b", expr)}
+    scraped = {name for name, _ in scrape(t.url)}
+    declared = {f"{rule.metric}_total" for rule in (*DAEMON_COUNTERS, *ENGINE_COUNTERS) if rule.metric}
+    declared |= {f"{rule.metric}_{suffix}" for rule in DAEMON_HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+    assert queried - scraped - declared == set()
+    assert len(queried & scraped) >= 12, queried & scraped
