@@ -10,7 +10,9 @@ Not a test: it makes the picture the docs show.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import math
+import threading
 import time
 
 import numpy as np
@@ -18,6 +20,36 @@ import numpy as np
 from tests.integration.browser import Browser
 from tests.integration.daemon_proc import DaemonProcess
 from tests.integration.test_connector import N, P, Engine, random_tokens
+
+
+def traffic(saver: Engine, loader: Engine, rng, seconds: float, stop: threading.Event) -> int:
+    """Until stop: the saver saves new prefixes (60%) or one it saved before, the loader loads
+    what a lookup finds cached; busier and quieter by turns. Returns the number of requests."""
+    prefixes: list[np.ndarray] = []
+    started = time.monotonic()
+    step = 0
+    while not stop.is_set():
+        busy = 0.5 + 0.5 * math.sin((time.monotonic() - started) / seconds * 3 * math.pi)
+        if rng.random() < 0.6 or not prefixes:
+            prefixes.append(random_tokens(rng, int(rng.integers(8, 64)) * P))
+            tokens = prefixes[-1]
+        else:
+            tokens = prefixes[int(rng.integers(len(prefixes)))]
+        request = f"r{step}"
+        saver.connector.save(request, tokens, rng.permutation(N * 4)[: len(tokens) // P])
+        saver.connector.request_finished(request)
+        saver.settle()
+        cached = loader.connector.lookup(tokens)
+        if cached:
+            loader.connector.load(request, tokens, rng.permutation(N * 4)[: cached // P], cached)
+            loader.poll_until(lambda: any(r.request_id == request for r in loader.loads), "the load")
+            loader.connector.request_finished(request)
+            loader.settle()
+        saver.connector.poll()
+        loader.connector.poll()
+        step += 1
+        stop.wait(0.05 + 0.6 * (1 - busy))
+    return step
 
 
 def main() -> int:
@@ -29,45 +61,19 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     daemon = DaemonProcess(l2_size="64MiB").start()
     engines: list[Engine] = []
+    stop = threading.Event()
     try:
         engines = [Engine(daemon.socket_path, "layer", seed=args.seed, num_blocks=N * 4),
                    Engine(daemon.socket_path, "layer", seed=args.seed + 1, num_blocks=N * 4)]
-        saver, loader = engines
-        with Browser(width=1280, height=900) as browser:
+        with Browser(width=1280, height=900) as browser, concurrent.futures.ThreadPoolExecutor(1) as pool:
             browser.open(f"{daemon.http_url()}/")
-            prefixes: list[np.ndarray] = []
-            started = time.monotonic()
-            step = 0
-            while time.monotonic() - started < args.seconds:
-                phase = (time.monotonic() - started) / args.seconds
-                busy = 0.5 + 0.5 * math.sin(phase * 3 * math.pi)     # traffic comes and goes
-                if rng.random() < 0.6 or not prefixes:
-                    tokens = random_tokens(rng, int(rng.integers(8, 64)) * P)
-                    prefixes.append(tokens)
-                else:
-                    tokens = prefixes[int(rng.integers(len(prefixes)))]
-                request = f"r{step}"
-                num_pages = len(tokens) // P
-                saver.connector.save(request, tokens, rng.permutation(N * 4)[:num_pages])
-                saver.connector.request_finished(request)
-                saver.settle()
-                cached = loader.connector.lookup(tokens)
-                if cached:
-                    loader.connector.load(request, tokens, rng.permutation(N * 4)[:cached // P], cached)
-                    loader.poll_until(lambda: any(r.request_id == request for r in loader.loads), "the load")
-                    loader.connector.request_finished(request)
-                    loader.settle()
-                saver.connector.poll()
-                loader.connector.poll()
-                step += 1
-                time.sleep(0.05 + 0.6 * (1 - busy))
-            saver.connector.flush_report()
-            loader.connector.flush_report()
-            browser.wait_for("Number(document.querySelector('#polls').dataset.v) >= 10", "ten polls")
-            time.sleep(1.5)                 # one more poll after the last reports
+            steps = pool.submit(traffic, *engines, rng, args.seconds, stop)
+            time.sleep(args.seconds)        # the page polls meanwhile; the picture is taken under traffic
             browser.screenshot(args.output)
-        print(f"{args.output}: {step} requests over {args.seconds:.0f} s")
+            stop.set()
+            print(f"{args.output}: {steps.result()} requests over {args.seconds:.0f} s")
     finally:
+        stop.set()
         for engine in engines:
             engine.close()
         daemon.cleanup()
