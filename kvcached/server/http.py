@@ -134,7 +134,7 @@ def _handler(snapshot: Callable[[], dict[str, Any]], page: bytes) -> type:
 class HttpListener:
     def __init__(self, server: _Server):
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="kvcached-http", daemon=True)
         self._thread.start()
 
