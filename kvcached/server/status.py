@@ -57,7 +57,7 @@ COLUMNS: dict[str, dict[str, str]] = {
     "rates (with --follow: over the interval since the previous snapshot)": {
         "matches/s": "matches handled per second",
         "hit": "per tier: leading tokens of matched prompts the tier held, per second (l2: after promotion)",
-        "miss": "tokens of matched prompts no tier held, per second (recomputed unless in the engine's GPU cache)",
+        "miss": "tokens of matched prompts L2 did not hold (after promotion), per second: recomputed unless in the engine's GPU cache",
         "hit rate": "l2 hit tokens / matched tokens over the interval",
         "lookups/s": "side-effect-free lookups per second",
         "load": "bytes engines loaded from L2 into GPU memory (h2d), GB/s (10^9 bytes)",
@@ -89,8 +89,8 @@ def status_json(snapshot: dict[str, Any]) -> str:
 
 def format_tokens(num_tokens: float) -> str:
     """1234 -> '1234'; 21800 -> '21.8k'; 3.4e6 -> '3.4M'."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(num_tokens) >= 10 * scale:
+    for unit, scale, threshold in (("G", 1e9, 1e9), ("M", 1e6, 1e6), ("k", 1e3, 1e4)):
+        if abs(num_tokens) >= threshold:
             return f"{num_tokens / scale:.1f}{unit}"
     return f"{num_tokens:.0f}"
 
