@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 
-from kvcached.config import DaemonConfig, parse_size
+from kvcached.config import DEFAULT_HTTP_ADDRESS, DaemonConfig, parse_size
+from kvcached.server.status import columns_help
 from proto.paths import default_socket_path
 
 logger = logging.getLogger(__name__)
@@ -64,13 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-pid-watch", dest="pid_watch", action="store_false", default=None,
                        help="do not watch engines' pids; detect their end by heartbeats alone")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+    serve.add_argument("--http", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "
+                       "status JSON) and / (a live status page) there; off: not at all (default: $KVCACHED_HTTP, "
+                       f"else {DEFAULT_HTTP_ADDRESS}, skipped with a warning if taken; port 0: any free one)")
 
-    status = commands.add_parser("status", help="print the daemon's status")
+    status = commands.add_parser("status", help="print the daemon's status", epilog=columns_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("--socket", help="socket path or ipc:// URL of the daemon (default: as for serve)")
     status.add_argument("--daemon-uid", help="uid or user name the daemon runs as, when not ours (a shared "
                         "system daemon); its socket must belong to it (default: $KVCACHED_DAEMON_UID, else ours)")
     status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
-    status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted")
+    status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted; "
+                        "the table then also shows the rates over each interval")
     status.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --follow")
     status.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait for the daemon")
     status.add_argument("--check-integrity", action="store_true", help="also run the daemon's integrity check")
@@ -91,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
                                        heartbeat_interval_s=args.heartbeat_interval,
                                        session_timeout_s=args.session_timeout,
                                        session_grace_s=args.session_grace, pid_watch=args.pid_watch,
-                                       log_level=args.log_level)
+                                       log_level=args.log_level, http_address=args.http)
     except ValueError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvcached.server.status import DaemonUnavailable, StatusClient, render_table
+    from kvcached.server.status import DaemonUnavailable, StatusClient, render_table, status_json
     from proto.paths import UntrustedSocket
 
     try:
@@ -113,16 +118,18 @@ def _status(args: argparse.Namespace) -> int:
     except (DaemonUnavailable, UntrustedSocket, ValueError) as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 1
+    previous = None
     try:
         with client:
             while True:
                 snapshot = client.status(check_integrity=args.check_integrity)
                 if args.json:
-                    print(json.dumps(snapshot, sort_keys=True), flush=True)
+                    print(status_json(snapshot), flush=True)
                 else:
                     if args.follow:
                         print(f"--- {time.strftime('%H:%M:%S')}")
-                    print(render_table(snapshot), flush=True)
+                    print(render_table(snapshot, previous), flush=True)
+                previous = snapshot
                 if not args.follow:
                     return 0
                 time.sleep(args.interval_s)

@@ -24,6 +24,9 @@ _SIZE_UNITS = {
 DEFAULT_L2_MAX_BYTES = 1 << 30       # modest: a sidecar on any box
 DEFAULT_L3_BYTES = 4 << 30           # a sparse temporary file: only written pages use disk
 SHM_DIR = "/dev/shm"
+# /metrics, /status and the status page. The default is loopback only, and best effort: a second
+# daemon on the host (another user's) runs without it rather than not at all.
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
 
 
 def parse_size(text: str) -> int:
@@ -40,6 +43,17 @@ def format_size(num_bytes: float) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_http_address(text: str) -> tuple[str, int] | None:
+    """'127.0.0.1:9464' -> ('127.0.0.1', 9464); '[::1]:9464' -> ('::1', 9464); 'off' -> None."""
+    if text == "off":
+        return None
+    match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})", text)
+    if not match or int(match.group(2)) > 65535:
+        raise ValueError(f"not an HTTP listen address: {text!r} (use HOST:PORT, e.g. 127.0.0.1:9464, "
+                         "[::1]:9464, 0.0.0.0:9464, or off)")
+    return match.group(1).strip("[]"), int(match.group(2))
 
 
 def default_l2_bytes(shm_dir: str = SHM_DIR) -> int:
@@ -73,6 +87,9 @@ class DaemonConfig:
     max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
     shm_dir: str = SHM_DIR
     refusal_log_interval_s: float = 10.0   # refused requests: DEBUG each, one WARNING summary per interval
+    # "": DEFAULT_HTTP_ADDRESS, skipped with a warning when taken; "off": none; HOST:PORT: that
+    # address, or the daemon does not start (port 0: any free port; status names it).
+    http_address: str = ""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -98,6 +115,17 @@ class DaemonConfig:
             raise ValueError("refusal_log_interval_s must be positive")
         if not 1 <= self.io_threads <= 256:
             raise ValueError("io_threads must be in 1..256")
+        parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+
+    @property
+    def http_endpoint(self) -> tuple[str, int] | None:
+        """Where the HTTP listener binds (host, port); None: no listener."""
+        return parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+
+    @property
+    def http_required(self) -> bool:
+        """An address was asked for: failing to bind it stops the start."""
+        return self.http_address not in ("", "off")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":
@@ -113,6 +141,8 @@ class DaemonConfig:
             values["l3_o_direct"] = env["KVCACHED_L3_O_DIRECT"].lower() in ("1", "true", "yes")
         if env.get("KVCACHED_L3_FRESH"):
             values["l3_fresh"] = env["KVCACHED_L3_FRESH"].lower() in ("1", "true", "yes")
+        if env.get("KVCACHED_HTTP"):
+            values["http_address"] = env["KVCACHED_HTTP"]
         if env.get("KVCACHED_MAX_NAMESPACES"):
             values["max_namespaces"] = int(env["KVCACHED_MAX_NAMESPACES"])
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -27,6 +27,7 @@ from kvcached.core.allocator import PageAllocator
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
+from kvcached.core.metrics import Metrics
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
@@ -84,19 +85,6 @@ class Namespace:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
         assert allocator is not None, f"namespace {self.namespace_id} has no {tier.label}"
         return allocator
-
-
-class Metrics:
-    """Monotonic counters; the status snapshot reports them as they are."""
-
-    def __init__(self) -> None:
-        self.counters: collections.Counter[str] = collections.Counter()
-
-    def add(self, name: str, value: int | float = 1) -> None:
-        self.counters[name] += value
-
-    def snapshot(self) -> dict[str, int | float]:
-        return dict(sorted(self.counters.items()))
 
 
 def session_tag(session_id: int) -> str:
@@ -381,11 +369,12 @@ class DaemonState:
         locked_node = result.last_node[Tier.L2]
         host_page_ids = list(result.page_ids[Tier.L2])
         hit_pages = hit_tokens // page_size
-        self.metrics.add("matches")
-        self.metrics.add("match_tokens", num_pages * page_size)
-        self.metrics.add("hit_tokens_l2", hit_tokens)
+        model = namespace.geometry.model_id
+        self.metrics.add("matches", model=model)
+        self.metrics.add("match_tokens", num_pages * page_size, model=model)
+        self.metrics.add("hit_tokens_l2", hit_tokens, model=model)
         if Tier.L3 in result.hit_tokens:
-            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3])
+            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3], model=model)
 
         # Lock the hit before reserving: the reservation may evict, and must not evict our own hit.
         if locked_node is not None:
@@ -440,9 +429,9 @@ class DaemonState:
             hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
                                                    for label in hits}
         assert hits is not None
-        self.metrics.add("lookups")
-        self.metrics.add("lookup_tokens", len(token_ids))
-        self.metrics.add("lookup_hit_tokens_l2", hits["l2"])
+        self.metrics.add("lookups", model=geometry.model_id)
+        self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
+        self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
         return MatchReply(hits, None, [], hits["l2"], [])
 
     def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
@@ -466,7 +455,7 @@ class DaemonState:
             evicted = namespace.tree.evict(tier, num_pages - allocator.num_free)
             if evicted:
                 allocator.free(evicted)
-                self.metrics.add(f"evicted_pages_{tier.label}", len(evicted))
+                self.metrics.add(f"evicted_pages_{tier.label}", len(evicted), model=namespace.geometry.model_id)
                 if tier is Tier.L3:
                     self._unindex_slots(namespace, evicted)
         count = min(num_pages, allocator.num_free)
@@ -526,7 +515,7 @@ class DaemonState:
         path_tokens = lease.token_ids[:num_tokens]
         self._end_lease(lease, LeaseState.COMMITTED)
         self.metrics.add("backup_commits")
-        self.metrics.add("backup_pages_committed", new_pages)
+        self.metrics.add("backup_pages_committed", new_pages, model=namespace.geometry.model_id)
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
         return CommitReply(new_pages, duplicates), write_through
@@ -884,4 +873,6 @@ class DaemonState:
             "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},
             "namespaces": namespaces,
             "metrics": self.metrics.snapshot(),
+            "metrics_by_model": self.metrics.model_snapshot(),
+            "histograms": self.metrics.histogram_snapshot(),
         }

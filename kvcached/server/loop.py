@@ -41,6 +41,7 @@ from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
+from kvcached.server.http import HttpListener, format_http_address
 from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import L3IndexStore, index_path
@@ -66,6 +67,8 @@ SHUTDOWN_LINGER_MS = 200
 HARD_FRAME_FACTOR = 4
 # A write-through waits this long, at most, for the index to forget its slots' old pages.
 INDEX_DELETE_TIMEOUT_S = 10.0
+# An HTTP request waits this long, at most, for the state lock (then 503).
+HTTP_SNAPSHOT_TIMEOUT_S = 2.0
 
 
 class Server:
@@ -80,6 +83,7 @@ class Server:
         self.executor = executor
         self.index = index
         self.started_at = time.time()
+        self.http_address: str | None = None       # HOST:PORT of the HTTP listener, once it serves
         self.stop_event = asyncio.Event()
         self.state_lock = threading.Lock()
         self.refusals = RefusalLog(config.refusal_log_interval_s)
@@ -218,7 +222,9 @@ class Server:
             handler = self._handlers.get(frame.kind)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
+            started_s = time.perf_counter()
             reply = handler(frame.body)
+            self.state.metrics.observe(f"request_seconds_{frame.kind.name.lower()}", time.perf_counter() - started_s)
             self._note_peer(identity, frame, reply)
             if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
                 self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
@@ -348,6 +354,9 @@ class Server:
                 metrics.add(f"{direction}_extents", result.num_extents)
                 metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
+                metrics.observe(f"{direction}_service_seconds", result.seconds)
+                metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
+                metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
         except (OSError, ValueError) as exc:
             logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
         except BaseException:
@@ -528,8 +537,12 @@ class Server:
         return io
 
     def _status(self, body: dict) -> dict[str, Any]:
+        return self.status_snapshot(check_integrity=body.get("check_integrity", False) is True)
+
+    def status_snapshot(self, check_integrity: bool = False) -> dict[str, Any]:
+        """What STATUS replies, ``kvcached status --json`` prints and GET /status serves. Under state_lock."""
         snapshot = self.state.status()
-        if body.get("check_integrity", False) is True:
+        if check_integrity:
             try:
                 self.state.check_integrity()
                 snapshot["integrity"] = "ok"
@@ -554,9 +567,20 @@ class Server:
             "l3_index": self.index.status() if self.index else None,
             "io_threads": self.executor.max_workers if self.executor else 0,
             "protocol_version": PROTOCOL_VERSION,
+            "http": self.http_address,
         }
         snapshot["time"] = time.time()
         return snapshot
+
+    def locked_status_snapshot(self, timeout_s: float) -> dict[str, Any]:
+        """From another thread (the HTTP listener's): the snapshot, taken under state_lock within
+        timeout_s, else TimeoutError. The socket thread and the loop hold the lock only briefly."""
+        if not self.state_lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the daemon's state was busy for timeout_s={timeout_s}")
+        try:
+            return self.status_snapshot()
+        finally:
+            self.state_lock.release()
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
@@ -616,6 +640,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
 
         server = Server(config, state, socket, segment, storage, executor, index)
         resources.callback(server.close_wake_sockets)
+        listener = _start_http(config, server)
+        if listener is not None:
+            resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, server.stop_event.set)
@@ -626,6 +653,26 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             on_ready(server)
         await server.run()
         logger.info("kvcached shutting down")
+
+
+def _start_http(config: DaemonConfig, server: Server) -> HttpListener | None:
+    """The /metrics, /status and / listener. An address that was asked for and cannot be bound
+    stops the start; the default one, taken (another daemon on the host), is skipped with a warning."""
+    endpoint = config.http_endpoint
+    if endpoint is None:
+        return None
+    try:
+        listener = HttpListener.start(endpoint, lambda: server.locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S))
+    except OSError as exc:
+        where = format_http_address(endpoint)
+        if config.http_required:
+            raise StartupError(f"cannot serve HTTP on {where}: {exc} (--http HOST:PORT, or --http off)") from None
+        logger.warning("no HTTP listener (/metrics, /status): the default address %s is not free: %s; "
+                       "pass --http HOST:PORT, or --http off", where, exc)
+        return None
+    server.http_address = listener.address
+    logger.info("HTTP on http://%s/ (/metrics, /status)", listener.address)
+    return listener
 
 
 def _open_index(config: DaemonConfig, storage: StorageFile) -> tuple[L3IndexStore, list]:
