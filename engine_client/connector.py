@@ -309,7 +309,7 @@ class KVConnector:
             try:
                 peer = PeerSharing.register(client, layout, transfer, page_size, counters)
             except (PeerError, DaemonUnavailable, DaemonError, OSError) as exc:
-                logger.warning("peer restores off: the KV tensors could not be registered: %s", exc)
+                logger.warning("peer restores off: the KV tensors could not be registered: %s", str(exc))
         elif config.peer:
             logger.warning("peer restores off: not with tensor parallelism (tp_size %d)", tp_size)
         return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)

@@ -29,6 +29,7 @@ import os
 import stat
 import struct
 import threading
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -46,6 +47,7 @@ from proto.replies import MatchReply, PeerListReply, PeerRegisterReply
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
+LIVENESS_INTERVAL_S = 0.1
 MAX_BLOCKS_PER_PUBLICATION = 1 << 16
 # PF_EXITING in the flags of /proc/<pid>/stat: the process has begun to exit (before its files,
 # and so its GPU memory, are released).
@@ -285,6 +287,7 @@ class PeerSharing:
         self._opened: list[OpenedPeer] = []
         self._open_failed: set[int] = set()
         self._open_threads: list[threading.Thread] = []
+        self._liveness_checked_at = 0.0
         self._closed = False
 
     @classmethod
@@ -483,7 +486,8 @@ class PeerSharing:
         try:
             peer = self._open(entry)
         except (PeerError, OSError) as exc:
-            logger.warning("peer %s not opened (its blocks are not copied): %s", peer_id, exc)
+            # Logged as text: a record holding the exception would hold this object through its frames.
+            logger.warning("peer %s not opened (its blocks are not copied): %s", peer_id, str(exc))
             with self._open_lock:
                 self._opening.discard(peer_id)
                 self._open_failed.add(peer_id)
@@ -532,7 +536,7 @@ class PeerSharing:
                 self._registered(pending.result(0.0))
             except (DaemonUnavailable, DaemonError, PeerError, OSError) as exc:
                 self._refused_generation = generation
-                logger.warning("peer restores off until the next session: registration failed: %s", exc)
+                logger.warning("peer restores off until the next session: registration failed: %s", str(exc))
         if self._epoch_file is not None:
             self._send_publications()
             self._poll_list()
@@ -541,8 +545,14 @@ class PeerSharing:
         for peer in opened:
             self._peers[peer.peer_id] = peer
             self.counters["peers_opened"] += 1
+        # Whether each owner lives is read from /proc at most every LIVENESS_INTERVAL_S here (each
+        # copy checks it anyway); a closed registration is seen at once.
+        now = time.monotonic()
+        check_liveness = now - self._liveness_checked_at >= LIVENESS_INTERVAL_S
+        if check_liveness:
+            self._liveness_checked_at = now
         for peer in list(self._peers.values()):
-            if peer.epochs.closed or not process_running(peer.pid, peer.start_time):
+            if peer.epochs.closed or (check_liveness and not process_running(peer.pid, peer.start_time)):
                 del self._peers[peer.peer_id]
                 peer.closing = True
                 self._closing.append(peer)
@@ -557,7 +567,7 @@ class PeerSharing:
             try:
                 self._take_list(pending.result(0.0))
             except (DaemonUnavailable, DaemonError) as exc:
-                logger.debug("peer list not taken: %s", exc)
+                logger.debug("peer list not taken: %s", str(exc))
         if self._list_wanted and self._listing is None:
             self._list_wanted = False
             try:

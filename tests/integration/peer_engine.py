@@ -1,7 +1,7 @@
 """An engine process whose GPU cache (here: CPU tensors in shared memory) other engines copy from.
 
-    python -m tests.integration.peer_engine --socket S --seed 7 --role hold
-    python -m tests.integration.peer_engine --socket S --seed 7 --role churn
+    python -m tests.integration.peer_engine --socket S --seed 7 --role hold [--device cuda]
+    python -m tests.integration.peer_engine --socket S --seed 7 --role churn [--device cuda]
 
 Both register a connector with peer restores on, fill blocks with the KV of ``prefixes(seed)``
 (``page_kv``: random bytes determined by the tokens up to the page's end, so that a reader can
@@ -62,8 +62,9 @@ def page_kv(seed: int, token_ids: np.ndarray, page: int) -> torch.Tensor:
     return torch.from_numpy(bits)
 
 
-def new_tensors() -> list[torch.Tensor]:
-    return [torch.ones(2, NUM_BLOCKS, PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+def new_tensors(device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.ones(2, NUM_BLOCKS, PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+            for _ in range(LAYERS)]
 
 
 def register(socket_path: str, name: str, tensors: list[torch.Tensor], **config) -> KVConnector:
@@ -73,17 +74,22 @@ def register(socket_path: str, name: str, tensors: list[torch.Tensor], **config)
 
 
 def read_block(tensors: list[torch.Tensor], block_id: int) -> torch.Tensor:
-    return torch.stack([t[:, block_id] for t in tensors]).view(torch.int16)
+    return torch.stack([t[:, block_id] for t in tensors]).view(torch.int16).cpu()
 
 
 class Owner:
-    def __init__(self, socket_path: str, seed: int):
+    def __init__(self, socket_path: str, seed: int, device: str):
         self.seed = seed
-        self.tensors = new_tensors()
+        self.device = torch.device(device)
+        self.tensors = new_tensors(device)
         self.connector = register(socket_path, f"peer-owner-{seed}", self.tensors)
         self.prefixes = prefixes(seed)
+        # Every page's bytes, on the device: on CUDA a fill is a few kernels queued, like a prefill.
+        self.contents = [[page_kv(seed, tokens, page).to(self.device) for page in range(PREFIX_PAGES)]
+                         for tokens in self.prefixes]
         self.free = list(range(NUM_BLOCKS))
         self.cached: dict[int, list[int]] = {}           # prefix index -> its blocks
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.rng = np.random.default_rng([seed, 2])
         self.refills = 0
 
@@ -95,17 +101,15 @@ class Owner:
         if noise_first:
             for layer in range(LAYERS):
                 for block in blocks:
-                    words[layer][:, block] = torch.from_numpy(
-                        self.rng.integers(-2**15, 2**15, BLOCK_SHAPE, dtype=np.int16))
+                    words[layer][:, block] = torch.randint(-2**15, 2**15, BLOCK_SHAPE, generator=self.generator,
+                                                           dtype=torch.int16, device=self.device)
             time.sleep(0)
-        tokens = self.prefixes[index]
-        contents = [page_kv(self.seed, tokens, page) for page in range(PREFIX_PAGES)]
         for layer in range(LAYERS):
-            for block, content in zip(blocks, contents):
+            for block, content in zip(blocks, self.contents[index]):
                 words[layer][:, block] = content[layer]
             time.sleep(0)                                 # a reader may copy between the layers
         self.cached[index] = blocks
-        self.connector.blocks_cached(tokens, blocks)
+        self.connector.blocks_cached(self.prefixes[index], blocks)      # published once the writes are done
         self.connector.poll()
 
     def drop(self, index: int) -> None:
@@ -122,14 +126,19 @@ def main() -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--role", choices=("hold", "churn"), required=True)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    owner = Owner(args.socket, args.seed)
+    owner = Owner(args.socket, args.seed, args.device)
     for index in range(NUM_PREFIXES if args.role == "hold" else NUM_PREFIXES // 2):
         owner.fill(index, noise_first=False)
+    if owner.device.type == "cuda":
+        torch.cuda.synchronize(owner.device)
+    owner.connector.poll()                                # the fills are done: published
     owner.connector.flush()
     print("READY", flush=True)
     # What a reader maps of this engine: its tensors' shared memory and its epoch file.
-    inodes = [os.fstat(t.untyped_storage()._share_fd_cpu_()[0]).st_ino for t in owner.tensors]
+    inodes = [os.fstat(t.untyped_storage()._share_fd_cpu_()[0]).st_ino for t in owner.tensors] \
+        if owner.device.type == "cpu" else []
     inodes.append(os.stat(owner.connector.peer.epochs_path).st_ino)
     print(json.dumps({"peer_id": owner.connector.peer.peer_id, "cached": sorted(owner.cached), "inodes": inodes}),
           flush=True)
