@@ -26,10 +26,10 @@ from tests.integration.peer_engine import (NUM_BLOCKS, PAGE, PREFIX_PAGES, new_t
 class OwnerProcess:
     """``tests.integration.peer_engine`` in a process of its own; it stops when its stdin closes."""
 
-    def __init__(self, socket_path: str, seed: int, role: str):
+    def __init__(self, socket_path: str, seed: int, role: str, device: str = "cpu"):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.peer_engine", "--socket", socket_path, "--seed", str(seed),
-             "--role", role], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), cwd=REPO_ROOT,
+             "--role", role, "--device", device], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), cwd=REPO_ROOT,
             bufsize=0)       # unbuffered: select() sees every line the owner wrote
         self.ready = self._line(60.0, "READY")
         self.info = json.loads(self._line(10.0))
@@ -64,8 +64,8 @@ class OwnerProcess:
 class Reader:
     """An engine of the same namespace with its own (untouched) tensors and connector."""
 
-    def __init__(self, socket_path: str):
-        self.tensors = new_tensors()
+    def __init__(self, socket_path: str, device: str = "cpu"):
+        self.tensors = new_tensors(device)
         self.connector = register(socket_path, "peer-reader", self.tensors)
         self.requests = 0
 
@@ -80,8 +80,15 @@ class Reader:
     def restore(self, tokens: np.ndarray, blocks, timeout_s: float = 10.0):
         """Load every whole page of tokens into blocks; the LoadResult once the load is done and the
         request has ended."""
+        request_id = self.start(tokens, blocks)
+        return self.finish(request_id, timeout_s)
+
+    def start(self, tokens: np.ndarray, blocks) -> int:
         request_id = self.requests = self.requests + 1
         self.connector.load(request_id, tokens, blocks, len(blocks) * PAGE)
+        return request_id
+
+    def finish(self, request_id: int, timeout_s: float = 10.0):
         deadline = time.monotonic() + timeout_s
         result = None
         while result is None or self.connector.is_open(request_id):
