@@ -37,6 +37,12 @@ request of the ended session moves nothing and ends nothing: its pages and lease
 While the client is down, ``poll`` says when nothing writes the ended session's pages any more
 (``KVCacheClient.mark_drained``), so that the re-attach lets the daemon free them.
 
+Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
+registered for other engines on its GPU to copy from; the engine says which blocks it is about to
+write (``will_write_blocks``) and which hold a prompt's pages (``blocks_cached``), published at
+``poll``. A match naming another engine's blocks that cover at least L2's hit loads from them, GPU to
+GPU; blocks that engine changed during the copy are reported failed (``peer_changed``).
+
 Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
 moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
 ranks), so a prefix counts as cached only where every rank holds its shard. A rank whose own hit

@@ -429,10 +429,12 @@ class PeerSharing:
         engine's block_ids, cut before the first block no longer holding its published page (None:
         not one does, or the owner is not usable)."""
         peer = plan.peer
+        if not peer.usable():               # closing first: a closed peer's file is unmapped
+            return None
         source = plan.block_ids[first_page: first_page + len(block_ids)]
         expected = plan.epochs[first_page: first_page + len(block_ids)]
         count = _leading((peer.epochs.epochs[source] == expected) & (expected % 2 == 0))
-        if count == 0 or not peer.usable():
+        if count == 0:
             return None
         transfer = self.transfer.copy_from(peer.table, source[:count], block_ids[:count], after)
         peer.in_flight += 1

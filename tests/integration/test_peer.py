@@ -175,6 +175,27 @@ def test_a_reader_restores_an_owners_prefixes_bit_for_bit(daemon, owners, seed):
         reader.connector.close()
 
 
+def test_an_owner_registered_after_the_reader_is_found_by_its_first_candidate(daemon, owners, seed):
+    """A reader registered before the owner learns of it when a match first names it (the daemon
+    offers it; the reader then lists and opens it): a later restore copies from it, bit for bit."""
+    reader = Reader(daemon.socket_path)
+    try:
+        wait_until(lambda: reader.connector.peer.epochs_path is not None, "the reader's registration",
+                   reader.connector.poll)
+        owner = owners(daemon.socket_path, seed, "hold")
+        tokens = prefixes(seed)[1]
+        blocks = [9, 8, 7, 6, 5]
+        deadline = time.monotonic() + 20.0
+        while not (result := reader.restore(tokens, blocks)).ok:
+            assert time.monotonic() < deadline, f"never restored from the owner: {reader.connector.stats()}"
+            time.sleep(0.005)
+        assert reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], seed
+        assert reader.connector.stats()["peer_candidates_not_open"] >= 1
+        owner.stop()
+    finally:
+        reader.connector.close()
+
+
 def test_an_owner_reusing_its_blocks_never_hands_a_reader_changed_bytes(daemon, owners, seed):
     """While the owner drops prefixes and refills their blocks with other prefixes' pages (noise
     first, then layer by layer) as fast as it can, the reader restores prefixes over and over:
