@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -63,7 +63,10 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     """(transport, device id) of KV tensors on ``device``: the GPU's UUID; for CPU tensors this
     boot of this machine and this pid namespace (what /proc/<pid>/fd can be opened within)."""
     if device.type == "cuda":
-        return "cuda", str(torch.cuda.get_device_properties(device).uuid)
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is None:
+            raise PeerError(f"torch {torch.__version__} does not say the GPU's UUID")
+        return "cuda", str(uuid)
     if device.type == "cpu":
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
@@ -74,7 +77,7 @@ def device_identity(device: torch.device) -> tuple[str, str]:
 def share_host_tensors(kv_caches) -> None:
     """Move CPU KV tensors into shared memory (in place: the tensors stay the engine's), so that
     other engines can open them; before the layout takes their addresses. CUDA tensors: nothing."""
-    values = kv_caches.values() if isinstance(kv_caches, dict) else (
+    values = kv_caches.values() if isinstance(kv_caches, Mapping) else (
         [kv_caches] if isinstance(kv_caches, torch.Tensor) else kv_caches)
     for tensor in values:
         if tensor.device.type == "cpu" and not tensor.untyped_storage().is_shared():

@@ -12,6 +12,8 @@ check any page it restored without asking) and publish them, then print ``READY`
           blocks are refilled with another prefix's pages, written noise first and then layer by
           layer, each write announced (``will_write_blocks``) before it and published
           (``blocks_cached``) after it, the way an engine's prefix cache does it
+  read    a reader instead: restores the prefixes of another engine of the same seed over and over
+          (prints READY once one restore came from it) until stdin closes or it is killed
 
 At the end it prints a JSON line with what it did and closes its connector.
 """
@@ -116,6 +118,30 @@ class Owner:
         self.free += self.cached.pop(index)
 
 
+def read(args) -> int:
+    tensors = new_tensors(args.device)
+    connector = register(args.socket, f"peer-reader-{args.seed}", tensors)
+    blocks = list(range(PREFIX_PAGES))
+    loaded = restores = 0
+    while not stdin_closed(0.0):
+        tokens = prefixes(args.seed)[restores % NUM_PREFIXES]
+        restores += 1
+        connector.load(restores, tokens, blocks, PREFIX_PAGES * PAGE)
+        result = None
+        while result is None:
+            result = next(iter(connector.finished().loads), None)
+        connector.request_finished(restores)
+        while connector.is_open(restores):
+            connector.poll()
+        if result.num_tokens and not loaded:
+            print("READY", flush=True)
+            print(json.dumps({"peer_id": connector.peer.peer_id}), flush=True)
+        loaded += result.num_tokens // PAGE
+    connector.close()
+    print(json.dumps({"restores": restores, "loaded": loaded}), flush=True)
+    return 0
+
+
 def stdin_closed(timeout_s: float) -> bool:
     readable, _, _ = select.select([sys.stdin], [], [], timeout_s)
     return bool(readable) and not sys.stdin.read(1)
@@ -125,9 +151,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--role", choices=("hold", "churn"), required=True)
+    parser.add_argument("--role", choices=("hold", "churn", "read"), required=True)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    if args.role == "read":
+        return read(args)
     owner = Owner(args.socket, args.seed, args.device)
     for index in range(NUM_PREFIXES if args.role == "hold" else NUM_PREFIXES // 2):
         owner.fill(index, noise_first=False)

@@ -286,6 +286,31 @@ def test_a_reader_keeps_no_page_from_an_owner_once_it_is_killed(daemon, owners, 
         reader.connector.close()
 
 
+def test_a_reader_killed_while_it_copies_leaves_nothing_behind(daemon, owners, seed):
+    """A reader process restoring from the owner back to back is SIGKILLed: the daemon ends its
+    session and removes its epoch file; the owner is untouched and another reader restores from it
+    bit for bit."""
+    owner = owners(daemon.socket_path, seed, "hold")
+    doomed = owners(daemon.socket_path, seed, "read")
+    assert len(epoch_files(daemon)) == 2
+    doomed.kill()
+    wait_until(lambda: len(epoch_files(daemon)) == 1, "the killed reader's epoch file to go")
+    reader = Reader(daemon.socket_path)
+    try:
+        reader.wait_for_peers()
+        tokens = prefixes(seed)[4]
+        blocks = [10, 11, 12, 13, 14]
+        assert reader.restore(tokens, blocks).ok
+        assert reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], seed
+        with connect(daemon.socket_path) as client:
+            status = client.status(check_integrity=True)
+        assert status["integrity"] == "ok"
+        assert sorted(s["client_name"] for s in status["sessions"]) == [f"peer-owner-{seed}", "peer-reader"]
+        owner.stop()
+    finally:
+        reader.connector.close()
+
+
 def test_stale_epoch_files_of_a_killed_daemon_are_removed_at_start(owners, seed):
     """A daemon SIGKILLed with registrations leaves their epoch files; the next daemon on the same
     socket removes them before it serves."""
