@@ -35,7 +35,9 @@ from tests.integration.daemon_proc import DaemonProcess
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("none", "l2", "l3", "l3-cold")      # none: recompute; l3: warm page cache; l3-cold: O_DIRECT
+# none: recompute; l3: warm page cache; l3-cold: O_DIRECT; peer: another engine's GPU cache
+# (bench.peer_owner), copied GPU to GPU
+TIERS = ("none", "l2", "l3", "l3-cold", "peer")
 ARENA_ALIGN_BYTES = 2 << 20
 SETTLE_TIMEOUT_S = 120.0
 

@@ -37,6 +37,12 @@ request of the ended session moves nothing and ends nothing: its pages and lease
 While the client is down, ``poll`` says when nothing writes the ended session's pages any more
 (``KVCacheClient.mark_drained``), so that the re-attach lets the daemon free them.
 
+Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
+registered for other engines on its GPU to copy from; the engine says which blocks it is about to
+write (``will_write_blocks``) and which hold a prompt's pages (``blocks_cached``), published at
+``poll``. A match naming another engine's blocks that cover at least L2's hit loads from them, GPU to
+GPU; blocks that engine changed during the copy are reported failed (``peer_changed``).
+
 Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
 moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
 ranks), so a prefix counts as cached only where every rank holds its shard. A rank whose own hit
@@ -59,6 +65,7 @@ from engine_client.client import (DaemonDown, DaemonError, DaemonUnavailable, KV
                                   token_bytes)
 from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
+from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
 from engine_client.shared_pool import SharedHostPool
 from proto.errors import ErrorCode
 from proto.messages import KVGeometry
@@ -76,6 +83,11 @@ class ConnectorConfig:
     fence_margin_s: float = 0.5        # a DMA starts only while the session holds at least this long
     reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
     report_interval_s: float = 1.0     # how often changed counters go to the daemon's status
+    # Peer restores (engine_client/peer.py): register this engine's KV tensors for other engines of
+    # the namespace on its device to copy from, and load a prefix from theirs when another engine's
+    # GPU cache holds at least as many of its leading tokens as L2 (asynchronous loads only; one
+    # tensor-parallel rank only).
+    peer: bool = False
 
 
 class LoadResult(NamedTuple):
@@ -132,10 +144,11 @@ class PrefixLookup:
     no lock, no LRU update. Usable alone by a scheduler process that holds no KV tensors (attach a
     client with any rank's geometry)."""
 
-    def __init__(self, client: KVCacheClient, *, tp_group: bool, promote_l3: bool = True):
+    def __init__(self, client: KVCacheClient, *, tp_group: bool, promote_l3: bool = True, peer: bool = False):
         self.client = client
         self.tp_group = tp_group
         self.promote_l3 = promote_l3
+        self.peer = peer                    # another engine's GPU cache counts (peer restores)
         self.counters: collections.Counter[str] = collections.Counter()
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
@@ -168,6 +181,8 @@ class PrefixLookup:
         hit = reply.hit_tokens.get("l2", 0)
         if self.promote_l3:
             hit = max(hit, reply.hit_tokens.get("l3", 0))
+        if self.peer:
+            hit = max(hit, reply.hit_tokens.get("peer", 0))
         self.counters["lookup_hit_tokens"] += hit
         return hit
 
@@ -192,6 +207,7 @@ class _Load:
     session_id: int | None = None
     queued: bool = False
     reason: str | None = None           # why pages beyond num_pages_queued are not loaded
+    peer_copy: PeerCopy | None = None   # loaded from another engine's blocks, checked at completion
 
 
 @dataclasses.dataclass(eq=False)
@@ -223,6 +239,7 @@ class _Request:
     saves: list[_Save] = dataclasses.field(default_factory=list)
     finished: bool = False
     hold_blocks: bool = False           # request_finished returned True
+    peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -240,7 +257,8 @@ class KVConnector:
     scheduler thread calls it."""
 
     def __init__(self, client: KVCacheClient, layout: KVLayout, geometry: KVGeometry, host_pool: SharedHostPool,
-                 transfer: KVTransfer, config: ConnectorConfig):
+                 transfer: KVTransfer, config: ConnectorConfig, counters: collections.Counter | None = None,
+                 peer: PeerSharing | None = None):
         self.client = client
         self.layout = layout
         self.geometry = geometry
@@ -248,8 +266,10 @@ class KVConnector:
         self.host_pool = host_pool
         self.transfer = transfer
         self.config = config
-        self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3)
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.peer = peer
+        self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3,
+                                    peer=peer is not None)
+        self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
         self._requests: dict[Hashable, _Request] = {}
         self._finished_loads: list[LoadResult] = []
         self._released: list[Hashable] = []
@@ -276,6 +296,8 @@ class KVConnector:
         """Describe the engine's KV tensors (``engine_client.layout``), attach ``client`` with the
         namespace they make, map (on CUDA: pin) the L2 pool, and build and warm the transfers.
         The connector owns the client from here on (``close`` closes it)."""
+        if config.peer:
+            share_host_tensors(kv_caches)       # CPU tensors: into shared memory, before their addresses are taken
         layout = describe_layout(kind, kv_caches)
         geometry = layout.geometry(model_id, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                    dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, model_revision=model_revision,
@@ -287,7 +309,16 @@ class KVConnector:
         except BaseException:
             host_pool.close()
             raise
-        return cls(client, layout, geometry, host_pool, transfer, config)
+        counters: collections.Counter[str] = collections.Counter()
+        peer = None
+        if config.peer and tp_size == 1:
+            try:
+                peer = PeerSharing.register(client, layout, transfer, page_size, counters)
+            except (PeerError, DaemonUnavailable, DaemonError, OSError) as exc:
+                logger.warning("peer restores off: the KV tensors could not be registered: %s", str(exc))
+        elif config.peer:
+            logger.warning("peer restores off: not with tensor parallelism (tp_size %d)", tp_size)
+        return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -299,6 +330,22 @@ class KVConnector:
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
         """Send a lookup now, collect it later (``ready()``, ``result()``): a step's lookups in one round trip."""
         return self.lookups.lookup_async(token_ids)
+
+    # ---- the engine's own GPU cache (peer restores) ---------------------------------------------
+
+    def will_write_blocks(self, block_ids: Sequence[int]) -> None:
+        """The engine is about to write these blocks (it allocated them), or drops what they hold:
+        call before it queues any work that writes them. Other engines stop copying them. No-op
+        without peer restores."""
+        if self.peer is not None:
+            self.peer.will_write(block_ids)
+
+    def blocks_cached(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> None:
+        """block_ids[i] holds page i of token_ids (its own GPU prefix cache has them), written by
+        the work queued so far on the current stream: other engines may copy them once that work is
+        done (published at a later ``poll``). No-op without peer restores."""
+        if self.peer is not None:
+            self.peer.cached(token_ids, block_ids)
 
     # ---- loads and saves ---------------------------------------------------------------------
 
@@ -369,6 +416,8 @@ class KVConnector:
         for request in list(self._requests.values()):
             self._advance(request)
         self._follow_session()
+        if self.peer is not None:
+            self.peer.poll()
         self._count_refusals(self.client.poll_errors())
         self._report()
 
@@ -486,6 +535,8 @@ class KVConnector:
         request.reserved = np.asarray(reply.backup_page_ids, dtype=np.int64)
         request.written = np.zeros(len(request.reserved), dtype=bool)
         request.queued = np.zeros(len(request.reserved), dtype=bool)
+        if self.peer is not None:
+            request.peer_plan = self._peer_plan(reply)
         self.counters["matches"] += 1
         self.counters["promoted_tokens"] += reply.promoted_tokens
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
@@ -538,6 +589,9 @@ class KVConnector:
             usable = 0
         elif request.failure is not None:
             usable, load.reason = 0, request.failure
+        elif request.peer_plan is not None and not load.synchronous:
+            self._queue_peer_load(request.peer_plan, load)
+            return
         else:
             usable = max(0, min(load.start_page + num_pages, request.hit_pages) - load.start_page)
             if usable < num_pages:
@@ -556,10 +610,45 @@ class KVConnector:
                 load.session_id = request.session_id
         load.num_pages_queued = usable
 
+    def _peer_plan(self, reply) -> PeerPlan | None:
+        """Copy from another engine's GPU cache when it holds at least the leading tokens L2 does
+        (the one rule until the cost model prices the candidates)."""
+        plan = self.peer.plan(reply)
+        if plan is None or plan.num_pages * self.page_size < reply.backup_start_token:
+            return None
+        self.counters["peer_plans"] += 1
+        return plan
+
+    def _queue_peer_load(self, plan: PeerPlan, load: _Load) -> None:
+        num_pages = len(load.block_ids)
+        usable = max(0, min(load.start_page + num_pages, plan.num_pages) - load.start_page)
+        if usable < num_pages:
+            load.reason = "not_cached"
+        if usable:
+            try:
+                load.peer_copy = self.peer.copy(plan, load.start_page, load.block_ids[:usable], load.after)
+            except Exception as exc:            # the blocks are recomputed; nothing else depends on them
+                self._warn_once("peer_transfer_failed", f"a peer load's transfer failed: {exc!r}")
+                usable, load.reason = 0, "transfer_failed"
+            else:
+                copied = 0 if load.peer_copy is None else len(load.peer_copy.source_block_ids)
+                if copied < usable:
+                    usable, load.reason = copied, "peer_changed"
+                if load.peer_copy is not None:
+                    load.transfer = load.peer_copy.transfer
+                    self.counters["peer_load_pages_queued"] += usable
+        load.num_pages_queued = usable
+
     def _complete_load(self, request: _Request, load: _Load) -> None:
         usable = load.num_pages_queued
         reason = load.reason
-        if load.transfer is not None and not self._session_holds(load.session_id, 0.0):
+        if load.peer_copy is not None:
+            # Only blocks the owner did not touch during the copy count (their epochs unchanged).
+            verified = self.peer.finish(load.peer_copy)
+            if verified < usable:
+                usable, reason = verified, "peer_changed"
+            self.counters["peer_loaded_pages"] += usable
+        elif load.transfer is not None and not self._session_holds(load.session_id, 0.0):
             # The lease may have ended while the DMA read its pages: they may hold another's bytes.
             usable, reason = 0, "session_lost"
         failed = load.block_ids[usable:].tolist()
@@ -841,6 +930,9 @@ class KVConnector:
             self.flush_report()
         finally:
             try:
+                if self.peer is not None:
+                    self.peer.close()
+                    self.peer = None
                 del self.transfer
                 self.host_pool.close()
                 if next_pool is not None:

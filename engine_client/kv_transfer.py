@@ -3,6 +3,8 @@
     save  gather the blocks (all layers, through the segment table) into a packed device buffer,
           then one DMA per run of consecutive L2 pages straight into the shared pool mapping
     load  one DMA per run of L2 pages into the packed buffer, then scatter it into the blocks
+          (or, for a peer restore, a gather out of another engine's blocks mapped into this
+          process: ``copy_from``)
 
 Each direction is a lane: a private copy stream, a packed workspace and a ring of block ids, all
 allocated (and the kernels compiled) at construction, so that nothing on a request's path depends
@@ -192,6 +194,31 @@ class KVTransfer:
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._copy_runs(lane, host_page_ids[first:last], to_host=False)
+                self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
+            done_event = self._record(lane)
+            return Transfer(len(block_ids), done_event, done_event)
+
+    def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
+                  after: torch.cuda.Event | None = None) -> Transfer:
+        """Queue on the load lane: another engine's blocks (``source``: its tensors mapped into this
+        process, pages of this layout's format) -> packed -> this engine's blocks (source_block_ids[i]
+        into block_ids[i]). Device to device; no host memory involved."""
+        source_block_ids = np.asarray(source_block_ids, dtype=np.int64)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.layout.check_block_ids(block_ids)
+        if source.num_segments != self.table.num_segments or source.segment_words * source.word_bytes != \
+                self.table.segment_words * self.table.word_bytes or source.device != self.device:
+            raise ValueError("the source's pages are not this layout's, or it is on another device")
+        source.layout.check_block_ids(source_block_ids)
+        if source_block_ids.shape != block_ids.shape:
+            raise ValueError(f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks")
+        lane = self.lanes["load"]
+        with self._on(lane, after):
+            for first in range(0, len(block_ids), lane.workspace_pages):
+                last = min(first + lane.workspace_pages, len(block_ids))
+                packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
+                self._gather(source, lane.upload(source_block_ids[first:last]),
+                             packed.view(source.word_dtype).view(source.packed_shape(last - first)))
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
             done_event = self._record(lane)
             return Transfer(len(block_ids), done_event, done_event)

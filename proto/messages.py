@@ -33,6 +33,9 @@ class MsgKind(enum.IntEnum):
     STATUS = 8
     ENGINE_REPORT = 9      # engine facts for status: transfer backends, the connector's counters
     # 10 and 11 were RESERVE_PAGES and COMMIT_PAGES (pages held ahead of backups): unused, never reuse
+    PEER_REGISTER = 12     # the engine's KV tensors (CUDA IPC handles) and its GPU, for other engines to copy from
+    PEER_PUBLISH = 13      # blocks of the engine's GPU cache that now hold pages, and blocks that no longer do
+    PEER_LIST = 14         # the registrations of other engines of the namespace that this engine can open
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65

@@ -13,6 +13,12 @@ The engine's side, per request (``scheduler.py``):
               blocks until finished().released names cid
 
 ``cid`` is the request's ``connector_id``: a preempted request comes back under a new one.
+
+Two optional calls, for a connector that lets other engines read this engine's GPU cache (peer
+restores; ``KVConnector`` has them): ``will_write_blocks(block_ids)`` before any block is written
+(the block manager calls it for every block it allocates or drops), and
+``blocks_cached(token_ids, block_ids)`` when blocks of a prompt's leading pages enter the prefix
+cache (after the forward that wrote them was queued).
 """
 
 from __future__ import annotations

@@ -37,11 +37,24 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self._connector: EngineConnector | None = None
         self.connector = connector
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
+
+    @property
+    def connector(self) -> EngineConnector | None:
+        return self._connector
+
+    @connector.setter
+    def connector(self, connector: EngineConnector | None) -> None:
+        """A connector that reads the engine's blocks (peer restores) hears of every block before
+        it is written (``will_write_blocks``) and of every block the prefix cache holds
+        (``blocks_cached``, in ``_register_blocks``)."""
+        self._connector = connector
+        self.blocks.on_write = getattr(connector, "will_write_blocks", None)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -178,6 +191,9 @@ class Scheduler:
         for i in range(request.num_registered_blocks, num_full_blocks):
             self.blocks.register(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = num_full_blocks
+        blocks_cached = getattr(self.connector, "blocks_cached", None)
+        if blocks_cached is not None:       # written by the work queued so far (this step's forward)
+            blocks_cached(request.token_ids[: num_full_blocks * self.block_size], request.block_ids[:num_full_blocks])
 
     def _free_blocks(self, request: Request) -> None:
         block_ids, request.block_ids = request.block_ids, []

@@ -28,12 +28,14 @@ from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexC
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
 from kvcached.core.metrics import Metrics
+from kvcached.core.residency import PeerExport, PeerRegistry
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
 from proto.replies import CommitReply, MatchReply
+from proto.schema import PeerPublish, PeerRegister
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +98,15 @@ def session_tag(session_id: int) -> str:
 class DaemonState:
     def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float, session_grace_s: float = 30.0,
                  l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic,
-                 l3_index_sink: Callable[[IndexChange], None] | None = None):
+                 l3_index_sink: Callable[[IndexChange], None] | None = None,
+                 peer_end_sink: Callable[[PeerExport], None] | None = None):
         """``session_timeout_s``: how long a session whose process the daemon cannot watch lives
         without a sign of life. ``session_grace_s``: how long a watched (living) process's session
         lives without one, and how long the pages of an unwatched one stay quarantined after its
         last sign of life. ``l3_index_sink``: where every change of L3 residency is reported, in
         order, for a persistent L3 file (the I/O layer writes them to its index); None: L3 is
-        temporary."""
+        temporary. ``peer_end_sink``: called with each peer registration that ends (its session
+        ended), so that the I/O layer closes its epoch file."""
         if arena_plan.arena_bytes <= 0:
             raise ValueError(f"L2 segment of {arena_plan.segment_bytes} bytes is too small for "
                              f"{arena_plan.max_namespaces} namespaces")
@@ -130,6 +134,8 @@ class DaemonState:
         self._lease_ids = itertools.count(1)
         self._running_at = clock()
         self._l3_index_sink = l3_index_sink if self.l3_plan is not None else None
+        self.peers = PeerRegistry()
+        self._peer_end_sink = peer_end_sink
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -316,6 +322,7 @@ class DaemonState:
             self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED, quarantined if quarantine else None)
             reclaimed += 1
         del self.sessions[session.session_id]
+        self._end_peer_export(session.session_id)
         self._ended_session_ids[session.session_id] = None
         while len(self._ended_session_ids) > MAX_ENDED_SESSIONS:
             self._ended_session_ids.popitem(last=False)
@@ -386,8 +393,13 @@ class DaemonState:
                 self.metrics.add("reservations_capped")
             backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
+        peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
+        if session.session_id in self.peers.by_session:
+            hits["peer"] = len(peer_block_ids) * page_size
+            self.metrics.add("hit_tokens_peer", hits["peer"])
         if locked_node is None and not backup_page_ids:
-            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens)
+            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
+                              peer_epochs)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -400,7 +412,8 @@ class DaemonState:
         )
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
-        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens)
+        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
+                          peer_id, peer_block_ids, peer_epochs)
 
     def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False) -> MatchReply:
         """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
@@ -429,6 +442,12 @@ class DaemonState:
             hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
                                                    for label in hits}
         assert hits is not None
+        if not tp_group and session_id in self.peers.by_session:
+            # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
+            # in a lookup: the match that takes the lease names them).
+            namespace = self.namespaces[session.namespace_id]
+            hits["peer"] = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            self.metrics.add("lookup_hit_tokens_peer", hits["peer"], model=geometry.model_id)
         self.metrics.add("lookups", model=geometry.model_id)
         self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
@@ -519,6 +538,84 @@ class DaemonState:
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
         return CommitReply(new_pages, duplicates), write_through
+
+    # ---- peer restores (kvcached/core/residency.py) --------------------------------------------
+
+    def peer_register(self, session_id: int, request: PeerRegister) -> PeerExport:
+        """Register the session's KV tensors for engines of its namespace to copy blocks from. Not
+        listed until ``peer_ready`` names its epoch file (the I/O layer makes it)."""
+        session = self.session(session_id)
+        if session_id in self.peers.by_session:
+            raise ProtocolError(ErrorCode.BAD_FRAME, "this session has registered its KV tensors already")
+        export = self.peers.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
+                                session.process_start_time)
+        self.metrics.add("peer_registrations")
+        logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
+                    request.transport, request.device_id, request.num_blocks)
+        return export
+
+    def peer_ready(self, export: PeerExport, epochs_path: str, epochs_offset_bytes: int) -> None:
+        export.epochs_path, export.epochs_offset_bytes = epochs_path, epochs_offset_bytes
+
+    def peer_unregister(self, session_id: int) -> None:
+        """Undo a registration whose epoch file could not be made (its session lives on)."""
+        self._end_peer_export(session_id, notify=False)
+
+    def _end_peer_export(self, session_id: int, notify: bool = True) -> None:
+        export = self.peers.remove(session_id)
+        if export is None:
+            return
+        namespace = self.namespaces.get(export.namespace_id)
+        if namespace is not None:
+            self.metrics.add("peer_blocks_forgotten", namespace.tree.peer_drop(export.peer_id))
+        self.metrics.add("peer_registrations_ended")
+        if notify and self._peer_end_sink is not None:
+            self._peer_end_sink(export)
+
+    def peer_publish(self, session_id: int, request: PeerPublish) -> None:
+        """What entered and left the session's GPU cache: removals first, then each run."""
+        self.session(session_id)
+        export = self.peers.by_session.get(session_id)
+        if export is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, "this session has not registered its KV tensors "
+                                "(PEER_REGISTER) or its registration ended")
+        num_blocks = export.request.num_blocks
+        names = list(request.removed) + [b for run in request.runs for b in run.block_ids]
+        if names and max(names) >= num_blocks:
+            raise ProtocolError(ErrorCode.BAD_PAGES, f"block id {max(names)} is beyond the registration's "
+                                f"{num_blocks} blocks")
+        tree = self.namespaces[export.namespace_id].tree
+        self.metrics.add("peer_blocks_removed", tree.peer_remove(export.peer_id, request.removed))
+        for run in request.runs:
+            try:
+                added = tree.peer_put(np.frombuffer(run.token_ids, dtype="<i4"), export.peer_id, run.start_page,
+                                      run.block_ids, run.epochs)
+            except ValueError as exc:       # what came before in the message stands
+                raise ProtocolError(ErrorCode.BAD_PAGES, f"a peer run does not fit: {exc}") from None
+            self.metrics.add("peer_blocks_published", added)
+        self.metrics.add("peer_publications")
+
+    def peer_list(self, session_id: int) -> list[dict[str, Any]]:
+        """The registrations the session may open (none unless it registered itself)."""
+        self.session(session_id)
+        reader = self.peers.by_session.get(session_id)
+        return [export.to_wire() for export in self.peers.readable_by(reader)] if reader is not None else []
+
+    def _peer_candidate(self, session: Session, namespace: Namespace, token_ids: np.ndarray
+                        ) -> tuple[int, list[int], list[int]]:
+        """The longest run of another engine's blocks this session may copy, for the leading pages
+        of token_ids: (peer id, blocks, epochs), or (0, [], []). The first registered wins a tie."""
+        reader = self.peers.by_session.get(session.session_id)
+        if reader is None:
+            return 0, [], []
+        owners = [export.peer_id for export in self.peers.readable_by(reader)]
+        if not owners:
+            return 0, [], []
+        hits = namespace.tree.peer_hits(token_ids, owners)
+        if not hits:
+            return 0, [], []
+        peer_id = max(owners, key=lambda owner: len(hits[owner].block_ids) if owner in hits else 0)
+        return peer_id, hits[peer_id].block_ids, hits[peer_id].epochs
 
     # ---- moves between tiers (L3) ------------------------------------------------------------
 
@@ -843,6 +940,15 @@ class DaemonState:
             "quarantined_pages": quarantined,
         }
 
+    def _peer_status(self, session: Session) -> dict[str, Any]:
+        export = self.peers.by_session.get(session.session_id)
+        if export is None:
+            return {}
+        tree = self.namespaces[export.namespace_id].tree
+        return {"peer": {"transport": export.request.transport, "device_id": export.request.device_id,
+                         "num_blocks": export.request.num_blocks, "published_blocks": tree.peer_blocks(export.peer_id),
+                         "readers_may_open": len(self.peers.readable_by(export))}}
+
     def status(self) -> dict[str, Any]:
         namespaces = []
         for namespace in self.namespaces.values():
@@ -860,7 +966,7 @@ class DaemonState:
                 {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
                  "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
                  "age_s": round(self.clock() - s.attached_at, 3), "idle_s": round(self.clock() - s.last_seen, 3),
-                 "pid_watched": s.pid_watched, "report": s.report}
+                 "pid_watched": s.pid_watched, "report": s.report, **self._peer_status(s)}
                 for s in self.sessions.values()
             ],
             "quarantines": [

@@ -46,12 +46,13 @@ from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, writ
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
-from kvcached.server.shm import DaemonLock, SharedSegment, SocketDirectory, StartupError, segment_name
+from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
+                                 epoch_file_prefix, segment_name)
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.replies import AttachInfo, DetachReply, to_wire
-from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
+from proto.replies import AttachInfo, DetachReply, PeerListReply, PeerRegisterReply, to_wire
+from proto.schema import Attach, BackupCommit, EngineReport, Match, PeerPublish, PeerRegister, Release, SessionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ HTTP_SNAPSHOT_TIMEOUT_S = 2.0
 class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
-                 executor: IoExecutor | None = None, index: L3IndexStore | None = None):
+                 executor: IoExecutor | None = None, index: L3IndexStore | None = None,
+                 epoch_files: EpochFiles | None = None):
         self.config = config
         self.state = state
         self.socket = socket
@@ -82,6 +84,7 @@ class Server:
         self.storage = storage
         self.executor = executor
         self.index = index
+        self.epoch_files = epoch_files
         self.started_at = time.time()
         self.http_address: str | None = None       # HOST:PORT of the HTTP listener, once it serves
         self.stop_event = asyncio.Event()
@@ -111,6 +114,9 @@ class Server:
             MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
             MsgKind.ENGINE_REPORT: self._engine_report,
+            MsgKind.PEER_REGISTER: self._peer_register,
+            MsgKind.PEER_PUBLISH: self._peer_publish,
+            MsgKind.PEER_LIST: self._peer_list,
         }
 
     async def run(self) -> None:
@@ -519,6 +525,27 @@ class Server:
         self.state.engine_report(request.session_id, request.report)
         return {} if request.ack else None
 
+    def _peer_register(self, body: dict) -> dict[str, Any]:
+        request = PeerRegister.parse(body)
+        if self.epoch_files is None:
+            raise ProtocolError(ErrorCode.INTERNAL, "this daemon serves no peer restores")
+        export = self.state.peer_register(request.session_id, request)
+        try:
+            path, offset = self.epoch_files.create(export.peer_id, request.num_blocks)
+        except OSError as exc:
+            self.state.peer_unregister(request.session_id)
+            raise ProtocolError(ErrorCode.OUT_OF_SPACE, f"cannot create the peer epoch file: {exc}") from None
+        self.state.peer_ready(export, path, offset)
+        return to_wire(PeerRegisterReply(export.peer_id, path, offset))
+
+    def _peer_publish(self, body: dict) -> dict[str, Any] | None:
+        request = PeerPublish.parse(body)
+        self.state.peer_publish(request.session_id, request)
+        return {} if request.ack else None
+
+    def _peer_list(self, body: dict) -> dict[str, Any]:
+        return to_wire(PeerListReply(self.state.peer_list(SessionRequest.parse(body).session_id)))
+
     def _io_status(self) -> dict[str, Any]:
         counters = self.state.metrics.counters
         io = {}
@@ -596,6 +623,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         directory.remove_stale_socket()        # stale: we hold the lock
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
         resources.callback(segment.close)
+        epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
+        resources.callback(epoch_files.close_all)
         storage = executor = index = None
         saved_l3: list = []
         if config.l3_bytes > 0:
@@ -615,7 +644,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 session_timeout_s=config.session_timeout_s,
                                 session_grace_s=config.session_grace_s,
                                 l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None,
-                                l3_index_sink=index.submit if index else None)
+                                l3_index_sink=index.submit if index else None,
+                                peer_end_sink=lambda export: epoch_files.close(export.peer_id))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if index is not None:
@@ -638,7 +668,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(directory.remove_socket)
         directory.socket_bound()
 
-        server = Server(config, state, socket, segment, storage, executor, index)
+        server = Server(config, state, socket, segment, storage, executor, index, epoch_files)
         resources.callback(server.close_wake_sockets)
         listener = _start_http(config, server)
         if listener is not None:

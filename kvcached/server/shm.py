@@ -21,8 +21,10 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import time
 
+from proto import epochs
 from proto.paths import file_kind, user_label
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,11 @@ class StartupError(Exception):
 def segment_name(socket_path: str) -> str:
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
     return f"kvcached-{os.getuid()}-{digest}.l2"
+
+
+def epoch_file_prefix(socket_path: str) -> str:
+    """The names of a daemon's peer epoch files start so: ``<segment name>.peer-``."""
+    return segment_name(socket_path) + ".peer-"
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -262,3 +269,57 @@ def _unlink_if_same(path: str, expected: os.stat_result) -> None:
         return
     if _same_file(info, expected):
         os.unlink(path)
+
+
+class EpochFiles:
+    """The epoch files of live peer registrations (``proto.epochs``), one per peer id, in the
+    shared-memory directory. Files of ours with our prefix found at start are stale (we hold the
+    daemon lock) and removed; anything else by those names is left alone and refused."""
+
+    def __init__(self, shm_dir: str, prefix: str):
+        self.shm_dir = shm_dir
+        self.prefix = prefix
+        self._files: dict[int, tuple[str, int, os.stat_result, mmap.mmap]] = {}
+        for name in os.listdir(shm_dir):
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(shm_dir, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                logger.warning("removing stale peer epoch file %s left by a daemon that did not exit cleanly", path)
+                os.unlink(path)
+
+    def create(self, peer_id: int, num_blocks: int) -> tuple[str, int]:
+        """Make the file of a registration; returns its path and where its epochs start. OSError
+        (nothing left behind) when it cannot be made."""
+        path = os.path.join(self.shm_dir, f"{self.prefix}{peer_id:016x}.epochs")
+        size = epochs.file_bytes(num_blocks)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            info = os.fstat(fd)
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping[:len(epochs.MAGIC)] = epochs.MAGIC
+            struct.pack_into("<Q", mapping, epochs.NUM_BLOCKS_OFFSET, num_blocks)
+        except BaseException:
+            _unlink_if_same(path, os.fstat(fd))
+            raise
+        finally:
+            os.close(fd)
+        self._files[peer_id] = (path, size, info, mapping)
+        return path, epochs.EPOCHS_OFFSET
+
+    def close(self, peer_id: int) -> None:
+        """The registration ended: mark its file closed (readers stop copying from it and close
+        their mappings), then remove it; the memory goes once the last mapping does."""
+        entry = self._files.pop(peer_id, None)
+        if entry is None:
+            return
+        path, _, info, mapping = entry
+        struct.pack_into("<Q", mapping, epochs.CLOSED_OFFSET, 1)
+        mapping.close()
+        _unlink_if_same(path, info)
+
+    def close_all(self) -> None:
+        for peer_id in list(self._files):
+            self.close(peer_id)

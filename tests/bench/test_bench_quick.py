@@ -24,13 +24,17 @@ def run_quick(module: str, result_dir, *args: str) -> dict:
 
 def test_bench_ttft_quick_measures_every_tier_with_its_checks_passing(tmp_path):
     """One point (40 tokens), every tier: a row each, every request's tier forced (no engine cache
-    hit, every whole page loaded, from L3 promoted), the restored KV bit for bit the saved KV, the
-    check request's logits bit for bit the own cache hit's and its tokens a recompute's, the
-    daemon's integrity ok."""
+    hit, every whole page loaded, from L3 promoted, for the peer tier every page out of engine A's
+    memory), the restored KV bit for bit the saved KV (peer: A's), the check request's tokens a
+    recompute's and (but for the peer tier, whose KV A computed) its logits bit for bit the own
+    cache hit's, the daemon's integrity ok."""
     result = run_quick("bench.bench_ttft", tmp_path, "--points", "tiny=40", "--no-hf", "--samples", "2",
                        "--warmup", "1")
     rows = {row["tier"]: row for row in result["rows"]}
-    assert sorted(rows) == sorted(["none", "l2", "l3", "l3-cold"]) and not result["failures"], result
+    assert sorted(rows) == sorted(["none", "l2", "l3", "l3-cold", "peer"]) and not result["failures"], result
+    peer = rows.pop("peer")
+    assert peer["tier_forced"] and peer["kv_equal"] and peer["integrity"] == "ok" and peer["outputs_equal"], peer
+    assert peer["peer_tokens"] == peer["loaded_tokens"] == [32] * 4 and peer["promoted_tokens"] == [0] * 4, peer
     assert rows["none"]["tier_forced"] and rows["none"]["outputs_equal"], rows["none"]
     for tier in ("l2", "l3", "l3-cold"):
         row = rows[tier]

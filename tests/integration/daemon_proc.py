@@ -116,9 +116,11 @@ class DaemonProcess:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
         # A daemon killed on purpose leaves its segment behind; do not leak it into /dev/shm.
-        from kvcached.server.shm import segment_name
+        from kvcached.server.shm import epoch_file_prefix, segment_name
 
-        try:
-            os.unlink(os.path.join("/dev/shm", segment_name(self.socket_path)))
-        except FileNotFoundError:
-            pass
+        prefix = epoch_file_prefix(self.socket_path)
+        for name in [segment_name(self.socket_path)] + [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
