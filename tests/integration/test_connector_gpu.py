@@ -191,3 +191,37 @@ def test_gpu_many_small_loads_wrap_the_id_ring_bit_for_bit(daemon):
     finally:
         a.connector.close()
         b.connector.close()
+
+
+def test_gpu_the_engines_stream_waits_for_each_layer_alone(daemon):
+    """A load queued behind a long kernel of the engine's stream, then for each layer in turn (the
+    stream still in that kernel): the stream waits for that layer of the load (wait_for_layer_load with the request's id) and copies
+    that layer of the destination blocks. Each copy holds the loaded bytes, with no host wait in
+    between; the load has one distinct event per layer, the last one its completion."""
+    rng = np.random.default_rng(SEED + 12)
+    a, b = GpuEngine(daemon.socket_path, SEED + 12), GpuEngine(daemon.socket_path, SEED + 13)
+    try:
+        tokens = rng.integers(0, 100_000, size=24 * P, dtype=np.int32)
+        source = list(range(24))
+        save_all(a, "r", tokens, source)
+        destination = list(range(30, 54))
+        torch.cuda._sleep(SLEEP_CYCLES)      # the load starts after it, as do the stream's waits
+        b.connector.load("r", tokens, destination, 24 * P)
+        deadline = time.monotonic() + 10.0
+        while not b.connector.finished().queued:
+            assert time.monotonic() < deadline, b.connector.stats()
+        (load,) = b.connector._requests["r"].loads
+        events = load.transfer.layer_events
+        assert len(events) == L and len({id(e) for e in events}) == L and events[-1] is load.transfer.done_event
+        seen = []
+        for layer in range(L):
+            b.connector.wait_for_layer_load(layer, request_ids=["r"])
+            seen.append(b.tensors[layer][:, destination].clone())
+        torch.cuda.synchronize()
+        for layer in range(L):
+            expected = a.tensors[layer][:, source]
+            assert torch.equal(seen[layer].view(torch.int16), expected.view(torch.int16)), (SEED, layer)
+        b.connector.request_finished("r")
+    finally:
+        a.connector.close()
+        b.connector.close()
