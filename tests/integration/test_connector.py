@@ -397,19 +397,27 @@ def test_a_load_is_reported_queued_with_what_it_fills_then_confirmed(daemon):
         engine.close()
 
 
-def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_load(daemon):
-    """wait_for_layer_load(layer, request_ids=[a]) with a's match unanswered takes a's reply (a
-    bounded host wait) and queues a's copies, so they are done when it returns on CPU; b's load,
-    named by no one, is not queued by it; an id with no open request is ignored."""
+def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_load():
+    """wait_for_layer_load(layer, request_ids=[a]) with a's match unanswered (sent while the daemon
+    was stopped) takes a's reply (a bounded host wait) and queues a's copies, so they are done when
+    it returns on CPU; b's load, named by no one, is not queued by it; an id with no open request is
+    ignored. (A patient daemon: its sessions outlive the stop by far, see the test above.)"""
+    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
     rng = np.random.default_rng(SEED + 12)
-    engine = Engine(daemon.socket_path, "layer", seed=SEED + 12)
+    engine = None
     try:
+        engine = Engine(daemon.socket_path, "layer", seed=SEED + 12)
         tokens = random_tokens(rng, 2 * P)
         engine.connector.save("w", tokens, [0, 1])
         engine.connector.request_finished("w")
         engine.settle()
-        engine.connector.load("a", tokens, [10, 11], 2 * P)
-        engine.connector.load("b", tokens, [12, 13], 2 * P)
+        stop_process(daemon.proc.pid)
+        try:
+            engine.connector.load("a", tokens, [10, 11], 2 * P)
+            engine.connector.load("b", tokens, [12, 13], 2 * P)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert engine.connector.stats().get("load_pages_queued", 0) == 0
         engine.connector.wait_for_layer_load(L - 1, request_ids=["a", "unknown"])
         assert engine.connector.stats()["load_pages_queued"] == 2
         for src, dst in zip([0, 1], [10, 11]):
@@ -422,4 +430,6 @@ def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_l
             engine.connector.request_finished(request_id)
         engine.settle()
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()
