@@ -78,12 +78,13 @@ class Plan:
     ttft_points: tuple[tuple[int, int], ...]
     ttft_samples: int
     warmup: int
+    decode_budget: int               # tokens a decoding request may generate in a trial
 
 
 FULL = Plan("qwen3-8b", decoders=8, decoder_prompt_tokens=128, prefix_tokens=3500, suffix_tokens=32, trials=5,
-            baseline_steps=8, ttft_points=((3500, 1000), (8000, 2000)), ttft_samples=5, warmup=1)
+            baseline_steps=8, ttft_points=((3500, 1000), (8000, 2000)), ttft_samples=5, warmup=1, decode_budget=512)
 QUICK = Plan("tiny", decoders=8, decoder_prompt_tokens=24, prefix_tokens=100, suffix_tokens=8, trials=2,
-             baseline_steps=4, ttft_points=((100, 30), (200, 50)), ttft_samples=2, warmup=1)
+             baseline_steps=4, ttft_points=((100, 30), (200, 50)), ttft_samples=2, warmup=1, decode_budget=128)
 
 
 class StepLog:
@@ -159,8 +160,9 @@ class Bench:
         self.path = None
 
     def decode_budget(self) -> int:
-        """Tokens a decoding request may generate in one under_decode trial (it is aborted after)."""
-        return self.plan.baseline_steps + 4 + CHECK_TOKENS + 64
+        """Tokens a decoding request may generate in one under_decode trial (it is aborted after):
+        room for a restore of a few hundred decode steps (an L3 promotion)."""
+        return self.plan.decode_budget
 
     def tokens(self, count: int) -> list[int]:
         return self.rng.integers(0, self.vocab_size, size=count).tolist()
