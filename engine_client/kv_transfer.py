@@ -73,11 +73,6 @@ class Transfer:
     def done(self) -> bool:
         return self.done_event is None or self.done_event.query()
 
-    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` wait for the transfer (no host wait); nothing to do on CPU."""
-        if self.done_event is not None and stream is not None:
-            stream.wait_event(self.done_event)
-
     def wait_layer_on(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         """Make ``stream`` wait until this load has written ``layer`` of its blocks (no host wait)."""
         event = self.layer_events[layer] if self.layer_events is not None else self.done_event
