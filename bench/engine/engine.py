@@ -92,10 +92,14 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
+            self.scheduler.poll_connector()            # while the GPU computes (see below)
             token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
             sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
+            # While the GPU runs the batch: the connector's replies come in and the copies they
+            # allow are queued (their host work hidden too), and loads done are seen a step sooner.
+            self.scheduler.poll_connector()
             token_ids = logits.argmax(-1).tolist()
             self.scheduler.decode_done(plan.decode)
             sampled = plan.decode

