@@ -9,7 +9,8 @@ Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the 
                                                         # scatter follow its reply (poll)
     connector.poll()                                    # once per step: replies in, transfers queued
     connector.finished().loads                          # LoadResult per load: loaded or failed blocks
-    connector.wait_for_layer_load(layer)                # or: the engine's stream waits (sync loads)
+    connector.finished().queued                         # or earlier: its copies are queued, and
+    connector.wait_for_layer_load(layer, None, [rid])   # the engine's stream waits for layer i alone
     ... prefill the rest ...
     connector.save(rid, token_ids, block_ids, start)    # the new full blocks, queued
     if connector.request_finished(rid): ...             # True: keep the blocks until finished().released
@@ -20,6 +21,11 @@ for the pages the daemon lacks (what saves write). The replies of a step's match
 ``poll`` in one sweep, so a step costs one round trip at most, and nobody waits for it. When the
 request is finished and its transfers are done, the written pages are committed (``BACKUP_COMMIT``,
 which ends the lease) or, with none written, the lease is released.
+
+Loads go layer by layer (``engine_client.kv_transfer``), an event per layer: a prefill may start
+once ``finished().queued`` names its load, its attention of layer i waiting (on the GPU) for layer
+i alone while later layers are still copied; the load's entry in ``finished().loads`` then confirms
+what it read (or, rarely, voids it: see Fencing).
 
 Fencing. A DMA into private L2 pages is queued only while the session is sure to outlive it by
 ``fence_margin_s`` (``KVCacheClient.session_valid_for``); a load whose session ended (or changed)
@@ -56,7 +62,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +120,11 @@ class RequestLease(NamedTuple):
 class Finished(NamedTuple):
     loads: list[LoadResult]        # each load() once, when it is complete or has failed
     released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
+    # Loads whose copies were queued since the last call, each once, before (or with) its entry in
+    # loads: its blocks hold num_tokens once the engine's stream waited on wait_for_layer_load for
+    # every layer. Provisional: its entry in loads confirms it (or, the session lost while the copy
+    # ran, reports every block failed, and what the stream read from them must be recomputed).
+    queued: Sequence[LoadResult] = ()
 
 
 class PendingLookup:
@@ -272,6 +283,7 @@ class KVConnector:
         self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
         self._requests: dict[Hashable, _Request] = {}
         self._finished_loads: list[LoadResult] = []
+        self._queued_loads: list[LoadResult] = []
         self._released: list[Hashable] = []
         self._sync_loads: list[_Load] = []
         self._reported: dict[str, Any] | None = None
@@ -440,17 +452,26 @@ class KVConnector:
         self.poll()
         loads, self._finished_loads = self._finished_loads, []
         released, self._released = self._released, []
-        return Finished(loads, released)
+        queued, self._queued_loads = self._queued_loads, []
+        return Finished(loads, released, queued)
 
-    def wait_for_layer_load(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait until the synchronous loads (load(...,
-        asynchronous=False)) not yet reported hold ``layer``. A load whose match has no reply yet is
-        waited for here, on the host (bounded by reply_timeout_s): issue loads a step ahead, or
-        asynchronously, to avoid that. Today the whole load lands at once; the API is per layer so
-        that layer-by-layer loads can come without changing engines."""
+    def wait_for_layer_load(self, layer: int, stream: torch.cuda.Stream | None = None,
+                            request_ids: Iterable[Hashable] | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait until ``layer`` of the blocks of some
+        loads is written: of the loads of ``request_ids`` not yet reported, or (None) of the
+        synchronous loads (load(..., asynchronous=False)) not yet reported. No host wait for the
+        copies: the stream waits on the layer's event, while the later layers are still copied. A
+        load whose match has no reply yet is waited for here, on the host (bounded by
+        reply_timeout_s): wait on a load once ``finished().queued`` named it, or issue it a step
+        ahead, to avoid that."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer}")
-        for load in list(self._sync_loads):
+        if request_ids is None:
+            loads = list(self._sync_loads)
+        else:
+            loads = [load for request_id in request_ids if request_id in self._requests
+                     for load in self._requests[request_id].loads]
+        for load in loads:
             request = self._requests.get(load.request_id)
             if request is not None and not load.queued:
                 self._take_reply(request, self.config.reply_timeout_s)
@@ -458,9 +479,9 @@ class KVConnector:
         if self.layout.device.type != "cuda":
             return
         stream = stream or torch.cuda.current_stream(self.layout.device)
-        for load in self._sync_loads:
+        for load in loads:
             if load.transfer is not None:
-                load.transfer.wait_on(stream)
+                load.transfer.wait_layer_on(layer, stream)
 
     @property
     def num_open_requests(self) -> int:
@@ -608,6 +629,8 @@ class KVConnector:
             else:
                 self.counters["load_pages_queued"] += usable
                 load.session_id = request.session_id
+                self._queued_loads.append(LoadResult(request.request_id, usable * self.page_size,
+                                                     load.block_ids[usable:].tolist(), load.reason))
         load.num_pages_queued = usable
 
     def _peer_plan(self, reply) -> PeerPlan | None:

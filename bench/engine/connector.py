@@ -7,7 +7,10 @@ The engine's side, per request (``scheduler.py``):
   admission   n = lookup(tokens) beyond the engine's own hit -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
-              (its failed blocks are recomputed); a released id frees the blocks held for it
+              (its failed blocks are recomputed); a released id frees the blocks held for it;
+              load_mode "layerwise": a queued load admits it already, and its prefill's attention
+              of layer i first calls wait_for_layer_load(i, None, [cid]); after that prefill the
+              LoadResult confirms what it read, or voids it (the prefill is redone)
   prefill     save(cid, tokens, every full block, 0) once the prompt's KV is written
   the end     request_finished(cid) when it finishes, is aborted or preempted: True keeps its
               blocks until finished().released names cid
@@ -36,6 +39,7 @@ class LoadResult(NamedTuple):
 class Finished(NamedTuple):
     loads: list[LoadResult]          # each load once, done or failed
     released: list[Hashable]         # requests whose blocks the connector no longer touches
+    queued: Sequence[LoadResult] = ()  # loads whose copies are queued (before or with their result)
 
 
 class EngineConnector(Protocol):
@@ -52,7 +56,11 @@ class EngineConnector(Protocol):
         queued so far on the engine's stream)."""
 
     def finished(self) -> Finished:
-        """Loads done and requests released since the last call; never waits."""
+        """Loads queued, loads done and requests released since the last call; never waits."""
+
+    def wait_for_layer_load(self, layer: int, stream=None, request_ids=None) -> None:
+        """Make the engine's (current) stream wait until the loads of request_ids have written
+        ``layer`` of their blocks; no host wait for the copies."""
 
     def request_finished(self, request_id: Hashable) -> bool:
         """The engine is done with the request; True: keep its blocks until it is released."""

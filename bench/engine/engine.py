@@ -94,23 +94,46 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
-            sampled = self.scheduler.prefill_done(plan.prefill)
+            self.scheduler.poll_connector()            # while the GPU computes (see below)
+            token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
+            sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
+            # While the GPU runs the batch: the connector's replies come in and the copies they
+            # allow are queued (their host work hidden too), and loads done are seen a step sooner.
+            self.scheduler.poll_connector()
+            token_ids = logits.argmax(-1).tolist()
             self.scheduler.decode_done(plan.decode)
             sampled = plan.decode
         else:
             return []
-        token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
         now_s = time.perf_counter()
         finished = []
         for i, (request, token_id) in enumerate(zip(sampled, token_ids, strict=True)):
+            if request is None:
+                continue
             if self.config.keep_logits:
                 request.logits.append(logits[i].cpu())
             if self.scheduler.append_token(request, token_id, now_s):
                 del self._requests[request.request_id]
                 finished.append(request)
         return finished
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Abort every request (their pending loads are cancelled), step until the connector no
+        longer holds any of their blocks (TimeoutError after timeout_s), then take the connector
+        out and close it."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the connector still holds blocks of {len(self.scheduler.held_block_ids)} "
+                                   f"requests after {timeout_s} s")
+            self.step()
+        connector, self.scheduler.connector = self.scheduler.connector, None
+        if connector is not None and hasattr(connector, "close"):
+            connector.close()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 1) -> list[Request]:
         """Run prompts together to the end; the requests in prompt order."""
@@ -138,8 +161,7 @@ class Engine:
         request's prompt, in chunk order."""
         input_ids, positions, slots, seqs, logits_rows = [], [], [], [], []
         start = 0
-        for request, num_tokens in chunks:
-            first = request.num_computed_tokens
+        for request, num_tokens, first in chunks:
             token_positions = np.arange(first, first + num_tokens)
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
             input_ids.append(np.asarray(request.token_ids[first: first + num_tokens]))
@@ -157,8 +179,13 @@ class Engine:
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)
+        loads_in_flight = self.scheduler.loads_in_flight(chunks)
+        wait_for_layer = None
+        if loads_in_flight:
+            def wait_for_layer(layer: int) -> None:
+                self.connector.wait_for_layer_load(layer, None, loads_in_flight)
         return self.model(self._int64(input_ids), self._int64(positions), self.kv_caches, self._int64(slots),
-                          PrefillBatch(seqs), self._int64([logits_rows]))
+                          PrefillBatch(seqs, wait_for_layer), self._int64([logits_rows]))
 
     def _run_decode(self, requests: list[Request]) -> torch.Tensor:
         """The last token of each request in one forward; their logits in order."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from bench.engine.graphs import DEFAULT_MAX_GRAPH_TOKENS, LayerGraphs
 
 class PrefillBatch(NamedTuple):
     seqs: Sequence[PrefillSeq]
+    # Called with each layer's index before its attention reads the cache: the engine's stream
+    # waits there for that layer of the loads in flight (None: nothing to wait for).
+    wait_for_layer: Callable[[int], None] | None = None
 
 
 class DecodeBatch(NamedTuple):
@@ -38,9 +41,10 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, layer_index: int = 0):
         super().__init__()
         self.config = config
+        self.layer_index = layer_index
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.input_norm = _empty(config.hidden_size, dtype=dtype, device=device)
@@ -77,6 +81,8 @@ class DecoderLayer(nn.Module):
         store_kv(kv_cache, k, v, slot_mapping)
         scale = self.config.head_dim ** -0.5
         if isinstance(batch, PrefillBatch):
+            if batch.wait_for_layer is not None:       # this layer's loaded blocks (layer-wise loads)
+                batch.wait_for_layer(self.layer_index)
             return prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
         if batch.backend == "triton":
             return paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
@@ -102,7 +108,7 @@ class Qwen3Model(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, i) for i in range(config.num_layers))
         self.norm = _empty(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else \
             _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)

@@ -61,3 +61,28 @@ def test_bench_stress_quick_measures_both_tiers_with_no_mismatch(tmp_path):
         if tier == "l2":
             assert row["kv_mismatches"] == 0 and row["loads_complete"] and row["integrity"] == "ok", row
             assert row["loaded_tokens"] == 8 * 48, row
+
+
+def test_bench_overlap_quick_measures_every_case_with_its_checks_passing(tmp_path):
+    """Every case and tier of bench_overlap: a row each with exactly the issue's keys; every restored
+    request loaded its whole prefix (or the run fails) and gave the recompute's tokens, layer-wise
+    the tokens of whole-load-then-prefill; under "blocking" nothing of a restore is hidden, under
+    "async" part of it is; each TTFT row has its load, suffix prefill and layer figures; the daemon's
+    integrity ok after each case."""
+    result = run_quick("bench.bench_overlap", tmp_path)
+    assert not result["failures"], result["failures"]
+    keys = ["case", "tier", "hidden_fraction", "decode_step_inflation", "ttft_ms", "serial_ttft_ms", "load_ms",
+            "suffix_prefill_ms", "layer_prefill_ms", "outputs_equal"]
+    rows = {(row["case"], row["tier"]): row for row in result["rows"]}
+    assert sorted(rows) == sorted([("under_decode", "l2"), ("under_decode", "l3"), ("under_decode_blocking", "l2"),
+                                   ("under_decode_blocking", "l3"), ("ttft_100+30", "l2"), ("ttft_200+50", "l2")])
+    for key, row in rows.items():
+        assert list(row) == keys and row["outputs_equal"] is True, row
+        assert result["details"][f"{key[0]}/{key[1]}"]["integrity"] == "ok", key
+    for tier in ("l2", "l3"):
+        assert rows[("under_decode_blocking", tier)]["hidden_fraction"] == 0.0, rows
+        assert 0.0 < rows[("under_decode", tier)]["hidden_fraction"] <= 1.0, rows
+    for case in ("ttft_100+30", "ttft_200+50"):
+        row = rows[(case, "l2")]
+        assert all(row[k] > 0 for k in ("ttft_ms", "serial_ttft_ms", "load_ms", "suffix_prefill_ms")), row
+        assert abs(row["layer_prefill_ms"] - row["suffix_prefill_ms"] / 2) < 1e-3, row     # 2 layers
