@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from kvcached.config import DaemonConfig
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
@@ -319,16 +319,17 @@ class Server:
         namespace = self.state.namespaces[move.namespace_id]
         bytes_per_page = namespace.geometry.bytes_per_page
         assert namespace.l3_allocator is not None
-        layout = SlotLayout(namespace.l3_region_offset_bytes, bytes_per_page, namespace.l3_allocator.num_pages)
-        arena_start = namespace.arena_offset_bytes
-        arena_end = arena_start + namespace.num_pages * bytes_per_page
+        # Page and slot ids are absolute (kvcached/core/chunks.py): the namespace's pages span the
+        # segment from its start, its slots the file.
+        layout = SlotLayout(0, bytes_per_page, namespace.l3_allocator.num_pages)
+        pages_end = namespace.num_pages * bytes_per_page
         metrics = self.state.metrics
         direction = move.direction
         enqueued_s = time.perf_counter()
         ok = False
         page_keys: list[bytes] = []
         try:
-            with memoryview(self.segment.mapping) as whole, whole[arena_start:arena_end] as arena:
+            with memoryview(self.segment.mapping) as whole, whole[:pages_end] as arena:
                 if move.destination is Tier.L3 and self.index is not None:
                     result, page_keys = await self.executor.run(
                         _write_indexed, self.index, self.storage, layout, arena, namespace.geometry.page_size, move)
@@ -440,7 +441,7 @@ class Server:
             session_id=session.session_id,
             namespace_id=namespace.namespace_id,
             shm_path=self.segment.path,
-            arena_offset_bytes=namespace.arena_offset_bytes,
+            arena_offset_bytes=0,           # page ids are absolute: the pages span the whole segment
             num_pages=namespace.num_pages,
             bytes_per_page=namespace.geometry.bytes_per_page,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -587,10 +588,10 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                 index, saved_l3 = _open_index(config, storage)
                 resources.callback(index.close)        # after the last move, before the I/O threads
         try:
-            state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
+            state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
                                 session_grace_s=config.session_grace_s,
-                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None,
+                                l3_bytes=storage.size_bytes if storage else 0,
                                 l3_index_sink=index.submit if index else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None

@@ -170,14 +170,13 @@ def flip_byte(l3_path: str, index_path: str, tokens: np.ndarray, page: int, byte
     key = chain_page_keys(tokens, PAGE, page + 1)[page]
     reader = sqlite3.connect(index_path)
     try:
-        (region_offset,), = reader.execute("SELECT region_offset FROM namespaces WHERE ns_key = ?",
-                                           (namespace_key(GEOMETRY),))
-        (slot,), = reader.execute("SELECT slot FROM slots WHERE page_key = ?", (key,))
+        (slot,), = reader.execute("SELECT slot FROM slots WHERE ns_key = ? AND page_key = ?",
+                                  (namespace_key(GEOMETRY), key))
     finally:
         reader.close()
     fd = os.open(l3_path, os.O_RDWR)
     try:
-        offset = region_offset + slot * GEOMETRY.bytes_per_page + byte_in_page
+        offset = slot * GEOMETRY.bytes_per_page + byte_in_page      # slot ids are absolute in the file
         (value,) = os.pread(fd, 1, offset)
         os.pwrite(fd, bytes([value ^ 0x01]), offset)
     finally:
