@@ -219,16 +219,17 @@ PRAGMA user_version = 1;
 """
 
 
-def write_schema_1_index(path: str, geometry: KVGeometry, region_offset: int, rows: list[SlotRow]) -> None:
+def write_schema_1_index(path: str, geometry: KVGeometry, arena_index: int, region_offset: int,
+                         rows: list[SlotRow]) -> None:
     import json
 
     writer = sqlite3.connect(path)
     try:
         writer.executescript(_SCHEMA_1)
         with writer:
-            writer.execute("INSERT INTO namespaces VALUES (?, ?, 1, ?, 64, ?)",
-                           (namespace_key(geometry), json.dumps(geometry.to_wire(), sort_keys=True), region_offset,
-                            geometry.bytes_per_page))
+            writer.execute("INSERT INTO namespaces VALUES (?, ?, ?, ?, 64, ?)",
+                           (namespace_key(geometry), json.dumps(geometry.to_wire(), sort_keys=True), arena_index,
+                            region_offset, geometry.bytes_per_page))
             writer.executemany("INSERT INTO slots VALUES (?, ?, ?, ?, ?, ?)",
                                [(namespace_key(geometry), *row) for row in rows])
     finally:
@@ -240,7 +241,7 @@ def test_an_index_of_the_older_layout_is_refused_with_a_warning(tmp_path, rng, c
     start) is not read as if its slots were absolute: it comes back empty, with a warning that
     says why, and is then a working index of the current schema."""
     path = str(tmp_path / "l3.bin.index")
-    write_schema_1_index(path, GEOMETRY, 1 << 20, rows_of(rng, 4, 0))
+    write_schema_1_index(path, GEOMETRY, 1, 1 << 20, rows_of(rng, 4, 0))
     with caplog.at_level("WARNING", logger="kvcached.server.l3_index_store"):
         store, saved = L3IndexStore.open(path, fresh=False)
     assert saved == []
