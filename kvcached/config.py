@@ -59,7 +59,7 @@ class DaemonConfig:
     l3_bytes: int = DEFAULT_L3_BYTES
     l3_o_direct: bool = False
     l3_fresh: bool = False              # with l3_path: start with an empty L3 (and index), not the last run's
-    max_namespaces: int = 4
+    max_namespaces: int = 16             # distinct geometries served at once (they share the pool: no cost)
     heartbeat_interval_s: float = 0.5
     session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
     # A watched engine that lives keeps its session this long silent (a stall, say); an unwatched
