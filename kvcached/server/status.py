@@ -32,6 +32,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
                 f"{info['private_pages']:>9} {info.get('quarantined_pages', 0):>9}")
     if not snapshot.get("namespaces"):
         lines.append("    (no engine has attached yet)")
+    lines += pressure_warnings(snapshot)
     sessions = snapshot.get("sessions", [])
     if sessions:
         lines += ["", f"{'session':<17} {'pid':>8} {'watched':>7} {'ns':>3} {'leases':>6} {'age_s':>8} "
@@ -68,6 +69,14 @@ def render_table(snapshot: dict[str, Any]) -> str:
     if metrics:
         lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
     return "\n".join(lines)
+
+
+def pressure_warnings(snapshot: dict[str, Any]) -> list[str]:
+    """A line per namespace and tier that evicted cached pages to make room in the last minute."""
+    return [f"  WARNING ns {namespace['namespace_id']} {namespace['geometry']['model_id']} {tier}: full, evicting "
+            f"cached pages to make room ({info['evicted_pages']} evicted so far); a larger --{tier}-size keeps more"
+            for namespace in snapshot.get("namespaces", []) for tier, info in namespace["tiers"].items()
+            if info.get("under_pressure")]
 
 
 # Counters of an engine's connector that say work was not done: pages a save skipped, pages a load

@@ -4,13 +4,16 @@ it keeps still restore bit for bit while the second writes its own pages."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import torch
 
 from engine_client.client import connect
 from engine_client.shared_pool import SharedHostPool
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import DaemonProcess
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from tests.integration.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_l3 import back_up_random
@@ -33,7 +36,8 @@ def pressure_warnings(daemon: DaemonProcess) -> list[str]:
 def test_one_geometry_fills_the_whole_pool(rng, seed):
     """With four namespaces allowed, the only geometry is given every page of the 8 MiB segment and
     fills it to the last before anything is evicted; then evictions are counted, status says the
-    namespace is under pressure, and the daemon logs one warning for the episode."""
+    namespace is under pressure (the table with a warning line), and the daemon logs one warning
+    for the episode."""
     daemon = DaemonProcess(l2_size="8MiB", extra_args=POOL_ARGS).start()
     try:
         with connect(daemon.socket_path, timeout_s=5.0) as client:
@@ -49,6 +53,9 @@ def test_one_geometry_fills_the_whole_pool(rng, seed):
             assert status["integrity"] == "ok" and l2["evicted_pages"] >= 32 and l2["under_pressure"], l2
             assert status["pool"]["l2"]["free_chunks"] == 0
         assert len(pressure_warnings(daemon)) == 1, daemon.log()
+        table = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--socket", daemon.socket_path],
+                               env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+        assert "WARNING ns 0 e2e-model l2: full, evicting cached pages" in table.stdout, table.stdout
     finally:
         daemon.cleanup()
 
