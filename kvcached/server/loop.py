@@ -561,18 +561,20 @@ class Server:
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
-                install_signal_handlers: bool = True) -> None:
+                install_signal_handlers: bool = True,
+                progress: Callable[[int, int], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``server.stop_event``); every resource is released
-    on the way out. ``on_ready`` gets the running server once the socket is bound."""
+    on the way out. ``on_ready`` gets the running server once the socket is bound; ``progress``
+    how far the L2 segment is populated (SharedSegment.create)."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as resources:
+        # Every path is checked (the socket's directory, the lock, the L3 file and its index)
+        # before the L2 segment is populated, which takes seconds for a large pool.
         directory = SocketDirectory(config.socket_path)
         resources.callback(directory.close)
         lock = DaemonLock(directory)
         resources.callback(lock.close)
         directory.remove_stale_socket()        # stale: we hold the lock
-        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
-        resources.callback(segment.close)
         storage = executor = index = None
         saved_l3: list = []
         if config.l3_bytes > 0:
@@ -582,11 +584,15 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
             resources.callback(storage.close)
-            executor = IoExecutor(config.io_threads)
-            resources.callback(executor.shutdown)      # closed before the file and the segment
             if not storage.is_temporary:
                 index, saved_l3 = _open_index(config, storage)
-                resources.callback(index.close)        # after the last move, before the I/O threads
+                resources.callback(index.close)        # after the I/O threads, before the file
+        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
+                                       progress=progress)
+        resources.callback(segment.close)
+        if storage is not None:
+            executor = IoExecutor(config.io_threads)
+            resources.callback(executor.shutdown)      # closed before the index, the segment and the file
         try:
             state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
@@ -654,10 +660,11 @@ def _write_indexed(index: L3IndexStore, storage: StorageFile, layout: SlotLayout
     return result, chain_page_keys(move.token_ids, page_size, move.start_page + len(move.source_page_ids))
 
 
-def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None) -> None:
+def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
+        progress: Callable[[int, int], None] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works if it is missing
-        asyncio.run(serve(config, on_ready))
+        asyncio.run(serve(config, on_ready, progress=progress))
         return
-    uvloop.run(serve(config, on_ready))
+    uvloop.run(serve(config, on_ready, progress=progress))
