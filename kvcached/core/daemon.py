@@ -43,9 +43,9 @@ logger = logging.getLogger(__name__)
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
-# Of a namespace's L2 pages, at most this share is reserved by one session at a time, counted
-# across all its leases (the backup pages of its matches); a match's L3 promotion reserves no
-# more than that allowance either. Every reservation may evict cached prefixes, and a session
+# Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
+# at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
+# reserves no more than that allowance either. Every reservation may evict cached prefixes, and a session
 # keeps what it holds while it lives.
 MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
