@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 MAX_PAGES_PER_TIER = 1 << 20
 # Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
 # at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
-# reserves no more than that allowance either. Every reservation may evict cached prefixes, and a session
-# keeps what it holds while it lives.
+# reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
+# session keeps what it holds while it lives.
 MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
@@ -1003,7 +1003,8 @@ class DaemonState:
             usable = self.chunks[tier].page_ids_of(namespace.namespace_id, namespace.geometry.bytes_per_page,
                                                    allocator.num_pages)
             if len(usable) != namespace.capacity[tier]:
-                raise IntegrityError(f"{where}: capacity {namespace.capacity[tier]} != {len(usable)} pages in its chunks")
+                raise IntegrityError(f"{where}: capacity {namespace.capacity[tier]} != {len(usable)} pages in its "
+                                     "chunks")
             total = len(owned) + len(free) + len(private) + len(quarantined)
             if total != len(usable):
                 raise IntegrityError(f"{where}: owned {len(owned)} + free {len(free)} + private {len(private)} "
