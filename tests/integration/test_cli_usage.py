@@ -4,9 +4,12 @@ progress while a large pool is populated, a closed stdout that ends `status` qui
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pty
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +32,13 @@ def kvcached_run(*args: str, env: dict[str, str] | None = None, timeout_s: float
 
 @pytest.fixture
 def socket_dir():
+    """A directory for the socket (kvcached.sock); removed afterwards, with any segment of a daemon
+    that was killed on the socket."""
     path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     yield path
-    subprocess.run(["rm", "-rf", path], check=False)
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join("/dev/shm", segment_name(os.path.join(path, "kvcached.sock"))))
 
 
 def test_version_prints_the_package_version():
@@ -51,8 +58,6 @@ def test_sizes_are_binary_for_k_m_g_t_and_decimal_for_kb_mb_gb_tb_as_help_says()
     daemon = DaemonProcess(l2_size="8m", extra_args=("--l3-size", "1g")).start()
     try:
         result = kvcached_run("status", "--json", "--socket", daemon.socket_path)
-        import json
-
         status = json.loads(result.stdout)["daemon"]
         assert (status["l2_bytes"], status["l3_bytes"]) == (8 << 20, 1 << 30)
     finally:
@@ -140,6 +145,9 @@ def test_a_large_pool_shows_a_bar_on_a_terminal(socket_dir):
             assert time.monotonic() < deadline and proc.poll() is None, output
             if select.select([master], [], [], 0.5)[0]:
                 output += os.read(master, 4096)
+        # Stopped once it serves (its signal handlers are in place), so that it removes its segment.
+        while kvcached_run("status", "--socket", socket_path, "--timeout-s", "0.5").returncode != 0:
+            assert time.monotonic() < deadline and proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
