@@ -47,7 +47,7 @@ def align_up(num_bytes: int, alignment: int = ARENA_ALIGN_BYTES) -> int:
 
 
 class KVDaemon:
-    """A ``kvcached serve`` process for a run: one namespace (its arena is the whole L2), L3 in a
+    """A ``kvcached serve`` process for a run: one namespace (it holds the whole L2), L3 in a
     file of a directory of its own (removed by ``stop``), started empty."""
 
     def __init__(self, l2_bytes: int, l3_bytes: int, *, o_direct: bool = False, l3_dir: str | None = None,

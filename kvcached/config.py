@@ -1,25 +1,37 @@
 """Daemon configuration: one frozen dataclass; the CLI takes its defaults from here.
 
-Environment variables (``KVCACHED_*``) are read in this module only.
+Environment variables (``KVCACHED_*``) are read in this module only (``ENV_VARIABLES``; the socket's
+``KVCACHED_SOCKET`` through ``proto.paths``, which engines share). A bad value raises
+``ConfigError``, whose message names the variable (or, from ``DaemonConfig`` itself, the field).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import logging
 import os
 import re
 import shutil
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from proto.paths import default_socket_path, normalize_socket_path
 
+logger = logging.getLogger(__name__)
+
+# Sizes: k, m, g, t and KiB, MiB, GiB, TiB are binary, as docker and the JVM read them; KB, MB, GB,
+# TB are decimal. Case does not matter. No unit: bytes.
 _SIZE_UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
 }
+SIZE_HELP = ("sizes are a number and a unit: k m g t and KiB MiB GiB TiB are binary (64g = 64GiB = 64 * 2^30 "
+             "bytes), KB MB GB TB decimal (64GB = 64 * 10^9 bytes), no unit is bytes; case does not matter, "
+             "fractions are allowed (1.5g)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DEFAULT_L2_MAX_BYTES = 1 << 30       # modest: a sidecar on any box
 DEFAULT_L3_BYTES = 4 << 30           # a sparse temporary file: only written pages use disk
@@ -29,12 +41,57 @@ SHM_DIR = "/dev/shm"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
 
 
+class ConfigError(ValueError):
+    """A setting that cannot be used; ``field`` is the DaemonConfig field it is about, if any."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 def parse_size(text: str) -> int:
-    """'64GiB' -> 68719476736; '1.5G' -> 1500000000; plain integers are bytes."""
+    """'64GiB' and '64g' -> 68719476736; '64GB' -> 64000000000; '1.5g' -> 1610612736; plain
+    integers are bytes. ValueError for anything else."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 64GiB, 1TiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+        raise ValueError(f"not a size: {text!r} (e.g. 512MiB, 64g, 1TiB: g and GiB are 2^30 bytes, GB 10^9)")
+    return int(fractions.Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a yes/no value: {text!r} (1, true, yes, on or 0, false, no, off)")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def parse_log_level(text: str) -> str:
+    level = str(text).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"not a log level: {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return level
+
+
+# KVCACHED_* variable -> (the DaemonConfig field it sets, how its text is read)
+ENV_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "KVCACHED_L2_SIZE": ("l2_bytes", parse_size),
+    "KVCACHED_L3_PATH": ("l3_path", str),
+    "KVCACHED_L3_SIZE": ("l3_bytes", parse_size),
+    "KVCACHED_L3_O_DIRECT": ("l3_o_direct", parse_bool),
+    "KVCACHED_L3_FRESH": ("l3_fresh", parse_bool),
+    "KVCACHED_MAX_NAMESPACES": ("max_namespaces", parse_int),
+    "KVCACHED_LOG_LEVEL": ("log_level", parse_log_level),
+    "KVCACHED_HTTP": ("http_address", str),
+}
 
 
 def format_size(num_bytes: float) -> str:
@@ -73,7 +130,7 @@ class DaemonConfig:
     l3_bytes: int = DEFAULT_L3_BYTES
     l3_o_direct: bool = False
     l3_fresh: bool = False              # with l3_path: start with an empty L3 (and index), not the last run's
-    max_namespaces: int = 4
+    max_namespaces: int = 16             # distinct geometries served at once (they share the pool: no cost)
     heartbeat_interval_s: float = 0.5
     session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
     # A watched engine that lives keeps its session this long silent (a stall, say); an unwatched
@@ -93,29 +150,38 @@ class DaemonConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        # A path or an ipc:// URL, made absolute; too long for a socket address: ValueError.
-        object.__setattr__(self, "socket_path", normalize_socket_path(self.socket_path))
-        if self.l2_bytes < (2 << 20):
-            raise ValueError(f"l2_bytes must be at least 2 MiB, got {self.l2_bytes}")
-        if not 1 <= self.max_namespaces <= 1024:
-            raise ValueError("max_namespaces must be in 1..1024")
-        if not 0 < self.heartbeat_interval_s < self.session_timeout_s:
-            raise ValueError("heartbeat_interval_s must be positive and below session_timeout_s")
-        if not self.session_grace_s >= self.session_timeout_s:
-            raise ValueError(f"session_grace_s ({self.session_grace_s}) must be at least session_timeout_s "
-                             f"({self.session_timeout_s})")
-        if self.l3_bytes < 0:
-            raise ValueError("l3_bytes must be >= 0")
-        if not 0 <= self.socket_spin_us <= 100_000:
-            raise ValueError("socket_spin_us must be in 0..100000")
-        if self.socket_cpu is not None and self.socket_cpu not in os.sched_getaffinity(0):
-            raise ValueError(f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
-                             f"{sorted(os.sched_getaffinity(0))}")
-        if not self.refusal_log_interval_s > 0:
-            raise ValueError("refusal_log_interval_s must be positive")
-        if not 1 <= self.io_threads <= 256:
-            raise ValueError("io_threads must be in 1..256")
-        parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+        # A path or an ipc:// URL, made absolute; too long for a socket address: ConfigError.
+        try:
+            object.__setattr__(self, "socket_path", normalize_socket_path(self.socket_path))
+        except ValueError as exc:
+            raise ConfigError(str(exc), "socket_path") from None
+        try:
+            object.__setattr__(self, "log_level", parse_log_level(self.log_level))
+        except ValueError as exc:
+            raise ConfigError(str(exc), "log_level") from None
+        checks = (
+            ("l2_bytes", self.l2_bytes >= (2 << 20), f"l2_bytes must be at least 2 MiB, got {self.l2_bytes} bytes"),
+            ("max_namespaces", 1 <= self.max_namespaces <= 1024, "max_namespaces must be in 1..1024"),
+            ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.session_timeout_s,
+             "heartbeat_interval_s must be positive and below session_timeout_s"),
+            ("session_grace_s", self.session_grace_s >= self.session_timeout_s,
+             f"session_grace_s ({self.session_grace_s}) must be at least session_timeout_s "
+             f"({self.session_timeout_s})"),
+            ("l3_bytes", self.l3_bytes >= 0, "l3_bytes must be >= 0"),
+            ("socket_spin_us", 0 <= self.socket_spin_us <= 100_000, "socket_spin_us must be in 0..100000"),
+            ("socket_cpu", self.socket_cpu is None or self.socket_cpu in os.sched_getaffinity(0),
+             f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
+             f"{sorted(os.sched_getaffinity(0))}"),
+            ("refusal_log_interval_s", self.refusal_log_interval_s > 0, "refusal_log_interval_s must be positive"),
+            ("io_threads", 1 <= self.io_threads <= 256, "io_threads must be in 1..256"),
+        )
+        for field, ok, message in checks:
+            if not ok:
+                raise ConfigError(message, field)
+        try:
+            parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+        except ValueError as exc:
+            raise ConfigError(str(exc), "http_address") from None
 
     @property
     def http_endpoint(self) -> tuple[str, int] | None:
@@ -129,21 +195,30 @@ class DaemonConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":
-        values: dict = {
-            "socket_path": overrides.get("socket_path") or default_socket_path(env),
-            "l2_bytes": parse_size(env["KVCACHED_L2_SIZE"]) if env.get("KVCACHED_L2_SIZE") else default_l2_bytes(),
-            "l3_path": env.get("KVCACHED_L3_PATH") or None,
-            "log_level": env.get("KVCACHED_LOG_LEVEL", "INFO"),
-        }
-        if env.get("KVCACHED_L3_SIZE"):
-            values["l3_bytes"] = parse_size(env["KVCACHED_L3_SIZE"])
-        if env.get("KVCACHED_L3_O_DIRECT"):
-            values["l3_o_direct"] = env["KVCACHED_L3_O_DIRECT"].lower() in ("1", "true", "yes")
-        if env.get("KVCACHED_L3_FRESH"):
-            values["l3_fresh"] = env["KVCACHED_L3_FRESH"].lower() in ("1", "true", "yes")
-        if env.get("KVCACHED_HTTP"):
-            values["http_address"] = env["KVCACHED_HTTP"]
-        if env.get("KVCACHED_MAX_NAMESPACES"):
-            values["max_namespaces"] = int(env["KVCACHED_MAX_NAMESPACES"])
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """The configuration from the KVCACHED_* variables, each overridden by a keyword that is
+        not None (the CLI's flags). ConfigError names the variable of a bad value it read."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}            # field -> the variable (and text) it came from
+        for variable, (field, parse) in ENV_VARIABLES.items():
+            text = env.get(variable)
+            if not text or field in overrides:
+                continue
+            try:
+                values[field] = parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{variable}={text!r}: {exc}", field) from None
+            origins[field] = f"{variable}={text!r}"
+        if "socket_path" not in overrides:
+            try:
+                values["socket_path"] = default_socket_path(env)
+            except ValueError as exc:
+                raise ConfigError(str(exc), "socket_path") from None
+        values.setdefault("l2_bytes", default_l2_bytes())
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if exc.field in origins:
+                raise ConfigError(f"{origins[exc.field]}: {exc}", exc.field) from None
+            raise

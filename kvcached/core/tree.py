@@ -32,7 +32,7 @@ import itertools
 import logging
 import operator
 import time
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -78,6 +78,12 @@ class MatchResult(NamedTuple):
     page_ids: dict[Tier, list[int]]
     last_node: dict[Tier, TreeNode | None]
     matched_tokens: int
+
+
+class ResidentPages(NamedTuple):
+    page_ids: np.ndarray        # int64
+    last_access: np.ndarray     # float64: the LRU time of each page's node
+    locked: np.ndarray          # bool: its node's ref count is > 0
 
 
 class InsertResult(NamedTuple):
@@ -137,6 +143,32 @@ class PrefixTree:
     def evictable_pages(self, tier: Tier) -> int:
         """Resident pages with ref_count 0: all of them can be freed by evict() (leaves first)."""
         return len(self._owned_page_ids[tier]) - self._num_protected_pages[tier]
+
+    def oldest_evictable_access(self, tier: Tier) -> float | None:
+        """The LRU time of the leaf evict() would free first; None when nothing is evictable."""
+        heap = self._evict_heaps[tier]
+        while heap:
+            last_access, _, node = heap[0]
+            if last_access == node.last_access[tier] and self._is_evictable(node, tier):
+                return last_access
+            heapq.heappop(heap)               # stale: an evictable node always has a current entry
+        return None
+
+    def resident_pages(self, tier: Tier) -> ResidentPages:
+        """Every page resident in `tier` with its node's LRU time and whether it is locked."""
+        tier = self._check_tier(tier)
+        page_ids: list[int] = []
+        last_access: list[float] = []
+        locked: list[bool] = []
+        for node in self._iter_nodes():
+            node_page_ids = node.page_ids[tier]
+            if node is self._root or not node_page_ids:
+                continue
+            page_ids.extend(node_page_ids)
+            last_access.extend([node.last_access[tier]] * len(node_page_ids))
+            locked.extend([node.ref_count[tier] > 0] * len(node_page_ids))
+        return ResidentPages(np.array(page_ids, dtype=np.int64), np.array(last_access, dtype=np.float64),
+                             np.array(locked, dtype=bool))
 
     # ---- match ---------------------------------------------------------------------------
 
@@ -355,6 +387,40 @@ class PrefixTree:
         # A parent's ref count is >= each child's, so an unlocked target has an unlocked subtree.
         if target.page_ids[tier] is None or target.ref_count[tier] > 0:
             return []
+        return self._clear_subtree(target, tier)
+
+    def discard_pages(self, tier: Tier, page_ids: Collection[int]) -> list[int]:
+        """Clear `tier`'s residency of every page in page_ids and of everything below each (what
+        lies below a page cannot stay without it); returns every page id freed, those below
+        included. ValueError, and nothing changed, when one of them is locked in `tier`. Walks the
+        whole tree: for the rare moves of a chunk of the pool between namespaces."""
+        tier = self._check_tier(tier)
+        wanted = set(page_ids)
+        targets: list[tuple[TreeNode, int]] = []
+        queue = collections.deque([self._root])
+        while queue:                          # breadth first: ancestors before descendants
+            node = queue.popleft()
+            queue.extend(node.children.values())
+            node_page_ids = node.page_ids[tier]
+            if node is self._root or not node_page_ids:
+                continue
+            first = next((i for i, page_id in enumerate(node_page_ids) if page_id in wanted), None)
+            if first is None:
+                continue
+            if node.ref_count[tier] > 0:
+                raise ValueError(f"page {node_page_ids[first]} is locked in {tier.label}")
+            targets.append((node, first))
+        freed: list[int] = []
+        for node, first in targets:
+            if node.page_ids[tier] is None:  # cleared with an ancestor's subtree
+                continue
+            if first > 0:
+                self._split(node, first)      # node stays the lower half, from its first wanted page on
+            freed.extend(self._clear_subtree(node, tier))
+        return freed
+
+    def _clear_subtree(self, target: TreeNode, tier: Tier) -> list[int]:
+        """Clear `tier`'s residency of target and everything below it (all unlocked)."""
         freed: list[int] = []
         cleared: list[TreeNode] = []
         stack = [target]
@@ -660,8 +726,9 @@ class PrefixTree:
         node.parent.num_resident_children[tier] += 1
 
     def _remove_if_empty(self, node: TreeNode) -> None:
-        """Drop node, then its emptied ancestors, while they hold nothing in any tier."""
-        while node is not self._root and not node.children and node.holds_nothing():
+        """Drop node, then its emptied ancestors, while they hold nothing in any tier. A node
+        dropped already (with a child that emptied it) has no parent: nothing to do."""
+        while node.parent is not None and not node.children and node.holds_nothing():
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
             node.parent = None

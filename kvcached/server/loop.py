@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from kvcached.config import DaemonConfig
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
@@ -331,16 +331,17 @@ class Server:
         namespace = self.state.namespaces[move.namespace_id]
         bytes_per_page = namespace.geometry.bytes_per_page
         assert namespace.l3_allocator is not None
-        layout = SlotLayout(namespace.l3_region_offset_bytes, bytes_per_page, namespace.l3_allocator.num_pages)
-        arena_start = namespace.arena_offset_bytes
-        arena_end = arena_start + namespace.num_pages * bytes_per_page
+        # Page and slot ids are absolute (kvcached/core/chunks.py): the namespace's pages span the
+        # segment from its start, its slots the file.
+        layout = SlotLayout(0, bytes_per_page, namespace.l3_allocator.num_pages)
+        pages_end = namespace.num_pages * bytes_per_page
         metrics = self.state.metrics
         direction = move.direction
         enqueued_s = time.perf_counter()
         ok = False
         page_keys: list[bytes] = []
         try:
-            with memoryview(self.segment.mapping) as whole, whole[arena_start:arena_end] as arena:
+            with memoryview(self.segment.mapping) as whole, whole[:pages_end] as arena:
                 if move.destination is Tier.L3 and self.index is not None:
                     result, page_keys = await self.executor.run(
                         _write_indexed, self.index, self.storage, layout, arena, namespace.geometry.page_size, move)
@@ -455,7 +456,7 @@ class Server:
             session_id=session.session_id,
             namespace_id=namespace.namespace_id,
             shm_path=self.segment.path,
-            arena_offset_bytes=namespace.arena_offset_bytes,
+            arena_offset_bytes=0,           # page ids are absolute: the pages span the whole segment
             num_pages=namespace.num_pages,
             bytes_per_page=namespace.geometry.bytes_per_page,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -611,20 +612,20 @@ class Server:
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
-                install_signal_handlers: bool = True) -> None:
+                install_signal_handlers: bool = True,
+                progress: Callable[[int, int], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``server.stop_event``); every resource is released
-    on the way out. ``on_ready`` gets the running server once the socket is bound."""
+    on the way out. ``on_ready`` gets the running server once the socket is bound; ``progress``
+    how far the L2 segment is populated (SharedSegment.create)."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as resources:
+        # Every path is checked (the socket's directory, the lock, the L3 file and its index)
+        # before the L2 segment is populated, which takes seconds for a large pool.
         directory = SocketDirectory(config.socket_path)
         resources.callback(directory.close)
         lock = DaemonLock(directory)
         resources.callback(lock.close)
         directory.remove_stale_socket()        # stale: we hold the lock
-        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
-        resources.callback(segment.close)
-        epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
-        resources.callback(epoch_files.close_all)
         storage = executor = index = None
         saved_l3: list = []
         if config.l3_bytes > 0:
@@ -634,16 +635,22 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
             resources.callback(storage.close)
-            executor = IoExecutor(config.io_threads)
-            resources.callback(executor.shutdown)      # closed before the file and the segment
             if not storage.is_temporary:
                 index, saved_l3 = _open_index(config, storage)
-                resources.callback(index.close)        # after the last move, before the I/O threads
+                resources.callback(index.close)        # after the I/O threads, before the file
+        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
+                                       progress=progress)
+        resources.callback(segment.close)
+        epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
+        resources.callback(epoch_files.close_all)
+        if storage is not None:
+            executor = IoExecutor(config.io_threads)
+            resources.callback(executor.shutdown)      # closed before the index, the segment and the file
         try:
-            state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
+            state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
                                 session_grace_s=config.session_grace_s,
-                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None,
+                                l3_bytes=storage.size_bytes if storage else 0,
                                 l3_index_sink=index.submit if index else None,
                                 peer_end_sink=lambda export: epoch_files.close(export.peer_id))
         except ValueError as exc:
@@ -730,10 +737,11 @@ def _write_indexed(index: L3IndexStore, storage: StorageFile, layout: SlotLayout
     return result, chain_page_keys(move.token_ids, page_size, move.start_page + len(move.source_page_ids))
 
 
-def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None) -> None:
+def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
+        progress: Callable[[int, int], None] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works if it is missing
-        asyncio.run(serve(config, on_ready))
+        asyncio.run(serve(config, on_ready, progress=progress))
         return
-    uvloop.run(serve(config, on_ready))
+    uvloop.run(serve(config, on_ready, progress=progress))

@@ -197,6 +197,7 @@ def render_table(snapshot: dict[str, Any], previous: dict[str, Any] | None = Non
         "",
         *_namespace_lines(snapshot),
     ]
+    lines += pressure_warnings(snapshot)
     sessions = snapshot.get("sessions", [])
     if sessions:
         lines += ["", f"{'session':<17} {'pid':>8} {'watched':>7} {'ns':>3} {'leases':>6} {'age_s':>8} "
@@ -235,6 +236,14 @@ def render_table(snapshot: dict[str, Any], previous: dict[str, Any] | None = Non
     if previous is not None:
         lines += _rate_lines(snapshot, previous)
     return "\n".join(lines)
+
+
+def pressure_warnings(snapshot: dict[str, Any]) -> list[str]:
+    """A line per namespace and tier that evicted cached pages to make room in the last minute."""
+    return [f"  WARNING ns {namespace['namespace_id']} {namespace['geometry']['model_id']} {tier}: full, evicting "
+            f"cached pages to make room ({info['evicted_pages']} evicted so far); a larger --{tier}-size keeps more"
+            for namespace in snapshot.get("namespaces", []) for tier, info in namespace["tiers"].items()
+            if info.get("under_pressure")]
 
 
 # Counters of an engine's connector that say work was not done: pages a save skipped, pages a load

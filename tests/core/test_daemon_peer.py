@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
 from proto.schema import PeerPublish, PeerRegister
@@ -31,7 +31,7 @@ def ended():
 
 @pytest.fixture
 def state(ended):
-    return DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5, clock=FakeClock(), peer_end_sink=ended.append)
+    return DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5, clock=FakeClock(), peer_end_sink=ended.append)
 
 
 def register(state, session, device="gpu-0", transport="cuda"):

@@ -302,10 +302,10 @@ def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
 
 
 def test_pages_the_daemon_cannot_reserve_are_counted_as_skipped():
-    """A prefix longer than the L2 arena: the pages the daemon could not reserve are skipped (cause
+    """A prefix longer than the L2 pool: the pages the daemon could not reserve are skipped (cause
     no_space), the rest committed; pages beyond the tokens the request's lease was taken for are
     skipped as beyond_lease. Every lacking page is accounted for."""
-    daemon = DaemonProcess(l2_size="8MiB").start()        # 4 arenas of 2 MiB: 32 pages of 64 KiB
+    daemon = DaemonProcess(l2_size="2MiB").start()        # 32 pages of 64 KiB
     engine = None
     try:
         engine = Engine(daemon.socket_path, "layer", seed=SEED + 8, num_blocks=48, layers=4, heads=4, head_dim=64)

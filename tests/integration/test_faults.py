@@ -193,11 +193,11 @@ def test_startup_failure_after_the_server_exists_does_not_hang(tmp_path):
 
 
 def test_too_small_pool_is_a_clear_error():
-    """An L2 pool too small to give each namespace an arena exits with a message, not a traceback."""
-    daemon = DaemonProcess(l2_size="4MiB")
+    """An L2 pool below 2 MiB exits with a message, not a traceback."""
+    daemon = DaemonProcess(l2_size="1MiB")
     try:
         with pytest.raises(RuntimeError) as error:
             daemon.start()
-        assert "too small" in str(error.value) and "Traceback" not in str(error.value)
+        assert "at least 2 MiB" in str(error.value) and "Traceback" not in str(error.value)
     finally:
         daemon.cleanup()

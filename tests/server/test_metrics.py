@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.metrics import SECONDS_BUCKETS, Metrics
 from kvcached.server.metrics import StatusCollector
 from proto.messages import KVGeometry
@@ -39,7 +39,7 @@ def test_hits_misses_and_evictions_are_counted_per_model(rng):
     """Two models' engines back up and match random prefixes (one model past its arena, so it
     evicts): each model's hit, match, miss and evicted-page counters are what its own matches
     hit and its own reservations evicted, and they add up to the daemon's totals."""
-    state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
+    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
     sessions = [state.attach(geometry, pid=100 + i)[0].session_id for i, geometry in enumerate(GEOMETRIES)]
     expected = {g.model_id: {"hit": 0, "matched": 0, "matches": 0} for g in GEOMETRIES}
     for _ in range(60):
@@ -91,7 +91,7 @@ def test_time_histograms_bucket_every_observation(rng):
 def test_counters_no_rule_names_are_still_exported(rng):
     """A daemon counter and an engine counter that no table names reach /metrics under their own
     name (kvcached_daemon_events_total, kvcached_engine_events_total), by the amount counted."""
-    state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
+    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
     session, _ = state.attach(GEOMETRIES[0], pid=7, client_name="eng")
     amount = int(rng.integers(1, 1000))
     state.metrics.add("a_counter_of_tomorrow", amount)
@@ -108,7 +108,7 @@ def test_cost_model_status_is_exported_through_its_hook(rng):
     """Whatever numbers the status carries under "cost_model" are exported by their path, and a
     "decisions" map as counts per choice (until they get names of their own)."""
     fixed_s, decided = float(rng.random()), {"l2": int(rng.integers(100)), "recompute": int(rng.integers(100))}
-    state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
+    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
     snapshot = state.status()
     snapshot["cost_model"] = {"engines": {"vllm-0": {"h2d": {"fixed_s": fixed_s, "mode": "ewma"},
                                                      "decisions": decided}}}
