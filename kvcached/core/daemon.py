@@ -635,7 +635,7 @@ class DaemonState:
     def _note_eviction(self, namespace: Namespace, tier: Tier, num_pages: int, cause: str) -> None:
         """Cached pages evicted to make room: counted per namespace and tier; the first eviction
         after PRESSURE_QUIET_S without any starts an episode, logged once."""
-        self.metrics.add(f"evicted_pages_{tier.label}", num_pages)
+        self.metrics.add(f"evicted_pages_{tier.label}", num_pages, model=namespace.geometry.model_id)
         pressure = namespace.pressure[tier]
         now = self.clock()
         if pressure.last_eviction_at is None or now - pressure.last_eviction_at > PRESSURE_QUIET_S:
