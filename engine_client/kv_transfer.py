@@ -52,6 +52,10 @@ DEFAULT_WORKSPACE_BYTES = 256 << 20      # per lane
 TRANSFER_BACKENDS = ("auto", "triton", "torch")
 _ID_ALIGN = 4                            # 16-byte aligned id slices: one Triton specialisation
 _AUTO_TIMING_PAGES = 64
+# A load whose L2 pages lie in more runs than this goes whole (one DMA per run), not layer by
+# layer (a strided copy per run, layer and K/V): a fragmented L2 would take thousands of copies.
+LAYERWISE_MAX_RUNS = 8
+_LOAD_SLOTS = 2          # a load's packed layer slots: the DMA of one while the other is scattered
 _AUTO_TIMING_REPEATS = 3
 
 
@@ -134,6 +138,8 @@ class _Lane:
         self.workspace_pages = workspace_pages
         self.chunk_pages = chunk_pages
         self.ids = _IdRing(max(4096, 4 * chunk_pages + 2 * _ID_ALIGN), device) if self.stream else None
+        self.scatter_stream = torch.cuda.Stream(device) if self.stream is not None else None   # loads
+        self.last_scatter: torch.cuda.Event | None = None     # the last load's last scatter
 
     def upload(self, block_ids: np.ndarray) -> torch.Tensor:
         if self.ids is None:
@@ -170,8 +176,9 @@ class KVTransfer:
         self.segment_bytes = layout.segment_bytes
         self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
-        # A load holds one layer of its pages at a time: num_layers times as many pages fit.
-        layer_chunk_pages = workspace_pages * layout.num_layers
+        # A load holds one layer of its pages in each of its slots: num_layers / slots times as
+        # many pages fit.
+        layer_chunk_pages = max(1, workspace_pages * layout.num_layers // _LOAD_SLOTS)
         self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
                       "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
@@ -213,29 +220,71 @@ class KVTransfer:
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
              after: torch.cuda.Event | None = None) -> Transfer:
-        """Queue: L2 pages -> blocks (host_page_ids[i] into block_ids[i]), layer by layer: each
-        layer's rows into the packed buffer, its scatter, its event (``Transfer.layer_events``)."""
+        """Queue: L2 pages -> blocks (host_page_ids[i] into block_ids[i]). Layer by layer where the
+        L2 pages lie in few runs: each layer's rows into one of two packed slots on the copy stream,
+        its scatter on the lane's scatter stream, an event after it (``Transfer.layer_events``), so
+        the DMA of layer i + 1 runs while layer i is scattered. Pages in many runs (a fragmented L2)
+        would take a strided copy per run, layer and K/V: they go whole instead, one DMA per run
+        and one scatter, every layer's event the last one."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
+        if len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+            return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
+        slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
         with self._on(lane, after):
-            # A load of more pages than one layer's workspace holds goes in chunks, every layer of
+            if lane.last_scatter is not None:
+                # The scatters read their ids and slots after the copy stream moved on: the id ring
+                # and the slots are reused once the last load's scatters are done.
+                lane.stream.wait_event(lane.last_scatter)
+            # A load of more pages than one layer's slot holds goes in chunks, every layer of
             # each; its layer events come with the last chunk.
-            first = 0
+            first, step = 0, 0
             while True:
                 last = min(first + lane.chunk_pages, len(block_ids))
                 ids = lane.upload(block_ids[first:last])
                 for layer, table in enumerate(self.layer_tables):
-                    packed = self._layer_packed(lane, table, last - first)
+                    slot = step % _LOAD_SLOTS
+                    step += 1
+                    if slot_free[slot] is not None:
+                        lane.stream.wait_event(slot_free[slot])
+                    packed = self._layer_packed(lane, table, last - first, slot)
                     self._copy_layer(lane, layer, host_page_ids[first:last], packed)
-                    self._scatter(table, packed, ids)
+                    slot_free[slot] = event = self._scatter_after_copy(lane, table, packed, ids)
                     if last == len(block_ids):
-                        layer_events.append(self._record(lane))
+                        layer_events.append(event)
                 if last == len(block_ids):
                     break
                 first = last
-        done_event = layer_events[-1]
-        return Transfer(len(block_ids), done_event, done_event, layer_events)
+        lane.last_scatter = layer_events[-1]
+        return Transfer(len(block_ids), layer_events[-1], layer_events[-1], layer_events)
+
+    def _scatter_after_copy(self, lane: _Lane, table: SegmentTable, packed: torch.Tensor,
+                            ids: torch.Tensor) -> torch.cuda.Event | None:
+        """The scatter of packed into the blocks, on the scatter stream once the copies queued so
+        far on the copy stream are done; the event after it."""
+        if lane.scatter_stream is None:
+            self._scatter(table, packed, ids)
+            return self._record(lane)
+        copied = torch.cuda.Event()
+        copied.record(lane.stream)
+        lane.scatter_stream.wait_event(copied)
+        with torch.cuda.stream(lane.scatter_stream):
+            self._scatter(table, packed, ids)
+            return self._record(lane, lane.scatter_stream)
+
+    def _load_whole(self, lane: _Lane, host_page_ids: np.ndarray, block_ids: np.ndarray,
+                    after: torch.cuda.Event | None) -> Transfer:
+        with self._on(lane, after):
+            if lane.last_scatter is not None:
+                lane.stream.wait_event(lane.last_scatter)
+            for first in range(0, len(block_ids), lane.workspace_pages):
+                last = min(first + lane.workspace_pages, len(block_ids))
+                self._copy_runs(lane, host_page_ids[first:last], to_host=False)
+                self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
+            done_event = self._record(lane)
+        lane.last_scatter = done_event
+        return Transfer(len(block_ids), done_event, done_event)
 
     def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
                   after: torch.cuda.Event | None = None) -> Transfer:
@@ -253,6 +302,8 @@ class KVTransfer:
             raise ValueError(f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks")
         lane = self.lanes["load"]
         with self._on(lane, after):
+            if lane.last_scatter is not None:
+                lane.stream.wait_event(lane.last_scatter)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
@@ -260,13 +311,16 @@ class KVTransfer:
                              packed.view(source.word_dtype).view(source.packed_shape(last - first)))
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
             done_event = self._record(lane)
-            return Transfer(len(block_ids), done_event, done_event)
+        lane.last_scatter = done_event
+        return Transfer(len(block_ids), done_event, done_event)
 
     @staticmethod
-    def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int) -> torch.Tensor:
-        """The head of the lane's workspace as one layer of num_pages packed pages [n, segments, words]."""
+    def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int, slot: int) -> torch.Tensor:
+        """Slot ``slot`` of the lane's workspace as one layer of num_pages packed pages [n, segments, words]."""
         shape = table.packed_shape(num_pages)
-        return lane.workspace_words[: shape[0] * shape[1] * shape[2]].view(shape)
+        size = shape[0] * shape[1] * shape[2]
+        start = slot * (lane.workspace_words.numel() // _LOAD_SLOTS)
+        return lane.workspace_words[start: start + size].view(shape)
 
     def _copy_layer(self, lane: _Lane, layer: int, host_page_ids: np.ndarray, packed: torch.Tensor) -> None:
         """One layer of the L2 pages into packed [n, segments of the layer, words]: per run of
@@ -302,8 +356,8 @@ class KVTransfer:
         packed_rows.copy_(self.host_bytes.as_strided((height, width), (host_pitch, 1),
                                                      self.host_bytes.storage_offset() + host_offset))
 
-    def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray) -> None:
-        """Packed pages -> L2: one DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
+    def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray, to_host: bool = True) -> None:
+        """Packed pages <-> L2: one DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
         page_bytes = self.page_bytes
         runs = page_runs(host_page_ids)
         for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
@@ -312,7 +366,11 @@ class KVTransfer:
             for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
                 host = self.host_bytes[piece_start:piece_end]
                 offset = packed_start + piece_start - host_start
-                host.copy_(lane.workspace_bytes[offset: offset + piece_end - piece_start], non_blocking=True)
+                packed = lane.workspace_bytes[offset: offset + piece_end - piece_start]
+                if to_host:
+                    host.copy_(packed, non_blocking=True)
+                else:
+                    packed.copy_(host, non_blocking=True)
 
     def _check(self, block_ids, host_page_ids) -> tuple[np.ndarray, np.ndarray]:
         block_ids = np.asarray(block_ids, dtype=np.int64)
@@ -339,11 +397,12 @@ class KVTransfer:
             yield
 
     @staticmethod
-    def _record(lane: _Lane) -> torch.cuda.Event | None:
+    def _record(lane: _Lane, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """An event of the lane's stream (or of ``stream``); None on CPU, where copies are done on return."""
         if lane.stream is None:
             return None
         event = torch.cuda.Event()
-        event.record(lane.stream)
+        event.record(stream or lane.stream)
         return event
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -408,7 +467,7 @@ class KVTransfer:
             self._scatter(self.table, packed, save.upload(block))
         with self._on(load, None):
             table = self.layer_tables[0]
-            packed = self._layer_packed(load, table, 1)
+            packed = self._layer_packed(load, table, 1, 0)
             self._copy_layer(load, 0, block, packed)
             self._gather(table, load.upload(block), packed)
             self._scatter(table, packed, load.upload(block))

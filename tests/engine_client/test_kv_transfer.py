@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_client.block_copy import triton_available
-from engine_client.kv_transfer import KVTransfer
+from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
 from proto.messages import KVGeometry
@@ -101,15 +101,16 @@ def cut_every(num_pages: int, page_bytes: int):
 def test_a_load_writes_every_layer_of_the_named_blocks_bit_for_bit(case, shape, backend, rng, seed):
     """A load of random L2 pages (runs and single pages, random order) into other random blocks
     gives every layer of each named block the bytes of that layer of its page, and leaves every other
-    block as it was: in one pass, in chunks smaller than the load (a workspace of one page holds 3
-    pages of one layer), and with the runs cut where pinned chunks of 2 pages end."""
+    block as it was: in one pass, in chunks smaller than the load (a workspace of one page holds
+    one page of one layer in each of its two slots), and with the runs cut where pinned chunks of 2
+    pages end."""
     host_page_ids, block_ids = pages_and_blocks(rng)
     workspace_bytes = case.layout.page_bytes if shape == "chunks of 3 pages" else 64 * case.layout.page_bytes
     transfer = KVTransfer(case.layout, case.pool, backend=backend, workspace_bytes=workspace_bytes)
     if shape == "pool pinned in 2-page chunks":
         case.pool.chunk_pieces = cut_every(2, case.layout.page_bytes)
     chunk_pages = transfer.lanes["load"].chunk_pages
-    assert chunk_pages == L if shape == "chunks of 3 pages" else chunk_pages >= len(block_ids), chunk_pages
+    assert chunk_pages == L // 2 if shape == "chunks of 3 pages" else chunk_pages >= len(block_ids), chunk_pages
     others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
     done = transfer.load(host_page_ids, block_ids)
     assert done.done() and len(done.layer_events) == L
@@ -117,6 +118,28 @@ def test_a_load_writes_every_layer_of_the_named_blocks_bit_for_bit(case, shape, 
         for layer in range(L):
             assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
                 f"seed {seed}: block {block} layer {layer} (page {page}, {shape}, {backend})"
+    for block, layers in others.items():
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
+def test_a_load_of_pages_in_many_runs_goes_whole_bit_for_bit(case, backend, rng, seed):
+    """A load of L2 pages in more runs than LAYERWISE_MAX_RUNS (single pages, random order) goes
+    whole, one DMA per run (no layer events: a wait for any layer waits for the whole load), and
+    gives every layer of each named block the bytes of its page, every other block untouched."""
+    # Random pages in descending order: each page a run of its own.
+    host_page_ids = np.sort(rng.choice(NUM_HOST_PAGES, LAYERWISE_MAX_RUNS + 2, replace=False))[::-1].astype(np.int64)
+    block_ids = rng.permutation(N)[: len(host_page_ids)]
+    assert len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS
+    others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+    done = KVTransfer(case.layout, case.pool, backend=backend).load(host_page_ids, block_ids)
+    assert done.done() and done.layer_events is None
+    for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
+                f"seed {seed}: block {block} layer {layer} (page {page}, {backend})"
     for block, layers in others.items():
         for layer in range(L):
             assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
@@ -137,7 +160,7 @@ def test_each_layer_event_is_recorded_once_that_layer_is_written_and_before_the_
     assert not any(torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for p, b in pairs for i in range(L))
     seen: list[list[list[bool]]] = []        # per record: per block, per layer: holds its page's bytes
 
-    def record(lane):
+    def record(lane, stream=None):
         seen.append([[torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for i in range(L)] for p, b in pairs])
 
     monkeypatch.setattr(KVTransfer, "_record", staticmethod(record))
