@@ -69,8 +69,7 @@ def serve_config(args: list[str], env: dict[str, str]) -> DaemonConfig:
     """The DaemonConfig `kvcached ARGS` would run with under env (the CLI's own parser)."""
     parsed = build_parser().parse_args(args)
     assert parsed.command == "serve"
-    return DaemonConfig.from_env(env, socket_path=parsed.socket, l2_bytes=parsed.l2_size, l3_path=parsed.l3_path,
-                                 l3_bytes=parsed.l3_size, http_address=parsed.http)
+    return DaemonConfig.from_env(env, **{field: getattr(parsed, field) for field in parsed.flags})
 
 
 def test_every_file_under_deploy_parses():
