@@ -638,6 +638,12 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             if not storage.is_temporary:
                 index, saved_l3 = _open_index(config, storage)
                 resources.callback(index.close)        # after the I/O threads, before the file
+        # The HTTP address is bound before the pool is populated too (a taken one fails the start
+        # at once); until the daemon serves, its requests get 503 (a readiness probe waits).
+        serving: list[Server] = []
+        listener = _start_http(config, serving)
+        if listener is not None:
+            resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
                                        progress=progress)
         resources.callback(segment.close)
@@ -677,9 +683,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
 
         server = Server(config, state, socket, segment, storage, executor, index, epoch_files)
         resources.callback(server.close_wake_sockets)
-        listener = _start_http(config, server)
         if listener is not None:
-            resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
+            server.http_address = listener.address
+            serving.append(server)                     # /status and /metrics answer from now on
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, server.stop_event.set)
@@ -692,14 +698,21 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         logger.info("kvcached shutting down")
 
 
-def _start_http(config: DaemonConfig, server: Server) -> HttpListener | None:
-    """The /metrics, /status and / listener. An address that was asked for and cannot be bound
-    stops the start; the default one, taken (another daemon on the host), is skipped with a warning."""
+def _start_http(config: DaemonConfig, serving: list[Server]) -> HttpListener | None:
+    """The /metrics, /status and / listener, answering 503 until ``serving`` holds the server. An
+    address that was asked for and cannot be bound stops the start; the default one, taken
+    (another daemon on the host), is skipped with a warning."""
     endpoint = config.http_endpoint
     if endpoint is None:
         return None
+
+    def snapshot() -> dict[str, Any]:
+        if not serving:
+            raise TimeoutError("the daemon is starting (populating its L2 pool)")
+        return serving[0].locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S)
+
     try:
-        listener = HttpListener.start(endpoint, lambda: server.locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S))
+        listener = HttpListener.start(endpoint, snapshot)
     except OSError as exc:
         where = format_http_address(endpoint)
         if config.http_required:
@@ -707,7 +720,6 @@ def _start_http(config: DaemonConfig, server: Server) -> HttpListener | None:
         logger.warning("no HTTP listener (/metrics, /status): the default address %s is not free: %s; "
                        "pass --http HOST:PORT, or --http off", where, exc)
         return None
-    server.http_address = listener.address
     logger.info("HTTP on http://%s/ (/metrics, /status)", listener.address)
     return listener
 
