@@ -80,7 +80,6 @@ def kv_transfer_config(socket_path: str) -> dict[str, Any]:
 
 def run_engine(args: argparse.Namespace) -> int:
     """One vLLM: ``{"prompts": [[ids]]}`` on stdin -> ``KVCHECK {"outputs", "metrics"}`` on stdout."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
@@ -128,8 +127,10 @@ class Engine:
             args += ["--socket", socket_path]
         if no_prefix_caching:
             args.append("--no-prefix-caching")
+        # The CPU backend's default KV space refuses to start on a 24 GiB machine; the model is
+        # local, and vLLM is kept from sending its usage report anywhere.
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   VLLM_CPU_KVCACHE_SPACE="1")
+                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=REPO_ROOT)
