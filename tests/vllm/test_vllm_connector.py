@@ -69,6 +69,9 @@ def test_failed_load_is_recomputed(run):
     into) does not fail the request: the failed blocks are reported to vLLM, which recomputes
     them and generates what vLLM alone does."""
     failed = run["steps"]["failed_load"]
+    # the set-up: every L2 page held, the prompt in L3 alone (else the load promotes and succeeds)
+    assert failed["l2_pages_held"] == failed["l2_capacity_pages"], failed
+    assert failed["tiers_at_lookup"].get("l2", 0) == 0 and failed["l3_tokens"] >= SHARED_TOKENS, failed
     assert failed["external_hit_tokens"] >= SHARED_TOKENS, failed
     assert run["failed_load_tokens"] >= SHARED_TOKENS, failed
     assert run["failed_load_outputs_equal"], failed
