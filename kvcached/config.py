@@ -11,6 +11,7 @@ import re
 import shutil
 from typing import Mapping
 
+from kvcached.core.cost_model import POLICIES, CostPriors
 from proto.paths import default_socket_path, normalize_socket_path
 
 _SIZE_UNITS = {
@@ -74,6 +75,12 @@ class DaemonConfig:
     shm_dir: str = SHM_DIR
     refusal_log_interval_s: float = 10.0   # refused requests: DEBUG each, one WARNING summary per interval
     log_level: str = "INFO"
+    # The cost model (kvcached/core/cost_model.py): which restores are taken, and its priors.
+    restore_policy: str = "cost"        # "cost": restore what beats recompute; "always"; "never"
+    cost_margin: float = 1.1            # a restore must beat recompute by this factor
+    prior_recompute_us_per_token: float = 50.0
+    prior_host_gibps: float = 12.0      # L2 <-> GPU
+    prior_storage_gibps: float = 3.0    # L3 reads and writes
 
     def __post_init__(self) -> None:
         # A path or an ipc:// URL, made absolute; too long for a socket address: ValueError.
@@ -98,6 +105,15 @@ class DaemonConfig:
             raise ValueError("refusal_log_interval_s must be positive")
         if not 1 <= self.io_threads <= 256:
             raise ValueError("io_threads must be in 1..256")
+        if self.restore_policy not in POLICIES:
+            raise ValueError(f"restore_policy must be one of {POLICIES}, got {self.restore_policy!r}")
+        self.cost_priors        # raises ValueError for a prior or margin out of range
+
+    @property
+    def cost_priors(self) -> CostPriors:
+        return CostPriors(recompute_s_per_token=self.prior_recompute_us_per_token * 1e-6,
+                          host_bytes_per_s=self.prior_host_gibps * 2**30,
+                          storage_bytes_per_s=self.prior_storage_gibps * 2**30, margin=self.cost_margin)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":

@@ -47,6 +47,14 @@ class MatchReply(NamedTuple):
     backup_start_token: int            # the L2 hit: reserved pages hold pages from here on
     backup_page_ids: list[int]         # private L2 pages reserved for the pages the daemon lacks
     promoted_tokens: int = 0           # of the L2 hit, tokens just promoted from L3 for this match
+    # The cost model's decision (a lookup's; a match's that may promote L3): where the tokens beyond
+    # the engine's own hit come from (proto.messages.RESTORE_CHOICES; "": no decision was asked for),
+    # the leading tokens to hold after the restore (the engine's own hit included), the predicted
+    # seconds to hold the longest hit through each candidate and "recompute", and the policy applied.
+    choice: str = ""
+    restore_tokens: int = 0
+    predicted_s: dict[str, float] = {}
+    policy: str = ""
 
 
 class CommitReply(NamedTuple):
