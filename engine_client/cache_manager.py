@@ -140,7 +140,8 @@ class CacheManager:
             raise
         request_id = next(self._request_ids)
         try:
-            self.connector.load(request_id, tokens, [], 0)      # the match: the request's lease
+            # The match, the request's lease; the daemon prices restoring what lies beyond L1.
+            self.connector.load(request_id, tokens, [], 0, start_token=len(l1_page_ids) * page_size)
             lease = self.connector.wait_for_match(request_id)
             first = len(l1_page_ids)
             num_loaded = 0

@@ -45,21 +45,33 @@ _AUTO_TIMING_REPEATS = 3
 
 class Transfer:
     """A queued transfer. ``blocks_free()``: the engine's blocks are no longer touched (a save's
-    gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete."""
+    gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete;
+    ``seconds()``: how long its copies took, once done (for the cost model)."""
 
-    __slots__ = ("num_pages", "blocks_event", "done_event")
+    __slots__ = ("num_pages", "blocks_event", "done_event", "start_event", "host_seconds")
 
     def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
-                 done_event: torch.cuda.Event | None):
+                 done_event: torch.cuda.Event | None, start_event: torch.cuda.Event | None = None,
+                 host_seconds: float = 0.0):
         self.num_pages = num_pages
         self.blocks_event = blocks_event
         self.done_event = done_event
+        self.start_event = start_event          # on the lane's stream, once the caller's work is done
+        self.host_seconds = host_seconds        # on CPU, where the copies ran before the return
 
     def blocks_free(self) -> bool:
         return self.blocks_event is None or self.blocks_event.query()
 
     def done(self) -> bool:
         return self.done_event is None or self.done_event.query()
+
+    def seconds(self) -> float:
+        """The copies' time, from the lane's start of this transfer (not its wait for the caller's
+        stream) to its end: CUDA events' elapsed time, read only once done (no host wait)."""
+        if self.done_event is None or self.start_event is None:
+            return self.host_seconds
+        assert self.done(), "a transfer is timed once done"
+        return self.start_event.elapsed_time(self.done_event) / 1e3
 
     def wait_on(self, stream: torch.cuda.Stream | None) -> None:
         """Make ``stream`` wait for the transfer (no host wait); nothing to do on CPU."""
@@ -174,27 +186,32 @@ class KVTransfer:
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["save"]
         blocks_event = None
+        started = time.perf_counter()
         with self._on(lane, after):
+            start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._gather(self.table, lane.upload(block_ids[first:last]), lane.workspace[: last - first])
                 if last == len(block_ids):
                     blocks_event = self._record(lane)      # the last gather: the blocks are read
                 self._copy_runs(lane, host_page_ids[first:last], to_host=True)
-            return Transfer(len(block_ids), blocks_event, self._record(lane))
+            return Transfer(len(block_ids), blocks_event, self._record(lane, timing=True), start_event,
+                            time.perf_counter() - started)
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
              after: torch.cuda.Event | None = None) -> Transfer:
         """Queue: L2 pages -> packed -> blocks (host_page_ids[i] into block_ids[i])."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
+        started = time.perf_counter()
         with self._on(lane, after):
+            start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._copy_runs(lane, host_page_ids[first:last], to_host=False)
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
-            done_event = self._record(lane)
-            return Transfer(len(block_ids), done_event, done_event)
+            done_event = self._record(lane, timing=True)
+            return Transfer(len(block_ids), done_event, done_event, start_event, time.perf_counter() - started)
 
     def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray, to_host: bool) -> None:
         """One DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
@@ -236,10 +253,10 @@ class KVTransfer:
             yield
 
     @staticmethod
-    def _record(lane: _Lane) -> torch.cuda.Event | None:
+    def _record(lane: _Lane, timing: bool = False) -> torch.cuda.Event | None:
         if lane.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(lane.stream)
         return event
 

@@ -370,16 +370,17 @@ class _SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._cacheable(request) or request.request_id in self._load_failed:
             return 0, False     # a request whose load failed is recomputed, not loaded again
-        hit = self._hit_tokens(request)
+        hit = self._hit_tokens(request, num_computed_tokens)
         if hit is None:
             return None, False
         self._external[request.request_id] = num_computed_tokens
         num_new = hit - num_computed_tokens
         return (num_new, True) if num_new > 0 else (0, False)
 
-    def _hit_tokens(self, request: "Request") -> int | None:
-        """The cached prefix of the request's tokens less the last (which vLLM always computes),
-        whole pages; None while the lookup's reply is on its way."""
+    def _hit_tokens(self, request: "Request", num_computed_tokens: int) -> int | None:
+        """The prefix of the request's tokens less the last (which vLLM always computes) to hold
+        once restored, whole pages, by the daemon's decision for what lies beyond the
+        num_computed_tokens vLLM holds; None while the lookup's reply is on its way."""
         req_id = request.request_id
         asked = self._asked.get(req_id)
         now = time.monotonic()
@@ -393,7 +394,8 @@ class _SchedulerSide:
             if lookups is None:
                 self._asked[req_id] = _Asked(None, now, 0)
                 return 0
-            asked = self._asked[req_id] = _Asked(lookups.lookup_async(np.asarray(tokens, dtype=np.int32)), now)
+            asked = self._asked[req_id] = _Asked(
+                lookups.lookup_async(np.asarray(tokens, dtype=np.int32), num_computed_tokens), now)
         if asked.hit_tokens is None:
             failures = self._lookup_failures()
             if asked.pending.ready():

@@ -90,6 +90,7 @@ class Engine:
         """One scheduler step (a prefill batch or a decode batch, or only the connector's news);
         returns the requests that finished in it."""
         plan = self.scheduler.schedule()
+        started = time.perf_counter()
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
             sampled = self.scheduler.prefill_done(plan.prefill)
@@ -101,6 +102,9 @@ class Engine:
             return []
         token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
         now_s = time.perf_counter()
+        if plan.prefill and self.connector is not None:
+            # The forward's time, sampling included: what the connector's cost model prices recompute by.
+            self.connector.report_prefill(sum(chunk.num_tokens for chunk in plan.prefill), now_s - started)
         finished = []
         for i, (request, token_id) in enumerate(zip(sampled, token_ids, strict=True)):
             if self.config.keep_logits:

@@ -134,7 +134,8 @@ class Scheduler:
         request.num_registered_blocks = len(hit_block_ids)
         request.num_loaded_tokens = 0
         if self.connector is not None:
-            num_external = min(self.connector.lookup(request.token_ids), num_reusable_blocks * self.block_size)
+            num_external = min(self.connector.lookup(request.token_ids, local_hit_tokens=request.num_computed_tokens),
+                               num_reusable_blocks * self.block_size)
             num_external -= num_external % self.block_size
             if num_external > request.num_computed_tokens:
                 start = request.num_computed_tokens
