@@ -27,6 +27,19 @@ is the engine's recompute TTFT over it (target <= 1.3).
     python -m bench.bench_ttft                                    # H200: bench/results/h200/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
     python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
+
+``--policy`` is the restore policy of the engine's connector: "always" (the default: every request
+restores its prefix from the forced tier, the rows above), "never" (the same requests recompute
+with the connector plugged in), or "cost", the cost model's own choice. With "cost" each point gets
+a fresh daemon (the model starts from its default priors; L2 and warm L3 share one daemon, in that
+order, as a long-running one would; l3-cold a daemon of its own), each tier is timed under "cost"
+first, then under "always" (``restore_ms``) and "never" (``recompute_ms``) on the same daemon, and
+the rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
+"choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
+faster of the two.
+
+    python -m bench.bench_ttft --policy cost                      # H200: bench/results/h200/policy.json
+    python -m bench.bench_ttft --policy cost --quick              # CPU smoke run
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import argparse
 import dataclasses
 import gc
 import inspect
+import itertools
 import logging
 import time
 import traceback
@@ -57,6 +71,8 @@ CHECK_TOKENS = 16
 TARGETS = {"l2_speedup_qwen3-8b_3500": 10.0, "l2_ttft_ms_qwen3-8b_8000": 25.0, "engine_over_hf": 1.3}
 COLUMNS = ["model", "tier", "tokens", "ttft_ms", "recompute_ms", "speedup", "outputs_equal", "kv_equal",
            "logit_diff", "noise_floor", "hf_prefill_ms", "engine_over_hf"]
+POLICY_COLUMNS = ["model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms", "choice", "within_5pct"]
+POLICY_TARGET = 1.05             # cost_ms at most this times the faster of restore_ms and recompute_ms
 
 
 def parse_points(text: str) -> list[tuple[str, list[int]]]:
@@ -212,7 +228,7 @@ class Run:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        print_table([row], COLUMNS)
+        print_table([row], POLICY_COLUMNS if self.args.policy == "cost" else COLUMNS)
         for check in ("kv_equal", "tier_forced", "integrity_ok"):
             if row.get(check) is False:
                 self.failures.append(f"{row['model']} {row['tier']} {row['tokens']}: {check}")
@@ -224,6 +240,8 @@ class Run:
         self.write()
 
     def summary(self) -> list[dict]:
+        if self.args.policy == "cost":
+            return policy_summary(self.rows)
         summary = []
         for row in self.rows:
             key = (row["model"], row["tier"], row["tokens"])
@@ -245,6 +263,7 @@ class Run:
         self.path = write_result(args.name, {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "seed": args.seed,
             "points": {name: tokens for name, tokens in self.plan}, "tiers": args.tiers.split(","),
+            "policy": args.policy,
             "method": {"block_size": BLOCK_SIZE, "suffix_tokens": SUFFIX_TOKENS, "output_tokens": 1,
                        "warmup_alternations": args.warmup, "samples": args.samples, "check_tokens": CHECK_TOKENS,
                        "hf": {"warmup": args.hf_warmup, "repeats": args.hf_repeats, "logits_to_keep": 1},
@@ -267,7 +286,7 @@ def run_recompute(run: Run, point: Point, hf) -> None:
     engine.reset_prefix_cache()
     point.recompute_again = run_request(engine, point.check_prompt, CHECK_TOKENS)
     engine.reset_prefix_cache()
-    if "none" not in args.tiers.split(","):
+    if "none" not in args.tiers.split(",") or args.policy == "cost":      # policy rows time "never" instead
         return
     warmup_ms, samples_ms, cache_hits, last = [], [], 0, None
     for i in range(2 * args.warmup + args.samples):
@@ -331,13 +350,14 @@ def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool
                 try:
                     connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
                                                 model_revision=f"random-seed-{run.args.seed}",
-                                                client_name=f"ttft-{point.model_name}-{point.num_tokens}")
+                                                client_name=f"ttft-{point.model_name}-{point.num_tokens}",
+                                                policy=run.args.policy)
                     try:
                         if control is None:
                             control = TierControl(daemon, connector.geometry)
                         saved_kv, own_cache = save_prefixes(point, control)
                         for tier in tiers:
-                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache))
+                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
                     finally:
                         detach_kvcached(point.engine)
                 except Exception as exc:        # recorded; the other points go on
@@ -374,10 +394,14 @@ def save_prefixes(point: Point, control: TierControl) -> tuple[list[torch.Tensor
 
 
 def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv: list[torch.Tensor],
-              own_cache: Request) -> dict:
+              own_cache: Request, policy: str = "always") -> dict:
+    """The point's requests with the prefix forced into ``tier``, the connector's restore policy
+    ``policy``: "always" must restore every whole page of it (from L3: promoted), "never" none;
+    under "cost" the daemon chooses, and each timed request's choice (its lookup's) is recorded.
+    A restored prefix's KV must be bit for bit the saved KV."""
     engine, args = point.engine, run.args
     connector = engine.connector
-    warmup_ms, samples_ms, loaded, promoted, cache_hits, kv_equal = [], [], [], [], 0, True
+    warmup_ms, samples_ms, loaded, promoted, choices, cache_hits, kv_equal = [], [], [], [], [], 0, True
     settle(engine, control)
     engine.reset_prefix_cache()          # the last check request's prefix
     for i in range(2 * args.warmup + args.samples):
@@ -387,15 +411,18 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         settle(engine, control)
         engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
         control.force(tier, prefix, point.timed_loaded_tokens)
-        promoted_before = connector.stats().get("promoted_tokens", 0)
+        before = connector.stats()
         with gc_paused():
             request = run_request(engine, prompt, 1)
         settle(engine, control)
         (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
         cache_hits += request.num_cached_tokens
         loaded.append(request.num_loaded_tokens)
-        promoted.append(connector.stats().get("promoted_tokens", 0) - promoted_before)
-        kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
+        promoted.append(connector.stats().get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
+        if i >= 2 * args.warmup:
+            choices.append(lookup_choice(before, connector.stats()))
+        if request.num_loaded_tokens:
+            kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
 
     # The check request: the first prefix alone from the tier, 16 greedy tokens.
     settle(engine, control)
@@ -403,13 +430,20 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     control.force(tier, point.check_prompt, point.check_loaded_tokens)
     check = run_request(engine, point.check_prompt, CHECK_TOKENS)
     settle(engine, control)
-    kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0]), saved_kv[0])
+    if check.num_loaded_tokens:
+        kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0]), saved_kv[0])
     integrity = control.integrity()
 
-    expected_promoted = point.timed_loaded_tokens if tier.startswith("l3") else 0
+    restores = policy != "never"
+    expected_loaded = point.timed_loaded_tokens if restores else 0
+    expected_promoted = expected_loaded if tier.startswith("l3") else 0
+    forced = policy == "cost" or (all(n == expected_loaded for n in loaded)
+                                  and all(n == expected_promoted for n in promoted)
+                                  and check.num_loaded_tokens == (point.check_loaded_tokens if restores else 0))
     ttft_ms = median(samples_ms)
     recompute = point.recompute
-    row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "ttft_ms": round(ttft_ms, 3),
+    row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "policy": policy,
+           "ttft_ms": round(ttft_ms, 3),
            "recompute_ms": None if point.recompute_ms is None else round(point.recompute_ms, 3),
            "speedup": None if point.recompute_ms is None else round(point.recompute_ms / ttft_ms, 3),
            "outputs_equal": check.output_token_ids == recompute.output_token_ids,
@@ -417,16 +451,99 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "logit_diff": round(logit_difference(check, recompute), 6),
            "noise_floor": round(logit_difference(own_cache, recompute), 6),
            "logits_equal_own_cache": same_logits(check, own_cache),
-           "tier_forced": cache_hits == 0 and all(n == point.timed_loaded_tokens for n in loaded)
-           and all(n == expected_promoted for n in promoted) and check.num_loaded_tokens == point.check_loaded_tokens,
+           "tier_forced": cache_hits == 0 and forced,
            "integrity_ok": integrity == "ok", "integrity": integrity,
-           "loaded_tokens": loaded, "promoted_tokens": promoted, "engine_cache_hit_tokens": cache_hits,
+           "loaded_tokens": loaded, "promoted_tokens": promoted, "choices": choices,
+           "engine_cache_hit_tokens": cache_hits,
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
            "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples_ms),
            "warmup_ms": rounded(warmup_ms)}
     row["within_noise"] = row["logit_diff"] <= row["noise_floor"]
     return row
+
+
+def lookup_choice(before: dict[str, int], after: dict[str, int]) -> str:
+    """What the connector's lookups chose between two snapshots of its counters (one request)."""
+    chosen = [name.removeprefix("lookup_choice_") for name in after
+              if name.startswith("lookup_choice_") and after[name] > before.get(name, 0)]
+    return "+".join(sorted(chosen)) or "none"
+
+
+# ---- policy cost ---------------------------------------------------------------------------------------
+
+
+def run_policy(run: Run, point: Point, tiers: list[str], o_direct: bool) -> None:
+    """One fresh daemon (the cost model at its default priors) for these tiers of one point, in
+    order: each tier timed under "cost", then "always", then "never"; a policy row per tier."""
+    what = f"{point.model_name} {point.num_tokens} tokens, policy cost, tiers {','.join(tiers)}"
+    if run.over_budget(what):
+        return
+    model = point.engine.model
+    l2_bytes, l3_bytes = daemon_sizes(model, [point.num_tokens])
+    try:
+        with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
+            control = None
+            rows: dict[tuple[str, str], dict] = {}
+            models = {}
+            try:
+                for tier, policy in itertools.product(tiers, ("cost", "always", "never")):
+                    attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
+                                    model_revision=f"random-seed-{run.args.seed}", policy=policy,
+                                    client_name=f"policy-{policy}-{point.model_name}-{point.num_tokens}")
+                    try:
+                        if control is None:
+                            control = TierControl(daemon, point.engine.connector.geometry)
+                            saved_kv, own_cache = save_prefixes(point, control)
+                        rows[(tier, policy)] = time_tier(run, point, tier, control, saved_kv, own_cache, policy)
+                        if policy == "cost":
+                            point.engine.connector.flush_report()       # its last timings, then
+                            point.engine.connector.flush()              # handled by the daemon
+                            models[tier] = control.cost_model()
+                    finally:
+                        detach_kvcached(point.engine)
+            finally:
+                if control is not None:
+                    control.close()
+        for tier in tiers:
+            run.add(policy_row(rows[(tier, "cost")], rows[(tier, "always")], rows[(tier, "never")], models[tier]))
+    except Exception as exc:        # recorded; the other points go on
+        run.fail(what, exc)
+
+
+def policy_row(cost: dict, restore: dict, recompute: dict, cost_model: dict) -> dict:
+    """One point and tier under the three policies. The restore and recompute runs' checks are the
+    row's: every page restored bit for bit (always), none (never); the daemon's integrity."""
+    choices = cost["choices"]
+    choice = max(set(choices), key=choices.count) if choices else None
+    faster_ms = min(restore["ttft_ms"], recompute["ttft_ms"])
+    return {"model": cost["model"], "tier": cost["tier"], "tokens": cost["tokens"],
+            "cost_ms": cost["ttft_ms"], "restore_ms": restore["ttft_ms"], "recompute_ms": recompute["ttft_ms"],
+            "choice": choice, "within_5pct": cost["ttft_ms"] <= POLICY_TARGET * faster_ms,
+            "faster": "restore" if restore["ttft_ms"] <= recompute["ttft_ms"] else "recompute",
+            "choices": choices, "cost_loaded_tokens": cost["loaded_tokens"],
+            "cost_samples_ms": cost["samples_ms"], "restore_samples_ms": restore["samples_ms"],
+            "recompute_samples_ms": recompute["samples_ms"],
+            "kv_equal": cost["kv_equal"] and restore["kv_equal"],
+            "tier_forced": restore["tier_forced"] and recompute["tier_forced"] and cost["tier_forced"],
+            "integrity_ok": cost["integrity_ok"] and restore["integrity_ok"] and recompute["integrity_ok"],
+            "outputs_equal": cost["outputs_equal"] and restore["outputs_equal"] and recompute["outputs_equal"],
+            "cost_model": cost_model}
+
+
+def policy_summary(rows: list[dict]) -> list[dict]:
+    summary = [{"target": f"{r['model']} {r['tier']} {r['tokens']}: cost <= {POLICY_TARGET} x the faster "
+                          f"({r['faster']})", "value": r["cost_ms"], "met": r["within_5pct"]} for r in rows]
+    for row in rows:
+        if (row["model"], row["tier"], row["tokens"]) == ("qwen3-8b", "l3-cold", 3500):
+            summary.append({"target": "qwen3-8b, 3,500 tokens, cold L3: declined", "value": row["choice"],
+                            "met": row["choice"] == "recompute"})
+    warm_long = [r for r in rows if r["tier"] == "l3" and r["tokens"] >= 3500]
+    if warm_long:
+        summary.append({"target": "a warm-page-cache L3 restore of a long prefix is taken",
+                        "value": [f"{r['model']} {r['tokens']}: {r['choice']}" for r in warm_long],
+                        "met": any(r["choice"] == "l3" for r in warm_long)})
+    return summary
 
 
 # ---- main ---------------------------------------------------------------------------------------------
@@ -452,6 +569,13 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
         except Exception as exc:                # recorded; the other points go on
             run.fail(what, exc)
     warm = [t for t in tiers if t in ("l2", "l3")]
+    if args.policy == "cost":
+        for point in points:
+            if warm:
+                run_policy(run, point, warm, o_direct=False)
+            if "l3-cold" in tiers:
+                run_policy(run, point, ["l3-cold"], o_direct=True)
+        return
     if points and warm:
         run_restores(run, points, warm, o_direct=False)
     if points and "l3-cold" in tiers:
@@ -473,6 +597,8 @@ def main() -> None:
                         help="start no new point after this many seconds (the rest is listed as skipped)")
     parser.add_argument("--l3-dir", default=None, help="where the daemons' L3 files go (a disk, not tmpfs)")
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--policy", default="always", choices=("always", "never", "cost"),
+                        help="the connector's restore policy; cost: policy rows (policy.json), see above")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: {QUICK_POINTS}, 3 samples after 1 alternation; no result file")
     parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
@@ -488,7 +614,7 @@ def main() -> None:
         args.samples, args.warmup = min(args.samples, 3), min(args.warmup, 1)
         args.hf_warmup, args.hf_repeats = min(args.hf_warmup, 1), min(args.hf_repeats, 2)
     else:
-        args.name = args.name or "ttft"
+        args.name = args.name or ("policy" if args.policy == "cost" else "ttft")
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -508,7 +634,7 @@ def main() -> None:
         run.write()
         if run.rows:
             print()
-            print_table(run.rows, COLUMNS)
+            print_table(run.rows, POLICY_COLUMNS if args.policy == "cost" else COLUMNS)
         summary = run.summary()
         if summary:
             print_table(summary, ["target", "value", "met"])
