@@ -91,6 +91,7 @@ class VLLMConnectorConfig:
     reply_timeout_s: float = 5.0      # a load's or save's match unanswered this long: failed / skipped
     retry_interval_s: float = 1.0     # how often a side with no daemon at start-up tries to attach
     client_timeout_s: float = 2.0     # attach and detach
+    policy: str = ""                  # restore policy: "cost", "always", "never" ("": the daemon's)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "VLLMConnectorConfig":
@@ -200,7 +201,7 @@ def open_lookups(config: VLLMConnectorConfig, geometry: KVGeometry) -> PrefixLoo
     except BaseException:
         client.close()
         raise
-    return PrefixLookup(client, tp_group=geometry.tp_size > 1)
+    return PrefixLookup(client, tp_group=geometry.tp_size > 1, policy=config.policy)
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -522,7 +523,8 @@ class _WorkerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.geometry = namespace_geometry(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(),
                                            config.cache_salt)
-        self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s)
+        self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s,
+                                                policy=config.policy)
         self.kv_caches: list[torch.Tensor] | None = None
         self._attacher: _Attacher[KVConnector] | None = None
         self.counts = _Counts()

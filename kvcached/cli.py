@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                        f"quarantined this long (default {defaults['session_grace_s'].default})")
     serve.add_argument("--no-pid-watch", dest="pid_watch", action="store_false", default=None,
                        help="do not watch engines' pids; detect their end by heartbeats alone")
+    serve.add_argument("--restore-policy", choices=("cost", "always", "never"), help="which cached prefixes are "
+                       "restored: cost, those the cost model predicts beat recomputing them; always; never "
+                       f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
+    serve.add_argument("--cost-margin", type=float, help="a restore must be predicted this many times faster "
+                       f"than recompute (default {defaults['cost_margin'].default})")
+    serve.add_argument("--prior-recompute-us", type=float, dest="prior_recompute_us_per_token", metavar="US",
+                       help="the cost model's prior for prefill, microseconds per token, until engines report "
+                       f"theirs (default {defaults['prior_recompute_us_per_token'].default})")
+    serve.add_argument("--prior-host-gibps", type=float, metavar="GIBPS", help="its prior for L2 <-> GPU "
+                       f"copies (default {defaults['prior_host_gibps'].default})")
+    serve.add_argument("--prior-storage-gibps", type=float, metavar="GIBPS", help="its prior for L3 reads and "
+                       f"writes (default {defaults['prior_storage_gibps'].default})")
     serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
 
     status = commands.add_parser("status", help="print the daemon's status")
@@ -91,7 +103,10 @@ def _serve(args: argparse.Namespace) -> int:
                                        heartbeat_interval_s=args.heartbeat_interval,
                                        session_timeout_s=args.session_timeout,
                                        session_grace_s=args.session_grace, pid_watch=args.pid_watch,
-                                       log_level=args.log_level)
+                                       restore_policy=args.restore_policy, cost_margin=args.cost_margin,
+                                       prior_recompute_us_per_token=args.prior_recompute_us_per_token,
+                                       prior_host_gibps=args.prior_host_gibps,
+                                       prior_storage_gibps=args.prior_storage_gibps, log_level=args.log_level)
     except ValueError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 2

@@ -135,8 +135,9 @@ class EngineModel:
 
     def __init__(self, priors: CostPriors):
         host_slope = 1.0 / priors.host_bytes_per_s
-        self.directions = {"h2d": LineModel(host_slope), "d2h": LineModel(host_slope),
-                           "prefill": LineModel(priors.recompute_s_per_token, min_size=MIN_PREFILL_TOKENS)}
+        self.h2d, self.d2h = LineModel(host_slope), LineModel(host_slope)
+        self.prefill = LineModel(priors.recompute_s_per_token, min_size=MIN_PREFILL_TOKENS)
+        self.directions = {"h2d": self.h2d, "d2h": self.d2h, "prefill": self.prefill}
         # where ("lookup" or "match") -> choice -> count; skips: where -> tier not restored -> count
         self.decisions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.policy_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -187,57 +188,49 @@ class CostModel:
     def decide(self, engine_id: int, bytes_per_token: int, local_tokens: int, l2_tokens: int, l3_tokens: int,
                policy: str = "", where: str = "lookup") -> Decision:
         """Where the tokens beyond the engine's own hit (local_tokens) should come from. l3_tokens 0:
-        L3 is no candidate. Counted under ``where``."""
+        L3 is no candidate. Counted under ``where``. Runs on the daemon's socket thread for every
+        lookup and restoring match: plain arithmetic, no allocation beyond the reply's."""
         policy = policy or self.policy
         assert policy in POLICIES, policy
-        engine = self.engine(engine_id)
-        candidates = {}                     # tier -> the end token it restores to
-        if l2_tokens > local_tokens:
-            candidates["l2"] = l2_tokens
-        if l3_tokens > max(local_tokens, l2_tokens):
-            candidates["l3"] = l3_tokens
-        if not candidates:
+        engine = self.engines.get(engine_id) or self.engine(engine_id)
+        has_l2 = l2_tokens > local_tokens
+        has_l3 = l3_tokens > local_tokens and l3_tokens > l2_tokens
+        if not (has_l2 or has_l3):
             decision = Decision("engine", local_tokens, {}, "")
         else:
-            decision = self._choose(engine, bytes_per_token, local_tokens, l2_tokens, candidates, policy)
+            longest, end = ("l3", l3_tokens) if has_l3 else ("l2", l2_tokens)
+            per_token = engine.prefill.slope_s
+            margin = self.priors.margin
+            predicted = {"recompute": (end - local_tokens) * per_token}
+            choice, restore_tokens, best_benefit = "recompute", local_tokens, 0.0
+            if has_l2:
+                restore_s = engine.h2d.predict((l2_tokens - local_tokens) * bytes_per_token)
+                predicted["l2"] = restore_s + (end - l2_tokens) * per_token
+                benefit = (l2_tokens - local_tokens) * per_token - margin * restore_s
+                if benefit > best_benefit:
+                    choice, restore_tokens, best_benefit = "l2", l2_tokens, benefit
+            if has_l3:                      # the pages L2 lacks are read first, then all are moved
+                restore_s = engine.h2d.predict((l3_tokens - local_tokens) * bytes_per_token) \
+                    + self.storage["s2h"].predict((l3_tokens - l2_tokens) * bytes_per_token)
+                predicted["l3"] = restore_s
+                benefit = (l3_tokens - local_tokens) * per_token - margin * restore_s
+                if benefit > best_benefit:
+                    choice, restore_tokens, best_benefit = "l3", l3_tokens, benefit
+            if policy == "always":
+                choice, restore_tokens = longest, end
+            elif policy == "never":
+                choice, restore_tokens = "recompute", local_tokens
+            decision = Decision(choice, restore_tokens, predicted, longest)
         engine.decisions[where][decision.choice] += 1
-        if decision.choice != decision.longest and decision.longest:
+        if decision.longest and decision.choice != decision.longest:
             engine.policy_skips[where][decision.longest] += 1
         return decision
-
-    def _choose(self, engine: EngineModel, bytes_per_token: int, local_tokens: int, l2_tokens: int,
-                candidates: dict[str, int], policy: str) -> Decision:
-        longest = max(candidates, key=candidates.__getitem__)
-        end = candidates[longest]
-        recompute_per_token = engine.directions["prefill"].slope_s
-        h2d, s2h = engine.directions["h2d"], self.storage["s2h"]
-        restore_s = {}
-        for tier, tier_end in candidates.items():
-            seconds = h2d.predict((tier_end - local_tokens) * bytes_per_token)
-            if tier == "l3":                # the pages L2 lacks are read first, then all are moved
-                seconds += s2h.predict((tier_end - l2_tokens) * bytes_per_token)
-            restore_s[tier] = seconds
-        predicted = {tier: restore_s[tier] + (end - tier_end) * recompute_per_token
-                     for tier, tier_end in candidates.items()}
-        predicted["recompute"] = (end - local_tokens) * recompute_per_token
-        if policy == "always":
-            choice = longest
-        elif policy == "never":
-            choice = "recompute"
-        else:
-            benefit = {tier: (tier_end - local_tokens) * recompute_per_token - self.priors.margin * restore_s[tier]
-                       for tier, tier_end in candidates.items()}
-            best = max(benefit, key=benefit.__getitem__)
-            choice = best if benefit[best] > 0 else "recompute"
-        restore_tokens = candidates[choice] if choice in candidates else local_tokens
-        return Decision(choice, restore_tokens, predicted, longest)
 
     def later_restore_wins(self, engine_id: int, bytes_per_token: int, num_tokens: int) -> bool:
         """Whether a later request holding none of these tokens would restore them from L2 rather
         than recompute them (what a background promotion to L2 is for)."""
         engine = self.engine(engine_id)
-        recompute_s = num_tokens * engine.directions["prefill"].slope_s
-        return recompute_s > self.priors.margin * engine.directions["h2d"].predict(num_tokens * bytes_per_token)
+        return num_tokens * engine.prefill.slope_s > self.priors.margin * engine.h2d.predict(num_tokens * bytes_per_token)
 
     # ---- status -----------------------------------------------------------------------------
 

@@ -64,10 +64,41 @@ def render_table(snapshot: dict[str, Any]) -> str:
             lines.append(f"{direction:<4} {d['count']:>7} {format_size(d['bytes']):>10} {d['gibps']:>7.2f} "
                          f"{d['extents']:>8} {d['failures']:>8} {d['mean_queue_wait_s']:>9.4f} "
                          f"{d['mean_end_to_end_s']:>9.4f}")
+    lines += render_cost_model(snapshot.get("cost_model"))
     metrics = snapshot.get("metrics", {})
     if metrics:
         lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
     return "\n".join(lines)
+
+
+def render_cost_model(cost: dict[str, Any] | None) -> list[str]:
+    """Per engine (namespace) and direction the model's line, then the decisions per choice."""
+    if not cost:
+        return []
+
+    def line(ns: str, model: str, direction: str, d: dict[str, Any]) -> str:
+        if "slope_s_per_token" in d:
+            rate = f"{d['slope_s_per_token'] * 1e6:.2f} us/token"
+        else:
+            slope = d["slope_s_per_byte"]
+            rate = f"{1 / slope / 2**30:.2f} GiB/s" if slope > 0 else "inf GiB/s"
+        return (f"{ns:>3} {model[:24]:<24} {direction:<8} {d['mode']:<6} {d['samples_total']:>8} "
+                f"{d['fixed_s'] * 1e3:>9.3f} {rate:>16}")
+
+    lines = ["", f"cost model: policy {cost['policy']}, margin {cost['margin']}",
+             f"{'ns':>3} {'model':<24} {'dir':<8} {'mode':<6} {'samples':>8} {'fixed_ms':>9} {'slope':>16}"]
+    for engine in cost.get("engines", []):
+        for direction, d in engine["directions"].items():
+            lines.append(line(str(engine["namespace_id"]), engine["model_id"], direction, d))
+    for direction, d in cost.get("storage", {}).items():
+        lines.append(line("-", "(L3 file)", direction, d))
+    for engine in cost.get("engines", []):
+        for kind, key in (("decisions", "decisions_total"), ("policy skips", "policy_skips_total")):
+            counts = "  ".join(f"{where}: " + " ".join(f"{c}={n}" for c, n in by.items())
+                               for where, by in engine.get(key, {}).items())
+            if counts:
+                lines.append(f"  ns {engine['namespace_id']} {kind}  {counts}")
+    return lines
 
 
 # Counters of an engine's connector that say work was not done: pages a save skipped, pages a load
