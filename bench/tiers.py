@@ -170,9 +170,9 @@ class TierControl:
         self._rng = np.random.default_rng(0x7133)
 
     def hits(self, token_ids) -> dict[str, int]:
-        """Leading tokens of token_ids each tier holds (whole pages); changes nothing (no L3
-        candidate for the decision, so no background promotion either)."""
-        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32), promote_l3=False).result()
+        """Leading tokens of token_ids each tier holds (whole pages); changes nothing (a plain
+        lookup starts no background promotion either)."""
+        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32)).result()
         return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0)}
 
     def evict_l2(self) -> int:

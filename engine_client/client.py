@@ -730,11 +730,12 @@ class KVCacheClient:
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False,
                      generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "",
-                     promote_l3: bool = True) -> PendingMatch:
+                     promote_l3: bool = False) -> PendingMatch:
         """Ask how much of a prefix is cached, changing nothing (no lease, no LRU update): the reply
         (``result()``) has the hit per tier and no lease or pages, and the daemon's decision (where
-        the tokens beyond the engine's own ``local_hit_tokens`` should come from, under ``policy``;
-        with promote_l3 False, L3 is no candidate, and nothing is promoted in the background for it).
+        the tokens beyond the engine's own ``local_hit_tokens`` should come from, under ``policy``).
+        promote_l3: L3 is a candidate too, and an L3 hit the decision declines may be promoted in
+        the background (what an engine's lookups ask for; a tool that only reads the hits does not).
         tp_group: the least hit over every rank of this engine's tensor-parallel group. DaemonDown at
         once while it is down."""
         session_id, generation = self._session(generation, live=True)

@@ -210,7 +210,7 @@ def open_lookups(config: VLLMConnectorConfig, geometry: KVGeometry) -> PrefixLoo
 # counter "vllm:kvcached_<name>_total" per engine.
 METRICS = {
     "lookup_tokens": "prompt tokens asked about (the scheduler's lookups)",
-    "lookup_hit_tokens": "tokens kvcached said it holds (hits offered to the scheduler)",
+    "lookup_hit_tokens": "tokens kvcached offered the scheduler (its decision: the prefix to hold, vLLM's own hit in)",
     "lookup_failures": "lookups not answered (daemon away or late): counted as misses",
     "loaded_tokens": "tokens loaded from kvcached into vLLM's blocks",
     "load_failed_tokens": "tokens whose load failed: recomputed by vLLM",
