@@ -30,7 +30,7 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
-from proto.messages import RESTORE_CHOICES, RESTORE_POLICIES
+from proto.messages import RESTORE_POLICIES
 
 WINDOW = 32
 EWMA_ALPHA = 0.2
@@ -39,7 +39,6 @@ MIN_PREFILL_TOKENS = 16            # shorter prefills are mostly fixed overhead:
 POLICIES = RESTORE_POLICIES
 ENGINE_DIRECTIONS = ("h2d", "d2h", "prefill")
 STORAGE_DIRECTIONS = ("s2h", "h2s")
-CHOICES = RESTORE_CHOICES           # what a decision chooses (see proto.messages)
 MAX_SAMPLE_SIZE = 1 << 50
 MAX_SAMPLE_SECONDS = 3600.0
 
@@ -144,7 +143,7 @@ class EngineModel:
 
 
 class Decision(NamedTuple):
-    choice: str                        # one of CHOICES
+    choice: str                        # one of proto.messages.RESTORE_CHOICES
     restore_tokens: int                # leading tokens to hold after the restore (the engine's own hit counts in)
     predicted_s: dict[str, float]      # per candidate (and "recompute"): seconds to hold the longest hit
     longest: str                       # the tier holding the most beyond the engine's hit ("": none)
