@@ -153,3 +153,18 @@ def test_no_background_promotion_where_a_later_l2_restore_would_not_win(rng):
     assert state.promote_in_background(session.session_id, prefix, looked_up) is None and not state.moves
     assert state.status()["cost_model"]["background_promotion_skips_no_gain_total"] == 1
     assert state.lookup(session.session_id, prefix).hit_tokens["l2"] == 0
+
+
+def test_slow_storage_writes_do_not_stop_backups_to_l3(rng):
+    """Admission to L3 prices only a later restore, never the write: with the daemon's measured
+    writes taking seconds, a commit still plans the write-through of its new pages, and the
+    decision for a later read is the read line's alone."""
+    state = make_state()
+    session, _ = state.attach(GEOMETRY, pid=1)
+    for num_pages in rng.integers(1, 16, size=16).tolist():
+        state.cost.add_storage_sample("h2s", num_pages * BYTES_PER_PAGE, 5.0 + num_pages)
+    _, write_through = commit(state, session.session_id, tokens(rng, 4))
+    assert write_through is not None and write_through.direction == "h2s" and len(write_through.private_page_ids) == 4
+    state.finish_move(write_through, ok=True)
+    assert state.status()["cost_model"]["storage"]["s2h"]["samples_total"] == 0
+    state.check_integrity()
