@@ -469,7 +469,8 @@ class Server:
             reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
                                       request.local_hit_tokens, request.policy, request.promote_l3)
             if self.storage is not None and request.promote_l3 and not request.tp_group:
-                # Answered first; the promotion (if the model asks for one) runs after, off its path.
+                # Planned once the answer is: the promotion (if the model asks for one) runs on the
+                # loop, and no request waits for it.
                 move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
                 if move is not None:
                     self._spawn_threadsafe(self._run_move(move))
