@@ -25,7 +25,17 @@ so each page is a run of its own).
 Targets (issue 11), at >= 1,000 tokens: median ratio >= 0.85 and worst >= 0.7 for every geometry
 (contiguous); fragmented median >= 0.7.
 
+Tier ``peer`` (``--tiers peer``, issue 16): engine A, a process of its own on the same GPU
+(``bench.peer_owner``), holds KV tensors made from the same seed as this engine's (B's). Per request
+(the stream, plus 3,500 and 8,000 tokens): B saves the prefix to L2 and loads it back from L2 into
+other blocks (row tier ``l2``); then A caches the prefix in its blocks and publishes it, and B loads
+it again, now copied out of A's GPU memory (row tier ``peer``: match, gather out of A's tensors,
+scatter, the epochs checked). Both are checked bit for bit; ``raw_copy_ms`` is one device-to-device
+copy of the same bytes inside B, ``raw_dma_ms`` the pinned DMA. Target: the peer load of 3,500
+Qwen3-8B tokens in <= 1 ms, and faster than the L2 load at every size.
+
     python -m bench.bench_connector                      # on the H200: bench/results/h200/connector.json
+    python -m bench.bench_connector --tiers peer --name connector_peer     # the peer tier alone
     python -m bench.bench_connector --quick              # CPU smoke run: tiny geometries, no result file
 """
 
@@ -40,6 +50,7 @@ import numpy as np
 import torch
 
 from bench.common import print_table, write_result
+from bench.peer_owner import PeerOwner
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector
 from tests.integration.daemon_proc import DaemonProcess
@@ -54,7 +65,9 @@ GEOMETRIES = {                    # name -> (layers, KV heads per rank)
 QUICK_GEOMETRIES = {"quick-4-layers": (4, 2), "quick-12-layers-1-kv-head": (12, 1)}
 TARGETS = {"contiguous": {"median": 0.85, "worst": 0.7}, "fragmented": {"median": 0.7}}
 ARENA_ALIGN_BYTES = 2 << 20
-COLUMNS = ["geometry", "layout", "direction", "tokens", "ms", "raw_dma_ms", "ratio", "first_of_size", "l2_runs"]
+COLUMNS = ["geometry", "tier", "layout", "direction", "tokens", "ms", "raw_dma_ms", "ratio", "first_of_size", "l2_runs"]
+PEER_COLUMNS = ["geometry", "tier", "tokens", "ms", "raw_copy_ms", "raw_dma_ms", "speedup_vs_l2", "first_of_size"]
+PEER_TARGET_TOKENS, PEER_TARGET_MS = 3500, 1.0
 
 
 def synchronize(device: torch.device) -> None:
@@ -78,6 +91,14 @@ class RawDma:
             device_part.copy_(host_part, non_blocking=True)
         else:
             host_part.copy_(device_part, non_blocking=True)
+        synchronize(self.device)
+        return (time.perf_counter() - started) * 1e3
+
+    def device_copy_ms(self, num_bytes: int, destination: torch.Tensor) -> float:
+        """One copy of num_bytes from device memory to device memory (the ceiling of a peer load)."""
+        synchronize(self.device)
+        started = time.perf_counter()
+        destination[:num_bytes].copy_(self.device_buffer[:num_bytes], non_blocking=True)
         synchronize(self.device)
         return (time.perf_counter() - started) * 1e3
 
@@ -173,7 +194,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
                 if not torch.equal(tensor[:, destination].view(torch.int16), tensor[:, source].view(torch.int16)):
                     raise AssertionError(f"{name} {layout} {num_tokens} tokens: a loaded block differs (seed {args.seed})")
             for direction, ms, raw_ms in (("save", save_ms, raw_save_ms), ("load", load_ms, raw_load_ms)):
-                rows.append({"geometry": name, "direction": direction, "layout": layout, "tokens": num_tokens,
+                rows.append({"geometry": name, "tier": "l2", "direction": direction, "layout": layout, "tokens": num_tokens,
                              "ms": round(ms, 4), "raw_dma_ms": round(raw_ms, 4), "ratio": round(raw_ms / ms, 4),
                              "first_of_size": first_of_size, "pages": num_pages, "l2_runs": l2_runs})
         spin(lambda: connector.poll() or not connector.num_open_requests, "the last lease to end")
@@ -196,11 +217,114 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
     return rows
 
 
+def save_and_wait(connector: KVConnector, request, tokens, blocks) -> None:
+    connector.save(request, tokens, blocks)
+    connector.request_finished(request)
+    spin(lambda: connector.poll() or not connector.is_open(request), "the save")
+
+
+def timed_load(connector: KVConnector, request, tokens, blocks, device: torch.device) -> tuple[float, object]:
+    """ms from load() to its LoadResult (the request then ended, untimed)."""
+    synchronize(device)
+    loads = []
+    started = time.perf_counter()
+    connector.load(request, tokens, blocks, len(blocks) * PAGE_SIZE)
+    spin(lambda: loads.extend(connector.finished().loads) or loads, "the load")
+    ms = (time.perf_counter() - started) * 1e3
+    connector.request_finished(request)
+    spin(lambda: connector.poll() or not connector.is_open(request), "the load's request to end")
+    return ms, loads[0]
+
+
+def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: list[int], args,
+                  device: torch.device) -> list[dict]:
+    """Tier peer against L2 for each request, in one loop (see the module note)."""
+    max_pages = max(token_counts) // PAGE_SIZE
+    bytes_per_page = 2 * num_layers * PAGE_SIZE * num_kv_heads * HEAD_DIM * 2
+    l2_bytes = math.ceil((4 * max_pages + 16) * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
+    daemon = DaemonProcess(l2_size=str(l2_bytes), extra_args=(
+        "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING")).start(timeout_s=120)
+    rows = []
+    owner = connector = None
+    try:
+        num_blocks = 2 * max_pages + 8
+        # A first: B's registration then lists it, and opens it in the background.
+        owner = PeerOwner("tensors", daemon.socket_path, model=name, seed=args.seed, blocks=num_blocks,
+                          page_size=PAGE_SIZE, layers=num_layers, kv_heads=num_kv_heads, head_dim=HEAD_DIM)
+        generator = torch.Generator(device=device).manual_seed(args.seed)       # the tensors A made
+        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
+                                 generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
+                   for _ in range(num_layers)]
+        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, peer=True)
+        connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-peer"),
+                                         tensors, "layer", model_id=name, page_size=PAGE_SIZE,
+                                         num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)
+        if connector.peer is None:
+            raise RuntimeError("peer restores could not be registered (see the log)")
+        spin(lambda: connector.poll() or connector.stats().get("peers_opened", 0), "engine A to be opened")
+        rng = np.random.default_rng([args.seed, 16])
+        raw = RawDma(max_pages * bytes_per_page, device)
+        copy_target = torch.empty(max_pages * bytes_per_page, dtype=torch.uint8, device=device)
+        seen_pages: set[int] = set()
+        for index, num_tokens in enumerate(token_counts):
+            num_pages = num_tokens // PAGE_SIZE
+            first_of_size = num_pages not in seen_pages
+            seen_pages.add(num_pages)
+            tokens = rng.integers(1, 2**31 - 1, size=num_tokens, dtype=np.int32)
+            source = np.arange(num_pages)
+            destination = np.arange(max_pages, max_pages + num_pages)
+            num_bytes = num_pages * bytes_per_page
+            save_and_wait(connector, f"s{index}", tokens, source)
+            timings = {}
+            for tier in ("l2", "peer"):
+                if tier == "peer":
+                    owner.fill(tokens)
+                before = connector.stats().get("peer_loaded_pages", 0)
+                ms, result = timed_load(connector, f"{tier}{index}", tokens, destination, device)
+                peer_pages = connector.stats().get("peer_loaded_pages", 0) - before
+                if not result.ok or peer_pages != (num_pages if tier == "peer" else 0):
+                    raise AssertionError(f"{name} {tier} {num_tokens} tokens: {result}, {peer_pages} pages from the "
+                                         f"peer: {connector.stats()}")
+                for tensor in tensors:
+                    if not torch.equal(tensor[:, destination].view(torch.int16), tensor[:, source].view(torch.int16)):
+                        raise AssertionError(f"{name} {tier} {num_tokens} tokens: a loaded block differs (seed {args.seed})")
+                timings[tier] = ms
+                rows.append({"geometry": name, "tier": tier, "layout": "contiguous", "direction": "load",
+                             "tokens": num_tokens, "pages": num_pages, "ms": round(ms, 4),
+                             "raw_copy_ms": round(raw.device_copy_ms(num_bytes, copy_target), 4),
+                             "raw_dma_ms": round(raw.ms("load", num_bytes), 4), "first_of_size": first_of_size})
+            rows[-1]["speedup_vs_l2"] = round(timings["l2"] / timings["peer"], 3)
+        stats = connector.stats()
+        rows.append({"geometry": name, "tier": "peer", "direction": "report", "counters": stats,
+                     "transfer": connector.transfer.report()})
+    finally:
+        if connector is not None:
+            connector.close()
+        if owner is not None:
+            owner.close()
+        daemon.cleanup()
+    return rows
+
+
+def summarize_peer(rows: list[dict]) -> list[dict]:
+    summary = []
+    for geometry in sorted({r["geometry"] for r in rows if r.get("tier") == "peer" and "ms" in r}):
+        peer = [r for r in rows if r["geometry"] == geometry and r.get("tier") == "peer" and "ms" in r]
+        at_target = [r["ms"] for r in peer if r["tokens"] == PEER_TARGET_TOKENS]
+        summary.append({"geometry": geometry, "requests": len(peer),
+                        "peer_ms_at_3500": at_target[0] if at_target else None,
+                        "median_speedup_vs_l2": round(statistics.median(r["speedup_vs_l2"] for r in peer), 3),
+                        "worst_speedup_vs_l2": min(r["speedup_vs_l2"] for r in peer),
+                        "meets_target": bool(at_target) and at_target[0] <= PEER_TARGET_MS
+                        and min(r["speedup_vs_l2"] for r in peer) > 1.0})
+    return summary
+
+
 def summarize(rows: list[dict], min_tokens: int) -> list[dict]:
     summary = []
-    for key in sorted({(r["geometry"], r["layout"], r["direction"]) for r in rows if "ms" in r}):
-        ratios = [r["ratio"] for r in rows if (r["geometry"], r["layout"], r["direction"]) == key
-                  and "ms" in r and r["tokens"] >= min_tokens]
+    for key in sorted({(r["geometry"], r["layout"], r["direction"]) for r in rows if "ratio" in r}):
+        ratios = [r["ratio"] for r in rows if "ratio" in r
+                  and (r["geometry"], r["layout"], r["direction"]) == key and r["tokens"] >= min_tokens]
         if not ratios:
             continue
         target = TARGETS[key[1]]
@@ -218,6 +342,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8000)
     parser.add_argument("--geometries", default=",".join(GEOMETRIES))
     parser.add_argument("--layouts", default="contiguous,fragmented")
+    parser.add_argument("--tiers", default="l2", help="of l2 (save and load through L2, per layout) and peer "
+                        "(a load out of another engine's GPU memory against L2's, in one loop)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--workspace-mib", type=int, default=256, help="packed device buffer per direction")
     parser.add_argument("--seed", type=int, default=11)
@@ -238,23 +364,42 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     token_counts = rng.choice(np.arange(args.min_tokens, args.max_tokens + 1), size=args.requests,
                               replace=False).tolist()
+    tiers = args.tiers.split(",")
+    if set(tiers) - {"l2", "peer"}:
+        raise SystemExit(f"--tiers: unknown {sorted(set(tiers) - {'l2', 'peer'})}")
+    peer_token_counts = token_counts + [n for n in (PEER_TARGET_TOKENS, 8000) if n <= args.max_tokens
+                                        and n not in token_counts]
+    if args.quick:
+        peer_token_counts = token_counts
     rows: list[dict] = []
     for name, (num_layers, num_kv_heads) in geometries.items():
-        for layout in args.layouts.split(","):
-            rows += run_case(name, num_layers, num_kv_heads, layout, token_counts, args, device)
-    print_table([r for r in rows if "ms" in r], COLUMNS)
+        if "l2" in tiers:
+            for layout in args.layouts.split(","):
+                rows += run_case(name, num_layers, num_kv_heads, layout, token_counts, args, device)
+        if "peer" in tiers:
+            rows += run_peer_case(name, num_layers, num_kv_heads, peer_token_counts, args, device)
+    if "l2" in tiers:
+        print_table([r for r in rows if "ratio" in r], COLUMNS)
+    if "peer" in tiers:
+        print_table([r for r in rows if "raw_copy_ms" in r], PEER_COLUMNS)
     summary_tokens = 1000 if not args.quick else args.min_tokens      # the targets hold at >= 1,000 tokens
     summary = summarize(rows, summary_tokens)
     if summary:
         print_table(summary, ["geometry", "layout", "direction", "requests", "median_ratio", "worst_ratio",
                               "meets_target"])
+    peer_summary = summarize_peer(rows)
+    if peer_summary:
+        print_table(peer_summary, ["geometry", "requests", "peer_ms_at_3500", "median_speedup_vs_l2",
+                                   "worst_speedup_vs_l2", "meets_target"])
     name = args.name or (None if args.quick else "connector")
     if name:
         path = write_result(name, {
             "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
             "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer",
             "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
-            "targets": TARGETS, "summary_min_tokens": summary_tokens, "summary": summary, "rows": rows,
+            "targets": TARGETS, "summary_min_tokens": summary_tokens, "summary": summary, "tiers": tiers,
+            "peer_target": {"tokens": PEER_TARGET_TOKENS, "ms": PEER_TARGET_MS, "faster_than_l2": True},
+            "peer_summary": peer_summary, "rows": rows,
         }, machine=args.machine)
         print(f"wrote {path}")
 

@@ -11,6 +11,11 @@ comes from is forced (``bench/tiers.py``):
   l2       the prefix in L2 (the daemon's shared pinned memory): lookup, match, DMA + scatter
   l3       L2 emptied before each request, the prefix in L3 with a warm page cache: + preadv L3 -> L2
   l3-cold  the same from a daemon started with --l3-o-direct, the L3 file's page cache dropped too
+  peer     engine A, a process of its own on the same GPU with the same weights (bench.peer_owner),
+           has prefilled the prefixes and holds them in its own GPU cache; this engine (B, its
+           connector now with peer restores on) copies them out of A's GPU memory (L2 holds them
+           too: under "always" the peer is taken because it covers as much and is listed first, the
+           faster source). Its KV is checked against A's.
 
 Checked at every point: each request's own GPU-cache hit is 0 and it loads every whole page of
 its prefix (from L3: promoted); the restored KV equals bit for bit what the engine's own prefill
@@ -58,8 +63,10 @@ import torch
 
 from bench.common import exit_on_sigterm, median, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, Request, load_model
+from bench.peer_owner import PeerOwner
 from bench.tiers import (TIERS, KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv,
                          run_request, settle)
+from engine_client.connector import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +261,13 @@ class Run:
             if row["tier"] == "none" and row.get("engine_over_hf") is not None:
                 summary.append({"target": f"{row['model']}, {row['tokens']} tokens: engine / HF prefill <= 1.3",
                                 "value": row["engine_over_hf"], "met": row["engine_over_hf"] <= 1.3})
+            if row["tier"] == "peer" and row["speedup"] is not None:
+                l2 = next((r for r in self.rows if (r["model"], r["tier"], r["tokens"]) == (row["model"], "l2", row["tokens"])),
+                          None)
+                if l2 is not None and l2["speedup"] is not None:
+                    summary.append({"target": f"{row['model']}, {row['tokens']} tokens: peer speed-up above L2's "
+                                              f"({l2['speedup']})", "value": row["speedup"],
+                                    "met": row["speedup"] > l2["speedup"]})
         return summary
 
     def write(self) -> None:
@@ -333,31 +347,72 @@ def daemon_sizes(model, token_counts: list[int]) -> tuple[int, int]:
     return l2_bytes, 3 * l2_bytes
 
 
+def start_peer_owner(run: Run, points: list[Point], socket_path: str) -> tuple[PeerOwner | None, dict]:
+    """Engine A: the same model in a process of its own, which prefills every point's prefixes and
+    keeps them in its GPU cache. Returns it and, per point, the KV A holds for each prefix (None, {}
+    when the GPU has no room for a second copy of the weights: noted)."""
+    model = points[0].engine.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    num_blocks = sum(2 * -(-(p.num_tokens + 1) // BLOCK_SIZE) for p in points) + 16
+    kv_bytes = num_blocks * BLOCK_SIZE * model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+    if run.device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(run.device)
+        if free_bytes < 1.2 * (weight_bytes + kv_bytes):
+            note = (f"{points[0].model_name}: tier peer skipped: a second copy of the weights and A's cache "
+                    f"({(weight_bytes + kv_bytes) / 2**30:.1f} GiB) does not fit in {free_bytes / 2**30:.1f} GiB free")
+            run.notes.append(note)
+            print(note, flush=True)
+            return None, {}
+    owner = PeerOwner("engine", socket_path, model=points[0].model_name, seed=run.args.seed, blocks=num_blocks,
+                      page_size=BLOCK_SIZE)
+    try:
+        kv = {id(point): [torch.load(owner.fill(prefix), map_location=run.device) for prefix in point.prefixes]
+              for point in points}
+    except BaseException:
+        owner.close()
+        raise
+    return owner, kv
+
+
 def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool) -> None:
     """One daemon for these tiers; each point's engine gets a connector, saves both prefixes, then
-    each tier is timed from them."""
+    each tier is timed from them (peer last, on a connector with peer restores on)."""
     if run.over_budget(f"{points[0].model_name}, tiers {','.join(tiers)}"):
         return
     model = points[0].engine.model
     l2_bytes, l3_bytes = daemon_sizes(model, [p.num_tokens for p in points])
     with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
-        control = None
+        control = owner = None
         try:
+            owner_kv: dict = {}
+            if "peer" in tiers:
+                try:
+                    owner, owner_kv = start_peer_owner(run, points, daemon.socket_path)
+                except Exception as exc:        # the other tiers go on
+                    run.fail(f"{points[0].model_name}: engine A for tier peer", exc)
             for point in points:
                 what = f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"
                 if run.over_budget(what):
                     continue
                 try:
-                    connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
-                                                model_revision=f"random-seed-{run.args.seed}",
-                                                client_name=f"ttft-{point.model_name}-{point.num_tokens}",
-                                                policy=run.args.policy)
+                    attach = dict(model_id=point.model_name, model_revision=f"random-seed-{run.args.seed}",
+                                  client_name=f"ttft-{point.model_name}-{point.num_tokens}")
+                    connector = attach_kvcached(point.engine, daemon.socket_path, policy=run.args.policy, **attach)
                     try:
                         if control is None:
                             control = TierControl(daemon, connector.geometry)
                         saved_kv, own_cache = save_prefixes(point, control)
                         for tier in tiers:
-                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
+                            if tier != "peer":
+                                run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
+                        if id(point) in owner_kv:
+                            detach_kvcached(point.engine)
+                            config = ConnectorConfig(peer=True, promote_l3=False, policy=run.args.policy)
+                            connector = attach_kvcached(point.engine, daemon.socket_path, config=config, **attach)
+                            wait_for(lambda: connector.poll() or connector.stats().get("peers_opened", 0),
+                                     "engine A to be opened")
+                            run.add(time_tier(run, point, "peer", control, owner_kv[id(point)], own_cache,
+                                              run.args.policy))
                     finally:
                         detach_kvcached(point.engine)
                 except Exception as exc:        # recorded; the other points go on
@@ -365,6 +420,16 @@ def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool
         finally:
             if control is not None:
                 control.close()
+            if owner is not None:
+                owner.close()
+
+
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.001)
 
 
 def save_prefixes(point: Point, control: TierControl) -> tuple[list[torch.Tensor], Request]:
@@ -401,7 +466,16 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     A restored prefix's KV must be bit for bit the saved KV."""
     engine, args = point.engine, run.args
     connector = engine.connector
-    warmup_ms, samples_ms, loaded, promoted, choices, cache_hits, kv_equal = [], [], [], [], [], 0, True
+    warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
+
+    def force(token_ids, num_tokens: int) -> None:
+        if tier != "peer":
+            control.force(tier, token_ids, num_tokens)
+            return
+        offered = connector.lookup_async(token_ids).decision().hit_tokens.get("peer", 0)     # (L2 holds it too)
+        if offered < num_tokens:
+            raise RuntimeError(f"engine A offers {offered} tokens, not {num_tokens}: {connector.stats()}")
+
     settle(engine, control)
     engine.reset_prefix_cache()          # the last check request's prefix
     for i in range(2 * args.warmup + args.samples):
@@ -410,7 +484,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         prompt = prefix + point.suffix()
         settle(engine, control)
         engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
-        control.force(tier, prefix, point.timed_loaded_tokens)
+        force(prefix, point.timed_loaded_tokens)
         before = connector.stats()
         with gc_paused():
             request = run_request(engine, prompt, 1)
@@ -419,6 +493,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         cache_hits += request.num_cached_tokens
         loaded.append(request.num_loaded_tokens)
         promoted.append(connector.stats().get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
+        from_peer.append((connector.stats().get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
         if i >= 2 * args.warmup:
             choices.append(lookup_choice(before, connector.stats()))
         if request.num_loaded_tokens:
@@ -427,18 +502,24 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     # The check request: the first prefix alone from the tier, 16 greedy tokens.
     settle(engine, control)
     engine.reset_prefix_cache()
-    control.force(tier, point.check_prompt, point.check_loaded_tokens)
+    force(point.check_prompt, point.check_loaded_tokens)
     check = run_request(engine, point.check_prompt, CHECK_TOKENS)
     settle(engine, control)
     if check.num_loaded_tokens:
-        kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0]), saved_kv[0])
+        # Only the pages it loaded: where the prefix is a whole number of pages, the check request
+        # computes its last page itself (one token at least is computed), in a chunk of another size.
+        num_loaded_pages = point.check_loaded_tokens // BLOCK_SIZE
+        kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0][: point.check_loaded_tokens]),
+                                saved_kv[0][:, :, :num_loaded_pages])
     integrity = control.integrity()
 
     restores = policy != "never"
     expected_loaded = point.timed_loaded_tokens if restores else 0
     expected_promoted = expected_loaded if tier.startswith("l3") else 0
+    expected_from_peer = expected_loaded if tier == "peer" else 0
     forced = policy == "cost" or (all(n == expected_loaded for n in loaded)
                                   and all(n == expected_promoted for n in promoted)
+                                  and all(n == expected_from_peer for n in from_peer)
                                   and check.num_loaded_tokens == (point.check_loaded_tokens if restores else 0))
     ttft_ms = median(samples_ms)
     recompute = point.recompute
@@ -453,7 +534,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "logits_equal_own_cache": same_logits(check, own_cache),
            "tier_forced": cache_hits == 0 and forced,
            "integrity_ok": integrity == "ok", "integrity": integrity,
-           "loaded_tokens": loaded, "promoted_tokens": promoted, "choices": choices,
+           "loaded_tokens": loaded, "promoted_tokens": promoted, "peer_tokens": from_peer, "choices": choices,
            "engine_cache_hit_tokens": cache_hits,
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
@@ -568,14 +649,17 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
             points.append(point)
         except Exception as exc:                # recorded; the other points go on
             run.fail(what, exc)
-    warm = [t for t in tiers if t in ("l2", "l3")]
     if args.policy == "cost":
+        warm = [t for t in tiers if t in ("l2", "l3")]
+        if "peer" in tiers and "tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)" not in run.notes:
+            run.notes.append("tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)")
         for point in points:
             if warm:
                 run_policy(run, point, warm, o_direct=False)
             if "l3-cold" in tiers:
                 run_policy(run, point, ["l3-cold"], o_direct=True)
         return
+    warm = [t for t in tiers if t in ("l2", "l3", "peer")]
     if points and warm:
         run_restores(run, points, warm, o_direct=False)
     if points and "l3-cold" in tiers:
@@ -587,7 +671,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--points", default=DEFAULT_POINTS,
                         help=f"SHAPE=TOKENS,...;... in run order (default {DEFAULT_POINTS!r})")
-    parser.add_argument("--tiers", default=",".join(TIERS), help="of none,l2,l3,l3-cold")
+    parser.add_argument("--tiers", default=",".join(TIERS), help="of none,l2,l3,l3-cold,peer")
     parser.add_argument("--samples", type=int, default=8, help="timed requests per point and tier (median)")
     parser.add_argument("--warmup", type=int, default=2, help="alternations of the two prefixes, untimed")
     parser.add_argument("--hf-warmup", type=int, default=2)

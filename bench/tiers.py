@@ -36,7 +36,9 @@ from tests.integration.daemon_proc import DaemonProcess
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("none", "l2", "l3", "l3-cold")      # none: recompute; l3: warm page cache; l3-cold: O_DIRECT
+# none: recompute; l3: warm page cache; l3-cold: O_DIRECT; peer: another engine's GPU cache
+# (bench.peer_owner), copied GPU to GPU
+TIERS = ("none", "l2", "l3", "l3-cold", "peer")
 ARENA_ALIGN_BYTES = 2 << 20
 SETTLE_TIMEOUT_S = 120.0
 
@@ -46,7 +48,7 @@ def align_up(num_bytes: int, alignment: int = ARENA_ALIGN_BYTES) -> int:
 
 
 class KVDaemon:
-    """A ``kvcached serve`` process for a run: one namespace (its arena is the whole L2), L3 in a
+    """A ``kvcached serve`` process for a run: one namespace (it holds the whole L2), L3 in a
     file of a directory of its own (removed by ``stop``), started empty."""
 
     def __init__(self, l2_bytes: int, l3_bytes: int, *, o_direct: bool = False, l3_dir: str | None = None,

@@ -16,7 +16,7 @@ Two backends with the same semantics and the same checks:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,20 +43,27 @@ def triton_available() -> bool:
 
 class SegmentTable:
     """A layout's segment table on its device (addresses in bytes, strides in words), and the
-    torch backend's views of the same segments."""
+    torch backend's views of the same segments. ``segments``: only these of the layout's segments,
+    in this order (one layer's, for a layer-by-layer load); a packed page then holds just them."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVLayout, segments: Sequence[int] | None = None):
+        segments = tuple(range(layout.num_segments)) if segments is None else tuple(segments)
+        if not segments or any(not 0 <= s < layout.num_segments for s in segments):
+            raise ValueError(f"segments must be a non-empty choice of [0, {layout.num_segments}), got {segments}")
         self.layout = layout
+        self.segments = segments
         self.device = layout.device
         self.word_bytes = layout.word_bytes
         self.word_dtype = WORD_DTYPE_BY_BYTES[self.word_bytes]
-        self.num_segments = layout.num_segments
+        self.num_segments = len(segments)
         self.num_blocks = layout.num_blocks
         self.segment_words = layout.segment_bytes // self.word_bytes
-        self.addresses = torch.tensor(layout.segment_addresses, dtype=torch.int64, device=self.device)
-        self.block_strides = torch.tensor([s // self.word_bytes for s in layout.block_stride_bytes],
+        self.addresses = torch.tensor([layout.segment_addresses[s] for s in segments], dtype=torch.int64,
+                                      device=self.device)
+        self.block_strides = torch.tensor([layout.block_stride_bytes[s] // self.word_bytes for s in segments],
                                           dtype=torch.int64, device=self.device)
-        self.views = layout.segment_views()
+        views = layout.segment_views()
+        self.views = [views[s] for s in segments]
         self.block_words = min(MAX_BLOCK_WORDS, triton.next_power_of_2(self.segment_words)) if triton else 0
         if triton is not None and triton.cdiv(self.segment_words, self.block_words) > _MAX_GRID_Y:
             raise ValueError(f"a segment of {layout.segment_bytes} bytes is too large for one launch")

@@ -337,13 +337,19 @@ class _Channel:
         self.socket.close(0)
 
 
-class PendingMatch:
-    """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
+class PendingReply:
+    """A request sent whose reply is still to be collected (``KVCacheClient.request_async``)."""
 
-    kind = MsgKind.MATCH       # lookups are matches too (lock=false)
+    kind = MsgKind.MATCH
+    reply_type: type = MatchReply
 
     def __init__(self, channel: _Channel, request_id: int, generation: int,
-                 on_not_attached: Callable[[int, str], None] | None = None):
+                 on_not_attached: Callable[[int, str], None] | None = None, kind: MsgKind | None = None,
+                 reply_type: type | None = None):
+        if kind is not None:
+            self.kind = kind
+        if reply_type is not None:
+            self.reply_type = reply_type
         self._channel = channel
         self._request_id = request_id
         self.generation = generation          # of the session it was sent for
@@ -370,7 +376,7 @@ class PendingMatch:
             if exc.code == ErrorCode.NOT_ATTACHED and self._on_not_attached is not None:
                 self._on_not_attached(self.generation, exc.message)
             raise
-        return from_wire(MatchReply, body)
+        return from_wire(self.reply_type, body)
 
     def cancel(self) -> None:
         """Give the request up: the lease of its reply, whenever that comes, is released."""
@@ -386,6 +392,13 @@ class PendingMatch:
             self.cancel()
         except Exception:
             pass
+
+
+class PendingMatch(PendingReply):
+    """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
+
+    kind = MsgKind.MATCH       # lookups are matches too (lock=false)
+    reply_type = MatchReply
 
 
 class KVCacheClient:
@@ -744,6 +757,21 @@ class KVCacheClient:
             "lock": False, "tp_group": tp_group, "local_hit_tokens": local_hit_tokens, "policy": policy,
             "promote_l3": promote_l3})
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
+
+    def request_async(self, kind: MsgKind, body: dict[str, Any], reply_type: type,
+                      generation: int | None = None) -> PendingReply:
+        """Send a request of the session (of ``generation``) now; ``result()`` decodes its reply as
+        ``reply_type`` later. DaemonDown at once unless that session is attached. Not for requests
+        whose reply may carry a lease (matches: ``match_async``)."""
+        assert kind not in LEASE_KINDS, kind
+        session_id, generation = self._session(generation, live=True)
+        request_id = self._channel.begin(kind, {"session_id": session_id, **body})
+        return PendingReply(self._channel, request_id, generation, self._on_not_attached, kind, reply_type)
+
+    def send_async(self, kind: MsgKind, body: dict[str, Any], generation: int | None = None) -> bool:
+        """Send a request of the session (of ``generation``) that is not waited for; its error
+        reply, if any, comes through ``poll_errors``. False: not sent, the session has ended."""
+        return self._send_async(kind, body, generation)
 
     def _release_orphan(self, lease_id: int, generation: int) -> None:
         session = self._session(generation or None, live=False)

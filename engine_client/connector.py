@@ -10,7 +10,8 @@ Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the 
                                                         # scatter follow its reply (poll)
     connector.poll()                                    # once per step: replies in, transfers queued
     connector.finished().loads                          # LoadResult per load: loaded or failed blocks
-    connector.wait_for_layer_load(layer)                # or: the engine's stream waits (sync loads)
+    connector.finished().queued                         # or earlier: its copies are queued, and
+    connector.wait_for_layer_load(layer, None, [rid])   # the engine's stream waits for layer i alone
     ... prefill the rest ...
     connector.save(rid, token_ids, block_ids, start)    # the new full blocks, queued
     if connector.request_finished(rid): ...             # True: keep the blocks until finished().released
@@ -26,6 +27,11 @@ for the pages the daemon lacks (what saves write). The replies of a step's match
 ``poll`` in one sweep, so a step costs one round trip at most, and nobody waits for it. When the
 request is finished and its transfers are done, the written pages are committed (``BACKUP_COMMIT``,
 which ends the lease) or, with none written, the lease is released.
+
+Loads go layer by layer (``engine_client.kv_transfer``), an event per layer: a prefill may start
+once ``finished().queued`` names its load, its attention of layer i waiting (on the GPU) for layer
+i alone while later layers are still copied; the load's entry in ``finished().loads`` then confirms
+what it read (or, rarely, voids it: see Fencing).
 
 Fencing. A DMA into private L2 pages is queued only while the session is sure to outlive it by
 ``fence_margin_s`` (``KVCacheClient.session_valid_for``); a load whose session ended (or changed)
@@ -43,6 +49,13 @@ request of the ended session moves nothing and ends nothing: its pages and lease
 While the client is down, ``poll`` says when nothing writes the ended session's pages any more
 (``KVCacheClient.mark_drained``), so that the re-attach lets the daemon free them.
 
+Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
+registered for other engines on its GPU to copy from; the engine says which blocks it is about to
+write (``will_write_blocks``) and which hold a prompt's pages (``blocks_cached``), published at
+``poll``. A match whose decision is "peer" (another engine's blocks, priced by the daemon's cost
+model against L2, L3 and recompute) loads from them, GPU to GPU, each copy's time a "d2d" sample;
+blocks that engine changed during the copy are reported failed (``peer_changed``).
+
 Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
 moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
 ranks), so a prefix counts as cached only where every rank holds its shard. A rank whose own hit
@@ -56,7 +69,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +78,7 @@ from engine_client.client import (DaemonDown, DaemonError, DaemonUnavailable, KV
                                   token_bytes)
 from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
+from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
 from engine_client.shared_pool import SharedHostPool
 from proto.errors import ErrorCode
 from proto.messages import KVGeometry
@@ -83,6 +97,11 @@ class ConnectorConfig:
     reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
     report_interval_s: float = 1.0     # how often changed counters (and timings) go to the daemon
     policy: str = ""                   # restore policy: "cost", "always", "never" ("": the daemon's)
+    # Peer restores (engine_client/peer.py): register this engine's KV tensors for other engines of
+    # the namespace on its device to copy from, and load a prefix from theirs when the daemon's
+    # decision chooses another engine's GPU cache (asynchronous loads only; one tensor-parallel
+    # rank only).
+    peer: bool = False
 
 
 class LoadResult(NamedTuple):
@@ -109,12 +128,17 @@ class RequestLease(NamedTuple):
 class Finished(NamedTuple):
     loads: list[LoadResult]        # each load() once, when it is complete or has failed
     released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
+    # Loads whose copies were queued since the last call, each once, before (or with) its entry in
+    # loads: its blocks hold num_tokens once the engine's stream waited on wait_for_layer_load for
+    # every layer. Provisional: its entry in loads confirms it (or, the session lost while the copy
+    # ran, reports every block failed, and what the stream read from them must be recomputed).
+    queued: Sequence[LoadResult] = ()
 
 
 class RestoreDecision(NamedTuple):
     """The daemon's answer to a lookup: what to restore (see ``proto.replies.MatchReply``)."""
 
-    choice: str                        # "engine", "l2", "l3", "recompute"; "" when the lookup failed
+    choice: str                        # "engine", "l2", "l3", "peer", "recompute"; "" when the lookup failed
     num_tokens: int                    # leading tokens to hold once restored: restore [local hit, num_tokens)
     hit_tokens: dict[str, int]         # per tier
     predicted_s: dict[str, float]      # per candidate and "recompute": seconds to hold the longest hit
@@ -224,6 +248,7 @@ class _Load:
     session_id: int | None = None
     queued: bool = False
     reason: str | None = None           # why pages beyond num_pages_queued are not loaded
+    peer_copy: PeerCopy | None = None   # loaded from another engine's blocks, checked at completion
 
 
 @dataclasses.dataclass(eq=False)
@@ -255,6 +280,7 @@ class _Request:
     saves: list[_Save] = dataclasses.field(default_factory=list)
     finished: bool = False
     hold_blocks: bool = False           # request_finished returned True
+    peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -272,7 +298,8 @@ class KVConnector:
     scheduler thread calls it."""
 
     def __init__(self, client: KVCacheClient, layout: KVLayout, geometry: KVGeometry, host_pool: SharedHostPool,
-                 transfer: KVTransfer, config: ConnectorConfig):
+                 transfer: KVTransfer, config: ConnectorConfig, counters: collections.Counter | None = None,
+                 peer: PeerSharing | None = None):
         self.client = client
         self.layout = layout
         self.geometry = geometry
@@ -280,12 +307,14 @@ class KVConnector:
         self.host_pool = host_pool
         self.transfer = transfer
         self.config = config
+        self.peer = peer
         self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3,
                                     policy=config.policy)
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
         self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_PENDING_COST_SAMPLES)
         self._requests: dict[Hashable, _Request] = {}
         self._finished_loads: list[LoadResult] = []
+        self._queued_loads: list[LoadResult] = []
         self._released: list[Hashable] = []
         self._sync_loads: list[_Load] = []
         self._reported: dict[str, Any] | None = None
@@ -310,6 +339,8 @@ class KVConnector:
         """Describe the engine's KV tensors (``engine_client.layout``), attach ``client`` with the
         namespace they make, map (on CUDA: pin) the L2 pool, and build and warm the transfers.
         The connector owns the client from here on (``close`` closes it)."""
+        if config.peer:
+            share_host_tensors(kv_caches)       # CPU tensors: into shared memory, before their addresses are taken
         layout = describe_layout(kind, kv_caches)
         geometry = layout.geometry(model_id, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                    dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, model_revision=model_revision,
@@ -321,7 +352,16 @@ class KVConnector:
         except BaseException:
             host_pool.close()
             raise
-        return cls(client, layout, geometry, host_pool, transfer, config)
+        counters: collections.Counter[str] = collections.Counter()
+        peer = None
+        if config.peer and tp_size == 1:
+            try:
+                peer = PeerSharing.register(client, layout, transfer, page_size, counters)
+            except (PeerError, DaemonUnavailable, DaemonError, OSError) as exc:
+                logger.warning("peer restores off: the KV tensors could not be registered: %s", str(exc))
+        elif config.peer:
+            logger.warning("peer restores off: not with tensor parallelism (tp_size %d)", tp_size)
+        return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -342,6 +382,22 @@ class KVConnector:
         """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
         the daemon's cost model (sent with the next report; never waits)."""
         self._cost_samples.append(("prefill", int(num_tokens), float(seconds)))
+
+    # ---- the engine's own GPU cache (peer restores) ---------------------------------------------
+
+    def will_write_blocks(self, block_ids: Sequence[int]) -> None:
+        """The engine is about to write these blocks (it allocated them), or drops what they hold:
+        call before it queues any work that writes them. Other engines stop copying them. No-op
+        without peer restores."""
+        if self.peer is not None:
+            self.peer.will_write(block_ids)
+
+    def blocks_cached(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> None:
+        """block_ids[i] holds page i of token_ids (its own GPU prefix cache has them), written by
+        the work queued so far on the current stream: other engines may copy them once that work is
+        done (published at a later ``poll``). No-op without peer restores."""
+        if self.peer is not None:
+            self.peer.cached(token_ids, block_ids)
 
     # ---- loads and saves ---------------------------------------------------------------------
 
@@ -416,6 +472,8 @@ class KVConnector:
         for request in list(self._requests.values()):
             self._advance(request)
         self._follow_session()
+        if self.peer is not None:
+            self.peer.poll()
         self._count_refusals(self.client.poll_errors())
         self._report()
 
@@ -438,17 +496,26 @@ class KVConnector:
         self.poll()
         loads, self._finished_loads = self._finished_loads, []
         released, self._released = self._released, []
-        return Finished(loads, released)
+        queued, self._queued_loads = self._queued_loads, []
+        return Finished(loads, released, queued)
 
-    def wait_for_layer_load(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait until the synchronous loads (load(...,
-        asynchronous=False)) not yet reported hold ``layer``. A load whose match has no reply yet is
-        waited for here, on the host (bounded by reply_timeout_s): issue loads a step ahead, or
-        asynchronously, to avoid that. Today the whole load lands at once; the API is per layer so
-        that layer-by-layer loads can come without changing engines."""
+    def wait_for_layer_load(self, layer: int, stream: torch.cuda.Stream | None = None,
+                            request_ids: Iterable[Hashable] | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait until ``layer`` of the blocks of some
+        loads is written: of the loads of ``request_ids`` not yet reported, or (None) of the
+        synchronous loads (load(..., asynchronous=False)) not yet reported. No host wait for the
+        copies: the stream waits on the layer's event, while the later layers are still copied. A
+        load whose match has no reply yet is waited for here, on the host (bounded by
+        reply_timeout_s): wait on a load once ``finished().queued`` named it, or issue it a step
+        ahead, to avoid that."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer}")
-        for load in list(self._sync_loads):
+        if request_ids is None:
+            loads = list(self._sync_loads)
+        else:
+            loads = [load for request_id in request_ids if request_id in self._requests
+                     for load in self._requests[request_id].loads]
+        for load in loads:
             request = self._requests.get(load.request_id)
             if request is not None and not load.queued:
                 self._take_reply(request, self.config.reply_timeout_s)
@@ -456,9 +523,9 @@ class KVConnector:
         if self.layout.device.type != "cuda":
             return
         stream = stream or torch.cuda.current_stream(self.layout.device)
-        for load in self._sync_loads:
+        for load in loads:
             if load.transfer is not None:
-                load.transfer.wait_on(stream)
+                load.transfer.wait_layer_on(layer, stream)
 
     @property
     def num_open_requests(self) -> int:
@@ -534,6 +601,8 @@ class KVConnector:
         request.reserved = np.asarray(reply.backup_page_ids, dtype=np.int64)
         request.written = np.zeros(len(request.reserved), dtype=bool)
         request.queued = np.zeros(len(request.reserved), dtype=bool)
+        if self.peer is not None:
+            request.peer_plan = self._peer_plan(reply)
         self.counters["matches"] += 1
         self.counters["promoted_tokens"] += reply.promoted_tokens
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
@@ -586,6 +655,9 @@ class KVConnector:
             usable = 0
         elif request.failure is not None:
             usable, load.reason = 0, request.failure
+        elif request.peer_plan is not None and not load.synchronous:
+            self._queue_peer_load(request.peer_plan, load)
+            return
         else:
             usable = max(0, min(load.start_page + num_pages, request.hit_pages) - load.start_page)
             if usable < num_pages:
@@ -602,14 +674,54 @@ class KVConnector:
             else:
                 self.counters["load_pages_queued"] += usable
                 load.session_id = request.session_id
+                self._queued_loads.append(LoadResult(request.request_id, usable * self.page_size,
+                                                     load.block_ids[usable:].tolist(), load.reason))
+        load.num_pages_queued = usable
+
+    def _peer_plan(self, reply) -> PeerPlan | None:
+        """Copy from another engine's GPU cache when the match's decision chose it (the daemon's
+        cost model prices it against L2, L3 and recompute); None otherwise, or while its owner is
+        not open here yet."""
+        if reply.choice != "peer":
+            return None
+        plan = self.peer.plan(reply)
+        if plan is not None:
+            self.counters["peer_plans"] += 1
+        return plan
+
+    def _queue_peer_load(self, plan: PeerPlan, load: _Load) -> None:
+        num_pages = len(load.block_ids)
+        usable = max(0, min(load.start_page + num_pages, plan.num_pages) - load.start_page)
+        if usable < num_pages:
+            load.reason = "not_cached"
+        if usable:
+            try:
+                load.peer_copy = self.peer.copy(plan, load.start_page, load.block_ids[:usable], load.after)
+            except Exception as exc:            # the blocks are recomputed; nothing else depends on them
+                self._warn_once("peer_transfer_failed", f"a peer load's transfer failed: {exc!r}")
+                usable, load.reason = 0, "transfer_failed"
+            else:
+                copied = 0 if load.peer_copy is None else len(load.peer_copy.source_block_ids)
+                if copied < usable:
+                    usable, load.reason = copied, "peer_changed"
+                if load.peer_copy is not None:
+                    load.transfer = load.peer_copy.transfer
+                    self.counters["peer_load_pages_queued"] += usable
         load.num_pages_queued = usable
 
     def _complete_load(self, request: _Request, load: _Load) -> None:
         usable = load.num_pages_queued
         reason = load.reason
-        if load.transfer is not None:
-            self._cost_samples.append(("h2d", usable * self.geometry.bytes_per_page, load.transfer.seconds()))
-        if load.transfer is not None and not self._session_holds(load.session_id, 0.0):
+        if load.transfer is not None:           # a peer copy: device to device; else L2 to the GPU
+            self._cost_samples.append(("d2d" if load.peer_copy is not None else "h2d",
+                                       usable * self.geometry.bytes_per_page, load.transfer.seconds()))
+        if load.peer_copy is not None:
+            # Only blocks the owner did not touch during the copy count (their epochs unchanged).
+            verified = self.peer.finish(load.peer_copy)
+            if verified < usable:
+                usable, reason = verified, "peer_changed"
+            self.counters["peer_loaded_pages"] += usable
+        elif load.transfer is not None and not self._session_holds(load.session_id, 0.0):
             # The lease may have ended while the DMA read its pages: they may hold another's bytes.
             usable, reason = 0, "session_lost"
         failed = load.block_ids[usable:].tolist()
@@ -899,6 +1011,9 @@ class KVConnector:
             self.flush_report()
         finally:
             try:
+                if self.peer is not None:
+                    self.peer.close()
+                    self.peer = None
                 del self.transfer
                 self.host_pool.close()
                 if next_pool is not None:

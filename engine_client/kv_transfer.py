@@ -2,21 +2,32 @@
 
     save  gather the blocks (all layers, through the segment table) into a packed device buffer,
           then one DMA per run of consecutive L2 pages straight into the shared pool mapping
-    load  one DMA per run of L2 pages into the packed buffer, then scatter it into the blocks
+    load  layer by layer: per run of L2 pages, one strided DMA of the layer's rows (its K, its V)
+          into the packed buffer, then a scatter of that layer into the blocks; an event after
+          each layer, so the engine's stream can wait for layer i alone (``Transfer.wait_layer_on``)
+          while the DMA of layer i + 1 runs
+          (a peer restore instead gathers out of another engine's blocks mapped into this
+          process, then scatters: ``copy_from``)
 
 Each direction is a lane: a private copy stream, a packed workspace and a ring of block ids, all
 allocated (and the kernels compiled) at construction, so that nothing on a request's path depends
 on its size. A lane's work runs in its stream's order, so the workspace is reused by each transfer
-without any host-side tracking; a transfer larger than the workspace goes in chunks that reuse it,
-one after the other. Saves and loads have a lane each, so a save's D2H runs beside a load's H2D.
-A transfer's first operation waits on an event of the caller's stream (``after``): the gather reads
-blocks only once the engine's prefill wrote them, and the scatter writes blocks only once the work
-the engine queued before the load is done with them.
+(and by each layer of a load) without any host-side tracking; a transfer larger than the workspace
+goes in chunks that reuse it, one after the other. Saves and loads have a lane each, so a save's
+D2H runs beside a load's H2D. A transfer's first operation waits on an event of the caller's stream
+(``after``): the gather reads blocks only once the engine's prefill wrote them, and the scatter
+writes blocks only once the work the engine queued before the load is done with them.
+
+L2 pages are page-major (a page holds every layer), so one layer of a run of pages is rows of one
+segment, a page apart: a strided copy, ``cudaMemcpy2DAsync`` (``engine_client.cudart``), which ran
+at 0.93-0.99 of a flat DMA of the same bytes on the H200 machine; on CPU the same rows are copied
+by torch through strided views. The pinned pool's chunks hold whole pages
+(``shared_pool.whole_page_chunk_bytes``), so a run cut where a chunk ends is cut between pages.
 
 Nothing here waits on the host: ``save`` and ``load`` queue and return a ``Transfer`` whose
 ``done()`` queries events. On CPU the copies run at once and every transfer is done on return.
-The DMAs are torch ``copy_(non_blocking=True)`` between device memory and the pinned mapping, cut
-where one pinned chunk of the mapping ends (``SharedHostPool.chunk_pieces``).
+The save's DMAs are torch ``copy_(non_blocking=True)`` from device memory into the pinned mapping,
+cut where one pinned chunk of the mapping ends (``SharedHostPool.chunk_pieces``).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import torch
 
+from engine_client import cudart
 from engine_client.block_copy import BACKENDS, SegmentTable, triton_available
 from engine_client.layout import KVLayout
 from engine_client.shared_pool import SharedHostPool
@@ -45,17 +57,19 @@ _AUTO_TIMING_REPEATS = 3
 
 class Transfer:
     """A queued transfer. ``blocks_free()``: the engine's blocks are no longer touched (a save's
-    gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete;
+    gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete. A
+    load has an event per layer (``layer_events``), recorded once that layer's blocks are written.
     ``seconds()``: how long its copies took, once done (for the cost model)."""
 
-    __slots__ = ("num_pages", "blocks_event", "done_event", "start_event", "host_seconds")
+    __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events", "start_event", "host_seconds")
 
     def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
-                 done_event: torch.cuda.Event | None, start_event: torch.cuda.Event | None = None,
-                 host_seconds: float = 0.0):
+                 done_event: torch.cuda.Event | None, layer_events: list[torch.cuda.Event | None] | None = None,
+                 start_event: torch.cuda.Event | None = None, host_seconds: float = 0.0):
         self.num_pages = num_pages
         self.blocks_event = blocks_event
         self.done_event = done_event
+        self.layer_events = layer_events
         self.start_event = start_event          # on the lane's stream, once the caller's work is done
         self.host_seconds = host_seconds        # on CPU, where the copies ran before the return
 
@@ -73,10 +87,11 @@ class Transfer:
         assert self.done(), "a transfer is timed once done"
         return self.start_event.elapsed_time(self.done_event) / 1e3
 
-    def wait_on(self, stream: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` wait for the transfer (no host wait); nothing to do on CPU."""
-        if self.done_event is not None and stream is not None:
-            stream.wait_event(self.done_event)
+    def wait_layer_on(self, layer: int, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` wait until this load has written ``layer`` of its blocks (no host wait)."""
+        event = self.layer_events[layer] if self.layer_events is not None else self.done_event
+        if event is not None and stream is not None:
+            stream.wait_event(event)
 
 
 class _IdRing:
@@ -118,14 +133,19 @@ class _IdRing:
 
 
 class _Lane:
-    def __init__(self, name: str, table: SegmentTable, workspace_pages: int):
+    """chunk_pages: the most pages one pass of the lane handles (all layers of them for a save, one
+    layer of them for a load): what its workspace holds."""
+
+    def __init__(self, name: str, table: SegmentTable, workspace_pages: int, chunk_pages: int):
         self.name = name
         device = table.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.workspace = torch.empty(table.packed_shape(workspace_pages), dtype=table.word_dtype, device=device)
+        self.workspace_words = self.workspace.view(-1)
         self.workspace_bytes = self.workspace.view(torch.uint8).view(-1)
         self.workspace_pages = workspace_pages
-        self.ids = _IdRing(max(4096, 4 * workspace_pages + 2 * _ID_ALIGN), device) if self.stream else None
+        self.chunk_pages = chunk_pages
+        self.ids = _IdRing(max(4096, 4 * chunk_pages + 2 * _ID_ALIGN), device) if self.stream else None
 
     def upload(self, block_ids: np.ndarray) -> torch.Tensor:
         if self.ids is None:
@@ -156,11 +176,16 @@ class KVTransfer:
         self.layout = layout
         self.device = layout.device
         self.table = SegmentTable(layout)
+        # Per layer: its segments' table; a layer of a packed page is [segments of the layer, words].
+        self.layer_tables = [SegmentTable(layout, layout.layer_segments(i)) for i in range(layout.num_layers)]
         self.page_bytes = layout.page_bytes
+        self.segment_bytes = layout.segment_bytes
         self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
-        self.lanes = {"save": _Lane("save", self.table, workspace_pages),
-                      "load": _Lane("load", self.table, workspace_pages)}
+        # A load holds one layer of its pages at a time: num_layers times as many pages fit.
+        layer_chunk_pages = workspace_pages * layout.num_layers
+        self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
+                      "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
         self.backend_by_direction = self._choose_backends(backend)
         self._gather = BACKENDS[self.backend_by_direction["save"]][0]
@@ -174,6 +199,9 @@ class KVTransfer:
         if host_pool.geometry.bytes_per_page != self.page_bytes:
             raise ValueError(f"L2 pages of {host_pool.geometry.bytes_per_page} bytes cannot hold this layout's "
                              f"pages of {self.page_bytes}")
+        if host_pool.pin_requested and host_pool.pin_chunk_bytes % self.page_bytes:
+            raise ValueError(f"the pool is pinned in chunks of {host_pool.pin_chunk_bytes} bytes, not whole pages "
+                             f"of {self.page_bytes}: a layer's rows would span two registrations")
         self.host_pool = host_pool
         self.host_bytes = host_pool.byte_view()
         self.num_host_pages = host_pool.num_pages
@@ -194,27 +222,109 @@ class KVTransfer:
                 self._gather(self.table, lane.upload(block_ids[first:last]), lane.workspace[: last - first])
                 if last == len(block_ids):
                     blocks_event = self._record(lane)      # the last gather: the blocks are read
-                self._copy_runs(lane, host_page_ids[first:last], to_host=True)
-            return Transfer(len(block_ids), blocks_event, self._record(lane, timing=True), start_event,
-                            time.perf_counter() - started)
+                self._copy_runs(lane, host_page_ids[first:last])
+            return Transfer(len(block_ids), blocks_event, self._record(lane, timing=True), start_event=start_event,
+                            host_seconds=time.perf_counter() - started)
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
              after: torch.cuda.Event | None = None) -> Transfer:
-        """Queue: L2 pages -> packed -> blocks (host_page_ids[i] into block_ids[i])."""
+        """Queue: L2 pages -> blocks (host_page_ids[i] into block_ids[i]), layer by layer: each
+        layer's rows into the packed buffer, its scatter, its event (``Transfer.layer_events``)."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
+        lane = self.lanes["load"]
+        layer_events: list[torch.cuda.Event | None] = []
+        started = time.perf_counter()
+        with self._on(lane, after):
+            start_event = self._record(lane, timing=True)
+            # A load of more pages than one layer's workspace holds goes in chunks, every layer of
+            # each; its layer events come with the last chunk (the last one timed: the load's end).
+            first = 0
+            while True:
+                last = min(first + lane.chunk_pages, len(block_ids))
+                ids = lane.upload(block_ids[first:last])
+                for layer, table in enumerate(self.layer_tables):
+                    packed = self._layer_packed(lane, table, last - first)
+                    self._copy_layer(lane, layer, host_page_ids[first:last], packed)
+                    self._scatter(table, packed, ids)
+                    if last == len(block_ids):
+                        layer_events.append(self._record(lane, timing=layer == len(self.layer_tables) - 1))
+                if last == len(block_ids):
+                    break
+                first = last
+        done_event = layer_events[-1]
+        return Transfer(len(block_ids), done_event, done_event, layer_events, start_event,
+                        time.perf_counter() - started)
+
+    def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
+                  after: torch.cuda.Event | None = None) -> Transfer:
+        """Queue on the load lane: another engine's blocks (``source``: its tensors mapped into this
+        process, pages of this layout's format) -> packed -> this engine's blocks (source_block_ids[i]
+        into block_ids[i]). Device to device; no host memory involved."""
+        source_block_ids = np.asarray(source_block_ids, dtype=np.int64)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.layout.check_block_ids(block_ids)
+        if source.num_segments != self.table.num_segments or source.segment_words * source.word_bytes != \
+                self.table.segment_words * self.table.word_bytes or source.device != self.device:
+            raise ValueError("the source's pages are not this layout's, or it is on another device")
+        source.layout.check_block_ids(source_block_ids)
+        if source_block_ids.shape != block_ids.shape:
+            raise ValueError(f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks")
         lane = self.lanes["load"]
         started = time.perf_counter()
         with self._on(lane, after):
             start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
-                self._copy_runs(lane, host_page_ids[first:last], to_host=False)
+                packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
+                self._gather(source, lane.upload(source_block_ids[first:last]),
+                             packed.view(source.word_dtype).view(source.packed_shape(last - first)))
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
             done_event = self._record(lane, timing=True)
-            return Transfer(len(block_ids), done_event, done_event, start_event, time.perf_counter() - started)
+            return Transfer(len(block_ids), done_event, done_event, start_event=start_event,
+                            host_seconds=time.perf_counter() - started)
 
-    def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray, to_host: bool) -> None:
-        """One DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
+    @staticmethod
+    def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int) -> torch.Tensor:
+        """The head of the lane's workspace as one layer of num_pages packed pages [n, segments, words]."""
+        shape = table.packed_shape(num_pages)
+        return lane.workspace_words[: shape[0] * shape[1] * shape[2]].view(shape)
+
+    def _copy_layer(self, lane: _Lane, layer: int, host_page_ids: np.ndarray, packed: torch.Tensor) -> None:
+        """One layer of the L2 pages into packed [n, segments of the layer, words]: per run of
+        consecutive L2 pages (cut where a pinned chunk ends, between pages) and per segment, one
+        strided copy of a row per page (the rows a page apart in L2, segments apart in packed)."""
+        if not len(host_page_ids):
+            return
+        page_bytes, segment_bytes = self.page_bytes, self.segment_bytes
+        segments = self.layout.layer_segments(layer)
+        packed_pitch = len(segments) * segment_bytes
+        packed_bytes = packed.view(torch.uint8).view(-1)
+        runs = page_runs(host_page_ids)
+        for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
+            host_start = int(host_page_ids[start]) * page_bytes
+            for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
+                assert (piece_start - host_start) % page_bytes == 0 and (piece_end - piece_start) % page_bytes == 0
+                first = start + (piece_start - host_start) // page_bytes
+                for index, segment in enumerate(segments):
+                    self._copy_rows(lane, packed_bytes, (first * len(segments) + index) * segment_bytes, packed_pitch,
+                                    piece_start + segment * segment_bytes, page_bytes, segment_bytes,
+                                    (piece_end - piece_start) // page_bytes)
+
+    def _copy_rows(self, lane: _Lane, packed_bytes: torch.Tensor, packed_offset: int, packed_pitch: int,
+                   host_offset: int, host_pitch: int, width: int, height: int) -> None:
+        """height rows of width bytes: L2 bytes host_offset + i * host_pitch -> packed_offset + i * packed_pitch."""
+        if lane.stream is not None:
+            cudart.copy_2d_to_device(packed_bytes.data_ptr() + packed_offset, packed_pitch,
+                                     self.host_bytes.data_ptr() + host_offset, host_pitch, width, height,
+                                     lane.stream.cuda_stream)
+            return
+        packed_rows = packed_bytes.as_strided((height, width), (packed_pitch, 1),
+                                              packed_bytes.storage_offset() + packed_offset)
+        packed_rows.copy_(self.host_bytes.as_strided((height, width), (host_pitch, 1),
+                                                     self.host_bytes.storage_offset() + host_offset))
+
+    def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray) -> None:
+        """Packed pages -> L2: one DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
         page_bytes = self.page_bytes
         runs = page_runs(host_page_ids)
         for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
@@ -223,11 +333,7 @@ class KVTransfer:
             for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
                 host = self.host_bytes[piece_start:piece_end]
                 offset = packed_start + piece_start - host_start
-                packed = lane.workspace_bytes[offset: offset + piece_end - piece_start]
-                if to_host:
-                    host.copy_(packed, non_blocking=True)
-                else:
-                    packed.copy_(host, non_blocking=True)
+                host.copy_(lane.workspace_bytes[offset: offset + piece_end - piece_start], non_blocking=True)
 
     def _check(self, block_ids, host_page_ids) -> tuple[np.ndarray, np.ndarray]:
         block_ids = np.asarray(block_ids, dtype=np.int64)
@@ -247,7 +353,8 @@ class KVTransfer:
         if lane.stream is None:
             yield
             return
-        with torch.cuda.stream(lane.stream):
+        # The device too: the runtime's strided copies take the calling thread's current device.
+        with torch.cuda.device(lane.stream.device), torch.cuda.stream(lane.stream):
             if after is not None:
                 lane.stream.wait_event(after)
             yield
@@ -271,12 +378,17 @@ class KVTransfer:
         return self._time_backends()
 
     def _time_backends(self) -> dict[str, str]:
-        """Time the gather and the scatter of both backends on this layout; keep the faster per
-        direction. The scatter writes back the bytes just gathered from the same blocks."""
+        """Time the gather (all layers at once, as a save) and the scatter (layer by layer, as a
+        load) of both backends on this layout; keep the faster per direction. The scatters write
+        back the bytes just gathered from the same blocks."""
         lane = self.lanes["save"]
         num_pages = min(_AUTO_TIMING_PAGES, lane.workspace_pages, self.layout.num_blocks)
         ids = torch.arange(num_pages, dtype=torch.int32, device=self.device)
         packed = lane.workspace[:num_pages]
+        # One layer's packed pages per layer, side by side in the same num_pages pages of workspace.
+        layer_words = num_pages * len(self.layout.layer_segments(0)) * self.table.segment_words
+        layer_packed = [lane.workspace_words[i * layer_words: (i + 1) * layer_words].view(t.packed_shape(num_pages))
+                        for i, t in enumerate(self.layer_tables)]
         seconds: dict[tuple[str, str], float] = {}
 
         def timed(run) -> float:
@@ -288,26 +400,39 @@ class KVTransfer:
             torch.cuda.synchronize(self.device)
             return time.perf_counter() - started
 
+        def scatter_layers(scatter) -> None:
+            for table, layer in zip(self.layer_tables, layer_packed):
+                scatter(table, layer, ids)
+
         for name, (gather, scatter) in BACKENDS.items():
             seconds[(name, "save")] = timed(lambda: gather(self.table, ids, packed))
-            # packed now holds these blocks' own bytes: the scatter rewrites them unchanged.
-            seconds[(name, "load")] = timed(lambda: scatter(self.table, packed, ids))
+            for table, layer in zip(self.layer_tables, layer_packed):
+                gather(table, ids, layer)
+            # Each layer's packed pages hold these blocks' own bytes: the scatters rewrite them unchanged.
+            seconds[(name, "load")] = timed(lambda: scatter_layers(scatter))
         choice = {direction: min(BACKENDS, key=lambda name: seconds[(name, direction)]) for direction in ("save", "load")}
         logger.info("transfer backends: %s (gather/scatter of %d pages: %s)", choice, num_pages,
                     {f"{n}/{d}": round(s / _AUTO_TIMING_REPEATS * 1e3, 4) for (n, d), s in seconds.items()})
         return choice
 
     def _warm(self) -> None:
-        """Run each lane's path once on one page, so that the first real transfer compiles and
-        allocates nothing: block 0 is gathered and scattered back unchanged, and L2 page 0 is read
-        into the workspace (never written: it is not this engine's)."""
+        """Run each lane's path once on one page, so that the first real transfer compiles, finds
+        and allocates nothing: L2 page 0 is read into the workspace (never written: it is not this
+        engine's; for the load lane, layer 0 of it by the strided copy), then block 0 is gathered and
+        scattered back unchanged (for the load lane, its layer 0)."""
         block = np.zeros(1, dtype=np.int64)
-        for lane in self.lanes.values():
-            with self._on(lane, None):
-                packed = lane.workspace[:1]
-                self._gather(self.table, lane.upload(block), packed)
-                self._scatter(self.table, packed, lane.upload(block))
-                lane.workspace_bytes[: self.page_bytes].copy_(self.host_bytes[: self.page_bytes], non_blocking=True)
+        save, load = self.lanes["save"], self.lanes["load"]
+        with self._on(save, None):
+            packed = save.workspace[:1]
+            save.workspace_bytes[: self.page_bytes].copy_(self.host_bytes[: self.page_bytes], non_blocking=True)
+            self._gather(self.table, save.upload(block), packed)
+            self._scatter(self.table, packed, save.upload(block))
+        with self._on(load, None):
+            table = self.layer_tables[0]
+            packed = self._layer_packed(load, table, 1)
+            self._copy_layer(load, 0, block, packed)
+            self._gather(table, load.upload(block), packed)
+            self._scatter(table, packed, load.upload(block))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -92,6 +92,12 @@ class KVLayout:
     def num_segments(self) -> int:
         return len(self.segment_addresses)
 
+    def layer_segments(self, layer: int) -> tuple[int, ...]:
+        """The segments of one layer, in page order: its K and its V ("kv"), or its block ("blocks")."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return (layer,) if self.page_layout == "blocks" else (layer, self.num_layers + layer)
+
     @property
     def segment_bytes(self) -> int:
         return math.prod(self.block_shape)

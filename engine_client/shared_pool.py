@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
+import math
 import mmap
 import os
 import sys
@@ -52,7 +53,8 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 # Pinning granularity: small enough that several threads share a pool and the first chunks of a
 # background registration are ready early (256 MiB pinned 16 GiB faster than 1 GiB did); a transfer
-# that spans chunks is cut into one DMA per chunk, which costs no bandwidth.
+# that spans chunks is cut into one DMA per chunk, which costs no bandwidth. A pool's chunks are this
+# rounded down to whole L2 pages (whole_page_chunk_bytes).
 PIN_CHUNK_BYTES = 256 << 20
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not only the registering thread's.
@@ -77,6 +79,14 @@ def chunk_pieces(start_byte: int, end_byte: int, chunk_bytes: int) -> list[tuple
         pieces.append((piece_start, piece_end))
         piece_start = piece_end
     return pieces
+
+
+def whole_page_chunk_bytes(bytes_per_page: int, target_bytes: int = PIN_CHUNK_BYTES) -> int:
+    """The pinning chunk of a pool of bytes_per_page pages: the largest common multiple of the page
+    and of the OS page size not above target_bytes (at least one). Chunks of whole L2 pages: no page,
+    and so no layer's row of one (a strided, layer-by-layer load), spans two registrations."""
+    unit = math.lcm(bytes_per_page, mmap.PAGESIZE)
+    return max(1, target_bytes // unit) * unit
 
 
 # ---- CUDA and kernel calls (module functions so that tests can stand in for them) ---------------
@@ -141,9 +151,11 @@ class SharedHostPool:
 
     def __init__(self, mapping: mmap.mmap, num_pages: int, geometry: KVGeometry, pin: bool, *,
                  pin_in_background: bool = False, pin_threads: int | None = None,
-                 pin_chunk_bytes: int = PIN_CHUNK_BYTES, prefault: bool = True,
+                 pin_chunk_bytes: int | None = None, prefault: bool = True,
                  device: torch.device | str | int | None = None):
         """Use `SharedHostPool.open`; this takes ownership of `mapping` and closes it on failure."""
+        if pin_chunk_bytes is None:
+            pin_chunk_bytes = whole_page_chunk_bytes(geometry.bytes_per_page)
         self.geometry = geometry
         self.num_pages = num_pages
         self.nbytes = num_pages * geometry.bytes_per_page
@@ -186,13 +198,14 @@ class SharedHostPool:
     @classmethod
     def open(cls, path: str, offset_bytes: int, num_pages: int, geometry: KVGeometry, pin: bool, *,
              pin_in_background: bool = False, pin_threads: int | None = None,
-             pin_chunk_bytes: int = PIN_CHUNK_BYTES, prefault: bool = True,
+             pin_chunk_bytes: int | None = None, prefault: bool = True,
              device: torch.device | str | int | None = None) -> "SharedHostPool":
         """Map `num_pages` pages of `path` starting at `offset_bytes` (read-write, shared).
 
         With `pin`, register the range with CUDA for `device` (default: the current one) in chunks
-        of `pin_chunk_bytes` on `pin_threads` threads, pre-faulting each chunk first (`prefault`);
-        with `pin_in_background`, return before that is done (see the module note).
+        of `pin_chunk_bytes` (default: `whole_page_chunk_bytes`) on `pin_threads` threads,
+        pre-faulting each chunk first (`prefault`); with `pin_in_background`, return before that is
+        done (see the module note).
         """
         if type(offset_bytes) is not int or offset_bytes < 0 or offset_bytes % mmap.ALLOCATIONGRANULARITY:
             raise ValueError(
@@ -200,10 +213,12 @@ class SharedHostPool:
                 f"got {offset_bytes!r}")
         if type(num_pages) is not int or num_pages < 1:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        geometry.validate()
+        if pin_chunk_bytes is None:
+            pin_chunk_bytes = whole_page_chunk_bytes(geometry.bytes_per_page)
         if pin:
             _check_pin_options(pin_threads, pin_chunk_bytes)
             _check_cuda()
-        geometry.validate()
         nbytes = num_pages * geometry.bytes_per_page
         fd = os.open(path, os.O_RDWR)
         try:

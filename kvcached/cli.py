@@ -1,17 +1,37 @@
-"""``kvcached serve`` runs the daemon; ``kvcached status`` asks a running one how it is."""
+"""``kvcached serve`` runs the daemon; ``kvcached status`` asks a running one how it is.
+
+What a user can get wrong ends in one line on stderr, never a traceback: a bad flag or a bad
+KVCACHED_* variable (named; exit status 2), a path or pool the daemon cannot use (exit status 1,
+checked before the L2 pool is populated). A closed stdout (``kvcached status | head -3``) ends the
+command quietly with status 141, as SIGPIPE ends other tools.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import sys
 import time
+from typing import IO, Any
 
-from kvcached.config import DaemonConfig, parse_size
+from kvcached import __version__
+from kvcached.config import (DEFAULT_HTTP_ADDRESS, ENV_VARIABLES, LOG_LEVELS, SIZE_HELP, ConfigError, DaemonConfig,
+                             format_size, parse_size)
+from kvcached.server.status import columns_help
 from proto.paths import default_socket_path
 
 logger = logging.getLogger(__name__)
+
+# A pool at least this large shows its population's progress on stdout.
+PROGRESS_MIN_BYTES = 1 << 30
+BROKEN_PIPE_EXIT_STATUS = 128 + 13          # what a shell reports for a process ended by SIGPIPE
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        """One line instead of argparse's usage block and error line."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
@@ -28,91 +48,144 @@ def _default_socket() -> str:
         return f"none ({exc})"
 
 
+_ENVIRONMENT_HELP = ("environment: KVCACHED_SOCKET and " + ", ".join(ENV_VARIABLES)
+                     + " give the defaults of the flags of the same name; a flag wins.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = DaemonConfig.__dataclass_fields__
-    parser = argparse.ArgumentParser(prog="kvcached", description="Hierarchical KV-cache sidecar daemon")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvcached", description="Hierarchical KV-cache sidecar daemon",
+                     epilog=f"{SIZE_HELP}. {_ENVIRONMENT_HELP}")
+    parser.add_argument("--version", action="version", version=f"kvcached {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,status}")
 
-    serve = commands.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--socket", help="socket path or ipc:// URL (default: $KVCACHED_SOCKET, else "
-                       f"$XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/; here {_default_socket()})")
-    serve.add_argument("--l2-size", type=_size, help="shared pinned host pool size, e.g. 64GiB "
-                       "(default: 1 GiB or half of free /dev/shm, whichever is less)")
-    serve.add_argument("--l3-path", help="local file for the L3 tier, kept with its index (PATH.index) across "
-                       "restarts (default: a temporary file, empty at every start)")
-    serve.add_argument("--l3-fresh", action="store_true", default=None,
-                       help="with --l3-path: start with an empty L3, dropping what the last run left there")
-    serve.add_argument("--l3-size", type=_size, help="L3 file size, e.g. 1TiB; 0 turns L3 off "
-                       "(default 4 GiB, a sparse file)")
-    serve.add_argument("--l3-o-direct", action="store_true", default=None,
-                       help="read and write the L3 file with O_DIRECT (bypass the page cache)")
-    serve.add_argument("--io-threads", type=int, help=f"L3 file I/O threads (default {defaults['io_threads'].default})")
-    serve.add_argument("--spin-us", type=int, help="busy-poll the socket this many microseconds after a "
-                       f"request before sleeping (default {defaults['socket_spin_us'].default}; 0: never)")
-    serve.add_argument("--socket-cpu", type=int, help="run the socket thread and ZeroMQ's I/O thread on this "
-                       "CPU, so that a request wakes a busy CPU, not an idle one (default: any)")
-    serve.add_argument("--max-namespaces", type=int,
-                       help=f"distinct KV geometries served at once (default {defaults['max_namespaces'].default})")
-    serve.add_argument("--heartbeat-interval", type=float, metavar="SECONDS", help="how often engines send "
-                       f"heartbeats (default {defaults['heartbeat_interval_s'].default})")
-    serve.add_argument("--session-timeout", type=float, metavar="SECONDS", help="an engine whose pid cannot be "
-                       "watched is taken for gone after this long without a heartbeat "
-                       f"(default {defaults['session_timeout_s'].default})")
-    serve.add_argument("--session-grace", type=float, metavar="SECONDS", help="a living engine keeps its "
-                       "session this long without a heartbeat, and pages an engine may still write stay "
-                       f"quarantined this long (default {defaults['session_grace_s'].default})")
-    serve.add_argument("--no-pid-watch", dest="pid_watch", action="store_false", default=None,
-                       help="do not watch engines' pids; detect their end by heartbeats alone")
-    serve.add_argument("--restore-policy", choices=("cost", "always", "never"), help="which cached prefixes are "
-                       "restored: cost, those the cost model predicts beat recomputing them; always; never "
-                       f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
-    serve.add_argument("--cost-margin", type=float, help="a restore must be predicted this many times faster "
-                       f"than recompute (default {defaults['cost_margin'].default})")
-    serve.add_argument("--prior-recompute-us", type=float, dest="prior_recompute_us_per_token", metavar="US",
-                       help="the cost model's prior for prefill, microseconds per token, until engines report "
-                       f"theirs (default {defaults['prior_recompute_us_per_token'].default})")
-    serve.add_argument("--prior-host-gibps", type=float, metavar="GIBPS", help="its prior for L2 <-> GPU "
-                       f"copies (default {defaults['prior_host_gibps'].default})")
-    serve.add_argument("--prior-storage-gibps", type=float, metavar="GIBPS", help="its prior for L3 reads and "
-                       f"writes (default {defaults['prior_storage_gibps'].default})")
-    serve.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+    serve = commands.add_parser("serve", help="run the daemon in the foreground",
+                                epilog=f"{SIZE_HELP}. {_ENVIRONMENT_HELP}")
+    # Each flag's dest is the DaemonConfig field it sets: _serve passes them on by name, and names
+    # the flag in an error about its field.
+    flags: dict[str, str] = {}
 
-    status = commands.add_parser("status", help="print the daemon's status")
+    def add(name: str, field: str, **kwargs: Any) -> None:
+        flags[field] = name
+        serve.add_argument(name, dest=field, **kwargs)
+
+    add("--socket", "socket_path", help="socket path or ipc:// URL (default: $KVCACHED_SOCKET, else "
+        f"$XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/; here {_default_socket()})")
+    add("--l2-size", "l2_bytes", type=_size, metavar="SIZE", help="the shared pinned host pool, e.g. 64g; "
+        "one model alone gets all of it, several share it (default: 1 GiB or half of free /dev/shm, whichever "
+        "is less)")
+    add("--l3-path", "l3_path", help="local file for the L3 tier, kept with its index (PATH.index) across "
+        "restarts (default: a temporary file, empty at every start)")
+    add("--l3-fresh", "l3_fresh", action="store_true", default=None,
+        help="with --l3-path: start with an empty L3, dropping what the last run left there")
+    add("--l3-size", "l3_bytes", type=_size, metavar="SIZE", help="L3 file size, e.g. 1t; 0 turns L3 off "
+        f"(default {format_size(defaults['l3_bytes'].default)}, a sparse file)")
+    add("--l3-o-direct", "l3_o_direct", action="store_true", default=None,
+        help="read and write the L3 file with O_DIRECT (bypass the page cache)")
+    add("--io-threads", "io_threads", type=int, help="L3 file I/O threads "
+        f"(default {defaults['io_threads'].default})")
+    add("--spin-us", "socket_spin_us", type=int, help="busy-poll the socket this many microseconds after a "
+        f"request before sleeping (default {defaults['socket_spin_us'].default}; 0: never)")
+    add("--socket-cpu", "socket_cpu", type=int, help="run the socket thread and ZeroMQ's I/O thread on this "
+        "CPU, so that a request wakes a busy CPU, not an idle one (default: any)")
+    add("--max-namespaces", "max_namespaces", type=int, help="distinct KV geometries (models, ranks, "
+        f"layouts) served at once; they share the pools (default {defaults['max_namespaces'].default})")
+    add("--heartbeat-interval", "heartbeat_interval_s", type=float, metavar="SECONDS",
+        help=f"how often engines send heartbeats (default {defaults['heartbeat_interval_s'].default})")
+    add("--session-timeout", "session_timeout_s", type=float, metavar="SECONDS", help="an engine whose pid "
+        "cannot be watched is taken for gone after this long without a heartbeat "
+        f"(default {defaults['session_timeout_s'].default})")
+    add("--session-grace", "session_grace_s", type=float, metavar="SECONDS", help="a living engine keeps its "
+        "session this long without a heartbeat, and pages an engine may still write stay "
+        f"quarantined this long (default {defaults['session_grace_s'].default})")
+    add("--no-pid-watch", "pid_watch", action="store_false", default=None,
+        help="do not watch engines' pids; detect their end by heartbeats alone")
+    add("--restore-policy", "restore_policy", choices=("cost", "always", "never"), help="which cached prefixes "
+        "are restored: cost, those the cost model predicts beat recomputing them; always; never "
+        f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
+    add("--cost-margin", "cost_margin", type=float, help="a restore must be predicted this many times faster "
+        f"than recompute (default {defaults['cost_margin'].default})")
+    add("--prior-recompute-us", "prior_recompute_us_per_token", type=float, metavar="US",
+        help="the cost model's prior for prefill, microseconds per token, until engines report theirs "
+        f"(default {defaults['prior_recompute_us_per_token'].default})")
+    add("--prior-host-gibps", "prior_host_gibps", type=float, metavar="GIBPS", help="its prior for L2 <-> GPU "
+        f"copies (default {defaults['prior_host_gibps'].default})")
+    add("--prior-storage-gibps", "prior_storage_gibps", type=float, metavar="GIBPS", help="its prior for L3 "
+        f"reads and writes (default {defaults['prior_storage_gibps'].default})")
+    add("--prior-peer-gibps", "prior_peer_gibps", type=float, metavar="GIBPS", help="its prior for copies out "
+        f"of another engine's GPU memory (default {defaults['prior_peer_gibps'].default})")
+    add("--log-level", "log_level", metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
+    add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "
+        "status JSON) and / (a live status page) there; off: not at all (default: $KVCACHED_HTTP, "
+        f"else {DEFAULT_HTTP_ADDRESS}, skipped with a warning if taken; port 0: any free one)")
+    serve.set_defaults(run=_serve, flags=flags)
+
+    status = commands.add_parser("status", help="print the daemon's status", epilog=columns_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("--socket", help="socket path or ipc:// URL of the daemon (default: as for serve)")
     status.add_argument("--daemon-uid", help="uid or user name the daemon runs as, when not ours (a shared "
                         "system daemon); its socket must belong to it (default: $KVCACHED_DAEMON_UID, else ours)")
     status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
-    status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted")
+    status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted; "
+                        "the table then also shows the rates over each interval")
     status.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --follow")
     status.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait for the daemon")
     status.add_argument("--check-integrity", action="store_true", help="also run the daemon's integrity check")
+    status.set_defaults(run=_status)
     return parser
+
+
+class PopulateProgress:
+    """How far the L2 pool is populated, on a stream (stdout): a bar redrawn in place on a
+    terminal, a line per quarter otherwise; nothing for a pool under PROGRESS_MIN_BYTES. A stream
+    that cannot be written to (closed) is given up on, never an error."""
+
+    def __init__(self, stream: IO[str]):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._started = time.monotonic()
+        self._quarters_shown = 0
+        self._broken = False
+
+    def __call__(self, done_bytes: int, total_bytes: int) -> None:
+        if total_bytes < PROGRESS_MIN_BYTES or self._broken:
+            return
+        try:
+            if self.tty:
+                filled = 30 * done_bytes // total_bytes
+                self.stream.write(f"\rkvcached: populating the L2 pool [{'#' * filled}{'.' * (30 - filled)}] "
+                                  f"{100 * done_bytes // total_bytes:3d}% of {format_size(total_bytes)}")
+                if done_bytes == total_bytes:
+                    self.stream.write(f" in {time.monotonic() - self._started:.1f} s\n")
+            else:
+                while self._quarters_shown < 4 and 4 * done_bytes >= (self._quarters_shown + 1) * total_bytes:
+                    self._quarters_shown += 1
+                    self.stream.write(f"kvcached: populating the L2 pool: {25 * self._quarters_shown}% of "
+                                      f"{format_size(total_bytes)} after {time.monotonic() - self._started:.1f} s\n")
+            self.stream.flush()
+        except (OSError, ValueError):         # stdout closed: the daemon goes on without it
+            self._broken = True
 
 
 def _serve(args: argparse.Namespace) -> int:
     from kvcached.server.loop import run
     from kvcached.server.shm import StartupError
 
+    overrides = {field: getattr(args, field) for field in args.flags}
     try:
-        config = DaemonConfig.from_env(socket_path=args.socket, l2_bytes=args.l2_size, l3_path=args.l3_path,
-                                       l3_bytes=args.l3_size, l3_o_direct=args.l3_o_direct,
-                                       l3_fresh=args.l3_fresh,
-                                       io_threads=args.io_threads, socket_spin_us=args.spin_us,
-                                       socket_cpu=args.socket_cpu,
-                                       max_namespaces=args.max_namespaces,
-                                       heartbeat_interval_s=args.heartbeat_interval,
-                                       session_timeout_s=args.session_timeout,
-                                       session_grace_s=args.session_grace, pid_watch=args.pid_watch,
-                                       restore_policy=args.restore_policy, cost_margin=args.cost_margin,
-                                       prior_recompute_us_per_token=args.prior_recompute_us_per_token,
-                                       prior_host_gibps=args.prior_host_gibps,
-                                       prior_storage_gibps=args.prior_storage_gibps, log_level=args.log_level)
-    except ValueError as exc:
-        print(f"kvcached: {exc}", file=sys.stderr)
+        config = DaemonConfig.from_env(os.environ, **overrides)
+    except ConfigError as exc:
+        given = exc.field in args.flags and overrides.get(exc.field) is not None
+        print(f"kvcached serve: error: {f'argument {args.flags[exc.field]}: ' if given else ''}{exc}",
+              file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    except ValueError as exc:                 # a check of the configuration without a field
+        print(f"kvcached serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(config)
+        run(config, progress=PopulateProgress(sys.stdout))
     except StartupError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 1
@@ -120,7 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvcached.server.status import DaemonUnavailable, StatusClient, render_table
+    from kvcached.server.status import DaemonUnavailable, StatusClient, render_table, status_json
     from proto.paths import UntrustedSocket
 
     try:
@@ -128,16 +201,18 @@ def _status(args: argparse.Namespace) -> int:
     except (DaemonUnavailable, UntrustedSocket, ValueError) as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 1
+    previous = None
     try:
         with client:
             while True:
                 snapshot = client.status(check_integrity=args.check_integrity)
                 if args.json:
-                    print(json.dumps(snapshot, sort_keys=True), flush=True)
+                    print(status_json(snapshot), flush=True)
                 else:
                     if args.follow:
                         print(f"--- {time.strftime('%H:%M:%S')}")
-                    print(render_table(snapshot), flush=True)
+                    print(render_table(snapshot, previous), flush=True)
+                previous = snapshot
                 if not args.follow:
                     return 0
                 time.sleep(args.interval_s)
@@ -149,10 +224,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    return _status(args)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`kvcached status | head -3`): no traceback, and nothing more is
+        # written, not even by the interpreter's flush at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT_STATUS
 
 
 if __name__ == "__main__":

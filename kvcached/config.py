@@ -1,38 +1,104 @@
 """Daemon configuration: one frozen dataclass; the CLI takes its defaults from here.
 
-Environment variables (``KVCACHED_*``) are read in this module only.
+Environment variables (``KVCACHED_*``) are read in this module only (``ENV_VARIABLES``; the socket's
+``KVCACHED_SOCKET`` through ``proto.paths``, which engines share). A bad value raises
+``ConfigError``, whose message names the variable (or, from ``DaemonConfig`` itself, the field).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import logging
 import os
 import re
 import shutil
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from kvcached.core.cost_model import POLICIES, CostPriors
 from proto.paths import default_socket_path, normalize_socket_path
 
+logger = logging.getLogger(__name__)
+
+# Sizes: k, m, g, t and KiB, MiB, GiB, TiB are binary, as docker and the JVM read them; KB, MB, GB,
+# TB are decimal. Case does not matter. No unit: bytes.
 _SIZE_UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
 }
+SIZE_HELP = ("sizes are a number and a unit: k m g t and KiB MiB GiB TiB are binary (64g = 64GiB = 64 * 2^30 "
+             "bytes), KB MB GB TB decimal (64GB = 64 * 10^9 bytes), no unit is bytes; case does not matter, "
+             "fractions are allowed (1.5g)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DEFAULT_L2_MAX_BYTES = 1 << 30       # modest: a sidecar on any box
 DEFAULT_L3_BYTES = 4 << 30           # a sparse temporary file: only written pages use disk
 SHM_DIR = "/dev/shm"
+# /metrics, /status and the status page. The default is loopback only, and best effort: a second
+# daemon on the host (another user's) runs without it rather than not at all.
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
+
+
+# CostPriors' field (the first word of its ValueError) -> the DaemonConfig field that sets it
+_COST_PRIOR_FIELDS = {"recompute_s_per_token": "prior_recompute_us_per_token", "host_bytes_per_s": "prior_host_gibps",
+                      "storage_bytes_per_s": "prior_storage_gibps", "margin": "cost_margin",
+                      "peer_bytes_per_s": "prior_peer_gibps"}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; ``field`` is the DaemonConfig field it is about, if any."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def parse_size(text: str) -> int:
-    """'64GiB' -> 68719476736; '1.5G' -> 1500000000; plain integers are bytes."""
+    """'64GiB' and '64g' -> 68719476736; '64GB' -> 64000000000; '1.5g' -> 1610612736; plain
+    integers are bytes. ValueError for anything else."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 64GiB, 1TiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+        raise ValueError(f"not a size: {text!r} (e.g. 512MiB, 64g, 1TiB: g and GiB are 2^30 bytes, GB 10^9)")
+    return int(fractions.Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a yes/no value: {text!r} (1, true, yes, on or 0, false, no, off)")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def parse_log_level(text: str) -> str:
+    level = str(text).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"not a log level: {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return level
+
+
+# KVCACHED_* variable -> (the DaemonConfig field it sets, how its text is read)
+ENV_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "KVCACHED_L2_SIZE": ("l2_bytes", parse_size),
+    "KVCACHED_L3_PATH": ("l3_path", str),
+    "KVCACHED_L3_SIZE": ("l3_bytes", parse_size),
+    "KVCACHED_L3_O_DIRECT": ("l3_o_direct", parse_bool),
+    "KVCACHED_L3_FRESH": ("l3_fresh", parse_bool),
+    "KVCACHED_MAX_NAMESPACES": ("max_namespaces", parse_int),
+    "KVCACHED_LOG_LEVEL": ("log_level", parse_log_level),
+    "KVCACHED_HTTP": ("http_address", str),
+}
 
 
 def format_size(num_bytes: float) -> str:
@@ -41,6 +107,17 @@ def format_size(num_bytes: float) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_http_address(text: str) -> tuple[str, int] | None:
+    """'127.0.0.1:9464' -> ('127.0.0.1', 9464); '[::1]:9464' -> ('::1', 9464); 'off' -> None."""
+    if text == "off":
+        return None
+    match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})", text)
+    if not match or int(match.group(2)) > 65535:
+        raise ValueError(f"not an HTTP listen address: {text!r} (use HOST:PORT, e.g. 127.0.0.1:9464, "
+                         "[::1]:9464, 0.0.0.0:9464, or off)")
+    return match.group(1).strip("[]"), int(match.group(2))
 
 
 def default_l2_bytes(shm_dir: str = SHM_DIR) -> int:
@@ -60,7 +137,7 @@ class DaemonConfig:
     l3_bytes: int = DEFAULT_L3_BYTES
     l3_o_direct: bool = False
     l3_fresh: bool = False              # with l3_path: start with an empty L3 (and index), not the last run's
-    max_namespaces: int = 4
+    max_namespaces: int = 16             # distinct geometries served at once (they share the pool: no cost)
     heartbeat_interval_s: float = 0.5
     session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
     # A watched engine that lives keeps its session this long silent (a stall, say); an unwatched
@@ -74,6 +151,9 @@ class DaemonConfig:
     max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
     shm_dir: str = SHM_DIR
     refusal_log_interval_s: float = 10.0   # refused requests: DEBUG each, one WARNING summary per interval
+    # "": DEFAULT_HTTP_ADDRESS, skipped with a warning when taken; "off": none; HOST:PORT: that
+    # address, or the daemon does not start (port 0: any free port; status names it).
+    http_address: str = ""
     log_level: str = "INFO"
     # The cost model (kvcached/core/cost_model.py): which restores are taken, and its priors.
     restore_policy: str = "cost"        # "cost": restore what beats recompute; "always"; "never"
@@ -81,55 +161,91 @@ class DaemonConfig:
     prior_recompute_us_per_token: float = 50.0
     prior_host_gibps: float = 12.0      # L2 <-> GPU
     prior_storage_gibps: float = 3.0    # L3 reads and writes
+    prior_peer_gibps: float = 1000.0    # another engine's GPU memory -> this engine's
 
     def __post_init__(self) -> None:
-        # A path or an ipc:// URL, made absolute; too long for a socket address: ValueError.
-        object.__setattr__(self, "socket_path", normalize_socket_path(self.socket_path))
-        if self.l2_bytes < (2 << 20):
-            raise ValueError(f"l2_bytes must be at least 2 MiB, got {self.l2_bytes}")
-        if not 1 <= self.max_namespaces <= 1024:
-            raise ValueError("max_namespaces must be in 1..1024")
-        if not 0 < self.heartbeat_interval_s < self.session_timeout_s:
-            raise ValueError("heartbeat_interval_s must be positive and below session_timeout_s")
-        if not self.session_grace_s >= self.session_timeout_s:
-            raise ValueError(f"session_grace_s ({self.session_grace_s}) must be at least session_timeout_s "
-                             f"({self.session_timeout_s})")
-        if self.l3_bytes < 0:
-            raise ValueError("l3_bytes must be >= 0")
-        if not 0 <= self.socket_spin_us <= 100_000:
-            raise ValueError("socket_spin_us must be in 0..100000")
-        if self.socket_cpu is not None and self.socket_cpu not in os.sched_getaffinity(0):
-            raise ValueError(f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
-                             f"{sorted(os.sched_getaffinity(0))}")
-        if not self.refusal_log_interval_s > 0:
-            raise ValueError("refusal_log_interval_s must be positive")
-        if not 1 <= self.io_threads <= 256:
-            raise ValueError("io_threads must be in 1..256")
+        # A path or an ipc:// URL, made absolute; too long for a socket address: ConfigError.
+        try:
+            object.__setattr__(self, "socket_path", normalize_socket_path(self.socket_path))
+        except ValueError as exc:
+            raise ConfigError(str(exc), "socket_path") from None
+        try:
+            object.__setattr__(self, "log_level", parse_log_level(self.log_level))
+        except ValueError as exc:
+            raise ConfigError(str(exc), "log_level") from None
+        checks = (
+            ("l2_bytes", self.l2_bytes >= (2 << 20), f"l2_bytes must be at least 2 MiB, got {self.l2_bytes} bytes"),
+            ("max_namespaces", 1 <= self.max_namespaces <= 1024, "max_namespaces must be in 1..1024"),
+            ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.session_timeout_s,
+             "heartbeat_interval_s must be positive and below session_timeout_s"),
+            ("session_grace_s", self.session_grace_s >= self.session_timeout_s,
+             f"session_grace_s ({self.session_grace_s}) must be at least session_timeout_s "
+             f"({self.session_timeout_s})"),
+            ("l3_bytes", self.l3_bytes >= 0, "l3_bytes must be >= 0"),
+            ("socket_spin_us", 0 <= self.socket_spin_us <= 100_000, "socket_spin_us must be in 0..100000"),
+            ("socket_cpu", self.socket_cpu is None or self.socket_cpu in os.sched_getaffinity(0),
+             f"socket_cpu {self.socket_cpu} is not among the CPUs this process may use: "
+             f"{sorted(os.sched_getaffinity(0))}"),
+            ("refusal_log_interval_s", self.refusal_log_interval_s > 0, "refusal_log_interval_s must be positive"),
+            ("io_threads", 1 <= self.io_threads <= 256, "io_threads must be in 1..256"),
+        )
+        for field, ok, message in checks:
+            if not ok:
+                raise ConfigError(message, field)
         if self.restore_policy not in POLICIES:
-            raise ValueError(f"restore_policy must be one of {POLICIES}, got {self.restore_policy!r}")
-        self.cost_priors        # raises ValueError for a prior or margin out of range
+            raise ConfigError(f"restore_policy must be one of {POLICIES}, got {self.restore_policy!r}", "restore_policy")
+        try:
+            self.cost_priors
+        except ValueError as exc:
+            raise ConfigError(str(exc), _COST_PRIOR_FIELDS[str(exc).split()[0]]) from None
+        try:
+            parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+        except ValueError as exc:
+            raise ConfigError(str(exc), "http_address") from None
 
     @property
     def cost_priors(self) -> CostPriors:
         return CostPriors(recompute_s_per_token=self.prior_recompute_us_per_token * 1e-6,
                           host_bytes_per_s=self.prior_host_gibps * 2**30,
-                          storage_bytes_per_s=self.prior_storage_gibps * 2**30, margin=self.cost_margin)
+                          storage_bytes_per_s=self.prior_storage_gibps * 2**30, margin=self.cost_margin,
+                          peer_bytes_per_s=self.prior_peer_gibps * 2**30)
+
+    @property
+    def http_endpoint(self) -> tuple[str, int] | None:
+        """Where the HTTP listener binds (host, port); None: no listener."""
+        return parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
+
+    @property
+    def http_required(self) -> bool:
+        """An address was asked for: failing to bind it stops the start."""
+        return self.http_address not in ("", "off")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides) -> "DaemonConfig":
-        values: dict = {
-            "socket_path": overrides.get("socket_path") or default_socket_path(env),
-            "l2_bytes": parse_size(env["KVCACHED_L2_SIZE"]) if env.get("KVCACHED_L2_SIZE") else default_l2_bytes(),
-            "l3_path": env.get("KVCACHED_L3_PATH") or None,
-            "log_level": env.get("KVCACHED_LOG_LEVEL", "INFO"),
-        }
-        if env.get("KVCACHED_L3_SIZE"):
-            values["l3_bytes"] = parse_size(env["KVCACHED_L3_SIZE"])
-        if env.get("KVCACHED_L3_O_DIRECT"):
-            values["l3_o_direct"] = env["KVCACHED_L3_O_DIRECT"].lower() in ("1", "true", "yes")
-        if env.get("KVCACHED_L3_FRESH"):
-            values["l3_fresh"] = env["KVCACHED_L3_FRESH"].lower() in ("1", "true", "yes")
-        if env.get("KVCACHED_MAX_NAMESPACES"):
-            values["max_namespaces"] = int(env["KVCACHED_MAX_NAMESPACES"])
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """The configuration from the KVCACHED_* variables, each overridden by a keyword that is
+        not None (the CLI's flags). ConfigError names the variable of a bad value it read."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}            # field -> the variable (and text) it came from
+        for variable, (field, parse) in ENV_VARIABLES.items():
+            text = env.get(variable)
+            if not text or field in overrides:
+                continue
+            try:
+                values[field] = parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{variable}={text!r}: {exc}", field) from None
+            origins[field] = f"{variable}={text!r}"
+        if "socket_path" not in overrides:
+            try:
+                values["socket_path"] = default_socket_path(env)
+            except ValueError as exc:
+                raise ConfigError(str(exc), "socket_path") from None
+        values.setdefault("l2_bytes", default_l2_bytes())
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if exc.field in origins:
+                raise ConfigError(f"{origins[exc.field]}: {exc}", exc.field) from None
+            raise

@@ -33,6 +33,9 @@ class MsgKind(enum.IntEnum):
     STATUS = 8
     ENGINE_REPORT = 9      # engine facts for status: transfer backends, the connector's counters
     # 10 and 11 were RESERVE_PAGES and COMMIT_PAGES (pages held ahead of backups): unused, never reuse
+    PEER_REGISTER = 12     # the engine's KV tensors (CUDA IPC handles) and its GPU, for other engines to copy from
+    PEER_PUBLISH = 13      # blocks of the engine's GPU cache that now hold pages, and blocks that no longer do
+    PEER_LIST = 14         # the registrations of other engines of the namespace that this engine can open
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65
@@ -43,9 +46,10 @@ class MsgKind(enum.IntEnum):
 # those the cost model says beat recompute; "always", the longest hit; "never", none.
 RESTORE_POLICIES = ("cost", "always", "never")
 # What a decision chooses (MatchReply.choice): "engine", no tier holds more than the engine's own hit;
-# "l2", "l3", restore from that tier (L3: promoted to L2 first); "recompute", a tier holds more but
-# restoring it does not pay (or the policy is never).
-RESTORE_CHOICES = ("engine", "l2", "l3", "recompute")
+# "l2", "l3", restore from that tier (L3: promoted to L2 first); "peer", copy from another engine's
+# GPU cache (the reply's peer_* fields); "recompute", a tier holds more but restoring it does not
+# pay (or the policy is never).
+RESTORE_CHOICES = ("engine", "l2", "l3", "peer", "recompute")
 
 # The L2 page formats (KVGeometry.layout). "kv": K and V of a block apart, page [2, layers, *block];
 # "blocks": each layer's block is opaque bytes (an engine that packs K and V inside it), page [layers, *block].

@@ -50,7 +50,10 @@ def normalize_socket_path(path: str) -> str:
 def default_socket_path(env: Mapping[str, str] = os.environ) -> str:
     """$KVCACHED_SOCKET, else $XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/kvcached.sock."""
     if env.get("KVCACHED_SOCKET"):
-        return normalize_socket_path(env["KVCACHED_SOCKET"])
+        try:
+            return normalize_socket_path(env["KVCACHED_SOCKET"])
+        except ValueError as exc:
+            raise ValueError(f"KVCACHED_SOCKET={env['KVCACHED_SOCKET']!r}: {exc}") from None
     runtime_dir = env.get("XDG_RUNTIME_DIR")
     if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
         return normalize_socket_path(os.path.join(runtime_dir, "kvcached", "kvcached.sock"))
@@ -78,7 +81,10 @@ def expected_daemon_uid(daemon_uid: int | str | None = None, env: Mapping[str, s
     if daemon_uid is not None:
         return parse_uid(daemon_uid)
     if env.get("KVCACHED_DAEMON_UID"):
-        return parse_uid(env["KVCACHED_DAEMON_UID"])
+        try:
+            return parse_uid(env["KVCACHED_DAEMON_UID"])
+        except ValueError as exc:
+            raise ValueError(f"KVCACHED_DAEMON_UID={env['KVCACHED_DAEMON_UID']!r}: {exc}") from None
     return os.geteuid()
 
 

@@ -47,6 +47,11 @@ class MatchReply(NamedTuple):
     backup_start_token: int            # the L2 hit: reserved pages hold pages from here on
     backup_page_ids: list[int]         # private L2 pages reserved for the pages the daemon lacks
     promoted_tokens: int = 0           # of the L2 hit, tokens just promoted from L3 for this match
+    # The peer candidate (a match of a session registered for peer restores; 0 and [] otherwise):
+    # another engine's blocks holding the leading pages, each at the epoch it was published at.
+    peer_id: int = 0
+    peer_block_ids: list[int] = []
+    peer_epochs: list[int] = []
     # The cost model's decision (a lookup's; a match's that may promote L3): where the tokens beyond
     # the engine's own hit come from (proto.messages.RESTORE_CHOICES; "": no decision was asked for),
     # the leading tokens to hold after the restore (the engine's own hit included), the predicted
@@ -62,7 +67,25 @@ class CommitReply(NamedTuple):
     duplicate_pages: int
 
 
-Reply = TypeVar("Reply", AttachInfo, DetachReply, MatchReply, CommitReply)
+class PeerRegisterReply(NamedTuple):
+    """The reply to PEER_REGISTER: the registration's id, and the shared file of its block epochs
+    (a header, then one little-endian u64 per block from ``epochs_offset_bytes``)."""
+
+    peer_id: int
+    epochs_path: str
+    epochs_offset_bytes: int
+
+
+class PeerListReply(NamedTuple):
+    """The reply to PEER_LIST: the registrations this engine may open, each as its owner sent it
+    (``transport``, ``device_id``, ``layout``, ``dtype``, ``num_blocks``, ``storages``, ``tensors``) plus
+    ``peer_id``, ``epochs_path``, ``epochs_offset_bytes`` and the owner's ``pid``,
+    ``pid_namespace_id`` and ``process_start_time``. Relayed from another engine: check before use."""
+
+    peers: list[dict]
+
+
+Reply = TypeVar("Reply", AttachInfo, DetachReply, MatchReply, CommitReply, PeerRegisterReply, PeerListReply)
 
 
 def to_wire(reply: NamedTuple) -> dict[str, Any]:

@@ -183,8 +183,9 @@ class BackupCommit:
 
 MAX_REPORT_BYTES = 64 * 1024
 # Timings an engine measured for the cost model, per report: [direction, size, seconds] each, size in
-# bytes (h2d: L2 -> GPU, d2h: GPU -> L2) or tokens (prefill).
-COST_SAMPLE_DIRECTIONS = ("h2d", "d2h", "prefill")
+# bytes (h2d: L2 -> GPU, d2h: GPU -> L2, d2d: another engine's GPU memory -> this one's) or tokens
+# (prefill).
+COST_SAMPLE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
 MAX_COST_SAMPLES = 1024
 MAX_COST_SAMPLE_SIZE = 1 << 50
 MAX_COST_SAMPLE_SECONDS = 3600.0
@@ -222,3 +223,149 @@ class EngineReport:
             raise _bad(f"report is larger than {MAX_REPORT_BYTES} bytes")
         return cls(session_id=_int(body, "session_id"), report=report, ack=_bool(body, "ack", True),
                    cost_samples=_cost_samples(body))
+
+
+# ---- peer restores: engines copying prefixes out of each other's GPU memory -------------------------
+
+MAX_PEER_BLOCKS = 1 << 22              # blocks of one engine's KV tensors
+MAX_PEER_TENSORS = 4096                # KV tensors (one per layer, or one pool) of one engine
+MAX_PEER_STORAGES = 4096
+MAX_TENSOR_DIMS = 8
+MAX_HANDLE_FIELDS = 16
+MAX_HANDLE_VALUE_BYTES = 1024
+PEER_TRANSPORTS = ("cuda", "host")     # CUDA IPC memory handles; host shared memory (CPU engines, tests)
+
+
+def _handle(value: Any, name: str) -> dict:
+    """A storage's handle: a small map of scalars and short byte strings, opaque to the daemon
+    (only an engine that opens it interprets it)."""
+    if not isinstance(value, dict) or len(value) > MAX_HANDLE_FIELDS:
+        raise _bad(f"{name} must be a map of at most {MAX_HANDLE_FIELDS} fields")
+    for key, item in value.items():
+        if not isinstance(key, str) or len(key) > 64:
+            raise _bad(f"{name} keys must be short strings")
+        if item is not None and type(item) not in (bool, int, str, bytes):
+            raise _bad(f"{name}[{key!r}] must be a scalar or bytes, got {preview(item)}")
+        if isinstance(item, (str, bytes)) and len(item) > MAX_HANDLE_VALUE_BYTES:
+            raise _bad(f"{name}[{key!r}] is longer than {MAX_HANDLE_VALUE_BYTES}")
+        if type(item) is int and not -MAX_ID - 1 <= item <= MAX_ID:
+            raise _bad(f"{name}[{key!r}] is out of range")
+    return value
+
+
+def _int_list(value: Any, name: str, max_len: int, lo: int = 0, hi: int = MAX_ID) -> list[int]:
+    if not isinstance(value, list) or len(value) > max_len:
+        raise _bad(f"{name} must be a list of at most {max_len} integers")
+    for item in value:
+        if type(item) is not int or not lo <= item <= hi:
+            raise _bad(f"{name} must hold integers in {lo}..{hi}, got {preview(item)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerTensor:
+    """One KV tensor as a view of one of the registration's storages (in elements of its dtype)."""
+
+    storage: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, body: Any, num_storages: int) -> "PeerTensor":
+        if not isinstance(body, dict):
+            raise _bad("a peer tensor must be a map")
+        shape = _int_list(body.get("shape"), "shape", MAX_TENSOR_DIMS, 0, 2**40)
+        stride = _int_list(body.get("stride"), "stride", MAX_TENSOR_DIMS, 0, 2**48)
+        if len(shape) != len(stride) or not shape:
+            raise _bad("a peer tensor's shape and stride must have one length, at least 1")
+        return cls(storage=_int(body, "storage", 0, num_storages - 1), offset=_int(body, "offset", 0, 2**48),
+                   shape=tuple(shape), stride=tuple(stride))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"storage": self.storage, "offset": self.offset, "shape": list(self.shape), "stride": list(self.stride)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRegister:
+    """An engine's KV tensors, for engines of its namespace on the same device to copy blocks from.
+    The daemon checks the shapes of what it relays, never what the handles mean."""
+
+    kind: ClassVar[MsgKind] = MsgKind.PEER_REGISTER
+    session_id: int
+    transport: str              # one of PEER_TRANSPORTS
+    device_id: str              # "cuda": the GPU's UUID; "host": the boot id and pid namespace
+    layout: str                 # the engine_client.layout kind of the tensors
+    dtype: str                  # the tensors' torch dtype name
+    num_blocks: int
+    storages: list[dict]        # per storage, the transport's handle (opaque here)
+    tensors: list[PeerTensor]   # the KV tensors, in the layout's order
+
+    @classmethod
+    def parse(cls, body: dict) -> "PeerRegister":
+        transport = _str(body, "transport", 16)
+        if transport not in PEER_TRANSPORTS:
+            raise _bad(f"transport must be one of {PEER_TRANSPORTS}, got {preview(transport)}")
+        storages = body.get("storages")
+        if not isinstance(storages, list) or not 1 <= len(storages) <= MAX_PEER_STORAGES:
+            raise _bad(f"storages must be a list of 1..{MAX_PEER_STORAGES} handles")
+        tensors = body.get("tensors")
+        if not isinstance(tensors, list) or not 1 <= len(tensors) <= MAX_PEER_TENSORS:
+            raise _bad(f"tensors must be a list of 1..{MAX_PEER_TENSORS} tensors")
+        return cls(
+            session_id=_int(body, "session_id"),
+            transport=transport,
+            device_id=_str(body, "device_id", 256),
+            layout=_str(body, "layout", 16),
+            dtype=_str(body, "dtype", 32),
+            num_blocks=_int(body, "num_blocks", 1, MAX_PEER_BLOCKS),
+            storages=[_handle(s, "storages[]") for s in storages],
+            tensors=[PeerTensor.parse(t, len(storages)) for t in tensors],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRun:
+    """Blocks holding pages [start_page, start_page + len(block_ids)) of a prefix, each at the even
+    epoch it was filled at."""
+
+    token_ids: bytes            # the prefix up to the run's end (the pages before it place it in the tree)
+    start_page: int
+    block_ids: list[int]
+    epochs: list[int]
+
+    @classmethod
+    def parse(cls, body: Any) -> "PeerRun":
+        if not isinstance(body, dict):
+            raise _bad("a peer run must be a map")
+        run = cls(token_ids=_token_bytes(body, "token_ids"), start_page=_int(body, "start_page", 0, MAX_PEER_BLOCKS),
+                  block_ids=_int_list(body.get("block_ids"), "block_ids", MAX_PEER_BLOCKS, 0, MAX_PEER_BLOCKS - 1),
+                  epochs=_int_list(body.get("epochs"), "epochs", MAX_PEER_BLOCKS))
+        if len(run.block_ids) != len(run.epochs):
+            raise _bad("a peer run needs one epoch per block")
+        if any(epoch % 2 for epoch in run.epochs):
+            raise _bad("a published block's epoch is even (odd: being written)")
+        return run
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerPublish:
+    """What entered and left an engine's GPU cache since its last publication; removals apply first."""
+
+    kind: ClassVar[MsgKind] = MsgKind.PEER_PUBLISH
+    session_id: int
+    removed: list[int]
+    runs: list[PeerRun]
+    ack: bool = True
+
+    @classmethod
+    def parse(cls, body: dict) -> "PeerPublish":
+        runs = body.get("runs", [])
+        if not isinstance(runs, list) or len(runs) > MAX_PEER_BLOCKS:
+            raise _bad("runs must be a list")
+        request = cls(session_id=_int(body, "session_id"),
+                      removed=_int_list(body.get("removed", []), "removed", MAX_PEER_BLOCKS, 0, MAX_PEER_BLOCKS - 1),
+                      runs=[PeerRun.parse(run) for run in runs], ack=_bool(body, "ack", True))
+        if len(request.removed) + sum(len(run.block_ids) for run in request.runs) > MAX_PAGE_IDS_PER_REQUEST:
+            raise _bad(f"a publication names more than {MAX_PAGE_IDS_PER_REQUEST} blocks")
+        return request

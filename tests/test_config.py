@@ -23,8 +23,10 @@ def test_l3_fresh_comes_from_kvcached_l3_fresh_and_the_flag_wins():
 def test_the_cost_model_flags_reach_its_priors_and_bad_values_are_refused():
     """--restore-policy, --cost-margin and the three priors parse into DaemonConfig and its
     cost_priors (microseconds and GiB/s as given); an unknown policy, a margin below 1 or a
-    non-positive prior is a ValueError at construction."""
+    non-positive prior is a ConfigError naming the field it is about."""
     import pytest
+
+    from kvcached.config import ConfigError
 
     base = {"KVCACHED_SOCKET": "/tmp/kvt-config/kvcached.sock", "KVCACHED_L2_SIZE": "64MiB"}
     args = build_parser().parse_args(["serve", "--restore-policy", "never", "--cost-margin", "1.25",
@@ -40,5 +42,39 @@ def test_the_cost_model_flags_reach_its_priors_and_bad_values_are_refused():
     assert DaemonConfig.from_env(base).restore_policy == "cost"
     for bad in ({"restore_policy": "sometimes"}, {"cost_margin": 0.9}, {"prior_storage_gibps": 0.0},
                 {"prior_recompute_us_per_token": float("nan")}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError) as error:
             DaemonConfig.from_env(base, **bad)
+        assert error.value.field == next(iter(bad)), bad
+
+def test_sizes_read_k_m_g_t_and_their_ibi_forms_as_binary_and_kb_mb_gb_tb_as_decimal():
+    """One letter and KiB/MiB/GiB/TiB are powers of 1024 (as docker and the JVM read them), KB/MB/GB/TB
+    powers of 1000, in any case, fractions included; anything else is refused."""
+    import pytest
+
+    from kvcached.config import parse_size
+
+    expected = {"64g": 64 << 30, "64G": 64 << 30, "64GiB": 64 << 30, "64gib": 64 << 30, "64GB": 64 * 10**9,
+                "64gb": 64 * 10**9, "512k": 512 << 10, "3KB": 3000, "2m": 2 << 20, "1.5t": 3 << 39,
+                "1.5g": 3 << 29, "4096": 4096, "7 MiB": 7 << 20, "0": 0, "2TB": 2 * 10**12}
+    assert {text: parse_size(text) for text in expected} == expected
+    for text in ("abc", "1.2.3", "5x", "-1g", "g", "1gibs", ""):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(text)
+
+
+def test_a_bad_variable_is_named_with_its_value_and_the_field_it_sets():
+    """from_env raises ConfigError naming the KVCACHED_* variable and its value, for text that does
+    not parse and for a value out of range; a flag's value (an override) wins over the variable."""
+    import pytest
+
+    from kvcached.config import ConfigError
+
+    base = {"KVCACHED_SOCKET": "/tmp/kvt-config/kvcached.sock", "KVCACHED_L2_SIZE": "64MiB"}
+    cases = {"KVCACHED_L2_SIZE": ("lots", "l2_bytes"), "KVCACHED_MAX_NAMESPACES": ("0", "max_namespaces"),
+             "KVCACHED_LOG_LEVEL": ("loud", "log_level"), "KVCACHED_L3_FRESH": ("perhaps", "l3_fresh")}
+    for variable, (text, field) in cases.items():
+        with pytest.raises(ConfigError) as error:
+            DaemonConfig.from_env({**base, variable: text})
+        assert str(error.value).startswith(f"{variable}={text!r}: ") and error.value.field == field
+    assert DaemonConfig.from_env({**base, "KVCACHED_MAX_NAMESPACES": "0"}, max_namespaces=3).max_namespaces == 3
+    assert DaemonConfig.from_env({**base, "KVCACHED_LOG_LEVEL": "debug"}).log_level == "DEBUG"

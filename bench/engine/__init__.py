@@ -11,6 +11,7 @@ same shape; it is not part of the installed packages.
                       torch reference); KV stores
     block_manager.py  the block allocator and the GPU prefix cache (hash chain, LRU eviction)
     scheduler.py      admission, chunked prefill, decode batches, preemption, the connector hook
+    load.py           a request's load from the connector: MATCHING, IN_FLIGHT, DONE, CANCELLED
     connector.py      the calls the engine makes on a connector (``engine_client``'s KVConnector has them)
     request.py        a request's states; engine.py: ``Engine`` (add_request, step, abort)
 
@@ -29,6 +30,12 @@ kv_heads, head_dim]: the connector's "layer" layout) and plug the connector in w
     connector = KVConnector.register(client, engine.kv_caches, "layer", model_id=...,
                                      page_size=engine.block_size, num_kv_heads=..., head_dim=...)
     engine.attach_connector(connector)
+
+A request whose prefix the connector has waits in LOADING while the others go on; its prefill
+starts once the load's copies are queued, each layer's attention waiting for that layer
+(``EngineConfig.load_mode="layerwise"``), once the load is done ("async"), or the host waits for it
+("blocking", for comparison); ``load.py`` holds a load's states. ``engine.close()`` aborts every
+request, waits until the connector gives their blocks back, and closes it.
 
 Tests: ``tests/bench/engine/`` (CPU, against transformers' Qwen3; the Triton kernel under
 TRITON_INTERPRET=1; the compiled kernel and bf16 paths are marked ``gpu``).

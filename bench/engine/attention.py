@@ -4,7 +4,8 @@ kv_heads, head_dim]`` (K then V), a request's tokens in the blocks of its block 
 - ``store_kv``: the step's new K/V into their slots (``block * block_size + offset``).
 - ``prefill_attention``: torch SDPA per request over its new tokens; with a cached prefix, over
   prefix + new tokens with the causal diagonal at the bottom right (flash / memory-efficient
-  kernels on CUDA, the math kernel on CPU).
+  kernels on CUDA, the math kernel on CPU); a few new tokens over a cached prefix go to the
+  paged decode kernel instead, one query per new token (``PAGED_PREFILL_MAX_ROWS``).
 - ``paged_decode_attention``: one query token per request read straight from the blocks (a
   Triton kernel; on CPU tensors under the Triton interpreter, for tests), and
   ``paged_decode_attention_torch``, the reference, which copies each request's context out dense.
@@ -30,7 +31,17 @@ class PrefillSeq(NamedTuple):
     start: int
     num_new_tokens: int
     num_cached_tokens: int
-    block_table: torch.Tensor | None   # int64 [blocks of the request] on the KV device (None: no cached prefix)
+    block_table: torch.Tensor | None   # int32 [blocks of the request] on the KV device (None: no cached prefix)
+    row_context_lens: torch.Tensor | None = None   # int32 [num_new_tokens]: c + 1, ..., c + n (paged rows)
+
+
+# A prefill of few new tokens over a short cached prefix reads the prefix through the block table
+# as one decode query per new token (``paged_decode_attention``: one launch per layer, where
+# copying the prefix out dense for SDPA takes about ten). Each query reads the whole prefix, so
+# this pays only while new tokens x context tokens is small: measured on the H200 (Qwen3-8B, 32
+# new tokens), 11 ms against 17 ms of prefill over 350 cached tokens, 15-17 against 14 over 3,500.
+PAGED_PREFILL_MAX_ROWS = 64
+PAGED_PREFILL_MAX_WORK = 32 * 1024          # new tokens x context tokens
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -60,6 +71,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         rows = slice(seq.start, seq.start + seq.num_new_tokens)
         if seq.num_cached_tokens == 0:
             out[rows] = _sdpa(q[rows], k[rows], v[rows], 0, scale)
+            continue
+        if seq.row_context_lens is not None:
+            # Row i is a query at position c + i over the c + i + 1 tokens up to it: causal.
+            tables = seq.block_table[None].expand(seq.num_new_tokens, -1)
+            attn = paged_decode_attention(q[rows], kv_cache, tables, seq.row_context_lens, scale)
+            if len(seqs) == 1:
+                return attn
+            out[rows] = attn
             continue
         num_tokens = seq.num_cached_tokens + seq.num_new_tokens
         blocks = seq.block_table[: triton.cdiv(num_tokens, block_size)]

@@ -8,14 +8,16 @@ of three sets:
   cached      ref count 0, holds the KV of its hash: reusable, and evictable in LRU order
   referenced  ref count > 0 (by requests, or held for the connector), with or without a hash
 
-``allocate`` takes free blocks first, then evicts the least recently released cached ones.
+``allocate`` takes free blocks first, then evicts the least recently released cached ones. Every
+block it hands out, and every block ``evict_all`` drops, first goes to ``on_write`` (when set): the
+engine writes allocated blocks, so whoever reads them from outside (peer restores) must stop first.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -45,6 +47,7 @@ class BlockManager:
         self.free_block_ids: collections.deque[int] = collections.deque(range(num_blocks))
         self.cached_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.num_evictions = 0
+        self.on_write: Callable[[list[int]], None] | None = None
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -88,6 +91,8 @@ class BlockManager:
                 self.num_evictions += 1
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
+        if self.on_write is not None:
+            self.on_write(block_ids)
         return block_ids
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -116,11 +121,15 @@ class BlockManager:
     def evict_all(self) -> int:
         """Forget every cached block (a cold prefix cache); returns how many."""
         num_cached = len(self.cached_block_ids)
+        dropped = []
         while self.cached_block_ids:
             block_id, _ = self.cached_block_ids.popitem(last=False)
             del self.hash_to_block[self.block_to_hash[block_id]]
             self.block_to_hash[block_id] = None
             self.free_block_ids.append(block_id)
+            dropped.append(block_id)
+        if dropped and self.on_write is not None:
+            self.on_write(dropped)
         return num_cached
 
     def check_integrity(self) -> None:

@@ -73,6 +73,15 @@ PRESETS = {
 }
 
 
+# While a request's load is pending the other requests are scheduled as usual (decode goes on), except
+# under "blocking"; then the request's prefill starts:
+LOAD_MODES = {
+    "layerwise": "once the load's copies are queued: its attention of layer i waits (on the GPU) for layer i",
+    "async": "once the load is done (whole load, then prefill)",
+    "blocking": "once the load is done, the host waiting for it at admission: nothing else runs meanwhile",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int                    # KV blocks per layer (the GPU prefix cache lives in them too)
@@ -82,9 +91,17 @@ class EngineConfig:
     decode_backend: str = "auto"       # paged decode attention: "triton", "torch" (reference), "auto":
                                        # triton on CUDA, torch on CPU
     keep_logits: bool = False          # keep each sampled position's logits on the request (tests, checks)
+    graph_max_tokens: int = 512        # on CUDA, forwards of up to this many tokens replay CUDA graphs
+                                       # of the layers' pieces (bench/engine/graphs.py); 0: never
+    load_mode: str = "layerwise"       # how a request waits for the connector's load of its prefix (LOAD_MODES)
+    load_timeout_s: float = 60.0       # "blocking": the longest the host waits for the loads of a step
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError(f"every size must be positive: {self}")
+        if self.graph_max_tokens < 0:
+            raise ValueError(f"graph_max_tokens must be >= 0, got {self.graph_max_tokens}")
         if self.decode_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"decode_backend must be auto, triton or torch, got {self.decode_backend!r}")
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}, got {self.load_mode!r}")

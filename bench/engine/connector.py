@@ -8,13 +8,22 @@ The engine's side, per request (``scheduler.py``):
               decision (restore beats recompute) -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
-              (its failed blocks are recomputed); a released id frees the blocks held for it
+              (its failed blocks are recomputed); a released id frees the blocks held for it;
+              load_mode "layerwise": a queued load admits it already, and its prefill's attention
+              of layer i first calls wait_for_layer_load(i, None, [cid]); after that prefill the
+              LoadResult confirms what it read, or voids it (the prefill is redone)
   prefill     report_prefill(tokens computed, seconds) after each prefill forward;
               save(cid, tokens, every full block, 0) once the prompt's KV is written
   the end     request_finished(cid) when it finishes, is aborted or preempted: True keeps its
               blocks until finished().released names cid
 
 ``cid`` is the request's ``connector_id``: a preempted request comes back under a new one.
+
+Two optional calls, for a connector that lets other engines read this engine's GPU cache (peer
+restores; ``KVConnector`` has them): ``will_write_blocks(block_ids)`` before any block is written
+(the block manager calls it for every block it allocates or drops), and
+``blocks_cached(token_ids, block_ids)`` when blocks of a prompt's leading pages enter the prefix
+cache (after the forward that wrote them was queued).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ class LoadResult(NamedTuple):
 class Finished(NamedTuple):
     loads: list[LoadResult]          # each load once, done or failed
     released: list[Hashable]         # requests whose blocks the connector no longer touches
+    queued: Sequence[LoadResult] = ()  # loads whose copies are queued (before or with their result)
 
 
 class EngineConnector(Protocol):
@@ -53,7 +63,11 @@ class EngineConnector(Protocol):
         queued so far on the engine's stream)."""
 
     def finished(self) -> Finished:
-        """Loads done and requests released since the last call; never waits."""
+        """Loads queued, loads done and requests released since the last call; never waits."""
+
+    def wait_for_layer_load(self, layer: int, stream=None, request_ids=None) -> None:
+        """Make the engine's (current) stream wait until the loads of request_ids have written
+        ``layer`` of their blocks; no host wait for the copies."""
 
     def request_finished(self, request_id: Hashable) -> bool:
         """The engine is done with the request; True: keep its blocks until it is released."""

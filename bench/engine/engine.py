@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from bench.engine.attention import PrefillSeq
+from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PAGED_PREFILL_MAX_WORK, PrefillSeq
 from bench.engine.block_manager import block_hashes
 from bench.engine.config import EngineConfig
 from bench.engine.connector import EngineConnector
@@ -38,6 +38,8 @@ class Engine:
                                       dtype=model.dtype, device=self.device) for _ in range(mc.num_layers)]
         backend = config.decode_backend
         self.decode_backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        if config.graph_max_tokens and self.device.type == "cuda":
+            model.use_graphs(config.graph_max_tokens)           # captured once per model
         self.scheduler = Scheduler(config)
         self._next_request_id = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -91,28 +93,53 @@ class Engine:
         returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         started = time.perf_counter()
+        # A prefill that waits for loads layer by layer times those loads too: no recompute sample.
+        prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill)
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
-            sampled = self.scheduler.prefill_done(plan.prefill)
+            self.scheduler.poll_connector()            # while the GPU computes (see below)
+            token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
+            sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
+            # While the GPU runs the batch: the connector's replies come in and the copies they
+            # allow are queued (their host work hidden too), and loads done are seen a step sooner.
+            self.scheduler.poll_connector()
+            token_ids = logits.argmax(-1).tolist()
             self.scheduler.decode_done(plan.decode)
             sampled = plan.decode
         else:
             return []
-        token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
         now_s = time.perf_counter()
-        if plan.prefill and self.connector is not None:
+        if prefill_sample and self.connector is not None:
             # The forward's time, sampling included: what the connector's cost model prices recompute by.
             self.connector.report_prefill(sum(chunk.num_tokens for chunk in plan.prefill), now_s - started)
         finished = []
         for i, (request, token_id) in enumerate(zip(sampled, token_ids, strict=True)):
+            if request is None:
+                continue
             if self.config.keep_logits:
                 request.logits.append(logits[i].cpu())
             if self.scheduler.append_token(request, token_id, now_s):
                 del self._requests[request.request_id]
                 finished.append(request)
         return finished
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Abort every request (their pending loads are cancelled), step until the connector no
+        longer holds any of their blocks (TimeoutError after timeout_s), then take the connector
+        out and close it."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the connector still holds blocks of {len(self.scheduler.held_block_ids)} "
+                                   f"requests after {timeout_s} s")
+            self.step()
+        connector, self.scheduler.connector = self.scheduler.connector, None
+        if connector is not None and hasattr(connector, "close"):
+            connector.close()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 1) -> list[Request]:
         """Run prompts together to the end; the requests in prompt order."""
@@ -140,21 +167,31 @@ class Engine:
         request's prompt, in chunk order."""
         input_ids, positions, slots, seqs, logits_rows = [], [], [], [], []
         start = 0
-        for request, num_tokens in chunks:
-            first = request.num_computed_tokens
+        for request, num_tokens, first in chunks:
             token_positions = np.arange(first, first + num_tokens)
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
             input_ids.append(np.asarray(request.token_ids[first: first + num_tokens]))
             positions.append(token_positions)
             slots.append(block_ids[token_positions // self.block_size] * self.block_size
                          + token_positions % self.block_size)
-            block_table = torch.from_numpy(block_ids).to(self.device) if first else None
-            seqs.append(PrefillSeq(start, num_tokens, first, block_table))
+            block_table = row_lens = None
+            if first:
+                block_table = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
+                if self.decode_backend == "triton" and num_tokens <= PAGED_PREFILL_MAX_ROWS \
+                        and num_tokens * (first + num_tokens) <= PAGED_PREFILL_MAX_WORK:
+                    row_lens = torch.from_numpy(np.arange(first + 1, first + num_tokens + 1, dtype=np.int32)
+                                                ).to(self.device)
+            seqs.append(PrefillSeq(start, num_tokens, first, block_table, row_lens))
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)
+        loads_in_flight = self.scheduler.loads_in_flight(chunks)
+        wait_for_layer = None
+        if loads_in_flight:
+            def wait_for_layer(layer: int) -> None:
+                self.connector.wait_for_layer_load(layer, None, loads_in_flight)
         return self.model(self._int64(input_ids), self._int64(positions), self.kv_caches, self._int64(slots),
-                          PrefillBatch(seqs), self._int64([logits_rows]))
+                          PrefillBatch(seqs, wait_for_layer), self._int64([logits_rows]))
 
     def _run_decode(self, requests: list[Request]) -> torch.Tensor:
         """The last token of each request in one forward; their logits in order."""

@@ -1,5 +1,7 @@
 """A Qwen3 decoder over the paged KV cache: RMSNorm, q/k norm, RoPE, GQA, SwiGLU, tied or untied
-embeddings (without the q/k norm: Llama's architecture, for small real checkpoints). Projections are fused (one QKV matrix, one gate+up matrix); the numerics otherwise
+embeddings (without the q/k norm: Llama's architecture, for small real checkpoints). Projections are
+fused (one QKV matrix, one gate+up matrix), and on CUDA the element-wise steps are Triton kernels
+(``kernels.py``: norms, q/k norm + RoPE, SwiGLU); the numerics otherwise
 follow Hugging Face transformers' Qwen3 step for step (the norms compute in fp32 and cast back,
 RoPE's cos/sin are cast to the activations' dtype). Weights are random (``init_random``) or read
 from a safetensors directory with Hugging Face names (``load_safetensors``)."""
@@ -8,19 +10,24 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.engine import kernels
 from bench.engine.attention import (PrefillSeq, fused_sdpa_only, paged_decode_attention,
                                     paged_decode_attention_torch, prefill_attention, store_kv)
 from bench.engine.config import PRESETS, ModelConfig
+from bench.engine.graphs import DEFAULT_MAX_GRAPH_TOKENS, LayerGraphs
 
 
 class PrefillBatch(NamedTuple):
     seqs: Sequence[PrefillSeq]
+    # Called with each layer's index before its attention reads the cache: the engine's stream
+    # waits there for that layer of the loads in flight (None: nothing to wait for).
+    wait_for_layer: Callable[[int], None] | None = None
 
 
 class DecodeBatch(NamedTuple):
@@ -33,23 +40,11 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, sin [T, 1, D] (each frequency twice, as transformers lays them out)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, layer_index: int = 0):
         super().__init__()
         self.config = config
+        self.layer_index = layer_index
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.input_norm = _empty(config.hidden_size, dtype=dtype, device=device)
@@ -63,26 +58,46 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, batch: PrefillBatch | DecodeBatch) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, cos, sin)
+        return self.post_attention(x, self.attention(q, k, v, kv_cache, slot_mapping, batch))
+
+    # The three pieces of a layer: the first and last are row by row (a token's rows never mix
+    # with another's), so they can run on a batch padded to a fixed size (bench/engine/graphs.py).
+
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], q/k normed and rotated."""
         c = self.config
-        num_tokens = x.shape[0]
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        q, k, v = F.linear(h, self.qkv_proj).split(self.split_sizes, dim=-1)
-        q, k = q.view(num_tokens, c.num_heads, c.head_dim), k.view(num_tokens, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if x.is_cuda:                       # fused (bench/engine/kernels.py)
+            h, _ = kernels.rms_norm(x, self.input_norm, c.rms_norm_eps)
+            return kernels.qk_norm_rope(F.linear(h, self.qkv_proj), self.q_norm, self.k_norm, cos, sin,
+                                        c.rms_norm_eps, c.num_heads, c.num_kv_heads)
+        h = kernels.rms_norm_torch(x, self.input_norm, c.rms_norm_eps)
+        return kernels.qk_norm_rope_torch(F.linear(h, self.qkv_proj), self.q_norm, self.k_norm, cos, sin,
+                                          c.rms_norm_eps, c.num_heads, c.num_kv_heads)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, batch: PrefillBatch | DecodeBatch) -> torch.Tensor:
+        """The step's K/V stored into the paged cache, then attention over it: [T, Hq, D]."""
         store_kv(kv_cache, k, v, slot_mapping)
-        scale = c.head_dim ** -0.5
+        scale = self.config.head_dim ** -0.5
         if isinstance(batch, PrefillBatch):
-            attn = prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
-        elif batch.backend == "triton":
-            attn = paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
-        else:
-            attn = paged_decode_attention_torch(q, kv_cache, batch.block_tables, batch.context_lens, scale)
-        x = x + F.linear(attn.reshape(num_tokens, -1), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_norm, c.rms_norm_eps), self.gate_up_proj).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+            if batch.wait_for_layer is not None:       # this layer's loaded blocks (layer-wise loads)
+                batch.wait_for_layer(self.layer_index)
+            return prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
+        if batch.backend == "triton":
+            return paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+        return paged_decode_attention_torch(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output and the MLP: [T, hidden]."""
+        eps = self.config.rms_norm_eps
+        attn_out = F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        if x.is_cuda:
+            h, x = kernels.rms_norm(attn_out, self.post_attention_norm, eps, residual=x)
+            return x + F.linear(kernels.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        x = x + attn_out
+        h = kernels.rms_norm_torch(x, self.post_attention_norm, eps)
+        return x + F.linear(kernels.silu_mul_torch(F.linear(h, self.gate_up_proj)), self.down_proj)
 
 
 class Qwen3Model(nn.Module):
@@ -93,7 +108,7 @@ class Qwen3Model(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, i) for i in range(config.num_layers))
         self.norm = _empty(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else \
             _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -105,6 +120,15 @@ class Qwen3Model(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self.graphs: LayerGraphs | None = None      # use_graphs()
+
+    def use_graphs(self, max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS, capture: bool | None = None) -> "LayerGraphs":
+        """Run forwards of at most max_tokens tokens through the layers' pieces replayed as CUDA
+        graphs (captured now, once per model; ``bench/engine/graphs.py``); capture=False runs the
+        same padded pieces eagerly (CPU). Idempotent."""
+        if self.graphs is None or self.graphs.max_tokens < max_tokens:
+            self.graphs = LayerGraphs(self, max_tokens, self.device.type == "cuda" if capture is None else capture)
+        return self.graphs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
@@ -114,9 +138,13 @@ class Qwen3Model(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         with fused_sdpa_only(self.device):
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, kv_cache, slot_mapping, batch)
-        x = rms_norm(x.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
+            graphs = self.graphs.get(x.shape[0]) if self.graphs is not None else None
+            if graphs is not None:
+                x = graphs.run(x, cos, sin, kv_caches, slot_mapping, batch)
+            else:
+                for layer, kv_cache in zip(self.layers, kv_caches):
+                    x = layer(x, cos, sin, kv_cache, slot_mapping, batch)
+        x = kernels.rms_norm_torch(x.index_select(0, logits_rows), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------------

@@ -5,6 +5,9 @@
        │                                              └── preempt: back to WAITING (blocks freed) ◀┘
        └── abort, or finished from any state ─────────────────────────────────────────▶ FINISHED
 
+"Load reported": done (load_mode "async", "blocking"), or queued ("layerwise": the load may still
+be IN_FLIGHT in PREFILL; see ``bench/engine/load.py`` for the load's own states).
+
 A request always computes tokens [num_computed_tokens, len(token_ids)): all of its prompt (less
 what was cached or loaded) in PREFILL, the last sampled token in DECODE.
 """
@@ -16,6 +19,8 @@ import enum
 from typing import Hashable
 
 import torch
+
+from bench.engine.load import PendingLoad
 
 
 class RequestState(enum.Enum):
@@ -51,7 +56,7 @@ class Request:
     num_cached_tokens: int = 0             # the engine's own prefix-cache hit at admission
     num_loaded_tokens: int = 0             # tokens the connector loaded at admission
     num_prefilled_tokens: int = 0          # tokens prefill computed (over preemptions too)
-    load_start_token: int = 0
+    load: PendingLoad | None = None        # the connector's load of this admission, if any
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -4,19 +4,26 @@ Each step: the connector's finished loads and released blocks come in; waiting r
 admitted in arrival order while blocks and seats last; then either a prefill batch (chunks of
 PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
 decode batch of every DECODE request. A LOADING request waits for its load without holding up
-the others. When a decode step lacks a block, the latest admitted request is preempted (its
-blocks freed, recomputed later).
+the others (``load_mode`` "blocking": the host waits for it at admission). When a decode step
+lacks a block, the latest admitted request is preempted (its blocks freed, recomputed later).
+
+A request's load (``bench/engine/load.py``) is published (its blocks in the prefix cache, saved)
+only once DONE. With ``load_mode`` "layerwise" a request's prefill may run while its load is
+IN_FLIGHT; ``prefill_done`` then takes the load's result first, and drops the chunk (no token,
+nothing registered or saved; it runs again) unless the result confirms what the prefill read.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Hashable, NamedTuple
 
 from bench.engine.block_manager import BlockManager, block_hashes
 from bench.engine.config import EngineConfig
 from bench.engine.connector import EngineConnector
+from bench.engine.load import LoadState, PendingLoad
 from bench.engine.request import Request, RequestState
 
 logger = logging.getLogger(__name__)
@@ -24,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillChunk(NamedTuple):
     request: Request
-    num_tokens: int                  # tokens [num_computed_tokens, + num_tokens) of the request
+    num_tokens: int                  # tokens [first_token, + num_tokens) of the request
+    first_token: int                 # its num_computed_tokens when the chunk was planned
 
 
 class StepPlan(NamedTuple):
@@ -37,11 +45,24 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self._connector: EngineConnector | None = None
         self.connector = connector
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
+
+    @property
+    def connector(self) -> EngineConnector | None:
+        return self._connector
+
+    @connector.setter
+    def connector(self, connector: EngineConnector | None) -> None:
+        """A connector that reads the engine's blocks (peer restores) hears of every block before
+        it is written (``will_write_blocks``) and of every block the prefix cache holds
+        (``blocks_cached``, in ``_register_blocks``)."""
+        self._connector = connector
+        self.blocks.on_write = getattr(connector, "will_write_blocks", None)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -53,34 +74,53 @@ class Scheduler:
     # ---- a step ----------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        self._poll_connector()
+        self.poll_connector()
         self._admit()
+        if self.config.load_mode == "blocking":
+            self._wait_for_loads()
         budget = self.config.max_prefill_tokens
         chunks = []
         for request in self.running:
             if request.state is RequestState.PREFILL and budget > 0:
                 num_tokens = min(len(request.token_ids) - request.num_computed_tokens, budget)
-                chunks.append(PrefillChunk(request, num_tokens))
+                chunks.append(PrefillChunk(request, num_tokens, request.num_computed_tokens))
                 budget -= num_tokens
         if chunks:
             return StepPlan(chunks, [])
         return StepPlan([], self._schedule_decode())
 
-    def prefill_done(self, chunks: list[PrefillChunk]) -> list[Request]:
-        """After the prefill forward: advance each chunk; the requests whose prompt is all in now
-        (they are sampled next), in chunk order."""
-        complete = []
-        for request, num_tokens in chunks:
+    @staticmethod
+    def loads_in_flight(chunks: list[PrefillChunk]) -> list[Hashable]:
+        """The connector ids of the chunks' requests whose load is still IN_FLIGHT: their prefill
+        waits for each layer of it."""
+        return [c.request.connector_id for c in chunks if c.request.load is not None
+                and c.request.load.state is LoadState.IN_FLIGHT]
+
+    def prefill_done(self, chunks: list[PrefillChunk]) -> list[Request | None]:
+        """After the prefill forward (and the host's wait for it): advance each chunk. Returns, for
+        each chunk that ended its request's prompt, in chunk order (the rows of the forward's
+        logits), the request (sampled next), or None when the chunk is dropped: it read an
+        IN_FLIGHT load that its result then voided, or that has no result yet."""
+        if self.loads_in_flight(chunks):
+            self.poll_connector()        # the copies they waited for are done: their results are in
+        sampled: list[Request | None] = []
+        for request, num_tokens, first_token in chunks:
+            ends_prompt = first_token + num_tokens == len(request.token_ids)
+            load = request.load
+            if request.num_computed_tokens != first_token or (load is not None and load.state is LoadState.IN_FLIGHT):
+                if ends_prompt:
+                    sampled.append(None)  # what it computed is void, or not yet known to hold: again
+                continue
             request.num_computed_tokens += num_tokens
             request.num_prefilled_tokens += num_tokens
             self._register_blocks(request)
-            if request.num_computed_tokens == len(request.token_ids):
+            if ends_prompt:
                 num_full_blocks = len(request.token_ids) // self.block_size
                 if self.connector is not None and num_full_blocks:
                     self.connector.save(request.connector_id, request.token_ids,
                                         request.block_ids[:num_full_blocks], 0)
-                complete.append(request)
-        return complete
+                sampled.append(request)
+        return sampled
 
     def decode_done(self, requests: list[Request]) -> None:
         for request in requests:
@@ -104,7 +144,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
-            self._free_blocks(request)
+            self._free_blocks(request)      # a pending load is cancelled with them
         request.move_to(RequestState.FINISHED)
         request.finish_reason, request.finish_s = reason, now_s
 
@@ -133,13 +173,14 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens = len(hit_block_ids) * self.block_size
         request.num_registered_blocks = len(hit_block_ids)
         request.num_loaded_tokens = 0
+        request.load = None
         if self.connector is not None:
             num_external = min(self.connector.lookup(request.token_ids, local_hit_tokens=request.num_computed_tokens),
                                num_reusable_blocks * self.block_size)
             num_external -= num_external % self.block_size
             if num_external > request.num_computed_tokens:
                 start = request.num_computed_tokens
-                request.load_start_token = start
+                request.load = PendingLoad(request.connector_id, start, num_external - start, time.perf_counter())
                 self.connector.load(request.connector_id, request.token_ids,
                                     request.block_ids[start // self.block_size: num_external // self.block_size],
                                     num_external - start, start)
@@ -148,24 +189,51 @@ class Scheduler:
         request.move_to(RequestState.PREFILL)
         return True
 
-    def _poll_connector(self) -> None:
+    def poll_connector(self) -> None:
+        """The connector's news: loads queued (IN_FLIGHT; "layerwise": the request may prefill),
+        loads done (DONE: published, the request prefills what they did not fill), blocks released."""
         if self.connector is None:
             return
         finished = self.connector.finished()
-        loading = {r.connector_id: r for r in self.running if r.state is RequestState.LOADING}
+        now_s = time.perf_counter()
+        pending = {r.connector_id: r for r in self.running if r.load is not None and r.load.pending}
+        for result in finished.queued:
+            request = pending.get(result.request_id)
+            if request is None or request.load.state is not LoadState.MATCHING:
+                continue                 # ended meanwhile
+            request.load.queued(result.num_tokens, now_s)
+            if self.config.load_mode == "layerwise":
+                request.num_computed_tokens = request.load.start_token + result.num_tokens
+                request.move_to(RequestState.PREFILL)
         for result in finished.loads:
-            request = loading.get(result.request_id)
+            request = pending.get(result.request_id)
             if request is None:          # finished, aborted or preempted meanwhile
                 continue
             if result.failed_block_ids:
                 logger.debug("request %s: %d blocks not loaded (%s), recomputed", request.request_id,
                              len(result.failed_block_ids), result.reason)
+            load = request.load
+            load.done(result.num_tokens, result.reason, now_s)
+            if load.voided:
+                logger.debug("request %s: its load was voided (%s) after its copies were queued",
+                             request.request_id, result.reason)
             request.num_loaded_tokens = result.num_tokens
-            request.num_computed_tokens = request.load_start_token + result.num_tokens
+            # Tokens past the load are not computed yet (LOADING), or were computed by a prefill
+            # that prefill_done has not taken in yet (it compares with the chunk's first token).
+            request.num_computed_tokens = load.start_token + result.num_tokens
             self._register_blocks(request)
-            request.move_to(RequestState.PREFILL)
+            if request.state is RequestState.LOADING:
+                request.move_to(RequestState.PREFILL)
         for connector_id in finished.released:
             self.blocks.release(self.held_block_ids.pop(connector_id))
+
+    def _wait_for_loads(self) -> None:
+        """"blocking": the host waits until no admitted request is LOADING (nothing else runs)."""
+        deadline = time.monotonic() + self.config.load_timeout_s
+        while any(r.state is RequestState.LOADING for r in self.running):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"loads not done within load_timeout_s={self.config.load_timeout_s} s")
+            self.poll_connector()
 
     # ---- blocks -------------------------------------------------------------------------------------
 
@@ -179,8 +247,13 @@ class Scheduler:
         for i in range(request.num_registered_blocks, num_full_blocks):
             self.blocks.register(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = num_full_blocks
+        blocks_cached = getattr(self.connector, "blocks_cached", None)
+        if blocks_cached is not None:       # written by the work queued so far (this step's forward)
+            blocks_cached(request.token_ids[: num_full_blocks * self.block_size], request.block_ids[:num_full_blocks])
 
     def _free_blocks(self, request: Request) -> None:
+        if request.load is not None and request.load.pending:
+            request.load.cancel()           # the connector keeps the blocks while its copies run
         block_ids, request.block_ids = request.block_ids, []
         if self.connector is not None and self.connector.request_finished(request.connector_id):
             self.held_block_ids[request.connector_id] = block_ids

@@ -7,6 +7,10 @@ covers a run of L3 slots. So free space is kept as maximal runs of consecutive i
   - `_runs_by_length`: sorted (length, start) pairs, to find the best-fitting run by bisection.
 Every operation costs O(log runs) searches plus list inserts/pops (memmove of at most a few
 thousand pointers), never O(num_pages).
+
+An id that is neither free nor allocated is simply not in the allocator's hands: a namespace's
+allocator starts with no free page (``all_free=False``) and is given the pages of each chunk of
+the pool it gains (``free_range``), and gives them back when the chunk goes (``take_range``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, all_free: bool = True):
         num_pages = operator.index(num_pages)
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -33,7 +37,7 @@ class PageAllocator:
         self._run_starts: list[int] = []
         self._start_to_length: dict[int, int] = {}
         self._runs_by_length: list[tuple[int, int]] = []
-        if num_pages:
+        if num_pages and all_free:
             self._add_run(0, num_pages)
 
     # ---- queries -------------------------------------------------------------------------
@@ -133,6 +137,39 @@ class PageAllocator:
         self._start_to_length = {start: end - start for start, end in zip(starts, ends)}
         self._runs_by_length = sorted((end - start, start) for start, end in zip(starts, ends))
         self._num_free = int(free.sum())
+
+    def free_range(self, start: int, stop: int) -> None:
+        """Return ids [start, stop), none of them free; ValueError (and nothing changed) otherwise.
+        O(log runs), whatever the length."""
+        if not 0 <= start <= stop <= self._num_pages:
+            raise ValueError(f"range [{start}, {stop}) out of range [0, {self._num_pages})")
+        if start == stop:
+            return
+        # A free run that overlaps [start, stop) starts before stop and ends after start.
+        index = bisect.bisect_left(self._run_starts, stop) - 1
+        if index >= 0:
+            run_start = self._run_starts[index]
+            if run_start + self._start_to_length[run_start] > start:
+                raise ValueError(f"ids of [{start}, {stop}) are free already (the run at {run_start})")
+        self._free_run(start, stop - start)
+
+    def take_range(self, start: int, stop: int) -> None:
+        """Allocate exactly ids [start, stop), all of them free; ValueError (and nothing changed)
+        otherwise. O(log runs): free ids that are consecutive lie in one run."""
+        if not 0 <= start <= stop <= self._num_pages:
+            raise ValueError(f"range [{start}, {stop}) out of range [0, {self._num_pages})")
+        if start == stop:
+            return
+        index = bisect.bisect_right(self._run_starts, start) - 1
+        run_start = self._run_starts[index] if index >= 0 else -1
+        run_end = run_start + self._start_to_length[run_start] if index >= 0 else -1
+        if not (index >= 0 and run_end >= stop):
+            raise ValueError(f"ids of [{start}, {stop}) are not all free")
+        self._remove_run(run_start)
+        if run_start < start:
+            self._add_run(run_start, start - run_start)
+        if stop < run_end:
+            self._add_run(stop, run_end - stop)
 
     # ---- integrity -----------------------------------------------------------------------
 

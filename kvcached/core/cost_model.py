@@ -13,14 +13,16 @@ tokens for prefill), learned from the last ``WINDOW`` samples (size, seconds):
 - once they vary, a non-negative intercept and slope are fitted by least squares over the window
   (a two-variable non-negative least squares problem, solved in closed form).
 
-Directions: ``h2d`` and ``d2h`` (L2 <-> GPU) and ``prefill`` per engine (the engines measure them);
-``s2h`` (storage reads, L3 -> L2) and ``h2s`` (storage writes) for the daemon's one L3 file, apart.
+Directions: ``h2d`` and ``d2h`` (L2 <-> GPU), ``d2d`` (a copy out of another engine's GPU memory)
+and ``prefill`` per engine (the engines measure them); ``s2h`` (storage reads, L3 -> L2) and ``h2s``
+(storage writes) for the daemon's one L3 file, apart.
 
 A decision prices, for the tokens beyond the engine's own hit, recomputing them against restoring
-them from each tier that holds more: benefit(c) = recompute(tokens c adds) - margin * restore(c);
-the largest positive benefit wins, none: recompute. A prefill's fixed term is paid whatever is
-restored (the engine computes at least the prompt's last token), so recomputing n tokens is priced
-``n * prefill_slope``. An L3 restore is the read of the pages L2 lacks, then the DMA of them all.
+them from each source that holds more (another engine's GPU cache, L2, L3):
+benefit(c) = recompute(tokens c adds) - margin * restore(c); the largest positive benefit wins,
+none: recompute. A prefill's fixed term is paid whatever is restored (the engine computes at least
+the prompt's last token), so recomputing n tokens is priced ``n * prefill_slope``. An L3 restore is
+the read of the pages L2 lacks, then the DMA of them all; a peer restore one device-to-device copy.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ EWMA_ALPHA = 0.2
 SPREAD_SHARE = 0.05
 MIN_PREFILL_TOKENS = 16            # shorter prefills are mostly fixed overhead: not samples
 POLICIES = RESTORE_POLICIES
-ENGINE_DIRECTIONS = ("h2d", "d2h", "prefill")
+ENGINE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
 STORAGE_DIRECTIONS = ("s2h", "h2s")
 MAX_SAMPLE_SIZE = 1 << 50
 MAX_SAMPLE_SECONDS = 3600.0
@@ -49,9 +51,10 @@ class CostPriors:
     host_bytes_per_s: float = 12 * 2**30       # L2 <-> GPU, each way
     storage_bytes_per_s: float = 3 * 2**30     # L3 reads and writes
     margin: float = 1.1                        # a restore must beat recompute by this factor
+    peer_bytes_per_s: float = 1000 * 2**30     # another engine's GPU memory -> this engine's (CUDA IPC)
 
     def __post_init__(self) -> None:
-        for name in ("recompute_s_per_token", "host_bytes_per_s", "storage_bytes_per_s"):
+        for name in ("recompute_s_per_token", "host_bytes_per_s", "storage_bytes_per_s", "peer_bytes_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -135,8 +138,9 @@ class EngineModel:
     def __init__(self, priors: CostPriors):
         host_slope = 1.0 / priors.host_bytes_per_s
         self.h2d, self.d2h = LineModel(host_slope), LineModel(host_slope)
+        self.d2d = LineModel(1.0 / priors.peer_bytes_per_s)
         self.prefill = LineModel(priors.recompute_s_per_token, min_size=MIN_PREFILL_TOKENS)
-        self.directions = {"h2d": self.h2d, "d2h": self.d2h, "prefill": self.prefill}
+        self.directions = {"h2d": self.h2d, "d2h": self.d2h, "d2d": self.d2d, "prefill": self.prefill}
         # where ("lookup" or "match") -> choice -> count; skips: where -> tier not restored -> count
         self.decisions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.policy_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -146,7 +150,7 @@ class Decision(NamedTuple):
     choice: str                        # one of proto.messages.RESTORE_CHOICES
     restore_tokens: int                # leading tokens to hold after the restore (the engine's own hit counts in)
     predicted_s: dict[str, float]      # per candidate (and "recompute"): seconds to hold the longest hit
-    longest: str                       # the tier holding the most beyond the engine's hit ("": none)
+    longest: str                       # the source holding the most beyond the engine's hit ("": none)
 
 
 NO_DECISION = Decision("", 0, {}, "")
@@ -185,36 +189,37 @@ class CostModel:
     # ---- decisions --------------------------------------------------------------------------
 
     def decide(self, engine_id: int, bytes_per_token: int, local_tokens: int, l2_tokens: int, l3_tokens: int,
-               policy: str = "", where: str = "lookup") -> Decision:
-        """Where the tokens beyond the engine's own hit (local_tokens) should come from. l3_tokens 0:
-        L3 is no candidate. Counted under ``where``. Runs on the daemon's socket thread for every
-        lookup and restoring match: plain arithmetic, no allocation beyond the reply's."""
+               policy: str = "", where: str = "lookup", peer_tokens: int = 0) -> Decision:
+        """Where the tokens beyond the engine's own hit (local_tokens) should come from: the leading
+        tokens L2, L3 and another engine's GPU cache (peer_tokens) hold; 0: no candidate. Counted
+        under ``where``. Runs on the daemon's socket thread for every lookup and restoring match:
+        plain arithmetic, no allocation beyond the reply's."""
         policy = policy or self.policy
         assert policy in POLICIES, policy
-        engine = self.engines.get(engine_id) or self.engine(engine_id)
-        has_l2 = l2_tokens > local_tokens
-        has_l3 = l3_tokens > local_tokens and l3_tokens > l2_tokens
-        if not (has_l2 or has_l3):
+        engine = self.engine(engine_id)
+        # (source, the leading tokens it holds, seconds to restore those beyond the engine's hit);
+        # listed fastest first, so that the longest hit goes to the fastest source holding it.
+        candidates: list[tuple[str, int, float]] = []
+        if peer_tokens > local_tokens:
+            candidates.append(("peer", peer_tokens, engine.d2d.predict((peer_tokens - local_tokens) * bytes_per_token)))
+        if l2_tokens > local_tokens:
+            candidates.append(("l2", l2_tokens, engine.h2d.predict((l2_tokens - local_tokens) * bytes_per_token)))
+        if l3_tokens > local_tokens and l3_tokens > l2_tokens:     # the pages L2 lacks are read first, then all moved
+            candidates.append(("l3", l3_tokens, engine.h2d.predict((l3_tokens - local_tokens) * bytes_per_token)
+                               + self.storage["s2h"].predict((l3_tokens - l2_tokens) * bytes_per_token)))
+        if not candidates:
             decision = Decision("engine", local_tokens, {}, "")
         else:
-            longest, end = ("l3", l3_tokens) if has_l3 else ("l2", l2_tokens)
+            longest, end, _ = max(candidates, key=lambda c: c[1])
             per_token = engine.prefill.slope_s
             margin = self.priors.margin
             predicted = {"recompute": (end - local_tokens) * per_token}
             choice, restore_tokens, best_benefit = "recompute", local_tokens, 0.0
-            if has_l2:
-                restore_s = engine.h2d.predict((l2_tokens - local_tokens) * bytes_per_token)
-                predicted["l2"] = restore_s + (end - l2_tokens) * per_token
-                benefit = (l2_tokens - local_tokens) * per_token - margin * restore_s
+            for source, tokens, restore_s in candidates:
+                predicted[source] = restore_s + (end - tokens) * per_token
+                benefit = (tokens - local_tokens) * per_token - margin * restore_s
                 if benefit > best_benefit:
-                    choice, restore_tokens, best_benefit = "l2", l2_tokens, benefit
-            if has_l3:                      # the pages L2 lacks are read first, then all are moved
-                restore_s = engine.h2d.predict((l3_tokens - local_tokens) * bytes_per_token) \
-                    + self.storage["s2h"].predict((l3_tokens - l2_tokens) * bytes_per_token)
-                predicted["l3"] = restore_s
-                benefit = (l3_tokens - local_tokens) * per_token - margin * restore_s
-                if benefit > best_benefit:
-                    choice, restore_tokens, best_benefit = "l3", l3_tokens, benefit
+                    choice, restore_tokens, best_benefit = source, tokens, benefit
             if policy == "always":
                 choice, restore_tokens = longest, end
             elif policy == "never":
@@ -235,7 +240,7 @@ class CostModel:
 
     def status(self, engine_names: dict[int, str]) -> dict[str, Any]:
         """The model per engine and direction, and the decisions taken, for the status snapshot."""
-        units = {"h2d": "byte", "d2h": "byte", "prefill": "token"}
+        units = {"h2d": "byte", "d2h": "byte", "d2d": "byte", "prefill": "token"}
         return {
             "policy": self.policy,
             "margin": self.priors.margin,

@@ -7,7 +7,10 @@ is tested in-process.
 Ownership of L2 pages, per namespace, is a partition: every page is exactly one of
 tree-owned, free (in the allocator), private (reserved by an active lease for a backup, or by a
 pending tier move) or quarantined (private to a session that ended while its process may still be
-writing them; see "Fencing" in docs/architecture.md).
+writing them; see "Fencing" in docs/architecture.md). Which pages a namespace may use at all
+follows from the chunks of the pool it owns (``chunks.py``; "The pool" in the architecture notes):
+one geometry gets the whole pool, several share it, and a chunk changes hands only once every
+page of its old owner in it is free.
 """
 
 from __future__ import annotations
@@ -25,61 +28,66 @@ import numpy as np
 
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
+from kvcached.core.chunks import ChunkMap
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
+from kvcached.core.metrics import Metrics
+from kvcached.core.residency import PeerExport, PeerRegistry
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
 from proto.replies import CommitReply, MatchReply
+from proto.schema import PeerPublish, PeerRegister
 
 logger = logging.getLogger(__name__)
 
-ARENA_ALIGN_BYTES = 2 * 1024 * 1024
 # Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
 # make allocators, the tree and the integrity check hold tens of millions of ids.
 MAX_PAGES_PER_TIER = 1 << 20
-# Of a namespace's L2 pages, at most this share is reserved by one session at a time, counted
-# across all its leases (the backup pages of its matches); a match's L3 promotion reserves no
-# more than that allowance either. Every reservation may evict cached prefixes, and a session
-# keeps what it holds while it lives.
+# Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
+# at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
+# reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
+# session keeps what it holds while it lives.
 MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
 MAX_ENDED_SESSIONS = 4096
+# A namespace that evicted cached pages to make room is "under pressure" until it has gone this
+# long without evicting; each such episode is logged once.
+PRESSURE_QUIET_S = 60.0
+# A search of the other namespaces for a chunk to take that found none is not repeated for this
+# long by the same namespace and tier (it walks their trees); meanwhile it evicts its own pages.
+CHUNK_SCAN_INTERVAL_S = 1.0
 
 
-class ArenaPlan(NamedTuple):
-    """How the L2 segment is split: one equal arena per namespace, 2 MiB aligned."""
+@dataclasses.dataclass
+class Pressure:
+    """Evictions a namespace suffered to make room in one tier (its own LRU pages, or the pages of
+    a chunk another namespace took)."""
 
-    segment_bytes: int
-    max_namespaces: int
-
-    @property
-    def arena_bytes(self) -> int:
-        return (self.segment_bytes // self.max_namespaces) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
-
-    def arena_offset(self, index: int) -> int:
-        return index * self.arena_bytes
+    evicted_pages: int = 0
+    episodes: int = 0
+    last_eviction_at: float | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class Namespace:
     namespace_id: int
     geometry: KVGeometry
-    arena_offset_bytes: int
-    num_pages: int
+    num_pages: int                                 # L2 page ids 0..num_pages-1 span the whole segment
     tree: PrefixTree
     l2_allocator: PageAllocator
-    l3_region_offset_bytes: int = 0
     l3_allocator: PageAllocator | None = None      # None: no L3 for this namespace
     session_ids: set[int] = dataclasses.field(default_factory=set)
-    arena_index: int = 0                           # which L2 arena / L3 region it occupies
     idle_since: float | None = None                # when its last session ended; None while attached
     index_key: str = ""                            # with a persistent L3 index: namespace_key(geometry)
     l3_checksums: np.ndarray | None = None         # with a persistent L3 index: crc32 per L3 slot held
+    # Pages it may use now per tier: those of the chunks it owns (chunks.py).
+    capacity: dict[Tier, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    pressure: dict[Tier, Pressure] = dataclasses.field(default_factory=lambda: {t: Pressure() for t in Tier})
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
@@ -87,17 +95,12 @@ class Namespace:
         return allocator
 
 
-class Metrics:
-    """Monotonic counters; the status snapshot reports them as they are."""
+class ChunkOffer(NamedTuple):
+    """A chunk another namespace could give up: its pages are free or cached and unlocked."""
 
-    def __init__(self) -> None:
-        self.counters: collections.Counter[str] = collections.Counter()
-
-    def add(self, name: str, value: int | float = 1) -> None:
-        self.counters[name] += value
-
-    def snapshot(self) -> dict[str, int | float]:
-        return dict(sorted(self.counters.items()))
+    namespace: Namespace
+    chunk: int
+    newest_access: float       # the LRU time of its most recently used page; -inf if it caches none
 
 
 def session_tag(session_id: int) -> str:
@@ -107,27 +110,31 @@ def session_tag(session_id: int) -> str:
 
 
 class DaemonState:
-    def __init__(self, arena_plan: ArenaPlan, *, session_timeout_s: float, session_grace_s: float = 30.0,
-                 l3_plan: ArenaPlan | None = None, clock: Callable[[], float] = time.monotonic,
-                 l3_index_sink: Callable[[IndexChange], None] | None = None, cost_model: CostModel | None = None):
-        """``session_timeout_s``: how long a session whose process the daemon cannot watch lives
+    def __init__(self, l2_bytes: int, *, max_namespaces: int, session_timeout_s: float,
+                 session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
+                 l3_index_sink: Callable[[IndexChange], None] | None = None,
+                 peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None):
+        """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
+        every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
+        ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
         without a sign of life. ``session_grace_s``: how long a watched (living) process's session
         lives without one, and how long the pages of an unwatched one stay quarantined after its
         last sign of life. ``l3_index_sink``: where every change of L3 residency is reported, in
         order, for a persistent L3 file (the I/O layer writes them to its index); None: L3 is
-        temporary. ``cost_model``: decides which restores are taken (default: policy cost, the
-        default priors)."""
-        if arena_plan.arena_bytes <= 0:
-            raise ValueError(f"L2 segment of {arena_plan.segment_bytes} bytes is too small for "
-                             f"{arena_plan.max_namespaces} namespaces")
-        if l3_plan is not None and l3_plan.max_namespaces != arena_plan.max_namespaces:
-            raise ValueError("L2 and L3 plans must have the same number of namespaces")
-        self.arena_plan = arena_plan
-        self.l3_plan = l3_plan if l3_plan is not None and l3_plan.arena_bytes > 0 else None
+        temporary. ``peer_end_sink``: called with each peer registration that ends (its session
+        ended), so that the I/O layer closes its epoch file. ``cost_model``: decides which restores are
+        taken (default: policy cost, the default priors)."""
+        if not max_namespaces >= 1:
+            raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
+        self.max_namespaces = max_namespaces
+        self.chunks: dict[Tier, ChunkMap] = {Tier.L2: ChunkMap(l2_bytes)}
+        if l3_bytes > 0:
+            self.chunks[Tier.L3] = ChunkMap(l3_bytes)
         self.moves: dict[int, TierMove] = {}
         self._move_ids = itertools.count(1)
         self._namespace_ids = itertools.count()
-        self._free_arena_indices = list(range(arena_plan.max_namespaces))
+        # (namespace id, tier) -> when it may search the other namespaces for a chunk again
+        self._chunk_scan_not_before: dict[tuple[int, Tier], float] = {}
         if session_grace_s < session_timeout_s:
             raise ValueError(f"session_grace_s ({session_grace_s}) must be at least session_timeout_s "
                              f"({session_timeout_s})")
@@ -143,7 +150,9 @@ class DaemonState:
         self.metrics = Metrics()
         self._lease_ids = itertools.count(1)
         self._running_at = clock()
-        self._l3_index_sink = l3_index_sink if self.l3_plan is not None else None
+        self._l3_index_sink = l3_index_sink if Tier.L3 in self.chunks else None
+        self.peers = PeerRegistry()
+        self._peer_end_sink = peer_end_sink
         self.cost = cost_model if cost_model is not None else CostModel()
         self._background_move_ids: dict[int, int] = {}      # namespace id -> its background promotion
 
@@ -158,6 +167,8 @@ class DaemonState:
         namespace = self.geometry_to_namespace.get(geometry)
         if namespace is None:
             namespace = self._create_namespace(geometry)
+            for tier in namespace.tree.tiers:
+                self._assign_free_chunks(namespace, tier)
         namespace.idle_since = None
         now = self.clock()
         session_id = secrets.randbits(62) + 1
@@ -189,46 +200,45 @@ class DaemonState:
             logger.warning("session %x names session %x as its previous one, which belongs to another "
                            "process; ignored", session.session_id, previous_session_id)
 
-    def _create_namespace(self, geometry: KVGeometry, arena_index: int | None = None) -> Namespace:
-        num_pages = min(self.arena_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER)
-        if num_pages < 1:
+    def _create_namespace(self, geometry: KVGeometry) -> Namespace:
+        """A namespace that owns no chunk yet (attach gives it the free ones; it gains more as it
+        reserves pages: _make_room)."""
+        bytes_per_page = geometry.bytes_per_page
+        l2_chunks = self.chunks[Tier.L2]
+        if bytes_per_page > l2_chunks.chunk_bytes:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
-                                f"one page of this geometry ({geometry.bytes_per_page} bytes) does not fit "
-                                f"in an L2 arena of {self.arena_plan.arena_bytes} bytes")
-        if arena_index is None and not self._free_arena_indices and not self._reclaim_idle_namespace():
+                                f"one page of this geometry ({bytes_per_page} bytes) is larger than a chunk of the "
+                                f"L2 pool ({l2_chunks.chunk_bytes} bytes); start the daemon with a larger --l2-size")
+        if len(self.namespaces) >= self.max_namespaces and not self._reclaim_idle_namespace():
             raise ProtocolError(ErrorCode.OUT_OF_SPACE,
-                                f"all {self.arena_plan.max_namespaces} namespaces have attached engines; "
+                                f"all {self.max_namespaces} namespaces have attached engines; "
                                 "start the daemon with a larger --max-namespaces")
-        num_slots = min(self.l3_plan.arena_bytes // geometry.bytes_per_page, MAX_PAGES_PER_TIER) if self.l3_plan else 0
+        num_pages = min(l2_chunks.space_bytes // bytes_per_page, MAX_PAGES_PER_TIER)
+        l3_chunks = self.chunks.get(Tier.L3)
+        num_slots = (min(l3_chunks.space_bytes // bytes_per_page, MAX_PAGES_PER_TIER)
+                     if l3_chunks is not None and bytes_per_page <= l3_chunks.chunk_bytes else 0)
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
-        if arena_index is None:
-            index = self._free_arena_indices.pop(0)
-        else:                           # a region rebuilt from the L3 index
-            index = arena_index
-            self._free_arena_indices.remove(arena_index)
         namespace = Namespace(
             namespace_id=next(self._namespace_ids),
             geometry=geometry,
-            arena_offset_bytes=self.arena_plan.arena_offset(index),
             num_pages=num_pages,
             tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock),
-            l2_allocator=PageAllocator(num_pages),
-            l3_region_offset_bytes=self.l3_plan.arena_offset(index) if num_slots else 0,
-            l3_allocator=PageAllocator(num_slots) if num_slots else None,
-            arena_index=index,
+            l2_allocator=PageAllocator(num_pages, all_free=False),
+            l3_allocator=PageAllocator(num_slots, all_free=False) if num_slots else None,
         )
         self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
         if num_slots:
             self._index_namespace(namespace)
-        logger.info("namespace %d (arena %d): %s, %d L2 pages and %d L3 slots of %d bytes",
-                    namespace.namespace_id, index, geometry, num_pages, num_slots, geometry.bytes_per_page)
+        logger.info("namespace %d: %s, pages of %d bytes: up to %d in L2 and %d in L3 (the whole pool, shared with "
+                    "the other namespaces)", namespace.namespace_id, geometry, bytes_per_page, num_pages, num_slots)
         return namespace
 
     def _reclaim_idle_namespace(self) -> bool:
-        """Give the arena of the namespace idle longest (no session, no pending move) to a new one;
-        its cached pages are dropped. Returns whether one was reclaimed."""
-        # A namespace with quarantined pages is not idle: a stale writer may still write its arena.
+        """Drop the namespace idle longest (no session, no pending move, no quarantine), so that a
+        new geometry can be served; its chunks go back to the pool and its cached pages are lost.
+        Returns whether one was reclaimed."""
+        # A namespace with quarantined pages is not idle: a stale writer may still write them.
         busy = {move.namespace_id for move in self.moves.values()}
         busy.update(q.session.namespace_id for q in self.quarantines.values())
         idle = [ns for ns in self.namespaces.values()
@@ -238,8 +248,11 @@ class DaemonState:
         victim = min(idle, key=lambda ns: ns.idle_since)
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
-        self._free_arena_indices.append(victim.arena_index)
         self.cost.forget_engine(victim.namespace_id)
+        for tier, chunks in self.chunks.items():
+            for chunk in chunks.owned_by(victim.namespace_id):
+                chunks.owner[chunk] = None
+            self._chunk_scan_not_before.pop((victim.namespace_id, tier), None)
         if victim.l3_checksums is not None:
             self._l3_index_sink(DropNamespace(victim.index_key))
         self.metrics.add("namespaces_reclaimed")
@@ -339,6 +352,7 @@ class DaemonState:
             self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED, quarantined if quarantine else None)
             reclaimed += 1
         del self.sessions[session.session_id]
+        self._end_peer_export(session.session_id)
         self._ended_session_ids[session.session_id] = None
         while len(self._ended_session_ids) > MAX_ENDED_SESSIONS:
             self._ended_session_ids.popitem(last=False)
@@ -385,10 +399,11 @@ class DaemonState:
 
         result = namespace.tree.match(token_ids)
         allowed = self._reservable_pages(session, namespace)
-        if promote_l3:
+        peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
+        if decision is None and (promote_l3 or peer_block_ids):
             decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, local_hit_tokens,
-                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0), policy,
-                                        where="match")
+                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0) if promote_l3
+                                        else 0, policy, where="match", peer_tokens=len(peer_block_ids) * page_size)
             if decision.choice == "l3" and allowed > 0:
                 start_page = result.hit_tokens[Tier.L2] // page_size
                 move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
@@ -402,11 +417,12 @@ class DaemonState:
         locked_node = result.last_node[Tier.L2]
         host_page_ids = list(result.page_ids[Tier.L2])
         hit_pages = hit_tokens // page_size
-        self.metrics.add("matches")
-        self.metrics.add("match_tokens", num_pages * page_size)
-        self.metrics.add("hit_tokens_l2", hit_tokens)
+        model = namespace.geometry.model_id
+        self.metrics.add("matches", model=model)
+        self.metrics.add("match_tokens", num_pages * page_size, model=model)
+        self.metrics.add("hit_tokens_l2", hit_tokens, model=model)
         if Tier.L3 in result.hit_tokens:
-            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3])
+            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3], model=model)
 
         # Lock the hit before reserving: the reservation may evict, and must not evict our own hit.
         if locked_node is not None:
@@ -418,8 +434,12 @@ class DaemonState:
                 self.metrics.add("reservations_capped")
             backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
+        if session.session_id in self.peers.by_session:
+            hits["peer"] = len(peer_block_ids) * page_size
+            self.metrics.add("hit_tokens_peer", hits["peer"])
         if locked_node is None and not backup_page_ids:
-            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, *decided)
+            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
+                              peer_epochs, **decided)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -433,19 +453,20 @@ class DaemonState:
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
         return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
-                          *decided)
+                          peer_id, peer_block_ids, peer_epochs, **decided)
 
-    def _decided(self, decision: Decision, policy: str,
-                 loadable_tokens: int | None = None) -> tuple[str, int, dict[str, float], str]:
-        """A decision's reply fields. A match's reply names no more tokens to restore than its
-        lease can load (``loadable_tokens``): a promotion may have failed, been cut to the
-        session's allowance, or found no room."""
+    def _decided(self, decision: Decision, policy: str, loadable_tokens: int | None = None) -> dict[str, Any]:
+        """A decision's reply fields (MatchReply's choice, restore_tokens, predicted_s, policy). A
+        match's reply names no more tokens to restore from L2 or L3 than its lease can load
+        (``loadable_tokens``): a promotion may have failed, been cut to the session's allowance,
+        or found no room."""
         if not decision.choice:
-            return "", 0, {}, ""
+            return {}
         restore_tokens = decision.restore_tokens
         if loadable_tokens is not None and decision.choice in ("l2", "l3"):
             restore_tokens = min(restore_tokens, loadable_tokens)
-        return decision.choice, restore_tokens, decision.predicted_s, policy or self.cost.policy
+        return {"choice": decision.choice, "restore_tokens": restore_tokens, "predicted_s": decision.predicted_s,
+                "policy": policy or self.cost.policy}
 
     def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False, local_hit_tokens: int = 0,
                policy: str = "", promote_l3: bool = True) -> MatchReply:
@@ -478,13 +499,20 @@ class DaemonState:
             hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
                                                    for label in hits}
         assert hits is not None
-        self.metrics.add("lookups")
-        self.metrics.add("lookup_tokens", len(token_ids))
-        self.metrics.add("lookup_hit_tokens_l2", hits["l2"])
+        peer_tokens = 0
+        if not tp_group and session_id in self.peers.by_session:
+            # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
+            # in a lookup: the match that takes the lease names them).
+            namespace = self.namespaces[session.namespace_id]
+            hits["peer"] = peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            self.metrics.add("lookup_hit_tokens_peer", hits["peer"], model=geometry.model_id)
+        self.metrics.add("lookups", model=geometry.model_id)
+        self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
+        self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
         decision = self.cost.decide(session.namespace_id, geometry.bytes_per_token, local_hit_tokens, hits["l2"],
-                                    hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup")
-        return MatchReply(hits, None, [], hits["l2"], [], 0,
-                          *self._decided(decision, policy))
+                                    hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup",
+                                    peer_tokens=peer_tokens)
+        return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
 
     def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:
         """After a lookup (of this session, for these tokens) whose decision declined an L3 hit: the
@@ -533,22 +561,168 @@ class DaemonState:
         return page_ids
 
     def _reserve(self, namespace: Namespace, tier: Tier, num_pages: int) -> list[int]:
-        """Best effort: evict the tier's LRU leaves if needed, then reserve as many pages as are
-        free, up to num_pages (possibly none). Locked nodes are never evicted."""
+        """Best effort: make room if needed (_make_room), then reserve as many pages as are free, up
+        to num_pages (possibly none). Locked nodes are never evicted."""
         allocator = namespace.allocator(tier)
-        if not allocator.can_allocate(num_pages):
-            evicted = namespace.tree.evict(tier, num_pages - allocator.num_free)
-            if evicted:
-                allocator.free(evicted)
-                self.metrics.add(f"evicted_pages_{tier.label}", len(evicted))
-                if tier is Tier.L3:
-                    self._unindex_slots(namespace, evicted)
+        if allocator.num_free < num_pages:
+            self._make_room(namespace, tier, num_pages)
         count = min(num_pages, allocator.num_free)
         if count == 0:
             return []
         page_ids = allocator.allocate(count)
         assert page_ids is not None
         return page_ids
+
+    # ---- the pool: chunks moving between namespaces (chunks.py) ----------------------------
+
+    def _make_room(self, namespace: Namespace, tier: Tier, num_pages: int) -> None:
+        """Until num_pages are free: gain chunks (free ones, those of idle namespaces, colder ones
+        of active namespaces: _gain_chunk), then evict the namespace's own LRU leaves."""
+        allocator = namespace.allocator(tier)
+        while allocator.num_free < num_pages and self._gain_chunk(namespace, tier):
+            pass
+        if allocator.num_free < num_pages:
+            evicted = namespace.tree.evict(tier, num_pages - allocator.num_free)
+            if evicted:
+                allocator.free(evicted)
+                if tier is Tier.L3:
+                    self._unindex_slots(namespace, evicted)
+                self._note_eviction(namespace, tier, len(evicted), "its own least recently used pages")
+
+    def _gain_chunk(self, namespace: Namespace, tier: Tier) -> bool:
+        """Give the namespace more of the tier, if it can be had and yields pages: every free chunk,
+        else the coldest chunk another namespace can give up (_chunk_to_take). Returns whether it
+        gained any."""
+        if self._assign_free_chunks(namespace, tier):
+            return True
+        now = self.clock()
+        scan_key = (namespace.namespace_id, tier)
+        if now < self._chunk_scan_not_before.get(scan_key, -np.inf):
+            return False
+        offer = self._chunk_to_take(namespace, tier)
+        if offer is None:
+            self._chunk_scan_not_before[scan_key] = now + CHUNK_SCAN_INTERVAL_S
+            return False
+        self._take_chunk(offer, namespace, tier)
+        return True
+
+    def _pages_if_gained(self, namespace: Namespace, tier: Tier, chunk: int) -> range:
+        return self.chunks[tier].usable_pages(chunk, namespace.namespace_id, namespace.geometry.bytes_per_page,
+                                              namespace.allocator(tier).num_pages)
+
+    def _assign_free_chunks(self, namespace: Namespace, tier: Tier) -> int:
+        """Every free chunk of the tier that yields pages becomes the namespace's (a new namespace
+        gets them at once: one geometry alone holds the whole pool). Returns how many."""
+        free = [chunk for chunk in self.chunks[tier].free_chunks() if self._pages_if_gained(namespace, tier, chunk)]
+        for chunk in free:
+            self._assign_chunk(namespace, tier, chunk)
+        return len(free)
+
+    def _assign_chunk(self, namespace: Namespace, tier: Tier, chunk: int) -> None:
+        """A free chunk becomes the namespace's: its pages there join its free pages."""
+        chunks = self.chunks[tier]
+        assert chunks.owner[chunk] is None, f"chunk {chunk} of {tier.label} is owned already"
+        chunks.owner[chunk] = namespace.namespace_id
+        pages = self._pages_if_gained(namespace, tier, chunk)
+        namespace.allocator(tier).free_range(pages.start, pages.stop)
+        namespace.capacity[tier] += len(pages)
+
+    def _release_chunk(self, namespace: Namespace, tier: Tier, chunk: int) -> None:
+        """The namespace gives a chunk back to the pool; every page of it there must be free."""
+        chunks = self.chunks[tier]
+        assert chunks.owner[chunk] == namespace.namespace_id
+        pages = self._pages_if_gained(namespace, tier, chunk)
+        namespace.allocator(tier).take_range(pages.start, pages.stop)
+        namespace.capacity[tier] -= len(pages)
+        chunks.owner[chunk] = None
+
+    def _chunk_to_take(self, namespace: Namespace, tier: Tier) -> ChunkOffer | None:
+        """The chunk of another namespace that this one may take: of an idle namespace (no session)
+        the coldest; else the coldest of an active one whose newest page is older than the oldest
+        page this namespace could evict instead (or any, when it has nothing to evict). Only
+        chunks that hold no private, quarantined or locked page of their owner, and that give
+        this namespace at least one page."""
+        own_oldest = namespace.tree.oldest_evictable_access(tier)
+        best: tuple[tuple[bool, float], ChunkOffer] | None = None
+        for other in self.namespaces.values():
+            if other is namespace or tier not in other.tree.tiers:
+                continue
+            idle = not other.session_ids
+            for offer in self._chunk_offers(other, tier):
+                if not self._pages_if_gained(namespace, tier, offer.chunk):
+                    continue
+                if not idle and own_oldest is not None and offer.newest_access >= own_oldest:
+                    continue
+                rank = (not idle, offer.newest_access)
+                if best is None or rank < best[0]:
+                    best = (rank, offer)
+        return best[1] if best is not None else None
+
+    def _chunk_offers(self, namespace: Namespace, tier: Tier) -> list[ChunkOffer]:
+        """The chunks the namespace could give up now, each with the LRU time of its newest page."""
+        chunks = self.chunks[tier]
+        owned = chunks.owned_by(namespace.namespace_id)
+        if not owned:
+            return []
+        bytes_per_page = namespace.geometry.bytes_per_page
+        newest = np.full(chunks.num_chunks, -np.inf)
+        blocked = np.zeros(chunks.num_chunks, dtype=bool)
+        resident = namespace.tree.resident_pages(tier)
+        held = np.array(self._held_page_ids(namespace, tier), dtype=np.int64)
+        for page_end in (0, 1):          # a page counts for the chunk of its first and of its last byte
+            chunk_ids = ((resident.page_ids + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes
+            np.maximum.at(newest, chunk_ids, resident.last_access)
+            blocked[chunk_ids[resident.locked]] = True
+            blocked[((held + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes] = True
+        return [ChunkOffer(namespace, chunk, float(newest[chunk])) for chunk in owned if not blocked[chunk]]
+
+    def _held_page_ids(self, namespace: Namespace, tier: Tier) -> list[int]:
+        """The namespace's pages in the tier that are private (leases, pending moves) or quarantined."""
+        held = [p for m in self.moves.values() if m.namespace_id == namespace.namespace_id and m.destination is tier
+                for p in m.private_page_ids]
+        if tier is Tier.L2:
+            held += [p for lease in self.leases.values() if lease.namespace_id == namespace.namespace_id
+                     for p in lease.private_page_ids]
+            held += [p for q in self.quarantines.values() if q.session.namespace_id == namespace.namespace_id
+                     for p in q.page_ids]
+        return held
+
+    def _take_chunk(self, offer: ChunkOffer, namespace: Namespace, tier: Tier) -> None:
+        """Move a chunk from its owner to ``namespace``: the owner's cached pages in it are evicted
+        (with what lies below them: residency is prefix-closed), then it changes hands."""
+        victim = offer.namespace
+        pages = self._pages_if_gained(victim, tier, offer.chunk)
+        evicted = victim.tree.discard_pages(tier, pages)
+        if evicted:
+            victim.allocator(tier).free(evicted)
+            if tier is Tier.L3:
+                self._unindex_slots(victim, evicted)
+            self._note_eviction(victim, tier, len(evicted), f"a chunk of the pool went to namespace "
+                                f"{namespace.namespace_id} ({namespace.geometry.model_id})")
+        self._release_chunk(victim, tier, offer.chunk)
+        self._assign_chunk(namespace, tier, offer.chunk)
+        self.metrics.add(f"chunks_taken_{tier.label}")
+        logger.info("%s chunk %d moved from namespace %d (%s, %s) to namespace %d (%s): %d cached pages evicted",
+                    tier.label, offer.chunk, victim.namespace_id, victim.geometry.model_id,
+                    "idle" if not victim.session_ids else "active", namespace.namespace_id,
+                    namespace.geometry.model_id, len(evicted))
+
+    def _note_eviction(self, namespace: Namespace, tier: Tier, num_pages: int, cause: str) -> None:
+        """Cached pages evicted to make room: counted per namespace and tier; the first eviction
+        after PRESSURE_QUIET_S without any starts an episode, logged once."""
+        self.metrics.add(f"evicted_pages_{tier.label}", num_pages, model=namespace.geometry.model_id)
+        pressure = namespace.pressure[tier]
+        now = self.clock()
+        if pressure.last_eviction_at is None or now - pressure.last_eviction_at > PRESSURE_QUIET_S:
+            pressure.episodes += 1
+            self.metrics.add(f"pressure_episodes_{tier.label}")
+            logger.warning("namespace %d (%s): %s is full, cached prefixes are evicted to make room (%s); it holds "
+                           "%d pages of %d bytes now. Each eviction is counted (status: evicted_pages); a larger "
+                           "--%s-size keeps more. Logged once until %.0f s pass without an eviction.",
+                           namespace.namespace_id, namespace.geometry.model_id, tier.label, cause,
+                           namespace.capacity[tier], namespace.geometry.bytes_per_page, tier.label, PRESSURE_QUIET_S)
+        pressure.last_eviction_at = now
+        pressure.evicted_pages += num_pages
 
     def _lease_of(self, session_id: int, lease_id: int) -> tuple[Session, Lease]:
         session = self.session(session_id)
@@ -600,10 +774,88 @@ class DaemonState:
         path_tokens = lease.token_ids[:num_tokens]
         self._end_lease(lease, LeaseState.COMMITTED)
         self.metrics.add("backup_commits")
-        self.metrics.add("backup_pages_committed", new_pages)
+        self.metrics.add("backup_pages_committed", new_pages, model=namespace.geometry.model_id)
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
         return CommitReply(new_pages, duplicates), write_through
+
+    # ---- peer restores (kvcached/core/residency.py) --------------------------------------------
+
+    def peer_register(self, session_id: int, request: PeerRegister) -> PeerExport:
+        """Register the session's KV tensors for engines of its namespace to copy blocks from. Not
+        listed until ``peer_ready`` names its epoch file (the I/O layer makes it)."""
+        session = self.session(session_id)
+        if session_id in self.peers.by_session:
+            raise ProtocolError(ErrorCode.BAD_FRAME, "this session has registered its KV tensors already")
+        export = self.peers.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
+                                session.process_start_time)
+        self.metrics.add("peer_registrations")
+        logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
+                    request.transport, request.device_id, request.num_blocks)
+        return export
+
+    def peer_ready(self, export: PeerExport, epochs_path: str, epochs_offset_bytes: int) -> None:
+        export.epochs_path, export.epochs_offset_bytes = epochs_path, epochs_offset_bytes
+
+    def peer_unregister(self, session_id: int) -> None:
+        """Undo a registration whose epoch file could not be made (its session lives on)."""
+        self._end_peer_export(session_id, notify=False)
+
+    def _end_peer_export(self, session_id: int, notify: bool = True) -> None:
+        export = self.peers.remove(session_id)
+        if export is None:
+            return
+        namespace = self.namespaces.get(export.namespace_id)
+        if namespace is not None:
+            self.metrics.add("peer_blocks_forgotten", namespace.tree.peer_drop(export.peer_id))
+        self.metrics.add("peer_registrations_ended")
+        if notify and self._peer_end_sink is not None:
+            self._peer_end_sink(export)
+
+    def peer_publish(self, session_id: int, request: PeerPublish) -> None:
+        """What entered and left the session's GPU cache: removals first, then each run."""
+        self.session(session_id)
+        export = self.peers.by_session.get(session_id)
+        if export is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, "this session has not registered its KV tensors "
+                                "(PEER_REGISTER) or its registration ended")
+        num_blocks = export.request.num_blocks
+        names = list(request.removed) + [b for run in request.runs for b in run.block_ids]
+        if names and max(names) >= num_blocks:
+            raise ProtocolError(ErrorCode.BAD_PAGES, f"block id {max(names)} is beyond the registration's "
+                                f"{num_blocks} blocks")
+        tree = self.namespaces[export.namespace_id].tree
+        self.metrics.add("peer_blocks_removed", tree.peer_remove(export.peer_id, request.removed))
+        for run in request.runs:
+            try:
+                added = tree.peer_put(np.frombuffer(run.token_ids, dtype="<i4"), export.peer_id, run.start_page,
+                                      run.block_ids, run.epochs)
+            except ValueError as exc:       # what came before in the message stands
+                raise ProtocolError(ErrorCode.BAD_PAGES, f"a peer run does not fit: {exc}") from None
+            self.metrics.add("peer_blocks_published", added)
+        self.metrics.add("peer_publications")
+
+    def peer_list(self, session_id: int) -> list[dict[str, Any]]:
+        """The registrations the session may open (none unless it registered itself)."""
+        self.session(session_id)
+        reader = self.peers.by_session.get(session_id)
+        return [export.to_wire() for export in self.peers.readable_by(reader)] if reader is not None else []
+
+    def _peer_candidate(self, session: Session, namespace: Namespace, token_ids: np.ndarray
+                        ) -> tuple[int, list[int], list[int]]:
+        """The longest run of another engine's blocks this session may copy, for the leading pages
+        of token_ids: (peer id, blocks, epochs), or (0, [], []). The first registered wins a tie."""
+        reader = self.peers.by_session.get(session.session_id)
+        if reader is None:
+            return 0, [], []
+        owners = [export.peer_id for export in self.peers.readable_by(reader)]
+        if not owners:
+            return 0, [], []
+        hits = namespace.tree.peer_hits(token_ids, owners)
+        if not hits:
+            return 0, [], []
+        peer_id = max(owners, key=lambda owner: len(hits[owner].block_ids) if owner in hits else 0)
+        return peer_id, hits[peer_id].block_ids, hits[peer_id].epochs
 
     # ---- moves between tiers (L3) ------------------------------------------------------------
 
@@ -707,9 +959,8 @@ class DaemonState:
         assert namespace.l3_allocator is not None
         namespace.index_key = namespace_key(namespace.geometry)
         namespace.l3_checksums = np.zeros(namespace.l3_allocator.num_pages, dtype=np.uint32)
-        self._l3_index_sink(PutNamespace(NamespaceLayout(
-            namespace.index_key, namespace.geometry, namespace.arena_index, namespace.l3_region_offset_bytes,
-            namespace.l3_allocator.num_pages, namespace.geometry.bytes_per_page)))
+        self._l3_index_sink(PutNamespace(NamespaceLayout(namespace.index_key, namespace.geometry,
+                                                         namespace.geometry.bytes_per_page)))
 
     def _unindex_slots(self, namespace: Namespace, slot_ids: list[int]) -> None:
         if namespace.l3_checksums is not None:
@@ -760,17 +1011,19 @@ class DaemonState:
                        "not served, %d slots dropped", namespace.namespace_id, slot, len(freed))
 
     def restore_l3(self, saved: list[SavedNamespace], l3_bytes_kept: int) -> int:
-        """At start, before any engine attached: give each namespace of a persistent index its L3
-        region back and rebuild its L3 residency from its rows. What no longer fits (another
-        layout, file size or number of namespaces) or cannot be trusted is dropped from the
-        index, and logged. ``l3_bytes_kept``: how much of the file kept its content. Returns the
-        number of L3 pages restored."""
+        """At start, before any engine attached: rebuild each namespace of a persistent index from
+        its rows, and give it back the chunks of the file its slots lie in. Namespaces with more
+        rows go first; a row whose slot lies (now) in a chunk another namespace took back, past
+        the file's end, or in bytes the file did not keep, is dropped, as is what cannot be trusted
+        (torn rows, rows whose parent is gone) and what no longer fits at all (another page size,
+        more namespaces than served). What is dropped leaves the index and is logged.
+        ``l3_bytes_kept``: how much of the file kept its content. Returns the number of L3 pages
+        restored."""
         assert not self.namespaces, "restore_l3 runs before the first attach"
         restored = 0
-        arena_indices: set[int] = set()
-        for entry in sorted(saved, key=lambda e: e.layout.arena_index):
+        for entry in sorted(saved, key=lambda e: (-len(e.rows), e.layout.namespace_key)):
             layout = entry.layout
-            reason = self._l3_region_unusable(layout, arena_indices, l3_bytes_kept)
+            reason = self._l3_layout_unusable(layout, l3_bytes_kept)
             if reason is not None:
                 logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
                                reason)
@@ -778,52 +1031,56 @@ class DaemonState:
                 if self._l3_index_sink is not None:
                     self._l3_index_sink(DropNamespace(layout.namespace_key))
                 continue
-            arena_indices.add(layout.arena_index)
-            namespace = self._create_namespace(layout.geometry, arena_index=layout.arena_index)
+            namespace = self._create_namespace(layout.geometry)
             namespace.idle_since = self.clock()
-            bytes_per_page = namespace.geometry.bytes_per_page
-            usable_slots = min(namespace.l3_allocator.num_pages,
-                               max(0, l3_bytes_kept - namespace.l3_region_offset_bytes) // bytes_per_page)
-            plan = plan_rebuild(entry.rows, namespace.geometry.page_size, usable_slots)
-            namespace.l3_allocator.take([slot for run in plan.runs for slot in run.slot_ids])
+            chunks = self.chunks[Tier.L3]
+            bytes_per_page = layout.bytes_per_page
+            usable_slots = min(namespace.l3_allocator.num_pages, l3_bytes_kept // bytes_per_page)
+            rows, foreign_slots = [], []
+            for row in entry.rows:
+                if 0 <= row.slot < usable_slots and any(chunks.owner[chunk] is not None for chunk in
+                                                        chunks.chunks_of_page(row.slot, bytes_per_page)):
+                    foreign_slots.append(row.slot)       # another namespace's rows claimed that chunk first
+                else:
+                    rows.append(row)
+            plan = plan_rebuild(rows, namespace.geometry.page_size, usable_slots)
+            slot_ids = [slot for run in plan.runs for slot in run.slot_ids]
+            for chunk in sorted({c for slot in slot_ids for c in chunks.chunks_of_page(slot, bytes_per_page)}):
+                self._assign_chunk(namespace, Tier.L3, chunk)
+            namespace.l3_allocator.take(slot_ids)
             for run in plan.runs:
                 inserted = namespace.tree.insert(run.token_ids, Tier.L3, run.slot_ids, start_page=run.start_page)
                 assert inserted.new_pages == len(run.slot_ids), "a rebuilt page was already in the tree"
                 if namespace.l3_checksums is not None:
                     namespace.l3_checksums[run.slot_ids] = run.checksums
-                restored += len(run.slot_ids)
-            if plan.dropped_slot_ids:
-                self._unindex_slots(namespace, plan.dropped_slot_ids)
-                self.metrics.add("l3_index_rows_dropped", len(plan.dropped_slot_ids))
-            num_pages = sum(len(run.slot_ids) for run in plan.runs)
-            self.metrics.add("l3_pages_restored", num_pages)
-            logger.info("L3 index: namespace %d (%s) back with %d pages; dropped %d rows past the region's end "
-                        "(the file or region shrank), %d torn, %d whose parent page is gone",
-                        namespace.namespace_id, layout.geometry.model_id, num_pages, plan.num_beyond,
+            dropped = plan.dropped_slot_ids + foreign_slots
+            if dropped:
+                self._unindex_slots(namespace, dropped)
+                self.metrics.add("l3_index_rows_dropped", len(dropped))
+            restored += len(slot_ids)
+            self.metrics.add("l3_pages_restored", len(slot_ids))
+            logger.info("L3 index: namespace %d (%s) back with %d pages in %d chunks; dropped %d rows past the file's "
+                        "end or the bytes it kept, %d in chunks of another namespace, %d torn, %d whose parent "
+                        "page is gone", namespace.namespace_id, layout.geometry.model_id, len(slot_ids),
+                        len(chunks.owned_by(namespace.namespace_id)), plan.num_beyond, len(foreign_slots),
                         plan.num_torn, plan.num_orphans)
         return restored
 
-    def _l3_region_unusable(self, layout: NamespaceLayout, taken_arena_indices: set[int],
-                            l3_bytes_kept: int) -> str | None:
-        """Why a saved namespace's region cannot be used as it is now, or None."""
-        if self.l3_plan is None:
-            return "this daemon has no L3 room"
-        if layout.arena_index >= self.arena_plan.max_namespaces:
-            return (f"its region {layout.arena_index} is past the {self.arena_plan.max_namespaces} namespaces "
-                    "served now (--max-namespaces)")
-        if layout.arena_index in taken_arena_indices or layout.geometry in self.geometry_to_namespace:
-            return "another namespace of the index claims the same region or geometry"
+    def _l3_layout_unusable(self, layout: NamespaceLayout, l3_bytes_kept: int) -> str | None:
+        """Why a saved namespace cannot be rebuilt at all now, or None."""
+        l3_chunks = self.chunks.get(Tier.L3)
+        if l3_chunks is None:
+            return "this daemon has no L3"
+        if len(self.namespaces) >= self.max_namespaces:
+            return f"the index holds more namespaces than the {self.max_namespaces} served now (--max-namespaces)"
+        if layout.geometry in self.geometry_to_namespace:
+            return "another namespace of the index has the same geometry"
         if layout.bytes_per_page != layout.geometry.bytes_per_page:
             return f"its pages of {layout.bytes_per_page} bytes do not match its geometry's"
-        if layout.region_offset_bytes != self.l3_plan.arena_offset(layout.arena_index):
-            return (f"its region moved from byte {layout.region_offset_bytes} to "
-                    f"{self.l3_plan.arena_offset(layout.arena_index)} (the L3 size or --max-namespaces changed)")
-        if min(self.l3_plan.arena_bytes // layout.bytes_per_page, MAX_PAGES_PER_TIER) < 1:
-            return "one of its pages no longer fits in an L3 region"
-        if self.arena_plan.arena_bytes < layout.bytes_per_page:
-            return "one of its pages no longer fits in an L2 arena"
-        if l3_bytes_kept < layout.region_offset_bytes + layout.bytes_per_page:
-            return f"the L3 file kept only {l3_bytes_kept} bytes, none of its region"
+        if layout.bytes_per_page > min(l3_chunks.chunk_bytes, self.chunks[Tier.L2].chunk_bytes):
+            return "one of its pages is larger than a chunk of the pool now (a smaller --l2-size or --l3-size)"
+        if l3_bytes_kept < layout.bytes_per_page:
+            return f"the L3 file kept only {l3_bytes_kept} bytes"
         return None
 
     def _end_lease(self, lease: Lease, new_state: LeaseState, quarantined: list[int] | None = None) -> None:
@@ -855,6 +1112,12 @@ class DaemonState:
             for lease_id in session.lease_ids:
                 if lease_id not in self.leases:
                     raise IntegrityError(f"session {session.session_id:x} holds unknown lease {lease_id}")
+        for tier, chunks in self.chunks.items():
+            for chunk, owner in enumerate(chunks.owner):
+                if owner is not None and (owner not in self.namespaces
+                                          or tier not in self.namespaces[owner].tree.tiers):
+                    raise IntegrityError(f"{tier.label} chunk {chunk} belongs to namespace {owner}, which has no "
+                                         f"{tier.label}")
         for namespace in self.namespaces.values():
             self._check_namespace(namespace)
 
@@ -900,10 +1163,20 @@ class DaemonState:
                 both = a & b
                 if both:
                     raise IntegrityError(f"{where}: pages both {a_name} and {b_name}: {sorted(both)[:8]}")
+            # Its pages are those of the chunks it owns, exactly: none beyond them, none lost.
+            usable = self.chunks[tier].page_ids_of(namespace.namespace_id, namespace.geometry.bytes_per_page,
+                                                   allocator.num_pages)
+            if len(usable) != namespace.capacity[tier]:
+                raise IntegrityError(f"{where}: capacity {namespace.capacity[tier]} != {len(usable)} pages in its "
+                                     "chunks")
             total = len(owned) + len(free) + len(private) + len(quarantined)
-            if total != allocator.num_pages:
+            if total != len(usable):
                 raise IntegrityError(f"{where}: owned {len(owned)} + free {len(free)} + private {len(private)} "
-                                     f"+ quarantined {len(quarantined)} != capacity {allocator.num_pages}")
+                                     f"+ quarantined {len(quarantined)} != capacity {len(usable)}")
+            for name, page_ids in sets:
+                outside = page_ids - usable
+                if outside:
+                    raise IntegrityError(f"{where}: {name} pages outside its chunks: {sorted(outside)[:8]}")
             for node_id, count in expected_refs[tier].items():
                 node = nodes_by_id[node_id]
                 if node.ref_count[tier] != count:
@@ -921,15 +1194,30 @@ class DaemonState:
         quarantined = sum(len(q.page_ids) for q in self.quarantines.values()
                           if q.session.namespace_id == namespace.namespace_id) if tier is Tier.L2 else 0
         allocator = namespace.allocator(tier)
+        pressure = namespace.pressure[tier]
         return {
-            "capacity_pages": allocator.num_pages,
+            "capacity_pages": namespace.capacity[tier],
+            "chunks": len(self.chunks[tier].owned_by(namespace.namespace_id)),
             "free_pages": allocator.num_free,
             "owned_pages": namespace.tree.owned_pages(tier),
             "protected_pages": namespace.tree.protected_pages(tier),
             "evictable_pages": namespace.tree.evictable_pages(tier),
             "private_pages": private,
             "quarantined_pages": quarantined,
+            "evicted_pages": pressure.evicted_pages,
+            "pressure_episodes": pressure.episodes,
+            "under_pressure": (pressure.last_eviction_at is not None
+                               and self.clock() - pressure.last_eviction_at <= PRESSURE_QUIET_S),
         }
+
+    def _peer_status(self, session: Session) -> dict[str, Any]:
+        export = self.peers.by_session.get(session.session_id)
+        if export is None:
+            return {}
+        tree = self.namespaces[export.namespace_id].tree
+        return {"peer": {"transport": export.request.transport, "device_id": export.request.device_id,
+                         "num_blocks": export.request.num_blocks, "published_blocks": tree.peer_blocks(export.peer_id),
+                         "readers_may_open": len(self.peers.readable_by(export))}}
 
     def status(self) -> dict[str, Any]:
         namespaces = []
@@ -948,7 +1236,7 @@ class DaemonState:
                 {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
                  "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
                  "age_s": round(self.clock() - s.attached_at, 3), "idle_s": round(self.clock() - s.last_seen, 3),
-                 "pid_watched": s.pid_watched, "report": s.report}
+                 "pid_watched": s.pid_watched, "report": s.report, **self._peer_status(s)}
                 for s in self.sessions.values()
             ],
             "quarantines": [
@@ -961,5 +1249,10 @@ class DaemonState:
             "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},
             "namespaces": namespaces,
             "cost_model": self.cost.status({ns.namespace_id: ns.geometry.model_id for ns in self.namespaces.values()}),
+            "pool": {tier.label: {"chunk_bytes": chunks.chunk_bytes, "chunks": chunks.num_chunks,
+                                  "free_chunks": len(chunks.free_chunks())}
+                     for tier, chunks in self.chunks.items()},
             "metrics": self.metrics.snapshot(),
+            "metrics_by_model": self.metrics.model_snapshot(),
+            "histograms": self.metrics.histogram_snapshot(),
         }

@@ -56,13 +56,12 @@ def chain_page_keys(token_ids: np.ndarray, page_size: int, num_pages: int) -> li
 
 
 class NamespaceLayout(NamedTuple):
-    """Where a namespace's L3 region lies in the file, as it was when its slots were written."""
+    """A namespace of the index. Slot s of it holds bytes [s * bytes_per_page, (s + 1) *
+    bytes_per_page) of the file: slot ids are absolute, as page ids are in the pool (chunks.py),
+    so which chunks of the file it owned follows from its rows and needs no record of its own."""
 
     namespace_key: str
     geometry: KVGeometry
-    arena_index: int
-    region_offset_bytes: int
-    num_slots: int
     bytes_per_page: int
 
 
@@ -86,7 +85,7 @@ class PutNamespace(NamedTuple):
 
 
 class DropNamespace(NamedTuple):
-    """The namespace and every row of it are gone (its region is someone else's now)."""
+    """The namespace and every row of it are gone (reclaimed for another geometry)."""
 
     namespace_key: str
 

@@ -16,16 +16,23 @@ Design notes
   that is evictable in a tier has an entry whose time equals its current last_access there;
   stale entries are skipped when popped, and the heap is rebuilt once it holds many more
   entries than the tree has nodes.
+- Peer residency: which blocks of which engine's own GPU cache hold a node's pages, each with
+  the epoch it was filled at (``peer_put``; the engine's word, checked by readers against the
+  block's live epoch). Per node and owner an array ``[num_pages, 2]`` of (block, epoch), -1 where
+  that engine holds no block: an engine's cache need not be prefix-closed, a hit is its leading
+  run. Each owner's block is in one place at most (``_peer_block_nodes`` finds it; a split moves
+  the upper half's entries to the new node). A node with peer residency stays in the tree.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
 import operator
 import time
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -39,7 +46,7 @@ _TOKEN_BYTES = _TOKEN_DTYPE.itemsize
 
 class TreeNode:
     __slots__ = ("parent", "children", "key", "num_pages", "page_ids", "ref_count",
-                 "last_access", "num_resident_children")
+                 "last_access", "num_resident_children", "peer")
 
     def __init__(self, parent: TreeNode | None, key: bytes, num_pages: int,
                  tiers: Sequence[Tier], now: float):
@@ -52,6 +59,11 @@ class TreeNode:
         self.last_access: dict[Tier, float] = dict.fromkeys(tiers, now)
         # Children resident in each tier; a node with none is a leaf for that tier's eviction.
         self.num_resident_children: dict[Tier, int] = dict.fromkeys(tiers, 0)
+        # owner -> int64 [num_pages, 2]: (block id, epoch) per page, block -1 where it holds none
+        self.peer: dict[int, np.ndarray] | None = None
+
+    def holds_nothing(self) -> bool:
+        return self.peer is None and all(ids is None for ids in self.page_ids.values())
 
     def is_resident(self, tier: Tier) -> bool:
         return self.page_ids[tier] is not None
@@ -68,10 +80,23 @@ class MatchResult(NamedTuple):
     matched_tokens: int
 
 
+class ResidentPages(NamedTuple):
+    page_ids: np.ndarray        # int64
+    last_access: np.ndarray     # float64: the LRU time of each page's node
+    locked: np.ndarray          # bool: its node's ref count is > 0
+
+
 class InsertResult(NamedTuple):
     new_pages: int
     duplicate_page_ids: list[int]
     last_node: TreeNode | None
+
+
+class PeerHit(NamedTuple):
+    """An engine's blocks holding the leading pages of a prefix, with their epochs."""
+
+    block_ids: list[int]
+    epochs: list[int]
 
 
 class PrefixTree:
@@ -95,6 +120,7 @@ class PrefixTree:
         self._num_protected_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
         self._evict_heaps: dict[Tier, list[tuple[float, int, TreeNode]]] = {t: [] for t in tiers}
         self._heap_seq = itertools.count()
+        self._peer_block_nodes: dict[int, dict[int, TreeNode]] = {}     # owner -> block -> its node
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -117,6 +143,32 @@ class PrefixTree:
     def evictable_pages(self, tier: Tier) -> int:
         """Resident pages with ref_count 0: all of them can be freed by evict() (leaves first)."""
         return len(self._owned_page_ids[tier]) - self._num_protected_pages[tier]
+
+    def oldest_evictable_access(self, tier: Tier) -> float | None:
+        """The LRU time of the leaf evict() would free first; None when nothing is evictable."""
+        heap = self._evict_heaps[tier]
+        while heap:
+            last_access, _, node = heap[0]
+            if last_access == node.last_access[tier] and self._is_evictable(node, tier):
+                return last_access
+            heapq.heappop(heap)               # stale: an evictable node always has a current entry
+        return None
+
+    def resident_pages(self, tier: Tier) -> ResidentPages:
+        """Every page resident in `tier` with its node's LRU time and whether it is locked."""
+        tier = self._check_tier(tier)
+        page_ids: list[int] = []
+        last_access: list[float] = []
+        locked: list[bool] = []
+        for node in self._iter_nodes():
+            node_page_ids = node.page_ids[tier]
+            if node is self._root or not node_page_ids:
+                continue
+            page_ids.extend(node_page_ids)
+            last_access.extend([node.last_access[tier]] * len(node_page_ids))
+            locked.extend([node.ref_count[tier] > 0] * len(node_page_ids))
+        return ResidentPages(np.array(page_ids, dtype=np.int64), np.array(last_access, dtype=np.float64),
+                             np.array(locked, dtype=bool))
 
     # ---- match ---------------------------------------------------------------------------
 
@@ -335,6 +387,40 @@ class PrefixTree:
         # A parent's ref count is >= each child's, so an unlocked target has an unlocked subtree.
         if target.page_ids[tier] is None or target.ref_count[tier] > 0:
             return []
+        return self._clear_subtree(target, tier)
+
+    def discard_pages(self, tier: Tier, page_ids: Collection[int]) -> list[int]:
+        """Clear `tier`'s residency of every page in page_ids and of everything below each (what
+        lies below a page cannot stay without it); returns every page id freed, those below
+        included. ValueError, and nothing changed, when one of them is locked in `tier`. Walks the
+        whole tree: for the rare moves of a chunk of the pool between namespaces."""
+        tier = self._check_tier(tier)
+        wanted = set(page_ids)
+        targets: list[tuple[TreeNode, int]] = []
+        queue = collections.deque([self._root])
+        while queue:                          # breadth first: ancestors before descendants
+            node = queue.popleft()
+            queue.extend(node.children.values())
+            node_page_ids = node.page_ids[tier]
+            if node is self._root or not node_page_ids:
+                continue
+            first = next((i for i, page_id in enumerate(node_page_ids) if page_id in wanted), None)
+            if first is None:
+                continue
+            if node.ref_count[tier] > 0:
+                raise ValueError(f"page {node_page_ids[first]} is locked in {tier.label}")
+            targets.append((node, first))
+        freed: list[int] = []
+        for node, first in targets:
+            if node.page_ids[tier] is None:  # cleared with an ancestor's subtree
+                continue
+            if first > 0:
+                self._split(node, first)      # node stays the lower half, from its first wanted page on
+            freed.extend(self._clear_subtree(node, tier))
+        return freed
+
+    def _clear_subtree(self, target: TreeNode, tier: Tier) -> list[int]:
+        """Clear `tier`'s residency of target and everything below it (all unlocked)."""
         freed: list[int] = []
         cleared: list[TreeNode] = []
         stack = [target]
@@ -355,6 +441,133 @@ class PrefixTree:
             self._push_if_evictable(parent, tier)
         return freed
 
+    # ---- peer residency ------------------------------------------------------------------
+
+    def peer_put(self, token_ids, owner: int, start_page: int, block_ids: Sequence[int],
+                 epochs: Sequence[int]) -> int:
+        """Record that ``owner``'s blocks hold pages [start_page, start_page + len(block_ids)) of
+        token_ids (block_ids[i] page start_page + i, filled at epochs[i]). A block recorded
+        elsewhere for this owner moves here; a page this owner held in another block is now this
+        one's. The path is made as needed. Returns the pages recorded; ValueError (nothing
+        changed) when token_ids do not cover them or a block is named twice."""
+        start_page = operator.index(start_page)
+        block_ids = [operator.index(b) for b in block_ids]
+        epochs = [operator.index(e) for e in epochs]
+        total_pages = start_page + len(block_ids)
+        data = self._token_bytes(token_ids)
+        if start_page < 0 or len(epochs) != len(block_ids) or len(data) < total_pages * self._page_bytes:
+            raise ValueError(f"pages [{start_page}, {total_pages}) with {len(epochs)} epochs for "
+                             f"{len(block_ids)} blocks do not fit {len(data) // self._page_bytes} pages of tokens")
+        if len(set(block_ids)) != len(block_ids) or any(b < 0 for b in block_ids):
+            raise ValueError("peer block ids must be distinct and >= 0")
+        if not block_ids:
+            return 0
+        where = self._peer_block_nodes.setdefault(owner, {})
+        for block_id in block_ids:
+            if block_id in where:
+                self._peer_forget(owner, block_id)
+        entries = np.array([block_ids, epochs], dtype=np.int64).T
+        for node, first_page in self._peer_path(data[:total_pages * self._page_bytes], total_pages):
+            lo, hi = max(start_page, first_page), min(total_pages, first_page + node.num_pages)
+            if lo >= hi:
+                continue
+            if node.peer is None:
+                node.peer = {}
+            held = node.peer.get(owner)
+            if held is None:
+                held = node.peer[owner] = np.full((node.num_pages, 2), -1, dtype=np.int64)
+            part = held[lo - first_page: hi - first_page]
+            for replaced in part[:, 0][part[:, 0] >= 0].tolist():
+                del where[replaced]
+            part[:] = entries[lo - start_page: hi - start_page]
+            for block_id in part[:, 0].tolist():
+                where[block_id] = node
+        return len(block_ids)
+
+    def peer_remove(self, owner: int, block_ids: Sequence[int]) -> int:
+        """Forget these blocks of ``owner`` (unknown ones are skipped); returns how many were known."""
+        where = self._peer_block_nodes.get(owner, {})
+        known = [b for b in block_ids if b in where]
+        for block_id in known:
+            self._peer_forget(owner, block_id)
+        return len(known)
+
+    def peer_drop(self, owner: int) -> int:
+        """Forget everything of ``owner``; returns the blocks forgotten."""
+        block_ids = list(self._peer_block_nodes.get(owner, ()))
+        for block_id in block_ids:
+            self._peer_forget(owner, block_id)
+        self._peer_block_nodes.pop(owner, None)
+        return len(block_ids)
+
+    def peer_blocks(self, owner: int) -> int:
+        """How many of ``owner``'s blocks are recorded."""
+        return len(self._peer_block_nodes.get(owner, ()))
+
+    def peer_hits(self, token_ids, owners) -> dict[int, PeerHit]:
+        """Per owner among ``owners`` that holds any, its blocks for the leading pages of token_ids
+        (whole pages, from the first: up to its first page not held). Changes nothing."""
+        data = self._token_bytes(token_ids)
+        page_bytes = self._page_bytes
+        running = {owner: ([], []) for owner in owners if self._peer_block_nodes.get(owner)}
+        done: dict[int, tuple[list[int], list[int]]] = {}
+        node, pos = self._root, 0
+        while running and pos < len(data):
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                break
+            common = min(self._num_common_pages(data, pos, child.key), child.num_pages)
+            for owner in list(running):
+                held = child.peer.get(owner) if child.peer is not None else None
+                if held is None:
+                    done[owner] = running.pop(owner)
+                    continue
+                part = held[:common]
+                absent = part[:, 0] < 0
+                count = int(np.argmax(absent)) if absent.any() else common
+                running[owner][0].extend(part[:count, 0].tolist())
+                running[owner][1].extend(part[:count, 1].tolist())
+                if count < common:
+                    done[owner] = running.pop(owner)
+            if common < child.num_pages:
+                break
+            pos += common * page_bytes
+            node = child
+        done.update(running)
+        return {owner: PeerHit(blocks, epochs) for owner, (blocks, epochs) in done.items() if blocks}
+
+    def _peer_path(self, data: bytes, total_pages: int) -> list[tuple[TreeNode, int]]:
+        """The nodes of data's path down to page total_pages, made where missing (holding nothing in
+        any tier) and split where data leaves an edge; each with the index of its first page."""
+        page_bytes = self._page_bytes
+        node, page, path = self._root, 0, []
+        while page < total_pages:
+            pos = page * page_bytes
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                child = TreeNode(node, data[pos:], total_pages - page, self.tiers, self._clock())
+                node.children[data[pos:pos + page_bytes]] = child
+                self._num_nodes += 1
+                path.append((child, page))
+                break
+            num_common = self._num_common_pages(data, pos, child.key)
+            if num_common < child.num_pages and page + num_common < total_pages:
+                child = self._split(child, num_common)      # data leaves this edge: branch off there
+            path.append((child, page))
+            page += min(num_common, child.num_pages)
+            node = child
+        return path
+
+    def _peer_forget(self, owner: int, block_id: int) -> None:
+        node = self._peer_block_nodes[owner].pop(block_id)
+        held = node.peer[owner]
+        held[held[:, 0] == block_id] = -1
+        if (held[:, 0] < 0).all():
+            del node.peer[owner]
+            if not node.peer:
+                node.peer = None
+                self._remove_if_empty(node)
+
     # ---- integrity -----------------------------------------------------------------------
 
     def check_integrity(self) -> dict[Tier, set[int]]:
@@ -367,6 +580,7 @@ class PrefixTree:
         protected = dict.fromkeys(self.tiers, 0)
         num_page_ids = dict.fromkeys(self.tiers, 0)
         num_nodes = 0
+        peer_entries: collections.Counter[int] = collections.Counter()
         for node in self._iter_nodes():
             num_resident_children = dict.fromkeys(self.tiers, 0)
             for map_key, child in node.children.items():
@@ -395,8 +609,16 @@ class PrefixTree:
             if node.num_pages < 1 or len(node.key) != node.num_pages * page_bytes:
                 raise IntegrityError(f"{node!r} key of {len(node.key)} bytes is not "
                                      f"num_pages * {page_bytes} with num_pages >= 1")
-            if not node.children and all(ids is None for ids in node.page_ids.values()):
+            if not node.children and node.holds_nothing():
                 raise IntegrityError(f"{node!r} is empty: no residency and no children")
+            for owner, held in (node.peer or {}).items():
+                if held.shape != (node.num_pages, 2) or not (held[:, 0] >= 0).any():
+                    raise IntegrityError(f"{node!r} holds a malformed or empty peer entry of owner {owner}")
+                where = self._peer_block_nodes.get(owner, {})
+                for block_id in held[:, 0][held[:, 0] >= 0].tolist():
+                    if where.get(block_id) is not node:
+                        raise IntegrityError(f"{node!r}: block {block_id} of owner {owner} is recorded elsewhere")
+                    peer_entries[owner] += 1
             for tier in self.tiers:
                 node_page_ids = node.page_ids[tier]
                 if node.ref_count[tier] > parent.ref_count[tier]:
@@ -419,6 +641,10 @@ class PrefixTree:
                     protected[tier] += node.num_pages
         if num_nodes != self._num_nodes:
             raise IntegrityError(f"num_nodes {self._num_nodes} != recount {num_nodes}")
+        for owner, where in self._peer_block_nodes.items():
+            if len(where) != peer_entries[owner]:
+                raise IntegrityError(f"owner {owner}: {len(where)} blocks recorded, {peer_entries[owner]} in the tree "
+                                     "(a block held twice, or a record of a node that left the tree)")
         for tier in self.tiers:
             if len(owned[tier]) != num_page_ids[tier]:
                 raise IntegrityError(f"{num_page_ids[tier] - len(owned[tier])} page ids appear "
@@ -452,7 +678,8 @@ class PrefixTree:
         return first_mismatch // self.page_size
 
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
-        """Split node after num_pages; returns the new upper node (the original stays below it)."""
+        """Split node after num_pages; returns the new upper node (the original stays below it,
+        unless only peer residency above the split made it hold anything: then it goes)."""
         assert 0 < num_pages < node.num_pages, (num_pages, node.num_pages)
         split_bytes = num_pages * self._page_bytes
         parent = node.parent
@@ -467,12 +694,29 @@ class PrefixTree:
             # the protected-page total is unchanged (the same pages, now on two nodes).
             upper.ref_count[tier] = node.ref_count[tier]
             upper.last_access[tier] = node.last_access[tier]
+        if node.peer is not None:
+            upper_peer, lower_peer = {}, {}
+            for owner, held in node.peer.items():
+                top, bottom = held[:num_pages].copy(), held[num_pages:].copy()
+                if (top[:, 0] >= 0).any():
+                    upper_peer[owner] = top
+                    where = self._peer_block_nodes[owner]
+                    for block_id in top[:, 0][top[:, 0] >= 0].tolist():
+                        where[block_id] = upper
+                if (bottom[:, 0] >= 0).any():
+                    lower_peer[owner] = bottom
+            upper.peer, node.peer = upper_peer or None, lower_peer or None
         node.key = node.key[split_bytes:]
         node.num_pages -= num_pages
         node.parent = upper
         upper.children[node.key[:self._page_bytes]] = node
         parent.children[upper.key[:self._page_bytes]] = upper
         self._num_nodes += 1
+        if not node.children and node.holds_nothing():
+            # A peer held only pages above the split: the lower half holds nothing and goes.
+            del upper.children[node.key[:self._page_bytes]]
+            node.parent = None
+            self._num_nodes -= 1
         return upper
 
     def _make_resident(self, node: TreeNode, tier: Tier, page_ids: list[int]) -> None:
@@ -482,9 +726,9 @@ class PrefixTree:
         node.parent.num_resident_children[tier] += 1
 
     def _remove_if_empty(self, node: TreeNode) -> None:
-        """Drop node, then its emptied ancestors, while they hold nothing in any tier."""
-        while node is not self._root and not node.children and all(
-                ids is None for ids in node.page_ids.values()):
+        """Drop node, then its emptied ancestors, while they hold nothing in any tier. A node
+        dropped already (with a child that emptied it) has no parent: nothing to do."""
+        while node.parent is not None and not node.children and node.holds_nothing():
             parent = node.parent
             del parent.children[node.key[:self._page_bytes]]
             node.parent = None

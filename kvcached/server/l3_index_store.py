@@ -31,12 +31,14 @@ from proto.messages import KVGeometry
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: slot ids are absolute (slot s of a geometry at byte s * bytes_per_page of the file), the file
+# shared in chunks. 1 (older): one region of the file per namespace, slots counted from its start;
+# such an index is not read (its slots would name other bytes now): its pages are dropped.
+SCHEMA_VERSION = 2
 FILE_MODE = 0o600        # rows hold prompt token ids: private to the daemon's user, like the L3 file
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS namespaces (
-    ns_key TEXT PRIMARY KEY, geometry TEXT NOT NULL, arena_index INTEGER NOT NULL,
-    region_offset INTEGER NOT NULL, num_slots INTEGER NOT NULL, bytes_per_page INTEGER NOT NULL);
+    ns_key TEXT PRIMARY KEY, geometry TEXT NOT NULL, bytes_per_page INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS slots (
     ns_key TEXT NOT NULL, slot INTEGER NOT NULL, page_key BLOB NOT NULL, parent_key BLOB NOT NULL,
     tokens BLOB NOT NULL, checksum INTEGER NOT NULL, PRIMARY KEY (ns_key, slot));
@@ -95,7 +97,7 @@ class L3IndexStore:
         connection = self._connection
         saved = []
         for ns_key, geometry_json, *numbers in connection.execute(
-                "SELECT ns_key, geometry, arena_index, region_offset, num_slots, bytes_per_page FROM namespaces"):
+                "SELECT ns_key, geometry, bytes_per_page FROM namespaces"):
             try:
                 geometry = KVGeometry.from_wire(json.loads(geometry_json))
                 if namespace_key(geometry) != ns_key or not all(type(n) is int and n >= 0 for n in numbers):
@@ -181,9 +183,9 @@ class L3IndexStore:
                 elif isinstance(change, PutNamespace):
                     layout = change.layout
                     connection.execute(
-                        "INSERT OR REPLACE INTO namespaces VALUES (?, ?, ?, ?, ?, ?)",
+                        "INSERT OR REPLACE INTO namespaces VALUES (?, ?, ?)",
                         (layout.namespace_key, json.dumps(layout.geometry.to_wire(), sort_keys=True),
-                         layout.arena_index, layout.region_offset_bytes, layout.num_slots, layout.bytes_per_page))
+                         layout.bytes_per_page))
                 elif isinstance(change, DropNamespace):
                     connection.execute("DELETE FROM slots WHERE ns_key = ?", (change.namespace_key,))
                     connection.execute("DELETE FROM namespaces WHERE ns_key = ?", (change.namespace_key,))
@@ -252,7 +254,11 @@ def _connect(path: str, fresh: bool) -> sqlite3.Connection:
         # WAL with synchronous NORMAL: a commit survives the process dying at any instant.
         connection.execute("PRAGMA synchronous = NORMAL")
         version = connection.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version == 1:
+            logger.warning("L3 index %s was written by an older kvcached (schema 1: one region of the L3 file per "
+                           "namespace); this daemon shares the file in chunks and cannot tell which bytes those "
+                           "rows name now, so L3 starts empty (the file's old pages are not served)", path)
+        elif version not in (0, SCHEMA_VERSION):
             logger.warning("L3 index %s has schema %d, this daemon writes %d: starting empty", path, version,
                            SCHEMA_VERSION)
         if fresh or version != SCHEMA_VERSION:

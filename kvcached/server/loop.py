@@ -37,21 +37,23 @@ import zmq
 
 from kvcached.config import DaemonConfig
 from kvcached.core.cost_model import CostModel
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
+from kvcached.server.http import HttpListener, format_http_address
 from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
-from kvcached.server.shm import DaemonLock, SharedSegment, SocketDirectory, StartupError, segment_name
+from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
+                                 epoch_file_prefix, segment_name)
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.replies import AttachInfo, DetachReply, to_wire
-from proto.schema import Attach, BackupCommit, EngineReport, Match, Release, SessionRequest
+from proto.replies import AttachInfo, DetachReply, PeerListReply, PeerRegisterReply, to_wire
+from proto.schema import Attach, BackupCommit, EngineReport, Match, PeerPublish, PeerRegister, Release, SessionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,15 @@ SHUTDOWN_LINGER_MS = 200
 HARD_FRAME_FACTOR = 4
 # A write-through waits this long, at most, for the index to forget its slots' old pages.
 INDEX_DELETE_TIMEOUT_S = 10.0
+# An HTTP request waits this long, at most, for the state lock (then 503).
+HTTP_SNAPSHOT_TIMEOUT_S = 2.0
 
 
 class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
-                 executor: IoExecutor | None = None, index: L3IndexStore | None = None):
+                 executor: IoExecutor | None = None, index: L3IndexStore | None = None,
+                 epoch_files: EpochFiles | None = None):
         self.config = config
         self.state = state
         self.socket = socket
@@ -80,7 +85,9 @@ class Server:
         self.storage = storage
         self.executor = executor
         self.index = index
+        self.epoch_files = epoch_files
         self.started_at = time.time()
+        self.http_address: str | None = None       # HOST:PORT of the HTTP listener, once it serves
         self.stop_event = asyncio.Event()
         self.state_lock = threading.Lock()
         self.refusals = RefusalLog(config.refusal_log_interval_s)
@@ -108,6 +115,9 @@ class Server:
             MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
             MsgKind.ENGINE_REPORT: self._engine_report,
+            MsgKind.PEER_REGISTER: self._peer_register,
+            MsgKind.PEER_PUBLISH: self._peer_publish,
+            MsgKind.PEER_LIST: self._peer_list,
         }
 
     async def run(self) -> None:
@@ -219,7 +229,9 @@ class Server:
             handler = self._handlers.get(frame.kind)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
+            started_s = time.perf_counter()
             reply = handler(frame.body)
+            self.state.metrics.observe(f"request_seconds_{frame.kind.name.lower()}", time.perf_counter() - started_s)
             self._note_peer(identity, frame, reply)
             if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
                 self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
@@ -320,16 +332,17 @@ class Server:
         namespace = self.state.namespaces[move.namespace_id]
         bytes_per_page = namespace.geometry.bytes_per_page
         assert namespace.l3_allocator is not None
-        layout = SlotLayout(namespace.l3_region_offset_bytes, bytes_per_page, namespace.l3_allocator.num_pages)
-        arena_start = namespace.arena_offset_bytes
-        arena_end = arena_start + namespace.num_pages * bytes_per_page
+        # Page and slot ids are absolute (kvcached/core/chunks.py): the namespace's pages span the
+        # segment from its start, its slots the file.
+        layout = SlotLayout(0, bytes_per_page, namespace.l3_allocator.num_pages)
+        pages_end = namespace.num_pages * bytes_per_page
         metrics = self.state.metrics
         direction = move.direction
         enqueued_s = time.perf_counter()
         ok = False
         page_keys: list[bytes] = []
         try:
-            with memoryview(self.segment.mapping) as whole, whole[arena_start:arena_end] as arena:
+            with memoryview(self.segment.mapping) as whole, whole[:pages_end] as arena:
                 if move.destination is Tier.L3 and self.index is not None:
                     result, page_keys = await self.executor.run(
                         _write_indexed, self.index, self.storage, layout, arena, namespace.geometry.page_size, move)
@@ -351,6 +364,9 @@ class Server:
                 metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
                 # What a request waiting for such a move would wait: queueing, the file I/O, the hand-back.
                 self.state.cost.add_storage_sample(direction, result.num_bytes, end_to_end_s)
+                metrics.observe(f"{direction}_service_seconds", result.seconds)
+                metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
+                metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
         except (OSError, ValueError) as exc:
             logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
         except BaseException:
@@ -443,7 +459,7 @@ class Server:
             session_id=session.session_id,
             namespace_id=namespace.namespace_id,
             shm_path=self.segment.path,
-            arena_offset_bytes=namespace.arena_offset_bytes,
+            arena_offset_bytes=0,           # page ids are absolute: the pages span the whole segment
             num_pages=namespace.num_pages,
             bytes_per_page=namespace.geometry.bytes_per_page,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -524,6 +540,27 @@ class Server:
         self.state.engine_report(request.session_id, request.report, request.cost_samples)
         return {} if request.ack else None
 
+    def _peer_register(self, body: dict) -> dict[str, Any]:
+        request = PeerRegister.parse(body)
+        if self.epoch_files is None:
+            raise ProtocolError(ErrorCode.INTERNAL, "this daemon serves no peer restores")
+        export = self.state.peer_register(request.session_id, request)
+        try:
+            path, offset = self.epoch_files.create(export.peer_id, request.num_blocks)
+        except OSError as exc:
+            self.state.peer_unregister(request.session_id)
+            raise ProtocolError(ErrorCode.OUT_OF_SPACE, f"cannot create the peer epoch file: {exc}") from None
+        self.state.peer_ready(export, path, offset)
+        return to_wire(PeerRegisterReply(export.peer_id, path, offset))
+
+    def _peer_publish(self, body: dict) -> dict[str, Any] | None:
+        request = PeerPublish.parse(body)
+        self.state.peer_publish(request.session_id, request)
+        return {} if request.ack else None
+
+    def _peer_list(self, body: dict) -> dict[str, Any]:
+        return to_wire(PeerListReply(self.state.peer_list(SessionRequest.parse(body).session_id)))
+
     def _io_status(self) -> dict[str, Any]:
         counters = self.state.metrics.counters
         io = {}
@@ -542,8 +579,12 @@ class Server:
         return io
 
     def _status(self, body: dict) -> dict[str, Any]:
+        return self.status_snapshot(check_integrity=body.get("check_integrity", False) is True)
+
+    def status_snapshot(self, check_integrity: bool = False) -> dict[str, Any]:
+        """What STATUS replies, ``kvcached status --json`` prints and GET /status serves. Under state_lock."""
         snapshot = self.state.status()
-        if body.get("check_integrity", False) is True:
+        if check_integrity:
             try:
                 self.state.check_integrity()
                 snapshot["integrity"] = "ok"
@@ -568,24 +609,37 @@ class Server:
             "l3_index": self.index.status() if self.index else None,
             "io_threads": self.executor.max_workers if self.executor else 0,
             "protocol_version": PROTOCOL_VERSION,
+            "http": self.http_address,
         }
         snapshot["time"] = time.time()
         return snapshot
 
+    def locked_status_snapshot(self, timeout_s: float) -> dict[str, Any]:
+        """From another thread (the HTTP listener's): the snapshot, taken under state_lock within
+        timeout_s, else TimeoutError. The socket thread and the loop hold the lock only briefly."""
+        if not self.state_lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the daemon's state was busy for timeout_s={timeout_s}")
+        try:
+            return self.status_snapshot()
+        finally:
+            self.state_lock.release()
+
 
 async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
-                install_signal_handlers: bool = True) -> None:
+                install_signal_handlers: bool = True,
+                progress: Callable[[int, int], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``server.stop_event``); every resource is released
-    on the way out. ``on_ready`` gets the running server once the socket is bound."""
+    on the way out. ``on_ready`` gets the running server once the socket is bound; ``progress``
+    how far the L2 segment is populated (SharedSegment.create)."""
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as resources:
+        # Every path is checked (the socket's directory, the lock, the L3 file and its index)
+        # before the L2 segment is populated, which takes seconds for a large pool.
         directory = SocketDirectory(config.socket_path)
         resources.callback(directory.close)
         lock = DaemonLock(directory)
         resources.callback(lock.close)
         directory.remove_stale_socket()        # stale: we hold the lock
-        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes)
-        resources.callback(segment.close)
         storage = executor = index = None
         saved_l3: list = []
         if config.l3_bytes > 0:
@@ -595,17 +649,24 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
             resources.callback(storage.close)
-            executor = IoExecutor(config.io_threads)
-            resources.callback(executor.shutdown)      # closed before the file and the segment
             if not storage.is_temporary:
                 index, saved_l3 = _open_index(config, storage)
-                resources.callback(index.close)        # after the last move, before the I/O threads
+                resources.callback(index.close)        # after the I/O threads, before the file
+        segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
+                                       progress=progress)
+        resources.callback(segment.close)
+        epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
+        resources.callback(epoch_files.close_all)
+        if storage is not None:
+            executor = IoExecutor(config.io_threads)
+            resources.callback(executor.shutdown)      # closed before the index, the segment and the file
         try:
-            state = DaemonState(ArenaPlan(segment.size_bytes, config.max_namespaces),
+            state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
                                 session_grace_s=config.session_grace_s,
-                                l3_plan=ArenaPlan(storage.size_bytes, config.max_namespaces) if storage else None,
+                                l3_bytes=storage.size_bytes if storage else 0,
                                 l3_index_sink=index.submit if index else None,
+                                peer_end_sink=lambda export: epoch_files.close(export.peer_id),
                                 cost_model=CostModel(config.cost_priors, config.restore_policy))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
@@ -629,8 +690,11 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(directory.remove_socket)
         directory.socket_bound()
 
-        server = Server(config, state, socket, segment, storage, executor, index)
+        server = Server(config, state, socket, segment, storage, executor, index, epoch_files)
         resources.callback(server.close_wake_sockets)
+        listener = _start_http(config, server)
+        if listener is not None:
+            resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, server.stop_event.set)
@@ -641,6 +705,26 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             on_ready(server)
         await server.run()
         logger.info("kvcached shutting down")
+
+
+def _start_http(config: DaemonConfig, server: Server) -> HttpListener | None:
+    """The /metrics, /status and / listener. An address that was asked for and cannot be bound
+    stops the start; the default one, taken (another daemon on the host), is skipped with a warning."""
+    endpoint = config.http_endpoint
+    if endpoint is None:
+        return None
+    try:
+        listener = HttpListener.start(endpoint, lambda: server.locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S))
+    except OSError as exc:
+        where = format_http_address(endpoint)
+        if config.http_required:
+            raise StartupError(f"cannot serve HTTP on {where}: {exc} (--http HOST:PORT, or --http off)") from None
+        logger.warning("no HTTP listener (/metrics, /status): the default address %s is not free: %s; "
+                       "pass --http HOST:PORT, or --http off", where, exc)
+        return None
+    server.http_address = listener.address
+    logger.info("HTTP on http://%s/ (/metrics, /status)", listener.address)
+    return listener
 
 
 def _open_index(config: DaemonConfig, storage: StorageFile) -> tuple[L3IndexStore, list]:
@@ -668,10 +752,11 @@ def _write_indexed(index: L3IndexStore, storage: StorageFile, layout: SlotLayout
     return result, chain_page_keys(move.token_ids, page_size, move.start_page + len(move.source_page_ids))
 
 
-def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None) -> None:
+def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
+        progress: Callable[[int, int], None] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; plain asyncio still works if it is missing
-        asyncio.run(serve(config, on_ready))
+        asyncio.run(serve(config, on_ready, progress=progress))
         return
-    uvloop.run(serve(config, on_ready))
+    uvloop.run(serve(config, on_ready, progress=progress))

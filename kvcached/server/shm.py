@@ -21,8 +21,11 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import time
+from typing import Callable
 
+from proto import epochs
 from proto.paths import file_kind, user_label
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,11 @@ class StartupError(Exception):
 def segment_name(socket_path: str) -> str:
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
     return f"kvcached-{os.getuid()}-{digest}.l2"
+
+
+def epoch_file_prefix(socket_path: str) -> str:
+    """The names of a daemon's peer epoch files start so: ``<segment name>.peer-``."""
+    return segment_name(socket_path) + ".peer-"
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -62,7 +70,11 @@ class SocketDirectory:
             pass
         except OSError as exc:
             raise StartupError(f"cannot create the socket directory {self.path}: {exc.strerror}") from None
-        info = os.lstat(self.path)
+        try:
+            info = os.lstat(self.path)
+        except OSError as exc:           # e.g. a regular file where a directory above it should be
+            raise StartupError(f"cannot use the socket directory {self.path}: {exc.strerror}; choose another "
+                               "--socket") from None
         uid = os.geteuid()
         if stat.S_ISLNK(info.st_mode):
             raise StartupError(f"the socket directory {self.path} is a symlink (to {os.readlink(self.path)}); "
@@ -131,22 +143,18 @@ class SocketDirectory:
 
 # Linux 5.14+: fault every page in writable, as a write would, without changing its bytes.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_TOUCH_CHUNK_BYTES = 64 << 20
+# The segment is allocated and populated this much at a time, reporting progress after each step.
+POPULATE_STEP_BYTES = 256 << 20
 
 
-def _touch_every_page(mapping: mmap.mmap, size_bytes: int) -> None:
-    """Make tmpfs zero-fill every page now, in the daemon, rather than on the first engine's
+def _touch_pages(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """Make tmpfs zero-fill these pages now, in the daemon, rather than on the first engine's
     attach: fallocated tmpfs pages are cleared at first touch, which was measured to make a first
     attach of 16 GiB take 5.6 s instead of 1 s."""
-    started = time.perf_counter()
     try:
-        mapping.madvise(_MADV_POPULATE_WRITE)
+        mapping.madvise(_MADV_POPULATE_WRITE, offset, length)
     except OSError:         # older kernels: write zeros, which is what the pages hold anyway
-        zeros = bytes(_TOUCH_CHUNK_BYTES)
-        for offset in range(0, size_bytes, _TOUCH_CHUNK_BYTES):
-            end = min(offset + _TOUCH_CHUNK_BYTES, size_bytes)
-            mapping[offset:end] = zeros[: end - offset]
-    logger.info("L2 segment: %d bytes populated in %.2f s", size_bytes, time.perf_counter() - started)
+        mapping[offset:offset + length] = bytes(length)
 
 
 class DaemonLock:
@@ -202,7 +210,10 @@ class SharedSegment:
         self.mapping = mapping
 
     @classmethod
-    def create(cls, shm_dir: str, name: str, size_bytes: int) -> "SharedSegment":
+    def create(cls, shm_dir: str, name: str, size_bytes: int,
+               progress: Callable[[int, int], None] | None = None) -> "SharedSegment":
+        """``progress(done_bytes, size_bytes)`` is called as the segment is allocated and populated,
+        after each POPULATE_STEP_BYTES."""
         path = os.path.join(shm_dir, name)
         try:
             info = os.lstat(path)
@@ -222,22 +233,33 @@ class SharedSegment:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot create L2 segment {path}: {exc.strerror}") from None
+        mapping = None
+        started = time.perf_counter()
         try:
-            try:
-                os.posix_fallocate(fd, 0, size_bytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise StartupError(
-                        f"{shm_dir} has no room for an L2 pool of {size_bytes} bytes; "
-                        "choose a smaller --l2-size or enlarge the shared-memory filesystem") from None
-                raise
+            # Sized first, then allocated step by step and each step populated once its pages exist
+            # (touching a tmpfs page that could not be allocated would be a SIGBUS).
+            os.ftruncate(fd, size_bytes)
             mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _touch_every_page(mapping, size_bytes)
+            for offset in range(0, size_bytes, POPULATE_STEP_BYTES):
+                length = min(POPULATE_STEP_BYTES, size_bytes - offset)
+                try:
+                    os.posix_fallocate(fd, offset, length)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                        raise StartupError(
+                            f"{shm_dir} has no room for an L2 pool of {size_bytes} bytes; "
+                            "choose a smaller --l2-size or enlarge the shared-memory filesystem") from None
+                    raise
+                _touch_pages(mapping, offset, length)
+                if progress is not None:
+                    progress(offset + length, size_bytes)
         except BaseException:
+            if mapping is not None:
+                mapping.close()
             _unlink_if_same(path, os.fstat(fd))
             os.close(fd)
             raise
-        logger.info("L2 segment %s: %d bytes, populated", path, size_bytes)
+        logger.info("L2 segment %s: %d bytes populated in %.2f s", path, size_bytes, time.perf_counter() - started)
         return cls(path, size_bytes, fd, mapping)
 
     def close(self) -> None:
@@ -262,3 +284,57 @@ def _unlink_if_same(path: str, expected: os.stat_result) -> None:
         return
     if _same_file(info, expected):
         os.unlink(path)
+
+
+class EpochFiles:
+    """The epoch files of live peer registrations (``proto.epochs``), one per peer id, in the
+    shared-memory directory. Files of ours with our prefix found at start are stale (we hold the
+    daemon lock) and removed; anything else by those names is left alone and refused."""
+
+    def __init__(self, shm_dir: str, prefix: str):
+        self.shm_dir = shm_dir
+        self.prefix = prefix
+        self._files: dict[int, tuple[str, int, os.stat_result, mmap.mmap]] = {}
+        for name in os.listdir(shm_dir):
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(shm_dir, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                logger.warning("removing stale peer epoch file %s left by a daemon that did not exit cleanly", path)
+                os.unlink(path)
+
+    def create(self, peer_id: int, num_blocks: int) -> tuple[str, int]:
+        """Make the file of a registration; returns its path and where its epochs start. OSError
+        (nothing left behind) when it cannot be made."""
+        path = os.path.join(self.shm_dir, f"{self.prefix}{peer_id:016x}.epochs")
+        size = epochs.file_bytes(num_blocks)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            info = os.fstat(fd)
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping[:len(epochs.MAGIC)] = epochs.MAGIC
+            struct.pack_into("<Q", mapping, epochs.NUM_BLOCKS_OFFSET, num_blocks)
+        except BaseException:
+            _unlink_if_same(path, os.fstat(fd))
+            raise
+        finally:
+            os.close(fd)
+        self._files[peer_id] = (path, size, info, mapping)
+        return path, epochs.EPOCHS_OFFSET
+
+    def close(self, peer_id: int) -> None:
+        """The registration ended: mark its file closed (readers stop copying from it and close
+        their mappings), then remove it; the memory goes once the last mapping does."""
+        entry = self._files.pop(peer_id, None)
+        if entry is None:
+            return
+        path, _, info, mapping = entry
+        struct.pack_into("<Q", mapping, epochs.CLOSED_OFFSET, 1)
+        mapping.close()
+        _unlink_if_same(path, info)
+
+    def close_all(self) -> None:
+        for peer_id in list(self._files):
+            self.close(peer_id)

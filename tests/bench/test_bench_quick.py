@@ -24,13 +24,17 @@ def run_quick(module: str, result_dir, *args: str) -> dict:
 
 def test_bench_ttft_quick_measures_every_tier_with_its_checks_passing(tmp_path):
     """One point (40 tokens), every tier: a row each, every request's tier forced (no engine cache
-    hit, every whole page loaded, from L3 promoted), the restored KV bit for bit the saved KV, the
-    check request's logits bit for bit the own cache hit's and its tokens a recompute's, the
-    daemon's integrity ok."""
+    hit, every whole page loaded, from L3 promoted, for the peer tier every page out of engine A's
+    memory), the restored KV bit for bit the saved KV (peer: A's), the check request's tokens a
+    recompute's and (but for the peer tier, whose KV A computed) its logits bit for bit the own
+    cache hit's, the daemon's integrity ok."""
     result = run_quick("bench.bench_ttft", tmp_path, "--points", "tiny=40", "--no-hf", "--samples", "2",
                        "--warmup", "1")
     rows = {row["tier"]: row for row in result["rows"]}
-    assert sorted(rows) == sorted(["none", "l2", "l3", "l3-cold"]) and not result["failures"], result
+    assert sorted(rows) == sorted(["none", "l2", "l3", "l3-cold", "peer"]) and not result["failures"], result
+    peer = rows.pop("peer")
+    assert peer["tier_forced"] and peer["kv_equal"] and peer["integrity"] == "ok" and peer["outputs_equal"], peer
+    assert peer["peer_tokens"] == peer["loaded_tokens"] == [32] * 4 and peer["promoted_tokens"] == [0] * 4, peer
     assert rows["none"]["tier_forced"] and rows["none"]["outputs_equal"], rows["none"]
     for tier in ("l2", "l3", "l3-cold"):
         row = rows[tier]
@@ -88,3 +92,28 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
             assert row["connector"]["promoted_tokens"] == 8 * 48, row
         if policy == "cost":
             assert sum(row["cost_model"]["engines"][0]["decisions_total"]["lookup"].values()) >= 8, row
+
+
+def test_bench_overlap_quick_measures_every_case_with_its_checks_passing(tmp_path):
+    """Every case and tier of bench_overlap: a row each with exactly the issue's keys; every restored
+    request loaded its whole prefix (or the run fails) and gave the recompute's tokens, layer-wise
+    the tokens of whole-load-then-prefill; under "blocking" nothing of a restore is hidden, under
+    "async" part of it is; each TTFT row has its load, suffix prefill and layer figures; the daemon's
+    integrity ok after each case."""
+    result = run_quick("bench.bench_overlap", tmp_path)
+    assert not result["failures"], result["failures"]
+    keys = ["case", "tier", "hidden_fraction", "decode_step_inflation", "ttft_ms", "serial_ttft_ms", "load_ms",
+            "suffix_prefill_ms", "layer_prefill_ms", "outputs_equal"]
+    rows = {(row["case"], row["tier"]): row for row in result["rows"]}
+    assert sorted(rows) == sorted([("under_decode", "l2"), ("under_decode", "l3"), ("under_decode_blocking", "l2"),
+                                   ("under_decode_blocking", "l3"), ("ttft_100+30", "l2"), ("ttft_200+50", "l2")])
+    for key, row in rows.items():
+        assert list(row) == keys and row["outputs_equal"] is True, row
+        assert result["details"][f"{key[0]}/{key[1]}"]["integrity"] == "ok", key
+    for tier in ("l2", "l3"):
+        assert rows[("under_decode_blocking", tier)]["hidden_fraction"] == 0.0, rows
+        assert 0.0 < rows[("under_decode", tier)]["hidden_fraction"] <= 1.0, rows
+    for case in ("ttft_100+30", "ttft_200+50"):
+        row = rows[(case, "l2")]
+        assert all(row[k] > 0 for k in ("ttft_ms", "serial_ttft_ms", "load_ms", "suffix_prefill_ms")), row
+        assert abs(row["layer_prefill_ms"] - row["suffix_prefill_ms"] / 2) < 1e-3, row     # 2 layers

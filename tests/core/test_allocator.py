@@ -199,3 +199,36 @@ def test_take_allocates_exactly_the_ids_named(rng):
     rest = allocator.allocate(44)
     assert sorted(rest) == sorted(set(range(64)) - set(taken))
     assert allocator.allocate(1) is None
+
+
+def test_ranges_given_and_taken_back_keep_the_free_set_exact(rng):
+    """An allocator that starts with nothing free is given ranges (free_range) and has ranges
+    taken back (take_range) at random: its free set is always the union of what it holds, runs
+    merge and split as needed, and a range that is partly free (give) or partly not (take) is
+    refused with nothing changed."""
+    num_pages = 400
+    allocator = PageAllocator(num_pages, all_free=False)
+    assert allocator.num_free == 0 and allocator.allocate(1) is None
+    model: set[int] = set()
+    for _ in range(300):
+        start = rng.randrange(num_pages)
+        stop = rng.randrange(start, min(num_pages, start + 40) + 1)
+        span = set(range(start, stop))
+        if rng.random() < 0.5:
+            if span & model:
+                with pytest.raises(ValueError):
+                    allocator.free_range(start, stop)
+            else:
+                allocator.free_range(start, stop)
+                model |= span
+        else:
+            if span <= model:
+                allocator.take_range(start, stop)
+                model -= span
+            else:
+                with pytest.raises(ValueError):
+                    allocator.take_range(start, stop)
+        allocator.check_integrity()
+        assert allocator.free_page_ids() == model and allocator.num_free == len(model)
+    with pytest.raises(ValueError):
+        allocator.free_range(0, num_pages + 1)

@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 
 from kvcached.core.cost_model import CostModel, CostPriors
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from proto.replies import MatchReply
-from tests.core.test_daemon_l3 import L3_PLAN, commit, only_in_l3
+from tests.core.test_daemon_l3 import L3_BYTES, commit, only_in_l3
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, back_up, tokens
 
 BYTES_PER_PAGE = GEOMETRY.bytes_per_page
 
 
 def make_state(**priors) -> DaemonState:
-    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5, l3_plan=L3_PLAN, clock=FakeClock(),
+    return DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, l3_bytes=L3_BYTES, clock=FakeClock(),
                        cost_model=CostModel(CostPriors(**priors)))
 
 
@@ -38,7 +38,8 @@ def test_a_lookup_carries_the_decision_and_status_counts_it(rng):
     reply = state.lookup(session.session_id, prefix + tokens(rng, 1))
     assert (reply.choice, reply.restore_tokens, reply.policy) == ("l2", 6 * PAGE, "cost")
     assert set(reply.predicted_s) == {"l2", "recompute"} and reply.predicted_s["l2"] < reply.predicted_s["recompute"]
-    assert state.lookup(session.session_id, prefix, local_hit_tokens=6 * PAGE)[6:8] == ("engine", 6 * PAGE)
+    held = state.lookup(session.session_id, prefix, local_hit_tokens=6 * PAGE)
+    assert (held.choice, held.restore_tokens) == ("engine", 6 * PAGE)
     engine = state.status()["cost_model"]["engines"][0]
     assert engine["namespace_id"] == namespace.namespace_id
     assert engine["decisions_total"] == {"lookup": {"l2": 1, "engine": 1}}
@@ -107,7 +108,8 @@ def test_samples_an_engine_reports_make_short_prefixes_recompute_and_long_ones_r
     for num_tokens in rng.integers(16, 2048, size=16).tolist():
         samples.append(("prefill", num_tokens, 0.004 + num_tokens * 100e-6))
     state.engine_report(session.session_id, {}, samples + [("prefill", 8, 1.0)])     # too short: ignored
-    assert [state.lookup(session.session_id, t)[6:8] for t in (short, long)] == [("recompute", 0), ("l2", 8 * PAGE)]
+    decided = [state.lookup(session.session_id, t) for t in (short, long)]
+    assert [(r.choice, r.restore_tokens) for r in decided] == [("recompute", 0), ("l2", 8 * PAGE)]
     cost = state.status()["cost_model"]
     directions = cost["engines"][0]["directions"]
     assert directions["h2d"]["mode"] == directions["prefill"]["mode"] == "fit"
@@ -130,7 +132,8 @@ def test_a_declined_l3_hit_is_promoted_in_the_background_one_at_a_time(rng):
     assert state.promote_in_background(session.session_id, first, state.lookup(session.session_id, first)) is None
     state.check_integrity()
     state.finish_move(move, ok=True)
-    assert state.lookup(session.session_id, first)[6:8] == ("l2", 4 * PAGE)
+    looked_up = state.lookup(session.session_id, first)
+    assert (looked_up.choice, looked_up.restore_tokens) == ("l2", 4 * PAGE)
     cost = state.status()["cost_model"]
     assert cost["background_promotions_total"] == 1 and cost["background_promotion_skips_busy_total"] == 1
     assert cost["background_promoted_pages_total"] == 4

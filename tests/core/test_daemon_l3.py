@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, extension_ends, tokens
 
 # 16 L2 pages and 32 L3 slots of 131072 bytes.
-L3_PLAN = ArenaPlan(4 << 20, 1)
+L3_BYTES = 4 << 20
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def clock():
 
 @pytest.fixture
 def state(clock):
-    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5, l3_plan=L3_PLAN, clock=clock)
+    return DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, l3_bytes=L3_BYTES, clock=clock)
 
 
 def commit(state, session_id, token_bytes):
@@ -83,7 +83,7 @@ def test_failed_write_through_returns_slots(state, rng):
     _, move = commit(state, session.session_id, prefix)
     state.finish_move(move, ok=False)
     state.check_integrity()
-    assert namespace.l3_allocator.num_free == 32
+    assert namespace.l3_allocator.num_free == namespace.capacity[Tier.L3] == 32
     assert l2_l3_hits(state, session.session_id, prefix) == (3, 0)
     assert state.metrics.counters["h2s_failures"] == 1
 
@@ -213,7 +213,7 @@ def test_l3_evicts_its_own_lru_and_nodes_leave_only_when_no_tier_holds_them(stat
 
 def test_no_l3_means_no_moves(rng):
     """Without an L3 plan the daemon plans no write-through and no promotion."""
-    state = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5)
+    state = DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5)
     session, namespace = state.attach(GEOMETRY, pid=1)
     _, move = commit(state, session.session_id, tokens(rng, 2))
     assert move is None and namespace.l3_allocator is None

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import Tier
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
@@ -20,7 +20,7 @@ PAGE = GEOMETRY.page_size
 
 
 def make_state(num_namespaces: int = 1) -> DaemonState:
-    return DaemonState(ArenaPlan(num_namespaces << 21, num_namespaces), session_timeout_s=1.5, clock=FakeClock())
+    return DaemonState(num_namespaces << 21, max_namespaces=num_namespaces, session_timeout_s=1.5, clock=FakeClock())
 
 
 def tokens(rng, num_pages: int) -> bytes:

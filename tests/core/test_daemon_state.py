@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import MAX_SESSION_RESERVED_SHARE, ArenaPlan, DaemonState
+from kvcached.core.daemon import MAX_SESSION_RESERVED_SHARE, DaemonState
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
 
-# 131072-byte pages: a 2 MiB arena holds exactly 16 pages of 8 tokens.
+# 131072-byte pages: a 2 MiB pool holds exactly 16 pages of 8 tokens.
 GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
 PAGE = GEOMETRY.page_size
 
@@ -33,7 +33,7 @@ def clock():
 
 @pytest.fixture
 def state(clock):
-    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=1.5, clock=clock)
+    return DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, clock=clock)
 
 
 def tokens(rng, num_pages: int) -> bytes:
@@ -216,13 +216,13 @@ def test_expired_session_loses_its_leases(state, clock, rng):
 
 
 def test_namespaces_are_isolated(state, rng):
-    """Engines with different geometry never see each other's pages; a geometry that needs a new arena
-    when none is left is refused."""
-    two = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5)
+    """Engines with different geometry never see each other's pages; a geometry beyond
+    max_namespaces, when no namespace is idle, is refused."""
+    two = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
     a, ns_a = two.attach(GEOMETRY, pid=1)
     other = KVGeometry("other-model", 4, 4, 128, "float32", 8)
     b, ns_b = two.attach(other, pid=2)
-    assert ns_a is not ns_b and ns_b.arena_offset_bytes == 2 << 20
+    assert ns_a is not ns_b
     prefix = tokens(rng, 2)
     back_up(two, a.session_id, prefix)
     assert two.match(b.session_id, prefix).hit_tokens["l2"] == 0
@@ -250,10 +250,11 @@ def test_integrity_check_detects_a_lost_private_page(state, rng):
         state.check_integrity()
 
 
-def test_idle_namespace_gives_its_arena_to_a_new_geometry(clock, rng):
-    """With every arena taken, a new geometry gets the arena of the namespace idle longest (no session,
-    cache dropped); namespaces with attached engines are never taken."""
-    state = DaemonState(ArenaPlan(4 << 20, 2), session_timeout_s=1.5, clock=clock)
+def test_idle_namespace_makes_way_for_a_new_geometry(clock, rng):
+    """With max_namespaces namespaces served, a new geometry replaces the namespace idle longest (no
+    session; its cache dropped, its chunks back in the pool); namespaces with attached engines are
+    never taken."""
+    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5, clock=clock)
     first, ns_first = state.attach(GEOMETRY, pid=1)
     back_up(state, first.session_id, tokens(rng, 3))
     second, ns_second = state.attach(KVGeometry("second", 4, 4, 128, "float32", 8), pid=2)
@@ -265,7 +266,7 @@ def test_idle_namespace_gives_its_arena_to_a_new_geometry(clock, rng):
     clock.advance(1)
     third, ns_third = state.attach(third_geometry, pid=3)
     state.check_integrity()
-    assert ns_third.arena_offset_bytes == ns_first.arena_offset_bytes
+    assert state.chunks[Tier.L2].owned_by(ns_first.namespace_id) == []
     assert ns_first.namespace_id not in state.namespaces and ns_second.namespace_id in state.namespaces
     assert state.metrics.counters["namespaces_reclaimed"] == 1
     state.detach(second.session_id)

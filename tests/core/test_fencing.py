@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import IntegrityError
 from proto.errors import ErrorCode, ProtocolError
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
@@ -24,7 +24,7 @@ def clock():
 
 @pytest.fixture
 def state(clock):
-    return DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=TIMEOUT_S, session_grace_s=GRACE_S, clock=clock)
+    return DaemonState(2 << 20, max_namespaces=1, session_timeout_s=TIMEOUT_S, session_grace_s=GRACE_S, clock=clock)
 
 
 def l2(state) -> dict:
@@ -219,7 +219,7 @@ def test_integrity_detects_a_quarantined_page_that_is_also_free(state, clock):
 def test_a_namespace_with_quarantined_pages_keeps_its_arena(clock):
     """The arena of a namespace whose pages are quarantined is not given to a new geometry (a stale
     writer may still write it) until the quarantine ends."""
-    state = DaemonState(ArenaPlan(2 << 20, 1), session_timeout_s=TIMEOUT_S, session_grace_s=GRACE_S, clock=clock)
+    state = DaemonState(2 << 20, max_namespaces=1, session_timeout_s=TIMEOUT_S, session_grace_s=GRACE_S, clock=clock)
     rng = np.random.default_rng(9)
     holding(state, rng)
     clock.advance(TIMEOUT_S + 0.1)

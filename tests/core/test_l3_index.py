@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import ArenaPlan, DaemonState
+from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, PutNamespace, PutSlots, SavedNamespace,
                                     SlotRow, chain_page_keys, namespace_key, page_key, plan_rebuild)
 from kvcached.core.tier_ops import TierMove
@@ -19,8 +19,8 @@ from kvcached.core.tiers import Tier
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock
 
 OTHER_GEOMETRY = dataclasses.replace(GEOMETRY, model_id="other")
-L2_PLAN = ArenaPlan(2 << 20, 1)          # 16 pages of 131072 bytes
-L3_PLAN = ArenaPlan(4 << 20, 1)          # 32 slots
+L2_BYTES = 2 << 20                      # 16 pages of 131072 bytes
+L3_BYTES = 4 << 20                      # 32 slots
 
 
 @pytest.fixture
@@ -127,8 +127,10 @@ def random_workload(state: DaemonState, tiers: SimulatedTiers, index: ReplayedIn
     return prefixes
 
 
-def new_state(index: ReplayedIndex | None = None, l2_plan=L2_PLAN, l3_plan=L3_PLAN) -> DaemonState:
-    return DaemonState(l2_plan, session_timeout_s=1.5, l3_plan=l3_plan, clock=FakeClock(), l3_index_sink=index)
+def new_state(index: ReplayedIndex | None = None, l2_bytes=L2_BYTES, l3_bytes=L3_BYTES,
+              max_namespaces=1) -> DaemonState:
+    return DaemonState(l2_bytes, max_namespaces=max_namespaces, session_timeout_s=1.5, l3_bytes=l3_bytes,
+                       clock=FakeClock(), l3_index_sink=index)
 
 
 def test_index_rows_are_the_tree_l3_pages_after_every_step(rng):
@@ -152,7 +154,7 @@ def test_a_replayed_index_rebuilds_the_same_l3_residency_and_it_is_served(rng):
     index_after = ReplayedIndex()
     index_after.layouts, index_after.rows = dict(index.layouts), {k: dict(v) for k, v in index.rows.items()}
     rebuilt = new_state(index_after)
-    assert rebuilt.restore_l3(index.saved(), l3_bytes_kept=L3_PLAN.segment_bytes) == sum(map(len, index.rows.values()))
+    assert rebuilt.restore_l3(index.saved(), l3_bytes_kept=L3_BYTES) == sum(map(len, index.rows.values()))
     rebuilt.check_integrity()
     assert [l3_page_ids(rebuilt, GEOMETRY, prefix) for prefix in prefixes] == before
     index_matches_tree(rebuilt, index_after)
@@ -189,7 +191,7 @@ def rebuilt_hits(index: ReplayedIndex, *prefixes) -> tuple[DaemonState, Replayed
     index_after = ReplayedIndex()
     index_after.layouts, index_after.rows = dict(index.layouts), {k: dict(v) for k, v in index.rows.items()}
     rebuilt = new_state(index_after)
-    rebuilt.restore_l3(index.saved(), l3_bytes_kept=L3_PLAN.segment_bytes)
+    rebuilt.restore_l3(index.saved(), l3_bytes_kept=L3_BYTES)
     rebuilt.check_integrity()
     index_matches_tree(rebuilt, index_after)
     return rebuilt, index_after, [len(l3_page_ids(rebuilt, GEOMETRY, p)) for p in prefixes]
@@ -248,33 +250,45 @@ def test_plan_rebuild_keys_chain_from_the_root():
 
 
 def test_a_changed_layout_drops_what_no_longer_fits(rng):
-    """Rows saved with 2 namespaces of 32 slots each: with 1 namespace, the second is dropped whole;
-    with a smaller L3 file (16 slots per region: regions are 2 MiB aligned), the second region moved and is dropped and the
-    first keeps its rows below slot 16; with only 10 slots' worth of bytes kept, rows below slot 10.
-    What is dropped is deleted from the index; what is kept matches the tree."""
+    """Rows of two namespaces sharing an L3 file of four chunks, rebuilt: with the same sizes, all
+    of them; with one namespace served, the one with fewer rows is dropped whole; with 10 slots'
+    worth of bytes kept, each prefix up to its first slot at or past 10; in a larger file cut into
+    larger chunks, the namespace with more rows whole and, of the other, only rows in chunks the
+    first did not claim. What is dropped leaves the index, what is kept matches the tree, and no
+    chunk holds rows of two namespaces."""
     index = ReplayedIndex()
-    state = new_state(index, l2_plan=ArenaPlan(4 << 20, 2), l3_plan=ArenaPlan(8 << 20, 2))
+    state = new_state(index, l2_bytes=4 << 20, l3_bytes=8 << 20, max_namespaces=2)
+    assert state.chunks[Tier.L3].num_chunks == 4
     tiers = SimulatedTiers(state, rng)
-    prefixes = random_workload(state, tiers, index, rng, num_steps=20)
-    random_workload(state, tiers, index, rng, num_steps=4, geometry=OTHER_GEOMETRY)
-    assert max(index.rows[namespace_key(GEOMETRY)]) >= 16, "the first region must use slots past 16"
-    before = [l3_page_ids(state, GEOMETRY, prefix) for prefix in prefixes]
+    prefixes = {GEOMETRY: random_workload(state, tiers, index, rng, num_steps=20)}
+    prefixes[OTHER_GEOMETRY] = random_workload(state, tiers, index, rng, num_steps=3, geometry=OTHER_GEOMETRY)
+    counts = {g: len(index.rows[namespace_key(g)]) for g in prefixes}
+    assert counts[GEOMETRY] > counts[OTHER_GEOMETRY] > 0, counts
+    before = {g: [l3_page_ids(state, g, prefix) for prefix in prefixes[g]] for g in prefixes}
 
-    def rebuild(l2_plan, l3_plan, kept_bytes):
+    def rebuild(l3_bytes, kept_bytes, max_namespaces=2):
         after = ReplayedIndex()
         after.layouts, after.rows = dict(index.layouts), {k: dict(v) for k, v in index.rows.items()}
-        rebuilt = new_state(after, l2_plan=l2_plan, l3_plan=l3_plan)
+        rebuilt = new_state(after, l2_bytes=4 << 20, l3_bytes=l3_bytes, max_namespaces=max_namespaces)
         rebuilt.restore_l3(index.saved(), l3_bytes_kept=kept_bytes)
         rebuilt.check_integrity()
-        index_matches_tree(rebuilt, after)
-        assert namespace_key(OTHER_GEOMETRY) not in after.rows
-        assert OTHER_GEOMETRY not in rebuilt.geometry_to_namespace
-        return rebuilt, [l3_page_ids(rebuilt, GEOMETRY, prefix) for prefix in prefixes]
+        chunks = rebuilt.chunks[Tier.L3]
+        row_chunks = {}
+        for g in prefixes:
+            if g in rebuilt.geometry_to_namespace:
+                index_matches_tree(rebuilt, after, g)
+                row_chunks[g] = {slot * g.bytes_per_page // chunks.chunk_bytes for slot in after.rows[namespace_key(g)]}
+            else:
+                assert namespace_key(g) not in after.rows
+        assert not set.intersection(*row_chunks.values()) if len(row_chunks) == 2 else True
+        hits = {g: [l3_page_ids(rebuilt, g, prefix) for prefix in prefixes[g]]
+                for g in prefixes if g in rebuilt.geometry_to_namespace}
+        return after, hits
 
-    def below(limit):
+    def below(g, limit):
         """Each prefix's leading slots, up to its first slot at or past limit."""
         kept = []
-        for slots in before:
+        for slots in before[g]:
             run = []
             for slot in slots:
                 if slot >= limit:
@@ -283,12 +297,22 @@ def test_a_changed_layout_drops_what_no_longer_fits(rng):
             kept.append(run)
         return kept
 
-    _, hits = rebuild(L2_PLAN, L3_PLAN, L3_PLAN.segment_bytes)
+    _, hits = rebuild(8 << 20, 8 << 20)
     assert hits == before
-    _, hits = rebuild(ArenaPlan(4 << 20, 2), ArenaPlan(6 << 20, 2), 6 << 20)
-    assert hits == below(16)
-    _, hits = rebuild(ArenaPlan(4 << 20, 2), ArenaPlan(8 << 20, 2), 10 * GEOMETRY.bytes_per_page)
-    assert hits == below(10)
+    _, hits = rebuild(8 << 20, 8 << 20, max_namespaces=1)
+    assert hits == {GEOMETRY: before[GEOMETRY]}
+    _, hits = rebuild(8 << 20, 10 * GEOMETRY.bytes_per_page)
+    assert hits == {g: below(g, 10) for g in prefixes}
+    after, hits = rebuild(200 << 20, 8 << 20)         # chunks of 4 MiB: two old chunks in one
+    assert hits[GEOMETRY] == before[GEOMETRY]
+    old_rows = {g: index.rows[namespace_key(g)] for g in prefixes}
+    new_chunk = {g: {slot: slot * g.bytes_per_page // (4 << 20) for slot in old_rows[g]} for g in prefixes}
+    first_chunks = set(new_chunk[GEOMETRY].values())
+    clashing = {slot for slot, chunk in new_chunk[OTHER_GEOMETRY].items() if chunk in first_chunks}
+    kept = set(after.rows[namespace_key(OTHER_GEOMETRY)])
+    assert not kept & clashing and kept <= set(old_rows[OTHER_GEOMETRY])
+    if not clashing:
+        assert hits[OTHER_GEOMETRY] == before[OTHER_GEOMETRY]
 
 
 def test_a_slot_whose_bytes_fail_their_checksum_is_never_published(rng):
@@ -321,8 +345,8 @@ def test_a_slot_whose_bytes_fail_their_checksum_is_never_published(rng):
 
 
 def test_a_reclaimed_namespace_leaves_the_index():
-    """When an idle namespace's region is given to another geometry, its layout and rows are
-    dropped from the index and the newcomer's layout is recorded in the same region."""
+    """When an idle namespace is reclaimed for another geometry, its layout and rows are dropped
+    from the index and the newcomer's layout is recorded."""
     index = ReplayedIndex()
     state = new_state(index)
     rng = np.random.default_rng(7)
@@ -334,7 +358,6 @@ def test_a_reclaimed_namespace_leaves_the_index():
     state.attach(OTHER_GEOMETRY, pid=2)
     assert list(index.layouts) == [namespace_key(OTHER_GEOMETRY)]
     assert namespace_key(GEOMETRY) not in index.rows
-    assert index.layouts[namespace_key(OTHER_GEOMETRY)].arena_index == 0
 
 
 def test_a_temporary_l3_records_nothing():

@@ -518,3 +518,74 @@ def test_random_operations_match_a_reference_model(rng):
         tree.evict(tier, 10**6)
     assert tree.num_nodes == 0
     assert tree.check_integrity() == {L2: set(), L3: set()}
+
+
+def test_discard_of_a_page_whose_whole_subtree_empties_leaves_no_node(rng):
+    """Discarding page 0 of a head held only in L3, with two branches below it held only in L3,
+    frees every page and leaves an empty tree: each emptied node leaves once, whichever child
+    emptied it."""
+    tree = _tree()
+    head = _tokens(rng, 3)
+    left, right = np.concatenate([head, _tokens(rng, 2)]), np.concatenate([head, _tokens(rng, 4)])
+    left_ids, right_ids = _page_ids(rng, 5), _page_ids(rng, 4, low=200_000)
+    tree.insert(left, L3, left_ids)
+    tree.insert(right, L3, right_ids, start_page=3)
+    assert tree.num_nodes == 3
+    freed = tree.discard(left, L3, 0)
+    assert sorted(freed) == sorted(left_ids + right_ids)
+    assert tree.num_nodes == 0 and tree.check_integrity() == {L2: set(), L3: set()}
+
+
+def test_discard_pages_clears_each_page_and_what_lies_below_it(rng):
+    """discard_pages(L2, ids) frees those L2 pages wherever they lie in the tree, with every L2
+    page below each (other branches and L3 residency untouched), splitting a node at its first
+    named page; with a locked page among them it raises and changes nothing."""
+    tree = _tree()
+    head = _tokens(rng, 4)
+    left, right, other = (np.concatenate([head, _tokens(rng, 3)]), np.concatenate([head, _tokens(rng, 2)]),
+                          _tokens(rng, 5))
+    ids = {name: _page_ids(rng, 7, low=i * 200_000) for i, name in enumerate(("left", "right", "other"))}
+    tree.insert(left, L2, ids["left"][:7])
+    tree.insert(right, L2, ids["right"][:2], start_page=4)
+    tree.insert(other, L2, ids["other"][:5])
+    tree.insert(other, L3, ids["other"][:5])
+    node = tree.match(other).last_node[L2]
+    tree.lock(node, L2)
+    with pytest.raises(ValueError, match="locked"):
+        tree.discard_pages(L2, [ids["left"][5], ids["other"][3]])
+    tree.check_integrity()
+    assert tree.match(other).hit_tokens[L2] == 5 * PAGE
+    tree.unlock(node, L2)
+
+    # Page 2 of the head: the head's pages 2-3 and both branches go; page 3 of `other` and its last.
+    freed = tree.discard_pages(L2, [ids["left"][2], ids["other"][3], ids["left"][5]])
+    tree.check_integrity()
+    assert sorted(freed) == sorted(ids["left"][2:7] + ids["right"][:2] + ids["other"][3:5])
+    assert tree.match(left).hit_tokens == {L2: 2 * PAGE, L3: 0}
+    assert tree.match(right).hit_tokens == {L2: 2 * PAGE, L3: 0}
+    assert tree.match(other).hit_tokens == {L2: 3 * PAGE, L3: 5 * PAGE}
+    assert tree.discard_pages(L2, [12345678]) == []
+
+
+def test_resident_pages_and_the_oldest_evictable_access(rng):
+    """resident_pages(tier) lists every resident page once with its node's LRU time and lock;
+    oldest_evictable_access(tier) is the LRU time of the leaf evict() frees first (None when
+    nothing is evictable)."""
+    tree = _tree()
+    assert tree.oldest_evictable_access(L2) is None
+    first, second = _tokens(rng, 3), _tokens(rng, 2)
+    first_ids, second_ids = _page_ids(rng, 3), _page_ids(rng, 2, low=200_000)
+    tree.insert(first, L2, first_ids)
+    tree.insert(second, L2, second_ids)
+    first_node, second_node = tree.match(first).last_node[L2], tree.match(second).last_node[L2]
+    assert tree.oldest_evictable_access(L2) == first_node.last_access[L2] < second_node.last_access[L2]
+    tree.lock(first_node, L2)
+    assert tree.oldest_evictable_access(L2) == second_node.last_access[L2]
+    resident = tree.resident_pages(L2)
+    by_page = {int(p): (float(t), bool(k)) for p, t, k in zip(*resident)}
+    assert len(resident.page_ids) == 5 and set(by_page) == set(first_ids + second_ids)
+    assert all(by_page[p] == (first_node.last_access[L2], True) for p in first_ids)
+    assert all(by_page[p] == (second_node.last_access[L2], False) for p in second_ids)
+    tree.lock(second_node, L2)
+    assert tree.oldest_evictable_access(L2) is None
+    tree.check_integrity()

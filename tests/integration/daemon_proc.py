@@ -50,8 +50,10 @@ class DaemonProcess:
         self.socket_dir = socket_dir or tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
         self.socket_path = os.path.join(self.socket_dir, "kvcached.sock")
         socket_arg = self.socket_path if socket_arg is None else socket_arg
+        # Every test daemon serves HTTP on a free loopback port (http_url), unless told otherwise.
+        http_args = () if "--http" in extra_args else ("--http", "127.0.0.1:0")
         self.args = [sys.executable, "-m", "kvcached.cli", "serve", *(["--socket", socket_arg] if socket_arg else []),
-                     "--l2-size", l2_size, *extra_args]
+                     "--l2-size", l2_size, *http_args, *extra_args]
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="kvt-log-", dir="/tmp"), "daemon.log")
         self.env = {**child_env(), **(env or {})}
         self.cwd = cwd
@@ -80,6 +82,15 @@ class DaemonProcess:
             time.sleep(0.02)
         return self
 
+    def http_url(self, timeout_s: float = 5.0) -> str:
+        """http://HOST:PORT of its HTTP listener, as its status names it."""
+        from kvcached.server.status import StatusClient
+
+        with StatusClient(self.socket_path, timeout_s=timeout_s) as client:
+            address = client.status()["daemon"]["http"]
+        assert address, f"the daemon serves no HTTP: {self.log()}"
+        return f"http://{address}"
+
     def log(self) -> str:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
@@ -105,9 +116,11 @@ class DaemonProcess:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
         # A daemon killed on purpose leaves its segment behind; do not leak it into /dev/shm.
-        from kvcached.server.shm import segment_name
+        from kvcached.server.shm import epoch_file_prefix, segment_name
 
-        try:
-            os.unlink(os.path.join("/dev/shm", segment_name(self.socket_path)))
-        except FileNotFoundError:
-            pass
+        prefix = epoch_file_prefix(self.socket_path)
+        for name in [segment_name(self.socket_path)] + [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass

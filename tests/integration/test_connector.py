@@ -304,10 +304,10 @@ def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
 
 
 def test_pages_the_daemon_cannot_reserve_are_counted_as_skipped():
-    """A prefix longer than the L2 arena: the pages the daemon could not reserve are skipped (cause
+    """A prefix longer than the L2 pool: the pages the daemon could not reserve are skipped (cause
     no_space), the rest committed; pages beyond the tokens the request's lease was taken for are
     skipped as beyond_lease. Every lacking page is accounted for."""
-    daemon = DaemonProcess(l2_size="8MiB").start()        # 4 arenas of 2 MiB: 32 pages of 64 KiB
+    daemon = DaemonProcess(l2_size="2MiB").start()        # 32 pages of 64 KiB
     engine = None
     try:
         engine = Engine(daemon.socket_path, "layer", seed=SEED + 8, num_blocks=48, layers=4, heads=4, head_dim=64)
@@ -334,7 +334,8 @@ def test_pages_the_daemon_cannot_reserve_are_counted_as_skipped():
 def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
     """A load is queued while the session is valid; the daemon stops (SIGSTOP) until the session can
     no longer be trusted; the completed load is then discarded (its lease may have ended while the
-    DMA read): every block is reported failed, to be recomputed, and counted."""
+    DMA read): every block is reported failed, to be recomputed, and counted. Its queued report
+    (what a layer-by-layer prefill may have read already) came first and is voided by that result."""
     rng = np.random.default_rng(SEED + 9)
     engine = Engine(daemon.socket_path, "layer", seed=SEED + 9)
     try:
@@ -355,10 +356,82 @@ def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
                 assert time.monotonic() < deadline, "the session stayed valid"
                 time.sleep(0.01)
             engine.connector.poll()
-            results = engine.connector.finished().loads
+            finished = engine.connector.finished()
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
-        assert results == [LoadResult("r", 0, [5, 6, 7], "session_lost")]
+        assert finished.queued == [LoadResult("r", 3 * P, [], None)]       # provisional, then voided
+        assert finished.loads == [LoadResult("r", 0, [5, 6, 7], "session_lost")]
         assert engine.connector.stats()["load_failed_pages_session_lost"] == 3
     finally:
         engine.close()
+
+
+def test_a_load_is_reported_queued_with_what_it_fills_then_confirmed(daemon):
+    """A load asked for 5 pages of which L2 holds 3 is reported once in finished().queued, with the
+    3 pages' tokens and the 2 other blocks failed (not cached), no later than its result; the result
+    says the same. A request with no load is never reported queued."""
+    rng = np.random.default_rng(SEED + 11)
+    engine = Engine(daemon.socket_path, "layer", seed=SEED + 11)
+    try:
+        tokens = random_tokens(rng, 5 * P)
+        engine.connector.save("w", tokens[: 3 * P], [0, 1, 2])
+        engine.connector.request_finished("w")
+        engine.settle()
+        engine.connector.load("r", tokens, [10, 11, 12, 13, 14], 5 * P)
+        engine.connector.load("lease-only", random_tokens(rng, 2 * P), [], 0)
+        queued, loads = [], []
+        deadline = time.monotonic() + 10.0
+        while not loads:
+            finished = engine.connector.finished()
+            queued += finished.queued
+            assert loads or not finished.loads or queued, "the result came before the queued report"
+            loads += finished.loads
+            assert time.monotonic() < deadline, engine.connector.stats()
+        expected = LoadResult("r", 3 * P, [13, 14], "not_cached")
+        assert queued == [expected] and loads == [expected]
+        for src, dst in zip([0, 1, 2], [10, 11, 12]):
+            assert torch.equal(engine.block(dst), engine.block(src)), (SEED, src, dst)
+        for request_id in ("r", "lease-only"):
+            engine.connector.request_finished(request_id)
+        engine.settle()
+        assert engine.connector.finished().queued == []
+    finally:
+        engine.close()
+
+
+def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_load():
+    """wait_for_layer_load(layer, request_ids=[a]) with a's match unanswered (sent while the daemon
+    was stopped) takes a's reply (a bounded host wait) and queues a's copies, so they are done when
+    it returns on CPU; b's load, named by no one, is not queued by it; an id with no open request is
+    ignored. (A patient daemon: its sessions outlive the stop by far, see the test above.)"""
+    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
+    rng = np.random.default_rng(SEED + 12)
+    engine = None
+    try:
+        engine = Engine(daemon.socket_path, "layer", seed=SEED + 12)
+        tokens = random_tokens(rng, 2 * P)
+        engine.connector.save("w", tokens, [0, 1])
+        engine.connector.request_finished("w")
+        engine.settle()
+        stop_process(daemon.proc.pid)
+        try:
+            engine.connector.load("a", tokens, [10, 11], 2 * P)
+            engine.connector.load("b", tokens, [12, 13], 2 * P)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert engine.connector.stats().get("load_pages_queued", 0) == 0
+        engine.connector.wait_for_layer_load(L - 1, request_ids=["a", "unknown"])
+        assert engine.connector.stats()["load_pages_queued"] == 2
+        for src, dst in zip([0, 1], [10, 11]):
+            assert torch.equal(engine.block(dst), engine.block(src)), (SEED, src, dst)
+        with pytest.raises(ValueError):
+            engine.connector.wait_for_layer_load(L, request_ids=["a"])
+        engine.poll_until(lambda: len(engine.loads) == 2, "both loads")
+        assert all(result.ok for result in engine.loads), engine.loads
+        for request_id in ("a", "b"):
+            engine.connector.request_finished(request_id)
+        engine.settle()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()

@@ -151,8 +151,8 @@ def test_gpu_load_writes_blocks_only_after_the_callers_earlier_work(daemon):
 
 
 def test_gpu_the_engines_stream_waits_for_a_synchronous_load(daemon):
-    """After wait_for_layer_load, work on the engine's stream sees the loaded blocks, with no host
-    synchronisation in between (the load itself queued behind a long kernel)."""
+    """After wait_for_layer_load of every layer, work on the engine's stream sees the loaded blocks,
+    with no host synchronisation in between (the load itself queued behind a long kernel)."""
     rng = np.random.default_rng(SEED + 8)
     a, b = GpuEngine(daemon.socket_path, SEED + 8), GpuEngine(daemon.socket_path, SEED + 9)
     try:
@@ -161,7 +161,8 @@ def test_gpu_the_engines_stream_waits_for_a_synchronous_load(daemon):
         destination = list(range(20, 28))
         torch.cuda._sleep(SLEEP_CYCLES)
         b.connector.load("r", tokens, destination, 8 * P, asynchronous=False)
-        b.connector.wait_for_layer_load(0)
+        for layer in range(L):                   # the blocks of every layer are read below
+            b.connector.wait_for_layer_load(layer)
         seen = [torch.stack([t[:, block] for t in b.tensors]).clone() for block in destination]
         torch.cuda.synchronize()
         for i, block in enumerate(range(8)):
@@ -218,3 +219,37 @@ def test_gpu_a_transfers_time_is_its_copies_not_its_wait_for_the_callers_stream(
         assert predicted_s < 0.2 * waited_s, (d2h, waited_s)
     finally:
         a.connector.close()
+
+
+def test_gpu_the_engines_stream_waits_for_each_layer_alone(daemon):
+    """A load queued behind a long kernel of the engine's stream, then for each layer in turn (the
+    stream still in that kernel): the stream waits for that layer of the load (wait_for_layer_load with the request's id) and copies
+    that layer of the destination blocks. Each copy holds the loaded bytes, with no host wait in
+    between; the load has one distinct event per layer, the last one its completion."""
+    rng = np.random.default_rng(SEED + 12)
+    a, b = GpuEngine(daemon.socket_path, SEED + 12), GpuEngine(daemon.socket_path, SEED + 13)
+    try:
+        tokens = rng.integers(0, 100_000, size=24 * P, dtype=np.int32)
+        source = list(range(24))
+        save_all(a, "r", tokens, source)
+        destination = list(range(30, 54))
+        torch.cuda._sleep(SLEEP_CYCLES)      # the load starts after it, as do the stream's waits
+        b.connector.load("r", tokens, destination, 24 * P)
+        deadline = time.monotonic() + 10.0
+        while not b.connector.finished().queued:
+            assert time.monotonic() < deadline, b.connector.stats()
+        (load,) = b.connector._requests["r"].loads
+        events = load.transfer.layer_events
+        assert len(events) == L and len({id(e) for e in events}) == L and events[-1] is load.transfer.done_event
+        seen = []
+        for layer in range(L):
+            b.connector.wait_for_layer_load(layer, request_ids=["r"])
+            seen.append(b.tensors[layer][:, destination].clone())
+        torch.cuda.synchronize()
+        for layer in range(L):
+            expected = a.tensors[layer][:, source]
+            assert torch.equal(seen[layer].view(torch.int16), expected.view(torch.int16)), (SEED, layer)
+        b.connector.request_finished("r")
+    finally:
+        a.connector.close()
+        b.connector.close()

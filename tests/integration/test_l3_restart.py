@@ -170,14 +170,13 @@ def flip_byte(l3_path: str, index_path: str, tokens: np.ndarray, page: int, byte
     key = chain_page_keys(tokens, PAGE, page + 1)[page]
     reader = sqlite3.connect(index_path)
     try:
-        (region_offset,), = reader.execute("SELECT region_offset FROM namespaces WHERE ns_key = ?",
-                                           (namespace_key(GEOMETRY),))
-        (slot,), = reader.execute("SELECT slot FROM slots WHERE page_key = ?", (key,))
+        (slot,), = reader.execute("SELECT slot FROM slots WHERE ns_key = ? AND page_key = ?",
+                                  (namespace_key(GEOMETRY), key))
     finally:
         reader.close()
     fd = os.open(l3_path, os.O_RDWR)
     try:
-        offset = region_offset + slot * GEOMETRY.bytes_per_page + byte_in_page
+        offset = slot * GEOMETRY.bytes_per_page + byte_in_page      # slot ids are absolute in the file
         (value,) = os.pread(fd, 1, offset)
         os.pwrite(fd, bytes([value ^ 0x01]), offset)
     finally:
@@ -261,3 +260,33 @@ def test_a_temporary_l3_writes_no_index():
         assert after <= before
     finally:
         daemon.cleanup()
+
+
+def test_an_index_of_the_older_layout_is_refused_not_misread(tmp_path):
+    """An L3 file whose index was written with the older layout (schema 1: a region per namespace)
+    is not served from: the daemon says so in one warning, starts with an empty L3, and a prefix
+    the old rows name is a miss, not bytes read from the wrong place (an older daemon would have
+    served them from its region 0)."""
+    from tests.server.test_l3_index_store import write_schema_1_index
+    from kvcached.core.l3_index import ROOT_KEY, SlotRow
+
+    run = RestartingDaemon()
+    rng = np.random.default_rng(new_seed())
+    try:
+        tokens = rng.integers(0, 150_000, size=3 * PAGE, dtype=np.int32)
+        keys = chain_page_keys(tokens, PAGE, 3)
+        with open(run.l3_path, "wb") as f:
+            f.write(rng.bytes(16 << 20))
+        rows = [SlotRow(page, keys[page], keys[page - 1] if page else ROOT_KEY,
+                        tokens[page * PAGE:(page + 1) * PAGE].tobytes(), 0) for page in range(3)]
+        write_schema_1_index(run.index_path, GEOMETRY, 0, 0, rows)     # the older daemon's first region
+        run.start()
+        status = run.status()
+        assert status["integrity"] == "ok" and status["metrics"].get("l3_pages_restored", 0) == 0
+        assert status["namespaces"] == []
+        assert sum("older kvcached (schema 1" in line for line in run.daemon.log().splitlines()) == 1
+        with connect(run.daemon.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+            assert l2_l3(client, tokens) == (0, 0)
+    finally:
+        run.cleanup()

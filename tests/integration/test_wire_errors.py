@@ -330,3 +330,54 @@ def test_each_refused_request_is_logged_at_debug():
         assert len(lines) == 25 and all(" DEBUG " in line for line in lines), lines[:3]
     finally:
         daemon.cleanup()
+
+
+def peer_register_body(session_id: int, **overrides) -> dict:
+    body = {"session_id": session_id, "transport": "cuda", "device_id": "gpu-test", "layout": "layer",
+            "dtype": "float16", "num_blocks": 8, "storages": [{"handle": b"h" * 64, "size": 4096, "offset": 0}],
+            "tensors": [{"storage": 0, "offset": 0, "shape": [2, 8, 4, 2, 16], "stride": [1024, 128, 32, 16, 1]}]}
+    body.update(overrides)
+    return body
+
+
+@pytest.mark.parametrize("change", [
+    {"transport": "rdma"},
+    {"num_blocks": 0},
+    {"storages": []},
+    {"storages": [{"handle": b"h" * 5000}]},                       # a handle value too long
+    {"storages": [{f"k{i}": i for i in range(40)}]},               # too many handle fields
+    {"storages": [{"handle": [1, 2]}]},                            # not a scalar
+    {"tensors": [{"storage": 1, "offset": 0, "shape": [2], "stride": [1]}]},   # no such storage
+    {"tensors": [{"storage": 0, "offset": 0, "shape": [2, 3], "stride": [1]}]},
+    {"device_id": 7},
+])
+def test_bad_peer_registrations_are_refused(daemon, peer, bystander, change):
+    """A PEER_REGISTER whose fields are malformed gets BAD_FRAME and registers nothing; the daemon
+    keeps serving."""
+    body = peer_register_body(bystander.info.session_id, **change)
+    assert_error(peer.request(MsgKind.PEER_REGISTER, body), ErrorCode.BAD_FRAME)
+    assert "peer" not in bystander.status()["sessions"][0]
+    assert_still_serving(bystander, daemon)
+
+
+def test_bad_peer_publications_are_refused(daemon, bystander, rng):
+    """A PEER_PUBLISH before any registration gets NOT_ATTACHED; after one, a block beyond the
+    registration or a run its tokens do not cover gets BAD_PAGES, an odd epoch BAD_FRAME; a good
+    one is taken; the tree stays intact."""
+    session_id = bystander.info.session_id
+    tokens = rng.integers(0, 50_000, size=2 * GEOMETRY.page_size, dtype=np.int32).tobytes()
+    run = {"token_ids": tokens, "start_page": 0, "block_ids": [1, 2], "epochs": [2, 2]}
+    with pytest.raises(DaemonError) as error:
+        bystander.request_raw(MsgKind.PEER_PUBLISH, {"session_id": session_id, "runs": [run]})
+    assert error.value.code == ErrorCode.NOT_ATTACHED
+    reply = bystander.request_raw(MsgKind.PEER_REGISTER, peer_register_body(session_id))
+    assert reply["epochs_path"] and reply["peer_id"]
+    for bad, code in (({"block_ids": [1, 8]}, ErrorCode.BAD_PAGES), ({"start_page": 1}, ErrorCode.BAD_PAGES),
+                      ({"epochs": [2, 3]}, ErrorCode.BAD_FRAME), ({"epochs": [2]}, ErrorCode.BAD_FRAME)):
+        with pytest.raises(DaemonError) as error:
+            bystander.request_raw(MsgKind.PEER_PUBLISH, {"session_id": session_id, "runs": [{**run, **bad}]})
+        assert error.value.code == code, bad
+    bystander.request_raw(MsgKind.PEER_PUBLISH, {"session_id": session_id, "runs": [run]})
+    status = bystander.status(check_integrity=True)
+    assert status["integrity"] == "ok" and status["sessions"][0]["peer"]["published_blocks"] == 2
+    assert_still_serving(bystander, daemon)

@@ -29,9 +29,8 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def layout(geometry: KVGeometry, arena_index: int) -> NamespaceLayout:
-    return NamespaceLayout(namespace_key(geometry), geometry, arena_index, arena_index << 20, 64,
-                           geometry.bytes_per_page)
+def layout(geometry: KVGeometry) -> NamespaceLayout:
+    return NamespaceLayout(namespace_key(geometry), geometry, geometry.bytes_per_page)
 
 
 def rows_of(rng, num_pages: int, first_slot: int) -> list[SlotRow]:
@@ -56,13 +55,13 @@ def test_submitted_changes_come_back_after_a_reopen(tmp_path, rng):
     assert saved == []
     store.start()
     a, b = rows_of(rng, 5, 0), rows_of(rng, 3, 10)
-    for change in (PutNamespace(layout(GEOMETRY, 0)), PutNamespace(layout(OTHER, 1)),
+    for change in (PutNamespace(layout(GEOMETRY)), PutNamespace(layout(OTHER)),
                    PutSlots(namespace_key(GEOMETRY), a), PutSlots(namespace_key(OTHER), b),
                    DeleteSlots(namespace_key(GEOMETRY), [a[3].slot, a[4].slot]),
                    DropNamespace(namespace_key(OTHER))):
         store.submit(change)
     store.close()
-    assert reopen(path) == {layout(GEOMETRY, 0): sorted(a[:3])}
+    assert reopen(path) == {layout(GEOMETRY): sorted(a[:3])}
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
@@ -73,7 +72,7 @@ def test_wait_for_deletes_returns_once_they_are_committed(tmp_path, rng):
     store, _ = L3IndexStore.open(path, fresh=False)
     store.start()
     rows = rows_of(rng, 4, 0)
-    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutNamespace(layout(GEOMETRY)))
     store.submit(PutSlots(namespace_key(GEOMETRY), rows))
     store.submit(DeleteSlots(namespace_key(GEOMETRY), [rows[1].slot]))
     store.wait_for_deletes(timeout_s=10.0)
@@ -92,7 +91,7 @@ def test_fresh_empties_the_index(tmp_path, rng):
     path = str(tmp_path / "l3.bin.index")
     store, _ = L3IndexStore.open(path, fresh=False)
     store.start()
-    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutNamespace(layout(GEOMETRY)))
     store.submit(PutSlots(namespace_key(GEOMETRY), rows_of(rng, 3, 0)))
     store.close()
     assert len(reopen(path)) == 1
@@ -111,10 +110,10 @@ def test_an_unreadable_index_starts_empty_and_works(tmp_path, rng):
     assert saved == []
     store.start()
     rows = rows_of(rng, 2, 5)
-    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutNamespace(layout(GEOMETRY)))
     store.submit(PutSlots(namespace_key(GEOMETRY), rows))
     store.close()
-    assert reopen(path) == {layout(GEOMETRY, 0): sorted(rows)}
+    assert reopen(path) == {layout(GEOMETRY): sorted(rows)}
 
 
 def test_a_torn_namespace_row_is_dropped_with_its_rows(tmp_path, rng):
@@ -123,8 +122,8 @@ def test_a_torn_namespace_row_is_dropped_with_its_rows(tmp_path, rng):
     path = str(tmp_path / "l3.bin.index")
     store, _ = L3IndexStore.open(path, fresh=False)
     store.start()
-    for geometry, index in ((GEOMETRY, 0), (OTHER, 1)):
-        store.submit(PutNamespace(layout(geometry, index)))
+    for geometry in (GEOMETRY, OTHER):
+        store.submit(PutNamespace(layout(geometry)))
         store.submit(PutSlots(namespace_key(geometry), rows_of(rng, 2, 0)))
     store.close()
     writer = sqlite3.connect(path)
@@ -132,7 +131,7 @@ def test_a_torn_namespace_row_is_dropped_with_its_rows(tmp_path, rng):
         writer.execute("UPDATE namespaces SET geometry = ? WHERE ns_key = ?",
                        ('{"model_id": "other", "num_layers": 3}', namespace_key(OTHER)))
     writer.close()
-    assert list(reopen(path)) == [layout(GEOMETRY, 0)]
+    assert list(reopen(path)) == [layout(GEOMETRY)]
     reader = sqlite3.connect(path)
     assert reader.execute("SELECT COUNT(*) FROM slots WHERE ns_key = ?", (namespace_key(OTHER),)).fetchone() == (0,)
     reader.close()
@@ -144,7 +143,7 @@ def test_a_writer_that_fails_removes_the_index(tmp_path, rng):
     path = str(tmp_path / "l3.bin.index")
     store, _ = L3IndexStore.open(path, fresh=False)
     store.start()
-    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutNamespace(layout(GEOMETRY)))
     store.submit(PutSlots(namespace_key(GEOMETRY), [rows_of(rng, 1, 0)[0]._replace(checksum={"not": "a number"})]))
     store.submit(DeleteSlots(namespace_key(GEOMETRY), [0]))
     store.wait_for_deletes(timeout_s=10.0)
@@ -175,7 +174,7 @@ def test_a_write_through_overwrites_a_slot_only_after_its_old_row_is_deleted(tmp
     monkeypatch.setattr(store, "_apply", lambda batch: (release_writer.wait(10.0), real_apply(batch)))
     store.start()
     release_writer.set()
-    store.submit(PutNamespace(layout(GEOMETRY, 0)))
+    store.submit(PutNamespace(layout(GEOMETRY)))
     store.submit(PutSlots(namespace_key(GEOMETRY), rows))
     store.submit(DeleteSlots(namespace_key(GEOMETRY), [9]))      # a slot with no row: a marker
     store.wait_for_deletes(timeout_s=10.0)                        # so the puts before it are committed too
@@ -205,3 +204,51 @@ def test_a_write_through_overwrites_a_slot_only_after_its_old_row_is_deleted(tmp
     assert list(result.page_checksums) == [zlib.crc32(arena[p * bytes_per_page:(p + 1) * bytes_per_page])
                                            for p in (2, 3)]
     assert keys == chain_page_keys(tokens, 16, 2)
+
+
+# The index as an older kvcached wrote it (schema 1): one region of the L3 file per namespace, at
+# region_offset, its slots counted from there.
+_SCHEMA_1 = """
+CREATE TABLE namespaces (
+    ns_key TEXT PRIMARY KEY, geometry TEXT NOT NULL, arena_index INTEGER NOT NULL,
+    region_offset INTEGER NOT NULL, num_slots INTEGER NOT NULL, bytes_per_page INTEGER NOT NULL);
+CREATE TABLE slots (
+    ns_key TEXT NOT NULL, slot INTEGER NOT NULL, page_key BLOB NOT NULL, parent_key BLOB NOT NULL,
+    tokens BLOB NOT NULL, checksum INTEGER NOT NULL, PRIMARY KEY (ns_key, slot));
+PRAGMA user_version = 1;
+"""
+
+
+def write_schema_1_index(path: str, geometry: KVGeometry, arena_index: int, region_offset: int,
+                         rows: list[SlotRow]) -> None:
+    import json
+
+    writer = sqlite3.connect(path)
+    try:
+        writer.executescript(_SCHEMA_1)
+        with writer:
+            writer.execute("INSERT INTO namespaces VALUES (?, ?, ?, ?, 64, ?)",
+                           (namespace_key(geometry), json.dumps(geometry.to_wire(), sort_keys=True), arena_index,
+                            region_offset, geometry.bytes_per_page))
+            writer.executemany("INSERT INTO slots VALUES (?, ?, ?, ?, ?, ?)",
+                               [(namespace_key(geometry), *row) for row in rows])
+    finally:
+        writer.close()
+
+
+def test_an_index_of_the_older_layout_is_refused_with_a_warning(tmp_path, rng, caplog):
+    """An index written with schema 1 (regions of the file, slots counted from each region's
+    start) is not read as if its slots were absolute: it comes back empty, with a warning that
+    says why, and is then a working index of the current schema."""
+    path = str(tmp_path / "l3.bin.index")
+    write_schema_1_index(path, GEOMETRY, 1, 1 << 20, rows_of(rng, 4, 0))
+    with caplog.at_level("WARNING", logger="kvcached.server.l3_index_store"):
+        store, saved = L3IndexStore.open(path, fresh=False)
+    assert saved == []
+    assert any("older kvcached (schema 1" in record.getMessage() for record in caplog.records)
+    store.start()
+    rows = rows_of(rng, 2, 5)
+    store.submit(PutNamespace(layout(GEOMETRY)))
+    store.submit(PutSlots(namespace_key(GEOMETRY), rows))
+    store.close()
+    assert reopen(path) == {layout(GEOMETRY): sorted(rows)}

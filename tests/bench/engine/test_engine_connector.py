@@ -1,6 +1,8 @@
 """The engine's connector hook, with an in-process fake connector that really moves KV bytes:
-loads replace prefill without changing tokens, decode goes on while a load is pending, blocks a
-transfer still touches are kept until released, and nothing leaks when requests are aborted."""
+loads replace prefill without changing tokens in every load mode, decode goes on while a load is
+pending (not under "blocking"), a layer-by-layer prefill waits for each layer and is redone when
+its load is voided, blocks a transfer still touches are kept until released, and nothing leaks
+when requests are aborted."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import pytest
 import torch
 
 from bench.engine import Engine, RequestState
+from bench.engine.load import LoadState
 from tests.bench.engine.fake_connector import FakeConnector
 from tests.bench.engine.reference import engine_on, hf_model, random_prompt
 
 MAX_STEPS = 500
 LOGITS_ATOL = 1e-4
+LOAD_MODES = ["layerwise", "async", "blocking"]
 
 
 def connected(engine: Engine, **options) -> FakeConnector:
@@ -58,12 +62,13 @@ def assert_all_blocks_back(engine: Engine, seed):
     assert not engine.scheduler.held_block_ids, f"seed {seed}"
 
 
-def test_loaded_blocks_give_the_tokens_of_a_cold_run(tmp_path):
+@pytest.mark.parametrize("load_mode", LOAD_MODES)
+def test_loaded_blocks_give_the_tokens_of_a_cold_run(tmp_path, load_mode):
     """What the connector lacks is saved after prefill; later, with the engine's cache cold, it is
     loaded instead of recomputed (beyond the engine's own hit, from that hit on), and the request
-    gets the tokens and logits of a cold run."""
+    gets the tokens and logits of a cold run, whichever the load mode."""
     seed = 2000
-    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True)
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode=load_mode)
     connector = connected(engine, latency_polls=2)
     prompt = random_prompt(torch.Generator().manual_seed(seed), 70)
     cold_short, cold = cold_run(engine, prompt[:33], 6), cold_run(engine, prompt, 6)
@@ -85,11 +90,12 @@ def test_loaded_blocks_give_the_tokens_of_a_cold_run(tmp_path):
     assert_all_blocks_back(engine, seed)
 
 
-def test_blocks_a_load_did_not_fill_are_recomputed(tmp_path):
+@pytest.mark.parametrize("load_mode", LOAD_MODES)
+def test_blocks_a_load_did_not_fill_are_recomputed(tmp_path, load_mode):
     """A load that fills only its first page reports the rest failed; those tokens are
     recomputed and the tokens are a cold run's."""
     seed = 2100
-    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True)
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode=load_mode)
     connector = connected(engine, max_load_pages=1)
     prompt = random_prompt(torch.Generator().manual_seed(seed), 70)
     cold = cold_run(engine, prompt, 6)
@@ -103,11 +109,12 @@ def test_blocks_a_load_did_not_fill_are_recomputed(tmp_path):
 
 
 def test_decode_goes_on_while_a_load_is_pending(tmp_path):
-    """While one request's load is in flight (LOADING), another request keeps decoding; then the
-    loaded request is prefilled; both get their cold-run tokens."""
+    """load_mode "async": while one request's load is in flight (LOADING, its load IN_FLIGHT after
+    MATCHING), another request keeps decoding; once the load is DONE the loaded request is
+    prefilled; both get their cold-run tokens."""
     seed = 2200
-    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True)
-    connected(engine, latency_polls=6)
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="async")
+    connected(engine, latency_polls=10)           # two finished() calls per decode step
     generator = torch.Generator().manual_seed(seed)
     loaded_prompt, decoding_prompt = random_prompt(generator, 70), random_prompt(generator, 20)
     cold_loaded, cold_decoding = cold_run(engine, loaded_prompt, 4), cold_run(engine, decoding_prompt, 20)
@@ -118,14 +125,18 @@ def test_decode_goes_on_while_a_load_is_pending(tmp_path):
     decoding = engine.add_request(decoding_prompt, 20)
     run_until(engine, lambda: decoding.state is RequestState.DECODE, "decoding")
     loaded = engine.add_request(loaded_prompt, 4)
-    tokens_while_loading = 0
+    tokens_while_loading, load_states = 0, []
     while loaded.state in (RequestState.WAITING, RequestState.LOADING):
         before = len(decoding.output_token_ids)
         engine.step()
         if loaded.state is RequestState.LOADING:
             tokens_while_loading += len(decoding.output_token_ids) - before
+            load_states.append(loaded.load.state)
+    assert loaded.load.state is LoadState.DONE and loaded.load.num_tokens == 64, f"seed {seed}"
     run_to_idle(engine)
     assert tokens_while_loading >= 3, f"seed {seed}: {tokens_while_loading} decode tokens during the load"
+    assert LoadState.IN_FLIGHT in load_states and set(load_states) <= {LoadState.MATCHING, LoadState.IN_FLIGHT}
+    assert loaded.load.started_s < loaded.load.queued_s < loaded.load.done_s, f"seed {seed}"
     assert loaded.num_loaded_tokens == 64, f"seed {seed}"
     assert_same_output(loaded, cold_loaded, seed)
     assert_same_output(decoding, cold_decoding, seed)
@@ -160,13 +171,15 @@ def test_blocks_are_kept_until_the_connector_releases_them(tmp_path):
     assert_all_blocks_back(engine, seed)
 
 
-@pytest.mark.parametrize("with_connector", [False, True], ids=["recompute", "fake-connector"])
-def test_aborts_in_every_state_leave_no_block_behind(tmp_path, with_connector):
-    """Requests aborted while waiting, loading (connector only), between prefill chunks and while
-    decoding end at once; once the engine is idle every block is free or cached, none referenced
-    or held; aborting a finished request is refused."""
+@pytest.mark.parametrize("with_connector,load_mode", [(False, "async"), (True, "async"), (True, "layerwise")],
+                         ids=["recompute", "fake-connector-async", "fake-connector-layerwise"])
+def test_aborts_in_every_state_leave_no_block_behind(tmp_path, with_connector, load_mode):
+    """Requests aborted while waiting, loading (connector only: its load pending, then CANCELLED),
+    between prefill chunks and while decoding end at once; once the engine is idle every block is
+    free or cached, none referenced or held; aborting a finished request is refused."""
     seed = 2400 + with_connector
-    engine = engine_on(hf_model(seed), tmp_path, num_blocks=40, max_num_seqs=3, max_prefill_tokens=32)
+    engine = engine_on(hf_model(seed), tmp_path, num_blocks=40, max_num_seqs=3, max_prefill_tokens=32,
+                       load_mode=load_mode)
     generator = torch.Generator().manual_seed(seed)
     cached_prompt = random_prompt(generator, 70)
     if with_connector:
@@ -183,11 +196,12 @@ def test_aborts_in_every_state_leave_no_block_behind(tmp_path, with_connector):
     waiting = engine.add_request(random_prompt(generator, 20), 5)      # no seat: max_num_seqs=3
     run_until(engine, lambda: 0 < chunked.num_computed_tokens < 100, "between chunks")
     assert waiting.state is RequestState.WAITING
-    expected_loading = RequestState.LOADING if with_connector else RequestState.PREFILL
-    if loading.state is expected_loading:
+    if with_connector:
+        assert loading.load is not None and loading.load.pending, f"seed {seed}: {loading.state} {loading.load}"
         assert engine.abort(loading.request_id)
-    elif with_connector:
-        pytest.fail(f"seed {seed}: the cached request is {loading.state}, not loading")
+        assert loading.load.state is LoadState.CANCELLED, f"seed {seed}"
+    elif loading.state is RequestState.PREFILL:
+        assert engine.abort(loading.request_id)
     for request in (waiting, chunked, decoding):
         assert engine.abort(request.request_id), f"seed {seed}"
     for request in (waiting, chunked, decoding, loading):
@@ -196,4 +210,91 @@ def test_aborts_in_every_state_leave_no_block_behind(tmp_path, with_connector):
     run_to_idle(engine)
     assert not engine.abort(decoding.request_id)
     assert engine.scheduler.blocks.num_allocatable_blocks == start
+    assert_all_blocks_back(engine, seed)
+
+
+def test_blocking_runs_nothing_else_while_a_load_is_pending(tmp_path):
+    """load_mode "blocking" (the switch off): the step that admits a request with something to load
+    waits on the host until the load is DONE and prefills the request; the decoding request gets no
+    token in it, and no step ends with the request LOADING. Both get their cold-run tokens."""
+    seed = 2500
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="blocking")
+    connected(engine, latency_polls=6)
+    generator = torch.Generator().manual_seed(seed)
+    loaded_prompt, decoding_prompt = random_prompt(generator, 70), random_prompt(generator, 20)
+    cold_loaded, cold_decoding = cold_run(engine, loaded_prompt, 4), cold_run(engine, decoding_prompt, 12)
+    engine.generate([loaded_prompt], 1)
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+
+    decoding = engine.add_request(decoding_prompt, 12)
+    run_until(engine, lambda: decoding.state is RequestState.DECODE, "decoding")
+    loaded = engine.add_request(loaded_prompt, 4)
+    before = len(decoding.output_token_ids)
+    engine.step()
+    assert loaded.load.state is LoadState.DONE and len(loaded.output_token_ids) == 1, f"seed {seed}: {loaded.state}"
+    assert len(decoding.output_token_ids) == before, f"seed {seed}: a decode step ran while the load was pending"
+    run_to_idle(engine)
+    assert loaded.num_loaded_tokens == 64, f"seed {seed}"
+    assert_same_output(loaded, cold_loaded, seed)
+    assert_same_output(decoding, cold_decoding, seed)
+
+
+def test_a_layerwise_prefill_runs_on_a_load_in_flight_waiting_for_each_layer(tmp_path):
+    """load_mode "layerwise": the step after admission prefills the request while its load is
+    IN_FLIGHT, its attention of each layer waiting first for that layer of the load (the fake lands
+    a layer's bytes only then, garbage before); its result comes in after the forward, and the
+    request gets the tokens and logits of a cold run."""
+    seed = 2600
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="layerwise")
+    connector = connected(engine, latency_polls=2)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 70)
+    cold = cold_run(engine, prompt, 4)
+    engine.generate([prompt], 1)
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+
+    request = engine.add_request(prompt, 4)
+    engine.step()                                   # admitted, the load MATCHING
+    assert request.state is RequestState.LOADING and request.load.state is LoadState.MATCHING
+    connector.layer_waits.clear()
+    engine.step()                                   # queued -> prefilled on it -> confirmed
+    cid = request.connector_id
+    assert connector.layer_waits == [(0, (cid,)), (1, (cid,))], f"seed {seed}: {connector.layer_waits}"
+    assert request.load.state is LoadState.DONE and len(request.output_token_ids) == 1, f"seed {seed}"
+    assert request.load.queued_s <= request.load.done_s
+    run_to_idle(engine)
+    assert (request.num_loaded_tokens, request.num_prefilled_tokens) == (64, 6), f"seed {seed}"
+    assert_same_output(request, cold, seed)
+    assert_all_blocks_back(engine, seed)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_a_load_voided_after_it_was_queued_is_recomputed(tmp_path, load_mode):
+    """A load reported queued whose result then voids it (the fake lands other bytes and reports
+    every block failed, as when the session ended during the copy): under "layerwise" the prefill
+    that read it is dropped (no token from it, none of its blocks in the prefix cache) and the whole
+    prompt is prefilled again; under "async" it is just recomputed. The tokens and logits are a
+    cold run's, and every block comes back."""
+    seed = 2700
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode=load_mode)
+    connector = connected(engine, latency_polls=2)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 70)
+    cold = cold_run(engine, prompt, 4)
+    engine.generate([prompt], 1)
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+    connector.void_loads = True
+
+    request = engine.add_request(prompt, 4)
+    if load_mode == "layerwise":        # the step that prefills on the load in flight, and voids it
+        run_until(engine, lambda: request.load is not None and request.load.state is LoadState.DONE, "the load done")
+        assert len(connector.layer_waits) == 2 and request.output_token_ids == [], f"seed {seed}: a token from it"
+        assert engine.cached_block_ids(prompt) == [], f"seed {seed}: blocks of the voided load were published"
+    run_until(engine, lambda: request.output_token_ids, "the first token")
+    assert request.load.voided and request.load.num_tokens == 0, f"seed {seed}: {request.load}"
+    assert request.num_prefilled_tokens == 70, f"seed {seed}: the first token is not from a recompute"
+    run_to_idle(engine)
+    assert (request.num_loaded_tokens, request.num_prefilled_tokens) == (0, 70), f"seed {seed}"
+    assert_same_output(request, cold, seed)
     assert_all_blocks_back(engine, seed)

@@ -1,0 +1,262 @@
+"""Restores hidden under other requests' decode and under the request's own prefill: the reference
+engine on the real KVConnector and a real daemon process over ipc:// (fp32 on CPU). In each load
+mode a prefix restored from L2 while another request decodes gives a recompute's tokens; a load
+pending when its request is aborted, when the engine is closed, or when the daemon dies leaves no
+lease, block, private L2 page or connector request behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from bench.engine import Engine, EngineConfig, RequestState, load_model
+from bench.engine.load import LoadState
+from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
+from tests.bench.engine.reference import hf_model, random_prompt
+from tests.integration.daemon_proc import DaemonProcess, stop_process
+
+MODEL_ID = "engine-overlap-test"
+LOGITS_ATOL = 1e-4
+# Heartbeats 5 s apart, sessions kept 30 s: a daemon stopped for a moment is a pause, not an outage.
+PATIENT_DAEMON = ("--heartbeat-interval", "5", "--session-timeout", "30")
+
+
+@pytest.fixture
+def daemon():
+    process = DaemonProcess(l2_size="64MiB", extra_args=PATIENT_DAEMON).start()
+    yield process
+    process.cleanup()
+
+
+class Setup:
+    """An engine on a tiny Qwen3's weights with its connector, a prefix it prefilled and saved to
+    L2 (then dropped from its own cache), and the recompute of a prompt with that prefix."""
+
+    def __init__(self, daemon: DaemonProcess, tmp_path, seed: int, load_mode: str):
+        hf_model(seed).save_pretrained(tmp_path)
+        self.engine = Engine(load_model(str(tmp_path), dtype=torch.float32, device="cpu"),
+                             EngineConfig(num_blocks=64, keep_logits=True, load_mode=load_mode))
+        generator = torch.Generator().manual_seed(seed)
+        self.prefix = random_prompt(generator, 100)
+        self.prompt = self.prefix + random_prompt(generator, 7)
+        self.decoding_prompt = random_prompt(generator, 20)
+        self.recompute = run_request_alone(self.engine, self.prompt, 6)
+        self.decoding_recompute = run_request_alone(self.engine, self.decoding_prompt, 12)
+        self.connector = attach_kvcached(self.engine, daemon.socket_path, model_id=MODEL_ID)
+        self.control = TierControl(daemon, self.connector.geometry)
+        self.engine.generate([self.prefix + random_prompt(generator, 3)], 1)
+        settle(self.engine, self.control)
+        self.engine.reset_prefix_cache()
+        assert self.control.hits(self.prefix)["l2"] == 96
+        self.start_counts = self.counts()
+
+    def counts(self) -> dict:
+        """What must come back: the engine's allocatable blocks and held blocks, the connector's open
+        requests, the daemon's leases and private L2 pages."""
+        status = self.control.client.status(check_integrity=True)
+        (namespace,) = status["namespaces"]
+        return {"allocatable_blocks": self.engine.scheduler.blocks.num_allocatable_blocks,
+                "held_blocks": len(self.engine.scheduler.held_block_ids),
+                "connector_requests": self.connector.num_open_requests if self.engine.connector else 0,
+                "leases": status["leases"], "l2_private_pages": namespace["tiers"]["l2"]["private_pages"],
+                "integrity": status["integrity"]}
+
+    def start_decoding(self):
+        request = self.engine.add_request(self.decoding_prompt, 12)
+        deadline = time.monotonic() + 30
+        while request.state is not RequestState.DECODE:
+            self.engine.step()
+            assert time.monotonic() < deadline
+        return request
+
+    def close(self) -> None:
+        self.control.close()
+        if self.engine.connector is not None:
+            detach_kvcached(self.engine)
+
+
+def run_request_alone(engine: Engine, prompt, max_new_tokens: int):
+    engine.reset_prefix_cache()
+    (request,) = engine.generate([prompt], max_new_tokens)
+    engine.reset_prefix_cache()
+    return request
+
+
+def assert_same_output(request, reference, seed):
+    assert request.output_token_ids == reference.output_token_ids, f"seed {seed}"
+    difference = (torch.stack(request.logits) - torch.stack(reference.logits)).abs().max().item()
+    assert difference < LOGITS_ATOL, f"seed {seed}: logits differ by {difference}"
+
+
+def settled_counts(setup: Setup, timeout_s: float = 20.0) -> dict:
+    """The counts once the engine is idle and the connector's leases ended (the daemon handled them)."""
+    run_to_idle(setup.engine, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while setup.connector.num_open_requests:
+        setup.connector.poll()
+        assert time.monotonic() < deadline, setup.connector.stats()
+        time.sleep(0.001)
+    setup.connector.flush()
+    return setup.counts()
+
+
+def stop_before_the_match(setup: Setup, daemon: DaemonProcess) -> None:
+    """SIGSTOP the daemon just before each load's match goes out: the load stays MATCHING until
+    the daemon is resumed."""
+    real_load = setup.connector.load
+
+    def load_with_the_daemon_stopped(*args, **kwargs):
+        stop_process(daemon.proc.pid)
+        return real_load(*args, **kwargs)
+
+    setup.connector.load = load_with_the_daemon_stopped
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async", "blocking"])
+def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tokens(daemon, tmp_path, load_mode):
+    """While a request decodes, another with a 96-token prefix in L2 is admitted, the daemon stopped
+    (SIGSTOP) just before its match goes out. "layerwise", "async": the step that admits it and
+    three more run decode batches with its load MATCHING; then the daemon is resumed. "blocking":
+    that step waits for the load on the host (the daemon resumed 0.3 s later) and prefills the
+    request, with no decode token. "layerwise":
+    the step that takes in the reply prefills it with the load IN_FLIGHT, its attention of each
+    layer waiting for that layer of the load, in order. It loads all 96 tokens; both requests get
+    their recompute's tokens; every count (engine blocks, held blocks, connector requests, leases,
+    private L2 pages) returns to its value before, and the daemon's integrity holds."""
+    seed = 6100
+    setup = Setup(daemon, tmp_path, seed, load_mode)
+    waits = []
+    real_wait = setup.connector.wait_for_layer_load
+    setup.connector.wait_for_layer_load = lambda layer, stream=None, request_ids=None: (
+        waits.append((layer, tuple(request_ids or ()), restored.load.state)), real_wait(layer, stream, request_ids))[1]
+    stop_before_the_match(setup, daemon)
+    resume = threading.Timer(0.3, os.kill, (daemon.proc.pid, signal.SIGCONT))
+    try:
+        decoding = setup.start_decoding()
+        restored = setup.engine.add_request(setup.prompt, 6)
+        tokens_before = len(decoding.output_token_ids)
+        if load_mode == "blocking":
+            resume.start()                  # the step below waits on the host until the load is done
+            setup.engine.step()
+            resume.join()
+            assert len(decoding.output_token_ids) == tokens_before, f"seed {seed}: a decode step ran"
+            assert restored.load.state is LoadState.DONE and len(restored.output_token_ids) == 1
+        else:
+            for _ in range(4):
+                setup.engine.step()
+            assert len(decoding.output_token_ids) == tokens_before + 4, f"seed {seed}: decode held up"
+            assert restored.state is RequestState.LOADING and restored.load.state is LoadState.MATCHING
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+            # The reply in the client's socket before the next step, whose first poll takes it in:
+            # "layerwise" then prefills in that step with the load still in flight.
+            match = setup.connector._requests[restored.connector_id].match
+            deadline = time.monotonic() + 10
+            while not match.ready():
+                assert time.monotonic() < deadline, "no reply from the resumed daemon"
+                time.sleep(0.001)
+        counts = settled_counts(setup)
+        assert restored.load.state is LoadState.DONE and restored.num_loaded_tokens == 96, f"seed {seed}"
+        assert restored.num_prefilled_tokens == len(setup.prompt) - 96, f"seed {seed}: loaded tokens recomputed"
+        cid = restored.connector_id
+        expected = [(layer, (cid,), LoadState.IN_FLIGHT) for layer in range(2)] if load_mode == "layerwise" else []
+        assert waits == expected, f"seed {seed}: {waits}"
+        assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(decoding, setup.decoding_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        resume.cancel()
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        setup.close()
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_mode, how):
+    """The daemon is stopped (SIGSTOP) just before a request's match goes out, so its load is
+    pending (MATCHING) for as long as the daemon stays stopped. Aborting the request cancels the load
+    (CANCELLED) at once; the decoding request keeps decoding meanwhile; once the daemon resumes and
+    the reply is taken in, the lease ends. Closing the engine instead aborts it and closes the
+    connector. Either way no lease, private L2 page, block or connector request is left, and the
+    daemon's integrity holds."""
+    seed = 6200 + (how == "close")
+    setup = Setup(daemon, tmp_path, seed, load_mode)
+    stop_before_the_match(setup, daemon)
+    stopped = True
+    try:
+        decoding = setup.start_decoding()
+        restored = setup.engine.add_request(setup.prompt, 6)
+        setup.engine.step()
+        assert restored.load.state is LoadState.MATCHING, f"seed {seed}: {restored.load}"
+        if how == "abort":
+            assert setup.engine.abort(restored.request_id)
+            assert restored.load.state is LoadState.CANCELLED
+            tokens_before = len(decoding.output_token_ids)
+            for _ in range(3):
+                setup.engine.step()
+            assert len(decoding.output_token_ids) == tokens_before + 3, f"seed {seed}: decode held up"
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+            stopped = False
+            counts = settled_counts(setup)
+            assert counts == setup.start_counts, f"seed {seed}"
+            assert_same_output(decoding, setup.decoding_recompute, seed)
+        else:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+            stopped = False
+            setup.engine.close()
+            assert restored.load.state is LoadState.CANCELLED and setup.engine.connector is None
+            blocks = setup.engine.scheduler.blocks
+            blocks.check_integrity()
+            assert blocks.num_allocatable_blocks == setup.start_counts["allocatable_blocks"], f"seed {seed}"
+            deadline = time.monotonic() + 20
+            while True:            # the closed session's lease ends with its DETACH
+                counts = setup.counts()
+                if counts["leases"] == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            assert (counts["leases"], counts["l2_private_pages"], counts["integrity"]) == (0, 0, "ok"), counts
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        setup.close()
+
+
+def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp_path):
+    """The daemon is killed (SIGKILL) just before a request's match goes out. The other request
+    keeps decoding; the load fails once the client sees the daemon gone, the request recomputes
+    its prefix and gets the recompute's tokens; every engine block comes back, none is held, and
+    the connector has no request open."""
+    seed = 6300
+    process = DaemonProcess(l2_size="64MiB").start()
+    setup = None
+    try:
+        setup = Setup(process, tmp_path, seed, "async")
+        real_load = setup.connector.load
+
+        def load_with_the_daemon_killed(*args, **kwargs):
+            process.proc.kill()
+            process.proc.wait()
+            return real_load(*args, **kwargs)
+
+        setup.connector.load = load_with_the_daemon_killed
+        decoding = setup.start_decoding()
+        restored = setup.engine.add_request(setup.prompt, 6)
+        run_to_idle(setup.engine, timeout_s=30)
+        assert restored.load.state is LoadState.DONE and restored.num_loaded_tokens == 0, f"seed {seed}"
+        assert restored.num_prefilled_tokens == len(setup.prompt), f"seed {seed}"
+        assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(decoding, setup.decoding_recompute, seed)
+        blocks = setup.engine.scheduler.blocks
+        blocks.check_integrity()
+        assert blocks.num_allocatable_blocks == setup.start_counts["allocatable_blocks"]
+        assert not setup.engine.scheduler.held_block_ids and setup.connector.num_open_requests == 0
+        setup.engine.attach_connector(None)
+        setup.connector.close(timeout_s=2.0)
+    finally:
+        if setup is not None:
+            setup.control.client.close()
+        process.cleanup()

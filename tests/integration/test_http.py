@@ -1,0 +1,337 @@
+"""The daemon's HTTP listener against a real daemon process and two real engines over ipc://:
+/metrics (parsed with prometheus_client's parser) counts what the engines did, /status is what
+`kvcached status --json` prints, bad requests are refused, the listener's address is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_client.client import connect
+from kvcached.server.status import StatusClient, format_tokens, render_table
+from tests.conftest import SEED_VARIABLE
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from tests.integration.test_connector import L, MODEL, N, P, Engine, LoadResult, random_tokens
+
+H, D = 2, 32
+BYTES_PER_PAGE = 2 * L * P * H * D * 2          # K and V, every layer, bf16: the engines' geometry
+
+
+def get(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, by (name, sorted labels)."""
+    status, headers, body = get(f"{base_url}/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, headers)
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """The one sample of name whose labels include these; 0 when there is none."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(found) <= 1, f"{name}{labels}: {len(found)} samples"
+    return found[0] if found else 0.0
+
+
+def wait_for(predicate, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Traffic:
+    """Engine A saves a 6-page prefix (random blocks) and a request whose save goes 2 pages beyond
+    its lease (3 saved, 2 skipped: beyond_lease); once those reached L3, engine B looks the prefix
+    up, loads it into other blocks asking for 2 pages more than are cached (6 loaded, 2 failed:
+    not_cached), and saves the 2 new pages. Both stay attached; their counters are reported."""
+
+    def __init__(self, daemon: DaemonProcess, seed: int):
+        rng = np.random.default_rng(seed)
+        self.a = Engine(daemon.socket_path, "layer", seed=seed)
+        self.b = Engine(daemon.socket_path, "layer", seed=seed + 1)
+        self.url = daemon.http_url()
+        self.seed = seed
+        prefix = random_tokens(rng, 8 * P)
+        source = rng.permutation(N)[:6]
+        self.a.connector.save("r", prefix[: 6 * P], source)
+        self.a.connector.request_finished("r")
+        short = random_tokens(rng, 5 * P)
+        self.a.connector.load("s", short[: 3 * P], [], 0)         # the lease covers 3 pages
+        self.a.connector.save("s", short, rng.permutation(N)[:5])
+        self.a.connector.request_finished("s")
+        self.a.settle()
+        wait_for(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 9,
+                 "A's 9 pages to reach L3")
+        self.lookup_tokens = self.b.connector.lookup(prefix)
+        destination = np.setdiff1d(rng.permutation(N), source)[:8]
+        self.b.connector.load("r", prefix, destination, 8 * P)
+        self.b.poll_until(lambda: self.b.loads, "B's load")
+        self.b.connector.save("r", prefix, destination)
+        self.b.connector.request_finished("r")
+        self.b.settle()
+        wait_for(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 11,
+                 "B's 2 pages to reach L3")
+        self.a.connector.flush_report()
+        self.b.connector.flush_report()
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    daemon = DaemonProcess().start()
+    done = None
+    try:
+        done = Traffic(daemon, seed=int(os.environ.get(SEED_VARIABLE) or secrets.randbits(31)))
+        yield daemon, done
+    finally:
+        if done is not None:
+            done.close()
+        daemon.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def report_traffic_seed(request):
+    """A failure names the seed of the module's traffic (replayed with the same variable)."""
+    if "traffic" in request.fixturenames:
+        request.node.user_properties.append(("seed", request.getfixturevalue("traffic")[1].seed))
+
+
+def test_metrics_count_what_two_engines_did(traffic):
+    """After the traffic, /metrics (prometheus_client's parser) shows each engine's loads, saves,
+    failed loads and skipped saves, in pages and bytes, per engine; the daemon's matches, hit tokens
+    per tier, committed pages, L3 writes (bytes and the seconds histogram's count) and the L2 bytes
+    owned: each by the amount the engines moved."""
+    daemon, t = traffic
+    assert t.b.loads == [LoadResult("r", 6 * P, t.b.loads[0].failed_block_ids, "not_cached")], t.seed
+    assert len(t.b.loads[0].failed_block_ids) == 2 and t.lookup_tokens == 6 * P
+    m = scrape(t.url)
+    a, b = f"layer-{t.seed}", f"layer-{t.seed + 1}"
+    engine = lambda name, who, **labels: value(m, name, engine=who, model=MODEL, **labels)  # noqa: E731
+    assert engine("kvcached_engine_transfer_pages_total", a, direction="d2h") == 9
+    assert engine("kvcached_engine_transfer_bytes_total", a, direction="d2h") == 9 * BYTES_PER_PAGE
+    assert engine("kvcached_engine_save_skipped_pages_total", a, reason="beyond_lease") == 2
+    assert engine("kvcached_engine_transfer_pages_total", b, direction="h2d") == 6
+    assert engine("kvcached_engine_transfer_bytes_total", b, direction="h2d") == 6 * BYTES_PER_PAGE
+    assert engine("kvcached_engine_load_failed_pages_total", b, reason="not_cached") == 2
+    assert engine("kvcached_engine_transfer_pages_total", b, direction="d2h") == 2
+    assert engine("kvcached_engine_save_cached_pages_total", b) == 6
+    assert engine("kvcached_engine_lookups_total", b) == 1
+    assert engine("kvcached_engine_loads_total", b) == 1 and engine("kvcached_engine_saves_total", a) == 2
+
+    assert value(m, "kvcached_sessions") == 2
+    assert {dict(ls)["engine"] for (n, ls) in m if n == "kvcached_engine_info"} == {a, b}
+    assert value(m, "kvcached_matches_total", model=MODEL) == 3                 # A: r, s; B: r
+    assert value(m, "kvcached_match_tokens_total", model=MODEL) == (6 + 3 + 8) * P
+    assert value(m, "kvcached_hit_tokens_total", model=MODEL, tier="l2") == 6 * P
+    assert value(m, "kvcached_miss_tokens_total", model=MODEL) == (6 + 3 + 2) * P
+    assert value(m, "kvcached_lookups_total", model=MODEL) == 1
+    assert value(m, "kvcached_lookup_hit_tokens_total", model=MODEL, tier="l2") == 6 * P
+    assert value(m, "kvcached_committed_pages_total", model=MODEL) == 11
+    assert value(m, "kvcached_io_bytes_total", direction="h2s") == 11 * BYTES_PER_PAGE
+    assert value(m, "kvcached_io_service_seconds_count", direction="h2s") == 3    # one write per commit
+    assert value(m, "kvcached_io_service_seconds_bucket", direction="h2s", le="+Inf") == 3
+    assert value(m, "kvcached_attaches_total") == 2
+    assert value(m, "kvcached_request_seconds_count", kind="attach") == 2
+    assert value(m, "kvcached_tier_bytes", model=MODEL, tier="l2", state="owned") == 11 * BYTES_PER_PAGE
+    assert value(m, "kvcached_tier_bytes", model=MODEL, tier="l3", state="owned") == 11 * BYTES_PER_PAGE
+    capacity = value(m, "kvcached_tier_capacity_bytes", model=MODEL, tier="l2")
+    states = sum(value(m, "kvcached_tier_bytes", model=MODEL, tier="l2", state=s)
+                 for s in ("free", "owned", "private", "quarantined"))
+    assert capacity > 0 and states == capacity
+    assert value(m, "kvcached_namespace_page_bytes", model=MODEL) == BYTES_PER_PAGE
+
+
+def test_openmetrics_on_request(traffic):
+    """A scraper that asks for OpenMetrics gets it, and it parses with the OpenMetrics parser."""
+    _, t = traffic
+    status, headers, body = get(f"{t.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert status == 200 and headers["Content-Type"].startswith("application/openmetrics-text"), headers
+    names = {family.name for family in parse_openmetrics(body.decode())}
+    assert {"kvcached_matches", "kvcached_io_service_seconds", "kvcached_tier_bytes"} <= names, names
+
+
+def _stable(snapshot: dict) -> dict:
+    """The snapshot less what changes with time alone: the clock, uptime, sessions' age and idle
+    time, and the histograms of heartbeats and status requests (engines send heartbeats meanwhile;
+    each `kvcached status` is a request)."""
+    snapshot = json.loads(json.dumps(snapshot))
+    del snapshot["time"], snapshot["daemon"]["uptime_s"]
+    for session in snapshot["sessions"]:
+        del session["age_s"], session["idle_s"]
+    for kind in ("heartbeat", "status"):
+        snapshot["histograms"].pop(f"request_seconds_{kind}", None)
+    return snapshot
+
+
+def test_status_endpoint_is_what_status_json_prints(traffic):
+    """GET /status and `kvcached status --json` print the same JSON encoding (sorted keys, one
+    line) of snapshots that are equal in every field that does not change with time alone."""
+    daemon, t = traffic
+    status, headers, before = get(f"{t.url}/status")
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    printed = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--socket", daemon.socket_path, "--json"],
+                             env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert printed.returncode == 0, printed.stderr
+    _, _, after = get(f"{t.url}/status")
+    cli = json.loads(printed.stdout)
+    for text in (before.decode(), printed.stdout.rstrip("\n")):
+        assert json.dumps(json.loads(text), sort_keys=True) == text
+    first, last = json.loads(before), json.loads(after)
+    assert first["time"] <= cli["time"] <= last["time"]
+    assert _stable(first) == _stable(cli) == _stable(last)
+    assert cli["daemon"]["http"] == t.url.removeprefix("http://")
+    assert len(cli["sessions"]) == 2 and cli["namespaces"][0]["tiers"]["l2"]["owned_pages"] == 11
+
+
+def test_bad_requests_are_refused(traffic):
+    """Unknown paths get 404, other methods than GET and HEAD 405 (with Allow), HEAD the headers
+    of GET and no body; the page is one HTML file that loads nothing from elsewhere."""
+    _, t = traffic
+    assert get(f"{t.url}/nope")[0] == 404
+    assert get(f"{t.url}/metrics/x")[0] == 404
+    status, headers, _ = get(f"{t.url}/status", method="POST")
+    assert status == 405 and headers["Allow"] == "GET, HEAD"
+    assert get(f"{t.url}/", method="DELETE")[0] == 405
+    status, headers, body = get(f"{t.url}/status", method="HEAD")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+    status, headers, page = get(f"{t.url}/?interval_ms=500")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert b"fetch(\"/status\"" in page and b"http://" not in page and b"https://" not in page
+    assert "connect-src 'self'" in headers["Content-Security-Policy"]
+
+
+def test_status_follow_shows_rates_over_each_interval(traffic):
+    """The table given the snapshot before shows, over the interval between the two, the bytes
+    loaded and saved per second (GB/s) and the hit tokens per second that the engines' traffic in
+    between amounts to; `status --follow` prints rates from its second snapshot on."""
+    daemon, t = traffic
+    rng = np.random.default_rng(t.seed + 2)
+    with StatusClient(daemon.socket_path, timeout_s=5) as client:
+        before = client.status()
+        tokens = random_tokens(rng, 4 * P)
+        t.a.connector.save("f", tokens, rng.permutation(N)[:4])
+        t.a.connector.request_finished("f")
+        t.a.settle()
+        t.b.connector.load("f", tokens, rng.permutation(N)[:4], 4 * P)
+        t.b.poll_until(lambda: any(r.request_id == "f" for r in t.b.loads), "B's load")
+        t.b.connector.request_finished("f")
+        t.b.settle()
+        t.a.connector.flush_report()
+        t.b.connector.flush_report()
+        after = client.status()
+    seconds = after["time"] - before["time"]
+    table = render_table(after, before)
+    moved = f"{4 * BYTES_PER_PAGE / seconds / 1e9:.3f} GB/s"
+    assert f"load {moved}" in table and f"save {moved}" in table, table
+    assert f"hit l2 {format_tokens(4 * P / seconds)} " in table, table
+    assert f"rates over {seconds:.1f} s" in table
+    assert "rates over" not in render_table(after)
+
+    follow = subprocess.Popen([sys.executable, "-m", "kvcached.cli", "status", "--socket", daemon.socket_path,
+                               "--follow", "--interval-s", "0.1"], env=child_env(), cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while sum(line.startswith("--- ") for line in lines) < 3:
+            line = follow.stdout.readline()
+            assert line, f"status --follow ended: {lines}"
+            lines.append(line)
+    finally:
+        follow.kill()
+        follow.wait(10)
+    blocks = "".join(lines).split("--- ")[1:]
+    assert "rates over" not in blocks[0] and "rates over" in blocks[1], blocks[:2]
+
+
+def test_status_help_explains_every_column(traffic):
+    """Every column header of the table (namespaces, sessions, L3 io, the cost model, rates) is
+    explained by `kvcached status --help`."""
+    daemon, t = traffic
+    help_text = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--help"], env=child_env(),
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=30).stdout
+    with StatusClient(daemon.socket_path, timeout_s=5) as client:
+        first = client.status()
+        table = render_table(client.status(), first)
+    headers = [line for line in table.splitlines()
+               if line.lstrip().startswith(("ns ", "session ", "io "))]
+    assert len(headers) == 4, table         # the cost model's lines begin with "ns" too
+    columns_part = help_text.split("columns and figures:", 1)[1]
+    explained = {line.split()[0] for line in columns_part.splitlines() if line.startswith("    ")}
+    for header in headers:
+        for column in header.split():
+            assert column in explained, (column, help_text)
+    rates = [line for line in table.splitlines() if line.startswith(("rates", "  load"))]
+    for name in ("matches/s", "hit", "miss", "hit rate", "lookups/s", "load", "save", "l3 write", "l3 read", "evicted"):
+        assert any(name in line for line in rates) and f"    {name} " in columns_part, name
+
+
+def test_an_address_asked_for_must_be_free(tmp_path):
+    """`--http HOST:PORT` whose port is taken stops the start with a one-line error naming the
+    address; `--http off` runs with no listener (status says none)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = DaemonProcess(extra_args=("--http", f"127.0.0.1:{port}"))
+        try:
+            with pytest.raises(RuntimeError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+                daemon.start()
+            assert daemon.proc.returncode == 1
+        finally:
+            daemon.cleanup()
+    daemon = DaemonProcess(extra_args=("--http", "off")).start()
+    try:
+        with connect(daemon.socket_path) as client:
+            assert client.status()["daemon"]["http"] is None
+    finally:
+        daemon.cleanup()
+
+
+def test_dashboard_queries_metrics_the_daemon_exports(traffic):
+    """Every metric the Grafana dashboard (deploy/grafana) queries is one the daemon exports: in
+    the scrape after the traffic, or, for events the traffic did not cause, named by the
+    collector's tables (a counter with _total, a histogram with _bucket)."""
+    from kvcached.server.metrics import DAEMON_COUNTERS, DAEMON_HISTOGRAMS, ENGINE_COUNTERS
+
+    _, t = traffic
+    with open(os.path.join(REPO_ROOT, "deploy", "grafana", "kvcached-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(exprs) >= 20
+    queried = {name for expr in exprs for name in re.findall(r"\b((?:kvcached|process)_[a-z0-9_]+)\b", expr)}
+    scraped = {name for name, _ in scrape(t.url)}
+    declared = {f"{rule.metric}_total" for rule in (*DAEMON_COUNTERS, *ENGINE_COUNTERS) if rule.metric}
+    declared |= {f"{rule.metric}_{suffix}" for rule in DAEMON_HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+    assert queried - scraped - declared == set()
+    assert len(queried & scraped) >= 12, queried & scraped
