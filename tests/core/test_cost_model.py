@@ -152,6 +152,39 @@ def test_always_and_never_do_what_they_say(rng):
     assert model.engine(ENGINE).policy_skips["lookup"] == {"l3": 2}
 
 
+def test_the_peer_is_priced_by_its_d2d_line_and_chosen_where_it_pays(rng):
+    """Another engine's GPU cache is a candidate priced by the engine's d2d line: at the prior (1000
+    GiB/s) it beats an L2 hit of the same length, and a longer peer hit restores all it holds; once
+    d2d samples show copies with a 30 ms fixed cost, L2 (at its prior) is taken instead, for a
+    1,024- and a 64-token prefix alike. d2d samples leave the h2d line as it was."""
+    model = CostModel()
+    tie = model.decide(ENGINE, BYTES_PER_TOKEN, 0, 1024, 0, peer_tokens=1024)
+    assert (tie.choice, tie.restore_tokens) == ("peer", 1024)
+    assert set(tie.predicted_s) == {"peer", "l2", "recompute"} and tie.predicted_s["peer"] < tie.predicted_s["l2"]
+    longer = model.decide(ENGINE, BYTES_PER_TOKEN, 256, 512, 0, peer_tokens=2048)
+    assert (longer.choice, longer.restore_tokens) == ("peer", 2048)
+    assert longer.predicted_s["l2"] == pytest.approx(model.engine(ENGINE).h2d.predict(256 * BYTES_PER_TOKEN)
+                                                     + (2048 - 512) * 50e-6)
+    h2d_before = model.engine(ENGINE).h2d.status("byte")
+    for tokens in rng.integers(64, 4096, size=WINDOW).tolist():
+        model.add_engine_sample(ENGINE, "d2d", tokens * BYTES_PER_TOKEN, 0.030 + tokens * BYTES_PER_TOKEN / 1e12)
+    assert model.engine(ENGINE).h2d.status("byte") == h2d_before
+    assert model.engine(ENGINE).d2d.fixed_s == pytest.approx(0.030)
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 1024, 0, peer_tokens=1024)[:2] == ("l2", 1024)
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 64, 0, peer_tokens=64)[:2] == ("l2", 64)
+    assert model.engine(ENGINE).policy_skips["lookup"] == {"peer": 2}
+
+
+def test_always_takes_the_longest_hit_and_the_peer_on_a_tie(rng):
+    """always: the source holding the most tokens; a peer holding as much as L2 or L3 is taken
+    (the faster source for the same tokens), a shorter one is not."""
+    model = CostModel()
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 512, 0, "always", peer_tokens=512)[:2] == ("peer", 512)
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 512, 1024, "always", peer_tokens=1024)[:2] == ("peer", 1024)
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 512, 1024, "always", peer_tokens=768)[:2] == ("l3", 1024)
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 0, 0, 0, "never", peer_tokens=768)[:2] == ("recompute", 0)
+
+
 class Machine:
     """What the engine's paths really take: a prefill of fixed + per token, a DMA of 20 ms before
     any byte moves, a slow disk. Each run returns the samples the engine and the daemon measure."""
