@@ -492,10 +492,11 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
         cache_hits += request.num_cached_tokens
         loaded.append(request.num_loaded_tokens)
-        promoted.append(connector.stats().get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
-        from_peer.append((connector.stats().get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
+        after = connector.stats()
+        promoted.append(after.get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
+        from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
         if i >= 2 * args.warmup:
-            choices.append(lookup_choice(before, connector.stats()))
+            choices.append(lookup_choice(before, after))
         if request.num_loaded_tokens:
             kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
 

@@ -27,8 +27,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core.allocator import PageAllocator
-from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.chunks import ChunkMap
+from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
@@ -504,7 +504,8 @@ class DaemonState:
             # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
             # in a lookup: the match that takes the lease names them).
             namespace = self.namespaces[session.namespace_id]
-            hits["peer"] = peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            hits["peer"] = peer_tokens
             self.metrics.add("lookup_hit_tokens_peer", hits["peer"], model=geometry.model_id)
         self.metrics.add("lookups", model=geometry.model_id)
         self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
