@@ -148,7 +148,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
         tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
                                  generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
                    for _ in range(num_layers)]
-        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20)
+        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, policy="always")
         connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-connector"),
                                          tensors, "layer", model_id=name, page_size=PAGE_SIZE,
                                          num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)
@@ -255,7 +255,8 @@ def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: l
         tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
                                  generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
                    for _ in range(num_layers)]
-        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, peer=True)
+        config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, peer=True,
+                                 policy="always")
         connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-peer"),
                                          tensors, "layer", model_id=name, page_size=PAGE_SIZE,
                                          num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)

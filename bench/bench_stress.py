@@ -6,8 +6,15 @@ b requests in the engine (closed loop: one finishes, the next enters). The engin
 holds b requests, so its own GPU cache never still holds a prefix when it comes round again.
 Tiers:
 
-  none  no connector: every request prefills its prefix
-  l2    the prefixes in L2 (saved by another engine first); each request loads its prefix
+  none     no connector: every request prefills its prefix
+  l2       the prefixes in L2 (saved by another engine first); each request loads its prefix
+  l3-cold  the prefixes in L3 alone, cold (O_DIRECT, page cache dropped), in a daemon of their own
+           whose L2 holds fewer requests than the rotation: a prefix is gone from L2 when it comes
+           round again, and every request's new pages are written through to L3
+
+Each tier with a connector runs under each restore policy of ``--policies``: "always" (every hit
+restored: the tier forced) and "cost" (the daemon's cost model decides; its L3-cold rows are the
+write-up's case: with a cold L3, its req/s must stay >= 0.97 x recompute's).
 
 Per tier and batch: req/s (80 over the time from the first request in to the last first token),
 TTFT p50/p95/p99 (add_request -> first token), and:
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import time
@@ -47,9 +55,11 @@ from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached
                          settle)
 
 BLOCK_SIZE = 16
-STRESS_TIERS = ("none", "l2")
-COLUMNS = ["model", "tier", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms",
-           "mismatches", "kv_mismatches", "engine_cache_hit_tokens"]
+STRESS_TIERS = ("none", "l2", "l3-cold")
+POLICIES = ("always", "cost")
+COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
+COLUMNS = ["model", "tier", "policy", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms", "ttft_p95_ms",
+           "ttft_p99_ms", "restored_requests", "mismatches", "kv_mismatches", "engine_cache_hit_tokens"]
 
 
 class Workload:
@@ -149,48 +159,98 @@ class Reference:
         return tokens
 
 
-def run_case(model, workload: Workload, prompts, tier: str, batch: int, daemon: KVDaemon | None,
+def run_case(model, workload: Workload, prompts, tier: str, policy: str, batch: int, daemon: KVDaemon | None,
              reference: Reference, expected: dict[str, list[int]], args) -> dict:
+    if tier == "l3-cold":
+        with cold_l3_daemon(model, workload, reference, batch, args) as cold:
+            return timed_case(model, workload, prompts, tier, policy, batch, cold, expected, args)
+    return timed_case(model, workload, prompts, tier, policy, batch, daemon if tier == "l2" else None, expected,
+                      args, reference)
+
+
+@contextlib.contextmanager
+def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, args):
+    """A daemon of its own for the L3-cold tier: an O_DIRECT L3 holding every prefix (written by
+    the reference's cache engine, so its KV is the own-cache reference's) and an L2 holding about
+    1.25 x batch requests, fewer than the rotation's 8 prefixes (for batch <= 5)."""
+    bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
+    per_request = workload.blocks_per_request
+    l2_pages = max(2 * per_request, int(1.25 * batch * per_request)) + 8
+    l3_pages = 2 * (len(workload.prefixes) * per_request + 2 * (args.requests + 32)) + 64
+    with KVDaemon(l2_pages * bytes_per_page, l3_pages * bytes_per_page, o_direct=True, l3_dir=args.l3_dir) as daemon:
+        seeder = reference.cache_engine
+        connector = attach_kvcached(seeder, daemon.socket_path, model_id=args.model,
+                                    model_revision=f"random-seed-{args.seed}", client_name="stress-seed-l3")
+        control = TierControl(daemon, connector.geometry)
+        try:
+            for prefix in workload.prefixes:
+                run_request(seeder, workload.fresh(prefix), 1)
+                settle(seeder, control)
+            hits = [control.hits(prefix)["l3"] for prefix in workload.prefixes]
+            if min(hits) < workload.restorable_tokens:
+                raise RuntimeError(f"the prefixes were not all written to L3 (hits {hits}): {connector.stats()}")
+        finally:
+            control.close()
+            detach_kvcached(seeder)
+        yield daemon
+
+
+def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch: int, daemon: KVDaemon | None,
+               expected: dict[str, list[int]], args, reference: Reference | None = None) -> dict:
     # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
     # one admitted, whose prefix (batch < the 8 prefixes of the rotation further on) is another.
     engine = make_engine(model, batch * workload.blocks_per_request, batch)
     control = None
-    if tier == "l2":
+    if daemon is not None:
         connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
-                                    model_revision=f"random-seed-{args.seed}", client_name=f"stress-b{batch}")
+                                    model_revision=f"random-seed-{args.seed}",
+                                    client_name=f"stress-{tier}-{policy}-b{batch}", policy=policy)
         control = TierControl(daemon, connector.geometry)
     try:
-        if control is not None:
+        if tier == "l2":
             for prefix in workload.prefixes:
                 control.force("l2", prefix, workload.restorable_tokens)
         closed_loop(engine, [workload.fresh(p) for p in workload.prefixes], batch)     # warm-up, untimed
         settle(engine, control)
         engine.reset_prefix_cache()              # the warm-up's last prefixes
+        if tier == "l3-cold":                    # what the warm-up brought into L2 and the page cache goes
+            control.evict_l2()
+            control.drop_l3_page_cache()
         done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
         tokens = [r.output_token_ids[0] for r in done]
         ttft_ms = [r.ttft_s * 1e3 for r in done]
-        reference_name = "recompute" if tier == "none" else "own_cache"
-        row = {"model": args.model, "tier": tier, "engines": 1, "batch": batch, "requests": len(done),
+        # Each request is checked against the reference of the path it took: restored (own cache) or not.
+        restored = [r.num_loaded_tokens == workload.restorable_tokens for r in done]
+        references = [expected["own_cache"][i] if was_restored else expected["recompute"][i]
+                      for i, was_restored in enumerate(restored)]
+        row = {"model": args.model, "tier": tier, "policy": policy if daemon is not None else None, "engines": 1,
+               "batch": batch, "requests": len(done),
                "req_per_s": round(len(done) / wall_s, 3), "speedup": None, "wall_s": round(wall_s, 4),
                "ttft_p50_ms": round(percentile(ttft_ms, 50), 3), "ttft_p95_ms": round(percentile(ttft_ms, 95), 3),
                "ttft_p99_ms": round(percentile(ttft_ms, 99), 3),
-               "mismatches": sum(a != b for a, b in zip(tokens, expected[reference_name], strict=True)),
-               "reference": {"recompute": "a full prefill alone",
-                             "own_cache": "alone, the prefix from the engine's own cache (the KV L2 holds)"}[
-                   reference_name],
+               "restored_requests": sum(restored),
+               "mismatches": sum(a != b for a, b in zip(tokens, references, strict=True)),
+               "reference": "a restored request: alone, the prefix from the engine's own cache (the KV the "
+                            "daemon holds); any other: a full prefill alone",
                "kv_mismatches": None, "cross_engine_hit_tokens": None,
                "engine_cache_hit_tokens": sum(r.num_cached_tokens for r in done),
                "loaded_tokens": sum(r.num_loaded_tokens for r in done),
                "ttft_samples_ms": [round(t, 4) for t in ttft_ms]}
-        if tier == "l2":
+        if control is not None:
             row["recompute_mismatches"] = sum(a != b for a, b in zip(tokens, expected["recompute"], strict=True))
-            row["kv_mismatches"] = sum(not torch.equal(restored_kv(engine, control, workload, prefix), kv)
-                                       for prefix, kv in zip(workload.prefixes, reference.saved_kv))
-            row["loads_complete"] = all(r.num_loaded_tokens == workload.restorable_tokens for r in done)
+            if policy == "always":
+                row["loads_complete"] = all(restored)
+            if tier == "l2" and policy == "always":
+                row["kv_mismatches"] = sum(not torch.equal(restored_kv(engine, control, workload, prefix), kv)
+                                           for prefix, kv in zip(workload.prefixes, reference.saved_kv))
             row["integrity"] = control.integrity()
             row["connector"] = {k: v for k, v in engine.connector.stats().items()
-                                if k.startswith(("load", "save_skipped", "committed"))}
+                                if k.startswith(("load", "save_skipped", "committed", "lookup_choice", "promoted"))}
+            if policy == "cost":
+                engine.connector.flush_report()          # its last timings, handled before the status
+                engine.connector.flush()
+                row["cost_model"] = control.cost_model()
         return row
     finally:
         if control is not None:
@@ -210,12 +270,13 @@ def restored_kv(engine: Engine, control: TierControl, workload: Workload, prefix
     return prefix_kv(engine, prefix)
 
 
-def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype, report, fail) -> None:
+def run_single_engine(args, tiers: list[str], policies: list[str], batches: list[int], device, dtype, report,
+                      fail) -> None:
     model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
     workload = Workload(args, model.config.vocab_size)
     daemon = None
     try:
-        if "l2" in tiers:
+        if set(tiers) - {"none"}:       # the L2 daemon, and the reference's cache engine (L3-cold seeds from it)
             # The prefixes twice over, and two pages for each request's suffix (evicted first: leaves).
             bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * BLOCK_SIZE
             pages = 2 * len(workload.prefixes) * workload.blocks_per_request + 2 * (args.requests + 32) + 64
@@ -228,11 +289,12 @@ def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype,
             if daemon is not None:
                 expected["own_cache"] = reference.own_cache(prompts)
             baseline = None
-            for tier in tiers:
+            cases = [(tier, policy) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
+            for tier, policy in cases:
                 try:
-                    row = run_case(model, workload, prompts, tier, batch, daemon, reference, expected, args)
+                    row = run_case(model, workload, prompts, tier, policy, batch, daemon, reference, expected, args)
                 except Exception as exc:        # recorded; the other cases go on
-                    fail(f"{tier} batch {batch}", exc)
+                    fail(f"{tier} {policy} batch {batch}", exc)
                     continue
                 baseline = baseline or (row if tier == "none" else None)
                 if baseline is not None:
@@ -241,6 +303,13 @@ def run_single_engine(args, tiers: list[str], batches: list[int], device, dtype,
     finally:
         if daemon is not None:
             daemon.stop()
+
+
+def cold_l3_summary(rows: list[dict]) -> list[dict]:
+    """The L3-cold target per batch: policy cost's req/s at least 0.97 x recompute's."""
+    return [{"target": f"batch {r['batch']}: cold L3, policy cost, req/s >= {COLD_L3_TARGET} x recompute's",
+             "value": r["speedup"], "met": r["speedup"] is not None and r["speedup"] >= COLD_L3_TARGET}
+            for r in rows if r["tier"] == "l3-cold" and r.get("policy") == "cost" and r["engines"] == 1]
 
 
 def main() -> None:
@@ -253,6 +322,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=80)
     parser.add_argument("--batches", default="1,4", help="of the single engine; empty: none")
     parser.add_argument("--tiers", default=",".join(STRESS_TIERS))
+    parser.add_argument("--policies", default=",".join(POLICIES), help="restore policies of the tiers with a "
+                        "connector, of always,cost")
     parser.add_argument("--engines", type=int, default=0,
                         help="also N engine processes on the GPU sharing 16 prefixes of 2,000 tokens (0: not run)")
     parser.add_argument("--engines-model", default="qwen3-4b", choices=sorted(PRESETS))
@@ -267,6 +338,9 @@ def main() -> None:
     if set(requested) - set(STRESS_TIERS):
         raise SystemExit(f"--tiers: of {STRESS_TIERS}")
     tiers = [t for t in STRESS_TIERS if t in requested]      # none first: the others' speed-up is over it
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies or set(policies) - set(POLICIES):
+        raise SystemExit(f"--policies: of {POLICIES}")
     spec = Spec(args.engines_model, args.seed)
     if args.quick:
         args.model, args.prefix_tokens, args.requests = "tiny", min(args.prefix_tokens, 60), min(args.requests, 24)
@@ -278,7 +352,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.monotonic()
     rows: list[dict] = []
-    notes = ["tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request)"]
+    notes = ["a warm tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request); l3-cold "
+             "here keeps a cold L3 by a small L2 (batch <= 5) and the page cache dropped before the timed run"]
     if not args.engines:
         notes.append("several engine processes on one GPU: not run (--engines N)")
     paths, errors = [], []
@@ -296,14 +371,15 @@ def main() -> None:
                 "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
                 "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
                              "suffix_tokens": args.suffix_tokens, "requests": args.requests, "output_tokens": 1,
-                             "batches": batches, "tiers": tiers},
+                             "batches": batches, "tiers": tiers, "policies": policies},
                 "engines_workload": dataclasses.asdict(spec) if args.engines else None,
-                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors, "rows": rows},
+                "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors,
+                "summary": cold_l3_summary(rows), "rows": rows},
                 machine=args.machine)]
 
     try:
         if batches:
-            run_single_engine(args, tiers, batches, device, dtype, report, fail)
+            run_single_engine(args, tiers, policies, batches, device, dtype, report, fail)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -319,6 +395,9 @@ def main() -> None:
     print_table(rows, COLUMNS + ["cross_engine_hit_tokens"])
     if paths:
         print(f"wrote {paths[0]}")
+    summary = cold_l3_summary(rows)
+    if summary:
+        print_table(summary, ["target", "value", "met"])
     failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
         ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
         ("incomplete loads", r.get("loads_complete") is False),

@@ -14,7 +14,8 @@ comes from is forced (``bench/tiers.py``):
   peer     engine A, a process of its own on the same GPU with the same weights (bench.peer_owner),
            has prefilled the prefixes and holds them in its own GPU cache; this engine (B, its
            connector now with peer restores on) copies them out of A's GPU memory (L2 holds them
-           too: the peer is taken because it covers as much). Its KV is checked against A's.
+           too: under "always" the peer is taken because it covers as much and is listed first, the
+           faster source). Its KV is checked against A's.
 
 Checked at every point: each request's own GPU-cache hit is 0 and it loads every whole page of
 its prefix (from L3: promoted); the restored KV equals bit for bit what the engine's own prefill
@@ -31,6 +32,19 @@ is the engine's recompute TTFT over it (target <= 1.3).
     python -m bench.bench_ttft                                    # H200: bench/results/h200/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
     python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
+
+``--policy`` is the restore policy of the engine's connector: "always" (the default: every request
+restores its prefix from the forced tier, the rows above), "never" (the same requests recompute
+with the connector plugged in), or "cost", the cost model's own choice. With "cost" each point gets
+a fresh daemon (the model starts from its default priors; L2 and warm L3 share one daemon, in that
+order, as a long-running one would; l3-cold a daemon of its own), each tier is timed under "cost"
+first, then under "always" (``restore_ms``) and "never" (``recompute_ms``) on the same daemon, and
+the rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
+"choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
+faster of the two.
+
+    python -m bench.bench_ttft --policy cost                      # H200: bench/results/h200/policy.json
+    python -m bench.bench_ttft --policy cost --quick              # CPU smoke run
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import argparse
 import dataclasses
 import gc
 import inspect
+import itertools
 import logging
 import time
 import traceback
@@ -63,6 +78,8 @@ CHECK_TOKENS = 16
 TARGETS = {"l2_speedup_qwen3-8b_3500": 10.0, "l2_ttft_ms_qwen3-8b_8000": 25.0, "engine_over_hf": 1.3}
 COLUMNS = ["model", "tier", "tokens", "ttft_ms", "recompute_ms", "speedup", "outputs_equal", "kv_equal",
            "logit_diff", "noise_floor", "hf_prefill_ms", "engine_over_hf"]
+POLICY_COLUMNS = ["model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms", "choice", "within_5pct"]
+POLICY_TARGET = 1.05             # cost_ms at most this times the faster of restore_ms and recompute_ms
 
 
 def parse_points(text: str) -> list[tuple[str, list[int]]]:
@@ -218,7 +235,7 @@ class Run:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        print_table([row], COLUMNS)
+        print_table([row], POLICY_COLUMNS if self.args.policy == "cost" else COLUMNS)
         for check in ("kv_equal", "tier_forced", "integrity_ok"):
             if row.get(check) is False:
                 self.failures.append(f"{row['model']} {row['tier']} {row['tokens']}: {check}")
@@ -230,6 +247,8 @@ class Run:
         self.write()
 
     def summary(self) -> list[dict]:
+        if self.args.policy == "cost":
+            return policy_summary(self.rows)
         summary = []
         for row in self.rows:
             key = (row["model"], row["tier"], row["tokens"])
@@ -258,6 +277,7 @@ class Run:
         self.path = write_result(args.name, {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "seed": args.seed,
             "points": {name: tokens for name, tokens in self.plan}, "tiers": args.tiers.split(","),
+            "policy": args.policy,
             "method": {"block_size": BLOCK_SIZE, "suffix_tokens": SUFFIX_TOKENS, "output_tokens": 1,
                        "warmup_alternations": args.warmup, "samples": args.samples, "check_tokens": CHECK_TOKENS,
                        "hf": {"warmup": args.hf_warmup, "repeats": args.hf_repeats, "logits_to_keep": 1},
@@ -280,7 +300,7 @@ def run_recompute(run: Run, point: Point, hf) -> None:
     engine.reset_prefix_cache()
     point.recompute_again = run_request(engine, point.check_prompt, CHECK_TOKENS)
     engine.reset_prefix_cache()
-    if "none" not in args.tiers.split(","):
+    if "none" not in args.tiers.split(",") or args.policy == "cost":      # policy rows time "never" instead
         return
     warmup_ms, samples_ms, cache_hits, last = [], [], 0, None
     for i in range(2 * args.warmup + args.samples):
@@ -377,21 +397,22 @@ def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool
                 try:
                     attach = dict(model_id=point.model_name, model_revision=f"random-seed-{run.args.seed}",
                                   client_name=f"ttft-{point.model_name}-{point.num_tokens}")
-                    connector = attach_kvcached(point.engine, daemon.socket_path, **attach)
+                    connector = attach_kvcached(point.engine, daemon.socket_path, policy=run.args.policy, **attach)
                     try:
                         if control is None:
                             control = TierControl(daemon, connector.geometry)
                         saved_kv, own_cache = save_prefixes(point, control)
                         for tier in tiers:
                             if tier != "peer":
-                                run.add(time_tier(run, point, tier, control, saved_kv, own_cache))
+                                run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
                         if id(point) in owner_kv:
                             detach_kvcached(point.engine)
-                            connector = attach_kvcached(point.engine, daemon.socket_path,
-                                                        config=ConnectorConfig(peer=True, promote_l3=False), **attach)
+                            config = ConnectorConfig(peer=True, promote_l3=False, policy=run.args.policy)
+                            connector = attach_kvcached(point.engine, daemon.socket_path, config=config, **attach)
                             wait_for(lambda: connector.poll() or connector.stats().get("peers_opened", 0),
                                      "engine A to be opened")
-                            run.add(time_tier(run, point, "peer", control, owner_kv[id(point)], own_cache))
+                            run.add(time_tier(run, point, "peer", control, owner_kv[id(point)], own_cache,
+                                              run.args.policy))
                     finally:
                         detach_kvcached(point.engine)
                 except Exception as exc:        # recorded; the other points go on
@@ -438,16 +459,22 @@ def save_prefixes(point: Point, control: TierControl) -> tuple[list[torch.Tensor
 
 
 def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv: list[torch.Tensor],
-              own_cache: Request) -> dict:
+              own_cache: Request, policy: str = "always") -> dict:
+    """The point's requests with the prefix forced into ``tier``, the connector's restore policy
+    ``policy``: "always" must restore every whole page of it (from L3: promoted), "never" none;
+    under "cost" the daemon chooses, and each timed request's choice (its lookup's) is recorded.
+    A restored prefix's KV must be bit for bit the saved KV."""
     engine, args = point.engine, run.args
     connector = engine.connector
-    warmup_ms, samples_ms, loaded, promoted, from_peer, cache_hits, kv_equal = [], [], [], [], [], 0, True
+    warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
 
     def force(token_ids, num_tokens: int) -> None:
         if tier != "peer":
             control.force(tier, token_ids, num_tokens)
-        elif connector.lookup(token_ids) < num_tokens:          # A's cache (L2 holds it too)
-            raise RuntimeError(f"engine A does not offer {num_tokens} tokens: {connector.stats()}")
+            return
+        offered = connector.lookup_async(token_ids).decision().hit_tokens.get("peer", 0)     # (L2 holds it too)
+        if offered < num_tokens:
+            raise RuntimeError(f"engine A offers {offered} tokens, not {num_tokens}: {connector.stats()}")
 
     settle(engine, control)
     engine.reset_prefix_cache()          # the last check request's prefix
@@ -458,17 +485,20 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         settle(engine, control)
         engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
         force(prefix, point.timed_loaded_tokens)
-        promoted_before = connector.stats().get("promoted_tokens", 0)
-        peer_before = connector.stats().get("peer_loaded_pages", 0)
+        before = connector.stats()
         with gc_paused():
             request = run_request(engine, prompt, 1)
         settle(engine, control)
         (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
         cache_hits += request.num_cached_tokens
         loaded.append(request.num_loaded_tokens)
-        promoted.append(connector.stats().get("promoted_tokens", 0) - promoted_before)
-        from_peer.append((connector.stats().get("peer_loaded_pages", 0) - peer_before) * BLOCK_SIZE)
-        kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
+        after = connector.stats()
+        promoted.append(after.get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
+        from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
+        if i >= 2 * args.warmup:
+            choices.append(lookup_choice(before, after))
+        if request.num_loaded_tokens:
+            kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
 
     # The check request: the first prefix alone from the tier, 16 greedy tokens.
     settle(engine, control)
@@ -476,18 +506,26 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     force(point.check_prompt, point.check_loaded_tokens)
     check = run_request(engine, point.check_prompt, CHECK_TOKENS)
     settle(engine, control)
-    # Only the pages it loaded: where the prefix is a whole number of pages, the check request
-    # computes its last page itself (one token at least is computed), in a chunk of another size.
-    num_loaded_pages = point.check_loaded_tokens // BLOCK_SIZE
-    kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0][: point.check_loaded_tokens]),
-                            saved_kv[0][:, :, :num_loaded_pages])
+    if check.num_loaded_tokens:
+        # Only the pages it loaded: where the prefix is a whole number of pages, the check request
+        # computes its last page itself (one token at least is computed), in a chunk of another size.
+        num_loaded_pages = point.check_loaded_tokens // BLOCK_SIZE
+        kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0][: point.check_loaded_tokens]),
+                                saved_kv[0][:, :, :num_loaded_pages])
     integrity = control.integrity()
 
-    expected_from_peer = point.timed_loaded_tokens if tier == "peer" else 0
-    expected_promoted = point.timed_loaded_tokens if tier.startswith("l3") else 0
+    restores = policy != "never"
+    expected_loaded = point.timed_loaded_tokens if restores else 0
+    expected_promoted = expected_loaded if tier.startswith("l3") else 0
+    expected_from_peer = expected_loaded if tier == "peer" else 0
+    forced = policy == "cost" or (all(n == expected_loaded for n in loaded)
+                                  and all(n == expected_promoted for n in promoted)
+                                  and all(n == expected_from_peer for n in from_peer)
+                                  and check.num_loaded_tokens == (point.check_loaded_tokens if restores else 0))
     ttft_ms = median(samples_ms)
     recompute = point.recompute
-    row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "ttft_ms": round(ttft_ms, 3),
+    row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "policy": policy,
+           "ttft_ms": round(ttft_ms, 3),
            "recompute_ms": None if point.recompute_ms is None else round(point.recompute_ms, 3),
            "speedup": None if point.recompute_ms is None else round(point.recompute_ms / ttft_ms, 3),
            "outputs_equal": check.output_token_ids == recompute.output_token_ids,
@@ -495,11 +533,9 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "logit_diff": round(logit_difference(check, recompute), 6),
            "noise_floor": round(logit_difference(own_cache, recompute), 6),
            "logits_equal_own_cache": same_logits(check, own_cache),
-           "tier_forced": cache_hits == 0 and all(n == point.timed_loaded_tokens for n in loaded)
-           and all(n == expected_promoted for n in promoted) and all(n == expected_from_peer for n in from_peer)
-           and check.num_loaded_tokens == point.check_loaded_tokens,
+           "tier_forced": cache_hits == 0 and forced,
            "integrity_ok": integrity == "ok", "integrity": integrity,
-           "loaded_tokens": loaded, "promoted_tokens": promoted, "peer_tokens": from_peer,
+           "loaded_tokens": loaded, "promoted_tokens": promoted, "peer_tokens": from_peer, "choices": choices,
            "engine_cache_hit_tokens": cache_hits,
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
@@ -507,6 +543,89 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "warmup_ms": rounded(warmup_ms)}
     row["within_noise"] = row["logit_diff"] <= row["noise_floor"]
     return row
+
+
+def lookup_choice(before: dict[str, int], after: dict[str, int]) -> str:
+    """What the connector's lookups chose between two snapshots of its counters (one request)."""
+    chosen = [name.removeprefix("lookup_choice_") for name in after
+              if name.startswith("lookup_choice_") and after[name] > before.get(name, 0)]
+    return "+".join(sorted(chosen)) or "none"
+
+
+# ---- policy cost ---------------------------------------------------------------------------------------
+
+
+def run_policy(run: Run, point: Point, tiers: list[str], o_direct: bool) -> None:
+    """One fresh daemon (the cost model at its default priors) for these tiers of one point, in
+    order: each tier timed under "cost", then "always", then "never"; a policy row per tier."""
+    what = f"{point.model_name} {point.num_tokens} tokens, policy cost, tiers {','.join(tiers)}"
+    if run.over_budget(what):
+        return
+    model = point.engine.model
+    l2_bytes, l3_bytes = daemon_sizes(model, [point.num_tokens])
+    try:
+        with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
+            control = None
+            rows: dict[tuple[str, str], dict] = {}
+            models = {}
+            try:
+                for tier, policy in itertools.product(tiers, ("cost", "always", "never")):
+                    attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
+                                    model_revision=f"random-seed-{run.args.seed}", policy=policy,
+                                    client_name=f"policy-{policy}-{point.model_name}-{point.num_tokens}")
+                    try:
+                        if control is None:
+                            control = TierControl(daemon, point.engine.connector.geometry)
+                            saved_kv, own_cache = save_prefixes(point, control)
+                        rows[(tier, policy)] = time_tier(run, point, tier, control, saved_kv, own_cache, policy)
+                        if policy == "cost":
+                            point.engine.connector.flush_report()       # its last timings, then
+                            point.engine.connector.flush()              # handled by the daemon
+                            models[tier] = control.cost_model()
+                    finally:
+                        detach_kvcached(point.engine)
+            finally:
+                if control is not None:
+                    control.close()
+        for tier in tiers:
+            run.add(policy_row(rows[(tier, "cost")], rows[(tier, "always")], rows[(tier, "never")], models[tier]))
+    except Exception as exc:        # recorded; the other points go on
+        run.fail(what, exc)
+
+
+def policy_row(cost: dict, restore: dict, recompute: dict, cost_model: dict) -> dict:
+    """One point and tier under the three policies. The restore and recompute runs' checks are the
+    row's: every page restored bit for bit (always), none (never); the daemon's integrity."""
+    choices = cost["choices"]
+    choice = max(set(choices), key=choices.count) if choices else None
+    faster_ms = min(restore["ttft_ms"], recompute["ttft_ms"])
+    return {"model": cost["model"], "tier": cost["tier"], "tokens": cost["tokens"],
+            "cost_ms": cost["ttft_ms"], "restore_ms": restore["ttft_ms"], "recompute_ms": recompute["ttft_ms"],
+            "choice": choice, "within_5pct": cost["ttft_ms"] <= POLICY_TARGET * faster_ms,
+            "faster": "restore" if restore["ttft_ms"] <= recompute["ttft_ms"] else "recompute",
+            "choices": choices, "cost_loaded_tokens": cost["loaded_tokens"],
+            "cost_samples_ms": cost["samples_ms"], "restore_samples_ms": restore["samples_ms"],
+            "recompute_samples_ms": recompute["samples_ms"],
+            "kv_equal": cost["kv_equal"] and restore["kv_equal"],
+            "tier_forced": restore["tier_forced"] and recompute["tier_forced"] and cost["tier_forced"],
+            "integrity_ok": cost["integrity_ok"] and restore["integrity_ok"] and recompute["integrity_ok"],
+            "outputs_equal": cost["outputs_equal"] and restore["outputs_equal"] and recompute["outputs_equal"],
+            "cost_model": cost_model}
+
+
+def policy_summary(rows: list[dict]) -> list[dict]:
+    summary = [{"target": f"{r['model']} {r['tier']} {r['tokens']}: cost <= {POLICY_TARGET} x the faster "
+                          f"({r['faster']})", "value": r["cost_ms"], "met": r["within_5pct"]} for r in rows]
+    for row in rows:
+        if (row["model"], row["tier"], row["tokens"]) == ("qwen3-8b", "l3-cold", 3500):
+            summary.append({"target": "qwen3-8b, 3,500 tokens, cold L3: declined", "value": row["choice"],
+                            "met": row["choice"] == "recompute"})
+    warm_long = [r for r in rows if r["tier"] == "l3" and r["tokens"] >= 3500]
+    if warm_long:
+        summary.append({"target": "a warm-page-cache L3 restore of a long prefix is taken",
+                        "value": [f"{r['model']} {r['tokens']}: {r['choice']}" for r in warm_long],
+                        "met": any(r["choice"] == "l3" for r in warm_long)})
+    return summary
 
 
 # ---- main ---------------------------------------------------------------------------------------------
@@ -531,6 +650,16 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
             points.append(point)
         except Exception as exc:                # recorded; the other points go on
             run.fail(what, exc)
+    if args.policy == "cost":
+        warm = [t for t in tiers if t in ("l2", "l3")]
+        if "peer" in tiers and "tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)" not in run.notes:
+            run.notes.append("tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)")
+        for point in points:
+            if warm:
+                run_policy(run, point, warm, o_direct=False)
+            if "l3-cold" in tiers:
+                run_policy(run, point, ["l3-cold"], o_direct=True)
+        return
     warm = [t for t in tiers if t in ("l2", "l3", "peer")]
     if points and warm:
         run_restores(run, points, warm, o_direct=False)
@@ -553,6 +682,8 @@ def main() -> None:
                         help="start no new point after this many seconds (the rest is listed as skipped)")
     parser.add_argument("--l3-dir", default=None, help="where the daemons' L3 files go (a disk, not tmpfs)")
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--policy", default="always", choices=("always", "never", "cost"),
+                        help="the connector's restore policy; cost: policy rows (policy.json), see above")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: {QUICK_POINTS}, 3 samples after 1 alternation; no result file")
     parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
@@ -568,7 +699,7 @@ def main() -> None:
         args.samples, args.warmup = min(args.samples, 3), min(args.warmup, 1)
         args.hf_warmup, args.hf_repeats = min(args.hf_warmup, 1), min(args.hf_repeats, 2)
     else:
-        args.name = args.name or "ttft"
+        args.name = args.name or ("policy" if args.policy == "cost" else "ttft")
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -588,7 +719,7 @@ def main() -> None:
         run.write()
         if run.rows:
             print()
-            print_table(run.rows, COLUMNS)
+            print_table(run.rows, POLICY_COLUMNS if args.policy == "cost" else COLUMNS)
         summary = run.summary()
         if summary:
             print_table(summary, ["target", "value", "met"])

@@ -6,7 +6,7 @@
 #
 # 1. the GPU tests (pytest -m gpu)            -> $OUT/gpu_tests.log
 # 2. bench_connector (two geometries, 20 requests) -> $OUT/connector.json, connector.log
-# 3. bench_stress                             -> $OUT/stress.json, stress.log
+# 3. bench_stress (tiers none, l2, l3-cold; policies always, cost) -> $OUT/stress.json, stress.log
 # 4. bench_ttft, with whatever time is left   -> $OUT/ttft.json, ttft.log
 # plus $OUT/env.txt (GPU, versions). Each stage runs under `timeout`, which sends SIGTERM to the
 # stage's whole process group (the daemons it started included; the benchmarks stop their daemons
@@ -59,7 +59,7 @@ if [[ -f bench/bench_connector.py ]]; then
         $(name connector)
     cp "$RESULTS/connector.json" "$OUT/" 2>/dev/null
 fi
-stage stress 80 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
+stage stress 150 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
 cp "$RESULTS/stress.json" "$OUT/" 2>/dev/null
 # bench_ttft starts no new point once its budget is spent, 50 s before its limit.
 TTFT_S=$(left_s)

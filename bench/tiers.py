@@ -4,7 +4,8 @@ a run, the engine's connector plugged in, and the tier the next request restores
 The engine (``bench.engine``) takes ``engine_client``'s ``KVConnector`` as it is: its per-layer KV
 tensors ``[2, num_blocks, block_size, kv_heads, head_dim]`` are the connector's "layer" layout,
 and the calls it makes (lookup, load, save, finished, request_finished) are the connector's.
-``attach_kvcached`` registers them and plugs the connector in.
+``attach_kvcached`` registers them and plugs the connector in; its lookups take every hit (restore
+policy "always") unless another policy is named.
 
 Forcing a tier needs no switch in the daemon or the connector. A second session on the engine's
 namespace (``TierControl``) looks at the hit per tier without changing anything, and empties L2
@@ -86,15 +87,17 @@ class KVDaemon:
 
 
 def attach_kvcached(engine: Engine, socket_path: str, *, model_id: str, model_revision: str = "",
-                    client_name: str = "engine", config: ConnectorConfig | None = None) -> KVConnector:
+                    client_name: str = "engine", config: ConnectorConfig | None = None,
+                    policy: str = "always") -> KVConnector:
     """Register the engine's KV tensors with a connector of its own (its own session) and plug it
-    in; the engine must be idle."""
+    in; the engine must be idle. ``policy``: the connector's restore policy (without ``config``):
+    "always" forces every hit to be restored, "cost" leaves it to the daemon's cost model."""
     model_config = engine.model.config
     connector = KVConnector.register(
         connect(socket_path, timeout_s=60.0, client_name=client_name), engine.kv_caches, "layer",
         model_id=model_id, model_revision=model_revision, page_size=engine.block_size,
         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        config=config or ConnectorConfig())
+        config=config or ConnectorConfig(policy=policy))
     try:
         engine.attach_connector(connector)
     except BaseException:
@@ -169,7 +172,8 @@ class TierControl:
         self._rng = np.random.default_rng(0x7133)
 
     def hits(self, token_ids) -> dict[str, int]:
-        """Leading tokens of token_ids each tier holds (whole pages); changes nothing."""
+        """Leading tokens of token_ids each tier holds (whole pages); changes nothing (a plain
+        lookup starts no background promotion either)."""
         reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32)).result()
         return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0)}
 
@@ -245,6 +249,10 @@ class TierControl:
 
     def integrity(self) -> str:
         return self.client.status(check_integrity=True)["integrity"]
+
+    def cost_model(self) -> dict:
+        """The daemon's cost model as its status shows it (per engine and direction, decisions)."""
+        return self.client.status()["cost_model"]
 
     def close(self) -> None:
         self.client.close()

@@ -72,10 +72,12 @@ def prompts(seed: int = SEED) -> dict[str, list[int]]:
 
 
 def kv_transfer_config(socket_path: str) -> dict[str, Any]:
-    """What a user passes to vLLM (``--kv-transfer-config``) to run on kvcached."""
+    """What a user passes to vLLM (``--kv-transfer-config``) to run on kvcached. This check asks
+    for every hit to be restored (policy always): it checks loads and their bytes, not the cost
+    model's choices (a user leaves policy out: the daemon's, by default cost)."""
     return {"kv_connector": "KVCachedConnector", "kv_connector_module_path": "engine_client.vllm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": socket_path}}
+            "kv_connector_extra_config": {"socket": socket_path, "policy": "always"}}
 
 
 def run_engine(args: argparse.Namespace) -> int:

@@ -90,7 +90,9 @@ class CacheManager:
         """Make the L1 pool and register it with a connector: ``client`` is attached with
         ``geometry``, the L2 pool mapped (on a GPU, pinned) and the transfers warmed. ``backend``
         picks the gather/scatter ("auto" times torch against Triton on a GPU)."""
-        config = config or ConnectorConfig(backend=backend)
+        # The daemon's restore policy follows the manager's: always (every hit restored, L3 promoted
+        # whatever the cost model says) or never.
+        config = config or ConnectorConfig(backend=backend, policy=restore_policy)
         l1_pool = L1Pool(geometry, num_l1_pages, device)
         connector = KVConnector.register(
             client, l1_pool.kv, "pool", model_id=geometry.model_id, page_size=geometry.page_size,
@@ -140,7 +142,8 @@ class CacheManager:
             raise
         request_id = next(self._request_ids)
         try:
-            self.connector.load(request_id, tokens, [], 0)      # the match: the request's lease
+            # The match, the request's lease; the daemon prices restoring what lies beyond L1.
+            self.connector.load(request_id, tokens, [], 0, start_token=len(l1_page_ids) * page_size)
             lease = self.connector.wait_for_match(request_id)
             first = len(l1_page_ids)
             num_loaded = 0

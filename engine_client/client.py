@@ -714,35 +714,48 @@ class KVCacheClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-              promote_l3: bool = True, generation: int | None = None) -> MatchReply:
+              promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
+              policy: str = "") -> MatchReply:
         """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
         and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
-        return self.match_async(token_ids, reserve_backup, promote_l3, generation).result()
+        return self.match_async(token_ids, reserve_backup, promote_l3, generation, local_hit_tokens=local_hit_tokens,
+                                policy=policy).result()
 
     def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-                    promote_l3: bool = True, generation: int | None = None) -> PendingMatch:
+                    promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
+                    policy: str = "") -> PendingMatch:
         """Send a match now and collect its reply later (``result()``), so that the round trip
         overlaps the engine's own work (the connector sends a step's matches together).
         Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
-        ``generation``: the session it is for (DaemonDown at once if that one has ended)."""
+        ``generation``: the session it is for (DaemonDown at once if that one has ended).
+        With promote_l3 the daemon's cost model decides, under ``policy`` ("": the daemon's) and for
+        the tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 holds."""
         session_id, generation = self._session(generation, live=True)
         request_id = self._channel.begin(MsgKind.MATCH, {
             "session_id": session_id,
             "token_ids": token_bytes(token_ids),
             "reserve_backup": reserve_backup,
             "promote_l3": promote_l3,
+            "local_hit_tokens": local_hit_tokens,
+            "policy": policy,
         })
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False,
-                     generation: int | None = None) -> PendingMatch:
+                     generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "",
+                     promote_l3: bool = False) -> PendingMatch:
         """Ask how much of a prefix is cached, changing nothing (no lease, no LRU update): the reply
-        (``result()``) has the hit per tier and no lease or pages. tp_group: the least hit over
-        every rank of this engine's tensor-parallel group. DaemonDown at once while it is down."""
+        (``result()``) has the hit per tier and no lease or pages, and the daemon's decision (where
+        the tokens beyond the engine's own ``local_hit_tokens`` should come from, under ``policy``).
+        promote_l3: L3 is a candidate too, and an L3 hit the decision declines may be promoted in
+        the background (what an engine's lookups ask for; a tool that only reads the hits does not).
+        tp_group: the least hit over every rank of this engine's tensor-parallel group. DaemonDown at
+        once while it is down."""
         session_id, generation = self._session(generation, live=True)
         request_id = self._channel.begin(MsgKind.MATCH, {
             "session_id": session_id, "token_ids": token_bytes(token_ids),
-            "lock": False, "tp_group": tp_group})
+            "lock": False, "tp_group": tp_group, "local_hit_tokens": local_hit_tokens, "policy": policy,
+            "promote_l3": promote_l3})
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 
     def request_async(self, kind: MsgKind, body: dict[str, Any], reply_type: type,
@@ -800,9 +813,11 @@ class KVCacheClient:
         self._channel.send_async(kind, {"session_id": session[0], **body})
         return True
 
-    def report(self, report: dict[str, Any]) -> bool:
-        """Tell the daemon facts about this engine (e.g. transfer backends); shown in its status."""
-        return self._send_async(MsgKind.ENGINE_REPORT, {"report": report}, None)
+    def report(self, report: dict[str, Any], cost_samples: Sequence[tuple[str, int, float]] = ()) -> bool:
+        """Tell the daemon facts about this engine (e.g. transfer backends; shown in its status) and
+        timings for its cost model: (direction, size, seconds), see ``proto.schema.EngineReport``."""
+        return self._send_async(MsgKind.ENGINE_REPORT, {"report": report, "cost_samples": [list(s) for s in cost_samples]},
+                                None)
 
     def status(self, check_integrity: bool = False) -> dict[str, Any]:
         return self._channel.request(MsgKind.STATUS, {"check_integrity": check_integrity})

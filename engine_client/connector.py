@@ -3,7 +3,8 @@
 Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the host:
 
     connector = KVConnector.register(client, kv_caches, "layer", model_id=..., page_size=16, ...)
-    n = connector.lookup(token_ids)                     # side-effect free; ask as often as you like
+    n = connector.lookup(token_ids, local_hit_tokens=h) # side-effect free; the daemon's decision: hold
+                                                        # n leading tokens (restore [h, n)), recompute the rest
     ... the engine allocates its own blocks for the request ...
     connector.load(rid, token_ids, block_ids, n)        # queued: a match takes the lease, the DMA and
                                                         # scatter follow its reply (poll)
@@ -14,6 +15,11 @@ Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the 
     ... prefill the rest ...
     connector.save(rid, token_ids, block_ids, start)    # the new full blocks, queued
     if connector.request_finished(rid): ...             # True: keep the blocks until finished().released
+
+The daemon decides, at the lookup, whether restoring beats recomputing (its cost model: the
+lookup's ``decision()`` has the chosen source and the predicted costs); the connector feeds that
+model: each transfer's time (CUDA events; no host wait) and the engine's prefill times
+(``report_prefill``) go to the daemon with the periodic report.
 
 One lease per request. The request's first load or save sends one match with a reservation
 (``MATCH(reserve_backup)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
@@ -46,8 +52,9 @@ While the client is down, ``poll`` says when nothing writes the ended session's 
 Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
 registered for other engines on its GPU to copy from; the engine says which blocks it is about to
 write (``will_write_blocks``) and which hold a prompt's pages (``blocks_cached``), published at
-``poll``. A match naming another engine's blocks that cover at least L2's hit loads from them, GPU to
-GPU; blocks that engine changed during the copy are reported failed (``peer_changed``).
+``poll``. A match whose decision is "peer" (another engine's blocks, priced by the daemon's cost
+model against L2, L3 and recompute) loads from them, GPU to GPU, each copy's time a "d2d" sample;
+blocks that engine changed during the copy are reported failed (``peer_changed``).
 
 Tensor parallelism: each rank registers its own shard (its ``tp_rank``, its own namespace) and
 moves only that; ``lookup`` answers for the whole group (the daemon takes the least hit over the
@@ -88,11 +95,12 @@ class ConnectorConfig:
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES     # packed device buffer, per direction
     fence_margin_s: float = 0.5        # a DMA starts only while the session holds at least this long
     reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
-    report_interval_s: float = 1.0     # how often changed counters go to the daemon's status
+    report_interval_s: float = 1.0     # how often changed counters (and timings) go to the daemon
+    policy: str = ""                   # restore policy: "cost", "always", "never" ("": the daemon's)
     # Peer restores (engine_client/peer.py): register this engine's KV tensors for other engines of
-    # the namespace on its device to copy from, and load a prefix from theirs when another engine's
-    # GPU cache holds at least as many of its leading tokens as L2 (asynchronous loads only; one
-    # tensor-parallel rank only).
+    # the namespace on its device to copy from, and load a prefix from theirs when the daemon's
+    # decision chooses another engine's GPU cache (asynchronous loads only; one tensor-parallel
+    # rank only).
     peer: bool = False
 
 
@@ -127,17 +135,33 @@ class Finished(NamedTuple):
     queued: Sequence[LoadResult] = ()
 
 
+class RestoreDecision(NamedTuple):
+    """The daemon's answer to a lookup: what to restore (see ``proto.replies.MatchReply``)."""
+
+    choice: str                        # "engine", "l2", "l3", "peer", "recompute"; "" when the lookup failed
+    num_tokens: int                    # leading tokens to hold once restored: restore [local hit, num_tokens)
+    hit_tokens: dict[str, int]         # per tier
+    predicted_s: dict[str, float]      # per candidate and "recompute": seconds to hold the longest hit
+
+
+# Timings kept for the daemon while it cannot be told (oldest dropped first): what one report carries.
+MAX_PENDING_COST_SAMPLES = 1024
+# Timings go to the daemon this soon (with a report), so that its cost model decides on fresh ones.
+COST_REPORT_INTERVAL_S = 0.1
+
+
 class PendingLookup:
-    """A lookup sent; ``result()`` is the number of leading tokens cached (0 on any failure)."""
+    """A lookup sent; ``result()`` is the number of leading tokens to hold once restored: the
+    daemon's decision (0 on any failure); ``decision()`` the whole of it."""
 
     def __init__(self, lookup: "PrefixLookup", pending: PendingMatch | None, num_tokens: int):
         self._lookup = lookup
         self._pending = pending
         self._num_tokens = num_tokens
-        self._result: int | None = None if pending is not None else 0
+        self._decision: RestoreDecision | None = None if pending is not None else RestoreDecision("", 0, {}, {})
 
     def ready(self) -> bool:
-        if self._result is not None:
+        if self._decision is not None:
             return True
         try:
             return self._pending.ready()
@@ -145,9 +169,12 @@ class PendingLookup:
             return True
 
     def result(self, timeout_s: float | None = None) -> int:
-        if self._result is None:
-            self._result = self._lookup._hit_of(self._pending, timeout_s)
-        return self._result
+        return self.decision(timeout_s).num_tokens
+
+    def decision(self, timeout_s: float | None = None) -> RestoreDecision:
+        if self._decision is None:
+            self._decision = self._lookup._decision_of(self._pending, timeout_s)
+        return self._decision
 
 
 class PrefixLookup:
@@ -155,17 +182,20 @@ class PrefixLookup:
     no lock, no LRU update. Usable alone by a scheduler process that holds no KV tensors (attach a
     client with any rank's geometry)."""
 
-    def __init__(self, client: KVCacheClient, *, tp_group: bool, promote_l3: bool = True, peer: bool = False):
+    def __init__(self, client: KVCacheClient, *, tp_group: bool, promote_l3: bool = True, policy: str = ""):
         self.client = client
         self.tp_group = tp_group
         self.promote_l3 = promote_l3
-        self.peer = peer                    # another engine's GPU cache counts (peer restores)
+        self.policy = policy
         self.counters: collections.Counter[str] = collections.Counter()
 
-    def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray, local_hit_tokens: int = 0) -> PendingLookup:
+        """``local_hit_tokens``: leading tokens the engine holds itself; the daemon decides for the rest."""
         self.counters["lookups"] += 1
         try:
-            return PendingLookup(self, self.client.lookup_async(token_ids, tp_group=self.tp_group), len(token_ids))
+            pending = self.client.lookup_async(token_ids, tp_group=self.tp_group, local_hit_tokens=local_hit_tokens,
+                                               policy=self.policy, promote_l3=self.promote_l3)
+            return PendingLookup(self, pending, len(token_ids))
         except DaemonDown:                  # the client logs the outage once
             self.counters["lookup_failures_daemon_down"] += 1
             return PendingLookup(self, None, len(token_ids))
@@ -173,29 +203,29 @@ class PrefixLookup:
             self._failed("lookup_failures_unavailable", exc)
             return PendingLookup(self, None, len(token_ids))
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None) -> int:
-        """How many leading tokens of token_ids are cached (whole pages; 0 when the daemon is away)."""
-        return self.lookup_async(token_ids).result(timeout_s)
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None,
+               local_hit_tokens: int = 0) -> int:
+        """How many leading tokens of token_ids to hold once restored, by the daemon's decision:
+        whole pages, ``local_hit_tokens`` or less when nothing beyond it is worth restoring (0 when
+        the daemon is away)."""
+        return self.lookup_async(token_ids, local_hit_tokens).result(timeout_s)
 
-    def _hit_of(self, pending: PendingMatch, timeout_s: float | None) -> int:
+    def _decision_of(self, pending: PendingMatch, timeout_s: float | None) -> RestoreDecision:
+        failed = RestoreDecision("", 0, {}, {})
         try:
             reply = pending.result(timeout_s)
         except DaemonDown:
             self.counters["lookup_failures_daemon_down"] += 1
-            return 0
+            return failed
         except DaemonUnavailable as exc:
             self._failed("lookup_failures_unavailable", exc)
-            return 0
+            return failed
         except DaemonError as exc:
             self._failed("lookup_failures_refused", exc)
-            return 0
-        hit = reply.hit_tokens.get("l2", 0)
-        if self.promote_l3:
-            hit = max(hit, reply.hit_tokens.get("l3", 0))
-        if self.peer:
-            hit = max(hit, reply.hit_tokens.get("peer", 0))
-        self.counters["lookup_hit_tokens"] += hit
-        return hit
+            return failed
+        self.counters[f"lookup_choice_{reply.choice}"] += 1
+        self.counters["lookup_hit_tokens"] += reply.restore_tokens
+        return RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
 
     def _failed(self, counter: str, exc: Exception) -> None:
         if not self.counters[counter]:
@@ -279,8 +309,9 @@ class KVConnector:
         self.config = config
         self.peer = peer
         self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3,
-                                    peer=peer is not None)
+                                    policy=config.policy)
         self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
+        self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_PENDING_COST_SAMPLES)
         self._requests: dict[Hashable, _Request] = {}
         self._finished_loads: list[LoadResult] = []
         self._queued_loads: list[LoadResult] = []
@@ -334,14 +365,23 @@ class KVConnector:
 
     # ---- lookups ------------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None) -> int:
-        """Leading tokens of token_ids cached for this engine (for its whole TP group): whole pages,
-        0 when the daemon is away. Changes nothing; one round trip."""
-        return self.lookups.lookup(token_ids, timeout_s)
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None,
+               local_hit_tokens: int = 0) -> int:
+        """Leading tokens of token_ids to hold once restored, for this engine (its whole TP group),
+        which holds the first ``local_hit_tokens`` itself: the daemon's decision, whole pages (at
+        most local_hit_tokens when restoring does not pay; 0 when the daemon is away). Changes
+        nothing; one round trip."""
+        return self.lookups.lookup(token_ids, timeout_s, local_hit_tokens)
 
-    def lookup_async(self, token_ids: Sequence[int] | np.ndarray) -> PendingLookup:
-        """Send a lookup now, collect it later (``ready()``, ``result()``): a step's lookups in one round trip."""
-        return self.lookups.lookup_async(token_ids)
+    def lookup_async(self, token_ids: Sequence[int] | np.ndarray, local_hit_tokens: int = 0) -> PendingLookup:
+        """Send a lookup now, collect it later (``ready()``, ``result()``, ``decision()``): a step's
+        lookups in one round trip."""
+        return self.lookups.lookup_async(token_ids, local_hit_tokens)
+
+    def report_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
+        the daemon's cost model (sent with the next report; never waits)."""
+        self._cost_samples.append(("prefill", int(num_tokens), float(seconds)))
 
     # ---- the engine's own GPU cache (peer restores) ---------------------------------------------
 
@@ -372,7 +412,9 @@ class KVConnector:
         block_ids = self._block_ids(block_ids, num_pages)
         if (start_page + num_pages) * self.page_size > len(token_ids):
             raise ValueError(f"tokens [{start_token}, {start_token + num_tokens}) are beyond the {len(token_ids)} given")
-        request = self._request(request_id, token_ids)
+        # The request's match (if this call sends it) may promote what only L3 holds: the daemon's
+        # cost model decides, for the tokens beyond those the engine holds (start_token).
+        request = self._request(request_id, token_ids, promote_l3=self.config.promote_l3, local_hit_tokens=start_token)
         if request.finished:
             raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
         if num_pages:
@@ -395,7 +437,9 @@ class KVConnector:
         if end_page < start_page:
             raise ValueError(f"start_token {start_token} is beyond the {len(tokens)} tokens given")
         block_ids = self._block_ids(block_ids, end_page - start_page)
-        request = self._request(request_id, tokens)
+        # A request's first call a save: nothing is loaded, so nothing is promoted for it (the
+        # reservation covers what L2 lacks, written from the engine's blocks).
+        request = self._request(request_id, tokens, promote_l3=False)
         if request.finished:
             raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
         covered = min(len(request.token_ids), end_page * self.page_size)
@@ -514,7 +558,7 @@ class KVConnector:
 
     # ---- the request's state machine ------------------------------------------------------------
 
-    def _request(self, request_id: Hashable, token_ids) -> _Request:
+    def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0) -> _Request:
         request = self._requests.get(request_id)
         if request is not None:
             return request
@@ -525,8 +569,9 @@ class KVConnector:
         try:
             # Sent for the session of the mapped pool (DaemonDown at once if that one has ended):
             # the lease, if any, is that session's.
-            request.match = self.client.match_async(tokens, reserve_backup=self.config.save,
-                                                    promote_l3=self.config.promote_l3, generation=self._generation)
+            request.match = self.client.match_async(tokens, reserve_backup=self.config.save, promote_l3=promote_l3,
+                                                    generation=self._generation, local_hit_tokens=local_hit_tokens,
+                                                    policy=self.config.policy)
         except DaemonUnavailable as exc:
             self._match_failed(request, exc)
         self._requests[request_id] = request
@@ -634,12 +679,14 @@ class KVConnector:
         load.num_pages_queued = usable
 
     def _peer_plan(self, reply) -> PeerPlan | None:
-        """Copy from another engine's GPU cache when it holds at least the leading tokens L2 does
-        (the one rule until the cost model prices the candidates)."""
-        plan = self.peer.plan(reply)
-        if plan is None or plan.num_pages * self.page_size < reply.backup_start_token:
+        """Copy from another engine's GPU cache when the match's decision chose it (the daemon's
+        cost model prices it against L2, L3 and recompute); None otherwise, or while its owner is
+        not open here yet."""
+        if reply.choice != "peer":
             return None
-        self.counters["peer_plans"] += 1
+        plan = self.peer.plan(reply)
+        if plan is not None:
+            self.counters["peer_plans"] += 1
         return plan
 
     def _queue_peer_load(self, plan: PeerPlan, load: _Load) -> None:
@@ -665,6 +712,9 @@ class KVConnector:
     def _complete_load(self, request: _Request, load: _Load) -> None:
         usable = load.num_pages_queued
         reason = load.reason
+        if load.transfer is not None:           # a peer copy: device to device; else L2 to the GPU
+            self._cost_samples.append(("d2d" if load.peer_copy is not None else "h2d",
+                                       usable * self.geometry.bytes_per_page, load.transfer.seconds()))
         if load.peer_copy is not None:
             # Only blocks the owner did not touch during the copy count (their epochs unchanged).
             verified = self.peer.finish(load.peer_copy)
@@ -727,6 +777,8 @@ class KVConnector:
         self.counters["save_pages_queued"] += len(todo)
 
     def _complete_save(self, request: _Request, save: _Save) -> None:
+        self._cost_samples.append(("d2h", save.transfer.num_pages * self.geometry.bytes_per_page,
+                                   save.transfer.seconds()))
         if not self._session_holds(save.session_id, 0.0):
             # Started inside the margin, done after the session's end: the pages may have been
             # handed to someone else. Never committed (the lease is gone); counted loudly.
@@ -839,23 +891,29 @@ class KVConnector:
             logger.warning("%s (each further one is counted, not logged)", message)
 
     def _report(self, force: bool = False) -> None:
-        """Send changed counters to the daemon (its status shows them), at most every report_interval_s."""
+        """Send changed counters (its status shows them) and the timings taken since the last report
+        (its cost model learns from them) to the daemon, at most every report_interval_s."""
         now = time.monotonic()
         if not self.client.is_attached(self._generation):
             return                          # sent again once the session is back (or its successor's pool is in)
-        if not force and now - self._reported_at < self.config.report_interval_s:
+        since_s = now - self._reported_at
+        if not force and since_s < self.config.report_interval_s and not (
+                self._cost_samples and since_s >= COST_REPORT_INTERVAL_S):
             return
         stats = self.stats()
-        if not force and stats == self._reported:
+        if not force and stats == self._reported and not self._cost_samples:
             return
+        samples = list(self._cost_samples)
         try:
             self.client.report({"connector": {"layout": self.layout.kind, "page_layout": self.layout.page_layout,
                                               "block_shape": list(self.layout.block_shape),
                                               "transfer": self.transfer.report(), "pin": self.host_pool.pin_report(),
-                                              "counters": stats}})
+                                              "counters": stats}}, samples)
         except (DaemonUnavailable, RuntimeError) as exc:
             logger.debug("report not sent: %s", exc)
             return
+        for _ in samples:
+            self._cost_samples.popleft()
         self._reported, self._reported_at = stats, now
 
     def flush_report(self) -> None:

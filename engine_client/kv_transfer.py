@@ -62,22 +62,34 @@ _AUTO_TIMING_REPEATS = 3
 class Transfer:
     """A queued transfer. ``blocks_free()``: the engine's blocks are no longer touched (a save's
     gathers are done; for a load, the same as ``done()``); ``done()``: every copy is complete. A
-    load has an event per layer (``layer_events``), recorded once that layer's blocks are written."""
+    load has an event per layer (``layer_events``), recorded once that layer's blocks are written.
+    ``seconds()``: how long its copies took, once done (for the cost model)."""
 
-    __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events")
+    __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events", "start_event", "host_seconds")
 
     def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
-                 done_event: torch.cuda.Event | None, layer_events: list[torch.cuda.Event | None] | None = None):
+                 done_event: torch.cuda.Event | None, layer_events: list[torch.cuda.Event | None] | None = None,
+                 start_event: torch.cuda.Event | None = None, host_seconds: float = 0.0):
         self.num_pages = num_pages
         self.blocks_event = blocks_event
         self.done_event = done_event
         self.layer_events = layer_events
+        self.start_event = start_event          # on the lane's stream, once the caller's work is done
+        self.host_seconds = host_seconds        # on CPU, where the copies ran before the return
 
     def blocks_free(self) -> bool:
         return self.blocks_event is None or self.blocks_event.query()
 
     def done(self) -> bool:
         return self.done_event is None or self.done_event.query()
+
+    def seconds(self) -> float:
+        """The copies' time, from the lane's start of this transfer (not its wait for the caller's
+        stream) to its end: CUDA events' elapsed time, read only once done (no host wait)."""
+        if self.done_event is None or self.start_event is None:
+            return self.host_seconds
+        assert self.done(), "a transfer is timed once done"
+        return self.start_event.elapsed_time(self.done_event) / 1e3
 
     def wait_layer_on(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         """Make ``stream`` wait until this load has written ``layer`` of its blocks (no host wait)."""
@@ -209,14 +221,17 @@ class KVTransfer:
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["save"]
         blocks_event = None
+        started = time.perf_counter()
         with self._on(lane, after):
+            start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._gather(self.table, lane.upload(block_ids[first:last]), lane.workspace[: last - first])
                 if last == len(block_ids):
                     blocks_event = self._record(lane)      # the last gather: the blocks are read
                 self._copy_runs(lane, host_page_ids[first:last])
-            return Transfer(len(block_ids), blocks_event, self._record(lane))
+            return Transfer(len(block_ids), blocks_event, self._record(lane, timing=True), start_event=start_event,
+                            host_seconds=time.perf_counter() - started)
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
              after: torch.cuda.Event | None = None) -> Transfer:
@@ -232,13 +247,15 @@ class KVTransfer:
             return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
+        started = time.perf_counter()
         with self._on(lane, after):
             if lane.last_scatter is not None:
                 # The scatters read their ids and slots after the copy stream moved on: the id ring
                 # and the slots are reused once the last load's scatters are done.
                 lane.stream.wait_event(lane.last_scatter)
+            start_event = self._record(lane, timing=True)
             # A load of more pages than one layer's slot holds goes in chunks, every layer of
-            # each; its layer events come with the last chunk.
+            # each; its layer events come with the last chunk (the last one timed: the load's end).
             first, step = 0, 0
             while True:
                 last = min(first + lane.chunk_pages, len(block_ids))
@@ -250,41 +267,46 @@ class KVTransfer:
                         lane.stream.wait_event(slot_free[slot])
                     packed = self._layer_packed(lane, table, last - first, slot)
                     self._copy_layer(lane, layer, host_page_ids[first:last], packed)
-                    slot_free[slot] = event = self._scatter_after_copy(lane, table, packed, ids)
+                    final = last == len(block_ids) and layer == len(self.layer_tables) - 1
+                    slot_free[slot] = event = self._scatter_after_copy(lane, table, packed, ids, timing=final)
                     if last == len(block_ids):
                         layer_events.append(event)
                 if last == len(block_ids):
                     break
                 first = last
-        lane.last_scatter = layer_events[-1]
-        return Transfer(len(block_ids), layer_events[-1], layer_events[-1], layer_events)
+        lane.last_scatter = done_event = layer_events[-1]
+        return Transfer(len(block_ids), done_event, done_event, layer_events, start_event,
+                        time.perf_counter() - started)
 
     def _scatter_after_copy(self, lane: _Lane, table: SegmentTable, packed: torch.Tensor,
-                            ids: torch.Tensor) -> torch.cuda.Event | None:
+                            ids: torch.Tensor, timing: bool = False) -> torch.cuda.Event | None:
         """The scatter of packed into the blocks, on the scatter stream once the copies queued so
         far on the copy stream are done; the event after it."""
         if lane.scatter_stream is None:
             self._scatter(table, packed, ids)
-            return self._record(lane)
+            return self._record(lane, timing=timing)
         copied = torch.cuda.Event()
         copied.record(lane.stream)
         lane.scatter_stream.wait_event(copied)
         with torch.cuda.stream(lane.scatter_stream):
             self._scatter(table, packed, ids)
-            return self._record(lane, lane.scatter_stream)
+            return self._record(lane, lane.scatter_stream, timing=timing)
 
     def _load_whole(self, lane: _Lane, host_page_ids: np.ndarray, block_ids: np.ndarray,
                     after: torch.cuda.Event | None) -> Transfer:
+        started = time.perf_counter()
         with self._on(lane, after):
             if lane.last_scatter is not None:
                 lane.stream.wait_event(lane.last_scatter)
+            start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._copy_runs(lane, host_page_ids[first:last], to_host=False)
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
-            done_event = self._record(lane)
+            done_event = self._record(lane, timing=True)
         lane.last_scatter = done_event
-        return Transfer(len(block_ids), done_event, done_event)
+        return Transfer(len(block_ids), done_event, done_event, start_event=start_event,
+                        host_seconds=time.perf_counter() - started)
 
     def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
                   after: torch.cuda.Event | None = None) -> Transfer:
@@ -301,18 +323,21 @@ class KVTransfer:
         if source_block_ids.shape != block_ids.shape:
             raise ValueError(f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks")
         lane = self.lanes["load"]
+        started = time.perf_counter()
         with self._on(lane, after):
             if lane.last_scatter is not None:
                 lane.stream.wait_event(lane.last_scatter)
+            start_event = self._record(lane, timing=True)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
                 self._gather(source, lane.upload(source_block_ids[first:last]),
                              packed.view(source.word_dtype).view(source.packed_shape(last - first)))
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
-            done_event = self._record(lane)
+            done_event = self._record(lane, timing=True)
         lane.last_scatter = done_event
-        return Transfer(len(block_ids), done_event, done_event)
+        return Transfer(len(block_ids), done_event, done_event, start_event=start_event,
+                        host_seconds=time.perf_counter() - started)
 
     @staticmethod
     def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int, slot: int) -> torch.Tensor:
@@ -397,11 +422,11 @@ class KVTransfer:
             yield
 
     @staticmethod
-    def _record(lane: _Lane, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+    def _record(lane: _Lane, stream: torch.cuda.Stream | None = None, timing: bool = False) -> torch.cuda.Event | None:
         """An event of the lane's stream (or of ``stream``); None on CPU, where copies are done on return."""
         if lane.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream or lane.stream)
         return event
 

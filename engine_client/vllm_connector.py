@@ -91,6 +91,7 @@ class VLLMConnectorConfig:
     reply_timeout_s: float = 5.0      # a load's or save's match unanswered this long: failed / skipped
     retry_interval_s: float = 1.0     # how often a side with no daemon at start-up tries to attach
     client_timeout_s: float = 2.0     # attach and detach
+    policy: str = ""                  # restore policy: "cost", "always", "never" ("": the daemon's)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "VLLMConnectorConfig":
@@ -200,7 +201,7 @@ def open_lookups(config: VLLMConnectorConfig, geometry: KVGeometry) -> PrefixLoo
     except BaseException:
         client.close()
         raise
-    return PrefixLookup(client, tp_group=geometry.tp_size > 1)
+    return PrefixLookup(client, tp_group=geometry.tp_size > 1, policy=config.policy)
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def open_lookups(config: VLLMConnectorConfig, geometry: KVGeometry) -> PrefixLoo
 # counter "vllm:kvcached_<name>_total" per engine.
 METRICS = {
     "lookup_tokens": "prompt tokens asked about (the scheduler's lookups)",
-    "lookup_hit_tokens": "tokens kvcached said it holds (hits offered to the scheduler)",
+    "lookup_hit_tokens": "tokens kvcached offered the scheduler (its decision: the prefix to hold, vLLM's own hit in)",
     "lookup_failures": "lookups not answered (daemon away or late): counted as misses",
     "loaded_tokens": "tokens loaded from kvcached into vLLM's blocks",
     "load_failed_tokens": "tokens whose load failed: recomputed by vLLM",
@@ -370,16 +371,17 @@ class _SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._cacheable(request) or request.request_id in self._load_failed:
             return 0, False     # a request whose load failed is recomputed, not loaded again
-        hit = self._hit_tokens(request)
+        hit = self._hit_tokens(request, num_computed_tokens)
         if hit is None:
             return None, False
         self._external[request.request_id] = num_computed_tokens
         num_new = hit - num_computed_tokens
         return (num_new, True) if num_new > 0 else (0, False)
 
-    def _hit_tokens(self, request: "Request") -> int | None:
-        """The cached prefix of the request's tokens less the last (which vLLM always computes),
-        whole pages; None while the lookup's reply is on its way."""
+    def _hit_tokens(self, request: "Request", num_computed_tokens: int) -> int | None:
+        """The prefix of the request's tokens less the last (which vLLM always computes) to hold
+        once restored, whole pages, by the daemon's decision for what lies beyond the
+        num_computed_tokens vLLM holds; None while the lookup's reply is on its way."""
         req_id = request.request_id
         asked = self._asked.get(req_id)
         now = time.monotonic()
@@ -393,7 +395,8 @@ class _SchedulerSide:
             if lookups is None:
                 self._asked[req_id] = _Asked(None, now, 0)
                 return 0
-            asked = self._asked[req_id] = _Asked(lookups.lookup_async(np.asarray(tokens, dtype=np.int32)), now)
+            asked = self._asked[req_id] = _Asked(
+                lookups.lookup_async(np.asarray(tokens, dtype=np.int32), num_computed_tokens), now)
         if asked.hit_tokens is None:
             failures = self._lookup_failures()
             if asked.pending.ready():
@@ -520,7 +523,8 @@ class _WorkerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.geometry = namespace_geometry(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(),
                                            config.cache_salt)
-        self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s)
+        self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s,
+                                                policy=config.policy)
         self.kv_caches: list[torch.Tensor] | None = None
         self._attacher: _Attacher[KVConnector] | None = None
         self.counts = _Counts()

@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
         f"quarantined this long (default {defaults['session_grace_s'].default})")
     add("--no-pid-watch", "pid_watch", action="store_false", default=None,
         help="do not watch engines' pids; detect their end by heartbeats alone")
+    add("--restore-policy", "restore_policy", choices=("cost", "always", "never"), help="which cached prefixes "
+        "are restored: cost, those the cost model predicts beat recomputing them; always; never "
+        f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
+    add("--cost-margin", "cost_margin", type=float, help="a restore must be predicted this many times faster "
+        f"than recompute (default {defaults['cost_margin'].default})")
+    add("--prior-recompute-us", "prior_recompute_us_per_token", type=float, metavar="US",
+        help="the cost model's prior for prefill, microseconds per token, until engines report theirs "
+        f"(default {defaults['prior_recompute_us_per_token'].default})")
+    add("--prior-host-gibps", "prior_host_gibps", type=float, metavar="GIBPS", help="its prior for L2 <-> GPU "
+        f"copies (default {defaults['prior_host_gibps'].default})")
+    add("--prior-storage-gibps", "prior_storage_gibps", type=float, metavar="GIBPS", help="its prior for L3 "
+        f"reads and writes (default {defaults['prior_storage_gibps'].default})")
+    add("--prior-peer-gibps", "prior_peer_gibps", type=float, metavar="GIBPS", help="its prior for copies out "
+        f"of another engine's GPU memory (default {defaults['prior_peer_gibps'].default})")
     add("--log-level", "log_level", metavar="LEVEL",
         help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
     add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "

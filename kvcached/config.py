@@ -15,6 +15,7 @@ import re
 import shutil
 from typing import Any, Callable, Mapping
 
+from kvcached.core.cost_model import POLICIES, CostPriors
 from proto.paths import default_socket_path, normalize_socket_path
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,12 @@ SHM_DIR = "/dev/shm"
 # /metrics, /status and the status page. The default is loopback only, and best effort: a second
 # daemon on the host (another user's) runs without it rather than not at all.
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
+
+
+# CostPriors' field (the first word of its ValueError) -> the DaemonConfig field that sets it
+_COST_PRIOR_FIELDS = {"recompute_s_per_token": "prior_recompute_us_per_token", "host_bytes_per_s": "prior_host_gibps",
+                      "storage_bytes_per_s": "prior_storage_gibps", "margin": "cost_margin",
+                      "peer_bytes_per_s": "prior_peer_gibps"}
 
 
 class ConfigError(ValueError):
@@ -148,6 +155,13 @@ class DaemonConfig:
     # address, or the daemon does not start (port 0: any free port; status names it).
     http_address: str = ""
     log_level: str = "INFO"
+    # The cost model (kvcached/core/cost_model.py): which restores are taken, and its priors.
+    restore_policy: str = "cost"        # "cost": restore what beats recompute; "always"; "never"
+    cost_margin: float = 1.1            # a restore must beat recompute by this factor
+    prior_recompute_us_per_token: float = 50.0
+    prior_host_gibps: float = 12.0      # L2 <-> GPU
+    prior_storage_gibps: float = 3.0    # L3 reads and writes
+    prior_peer_gibps: float = 1000.0    # another engine's GPU memory -> this engine's
 
     def __post_init__(self) -> None:
         # A path or an ipc:// URL, made absolute; too long for a socket address: ConfigError.
@@ -178,10 +192,23 @@ class DaemonConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ConfigError(message, field)
+        if self.restore_policy not in POLICIES:
+            raise ConfigError(f"restore_policy must be one of {POLICIES}, got {self.restore_policy!r}", "restore_policy")
+        try:
+            self.cost_priors
+        except ValueError as exc:
+            raise ConfigError(str(exc), _COST_PRIOR_FIELDS[str(exc).split()[0]]) from None
         try:
             parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
         except ValueError as exc:
             raise ConfigError(str(exc), "http_address") from None
+
+    @property
+    def cost_priors(self) -> CostPriors:
+        return CostPriors(recompute_s_per_token=self.prior_recompute_us_per_token * 1e-6,
+                          host_bytes_per_s=self.prior_host_gibps * 2**30,
+                          storage_bytes_per_s=self.prior_storage_gibps * 2**30, margin=self.cost_margin,
+                          peer_bytes_per_s=self.prior_peer_gibps * 2**30)
 
     @property
     def http_endpoint(self) -> tuple[str, int] | None:

@@ -52,6 +52,14 @@ class MatchReply(NamedTuple):
     peer_id: int = 0
     peer_block_ids: list[int] = []
     peer_epochs: list[int] = []
+    # The cost model's decision (a lookup's; a match's that may promote L3): where the tokens beyond
+    # the engine's own hit come from (proto.messages.RESTORE_CHOICES; "": no decision was asked for),
+    # the leading tokens to hold after the restore (the engine's own hit included), the predicted
+    # seconds to hold the longest hit through each candidate and "recompute", and the policy applied.
+    choice: str = ""
+    restore_tokens: int = 0
+    predicted_s: dict[str, float] = {}
+    policy: str = ""
 
 
 class CommitReply(NamedTuple):

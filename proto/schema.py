@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, preview
-from proto.messages import KVGeometry, MsgKind
+from proto.messages import RESTORE_POLICIES, KVGeometry, MsgKind
 
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
 MAX_PAGE_IDS_PER_REQUEST = 1 << 20
@@ -124,6 +124,10 @@ class Match:
     # over its ranks' namespaces (0 while a rank has none): a prefix is cached only where every
     # rank holds its shard.
     tp_group: bool = False
+    # Leading tokens the engine holds itself (its GPU cache): the cost model prices what lies beyond.
+    local_hit_tokens: int = 0
+    # The restore policy for this request, one of RESTORE_POLICIES ("": the daemon's).
+    policy: str = ""
 
     @classmethod
     def parse(cls, body: dict) -> "Match":
@@ -134,7 +138,11 @@ class Match:
             promote_l3=_bool(body, "promote_l3", True),
             lock=_bool(body, "lock", True),
             tp_group=_bool(body, "tp_group", False),
+            local_hit_tokens=_int(body, "local_hit_tokens", 0, MAX_TOKENS_PER_REQUEST, default=0),
+            policy=_str(body, "policy", 16, ""),
         )
+        if request.policy and request.policy not in RESTORE_POLICIES:
+            raise _bad(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {preview(request.policy)}")
         if not request.lock and request.reserve_backup:
             raise _bad("a lookup (lock=false) reserves nothing: reserve_backup must be false")
         if request.tp_group and request.lock:
@@ -174,6 +182,28 @@ class BackupCommit:
 
 
 MAX_REPORT_BYTES = 64 * 1024
+# Timings an engine measured for the cost model, per report: [direction, size, seconds] each, size in
+# bytes (h2d: L2 -> GPU, d2h: GPU -> L2, d2d: another engine's GPU memory -> this one's) or tokens
+# (prefill).
+COST_SAMPLE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
+MAX_COST_SAMPLES = 1024
+MAX_COST_SAMPLE_SIZE = 1 << 50
+MAX_COST_SAMPLE_SECONDS = 3600.0
+
+
+def _cost_samples(body: dict) -> tuple[tuple[str, int, float], ...]:
+    value = body.get("cost_samples", [])
+    if not isinstance(value, list) or len(value) > MAX_COST_SAMPLES:
+        raise _bad(f"cost_samples must be a list of at most {MAX_COST_SAMPLES} [direction, size, seconds]")
+    samples = []
+    for sample in value:
+        if not (isinstance(sample, list) and len(sample) == 3 and sample[0] in COST_SAMPLE_DIRECTIONS
+                and type(sample[1]) is int and 0 <= sample[1] <= MAX_COST_SAMPLE_SIZE
+                and type(sample[2]) in (int, float) and 0 <= sample[2] <= MAX_COST_SAMPLE_SECONDS):
+            raise _bad(f"a cost sample must be [one of {COST_SAMPLE_DIRECTIONS}, a size in 0..{MAX_COST_SAMPLE_SIZE}, "
+                       f"seconds in 0..{MAX_COST_SAMPLE_SECONDS}], got {preview(sample)}")
+        samples.append((sample[0], sample[1], float(sample[2])))
+    return tuple(samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +212,7 @@ class EngineReport:
     session_id: int
     report: dict           # free-form facts, shown as-is in the daemon's status
     ack: bool = True
+    cost_samples: tuple[tuple[str, int, float], ...] = ()     # fed to the cost model, not shown
 
     @classmethod
     def parse(cls, body: dict) -> "EngineReport":
@@ -190,7 +221,8 @@ class EngineReport:
             raise _bad("report must be a map")
         if len(msgpack.packb(report, use_bin_type=True)) > MAX_REPORT_BYTES:
             raise _bad(f"report is larger than {MAX_REPORT_BYTES} bytes")
-        return cls(session_id=_int(body, "session_id"), report=report, ack=_bool(body, "ack", True))
+        return cls(session_id=_int(body, "session_id"), report=report, ack=_bool(body, "ack", True),
+                   cost_samples=_cost_samples(body))
 
 
 # ---- peer restores: engines copying prefixes out of each other's GPU memory -------------------------

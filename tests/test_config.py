@@ -20,6 +20,34 @@ def test_l3_fresh_comes_from_kvcached_l3_fresh_and_the_flag_wins():
     assert DaemonConfig.from_env({**base, "KVCACHED_L3_FRESH": "1"}, l3_fresh=absent).l3_fresh is True
 
 
+def test_the_cost_model_flags_reach_its_priors_and_bad_values_are_refused():
+    """--restore-policy, --cost-margin and the four priors parse into DaemonConfig and its
+    cost_priors (microseconds and GiB/s as given); an unknown policy, a margin below 1 or a
+    non-positive prior is a ConfigError naming the field it is about."""
+    import pytest
+
+    from kvcached.config import ConfigError
+
+    base = {"KVCACHED_SOCKET": "/tmp/kvt-config/kvcached.sock", "KVCACHED_L2_SIZE": "64MiB"}
+    args = build_parser().parse_args(["serve", "--restore-policy", "never", "--cost-margin", "1.25",
+                                      "--prior-recompute-us", "30", "--prior-host-gibps", "50",
+                                      "--prior-storage-gibps", "1.5", "--prior-peer-gibps", "400"])
+    config = DaemonConfig.from_env(base, restore_policy=args.restore_policy, cost_margin=args.cost_margin,
+                                   prior_recompute_us_per_token=args.prior_recompute_us_per_token,
+                                   prior_host_gibps=args.prior_host_gibps, prior_storage_gibps=args.prior_storage_gibps,
+                                   prior_peer_gibps=args.prior_peer_gibps)
+    priors = config.cost_priors
+    assert config.restore_policy == "never" and priors.margin == 1.25
+    assert priors.recompute_s_per_token == pytest.approx(30e-6)
+    assert priors.host_bytes_per_s == 50 * 2**30 and priors.storage_bytes_per_s == 1.5 * 2**30
+    assert priors.peer_bytes_per_s == 400 * 2**30
+    assert DaemonConfig.from_env(base).restore_policy == "cost"
+    for bad in ({"restore_policy": "sometimes"}, {"cost_margin": 0.9}, {"prior_storage_gibps": 0.0},
+                {"prior_recompute_us_per_token": float("nan")}, {"prior_peer_gibps": -1.0}):
+        with pytest.raises(ConfigError) as error:
+            DaemonConfig.from_env(base, **bad)
+        assert error.value.field == next(iter(bad)), bad
+
 def test_sizes_read_k_m_g_t_and_their_ibi_forms_as_binary_and_kb_mb_gb_tb_as_decimal():
     """One letter and KiB/MiB/GiB/TiB are powers of 1024 (as docker and the JVM read them), KB/MB/GB/TB
     powers of 1000, in any case, fractions included; anything else is refused."""

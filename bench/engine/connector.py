@@ -4,14 +4,16 @@ the engine recomputes whatever its own prefix cache lacks.
 
 The engine's side, per request (``scheduler.py``):
 
-  admission   n = lookup(tokens) beyond the engine's own hit -> allocate blocks ->
+  admission   n = lookup(tokens, local_hit_tokens=hit): the prefix to hold, by the connector's
+              decision (restore beats recompute) -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
               (its failed blocks are recomputed); a released id frees the blocks held for it;
               load_mode "layerwise": a queued load admits it already, and its prefill's attention
               of layer i first calls wait_for_layer_load(i, None, [cid]); after that prefill the
               LoadResult confirms what it read, or voids it (the prefill is redone)
-  prefill     save(cid, tokens, every full block, 0) once the prompt's KV is written
+  prefill     report_prefill(tokens computed, seconds) after each prefill forward;
+              save(cid, tokens, every full block, 0) once the prompt's KV is written
   the end     request_finished(cid) when it finishes, is aborted or preempted: True keeps its
               blocks until finished().released names cid
 
@@ -43,8 +45,13 @@ class Finished(NamedTuple):
 
 
 class EngineConnector(Protocol):
-    def lookup(self, token_ids: Sequence[int]) -> int:
-        """Leading tokens cached outside the engine (whole blocks). Changes nothing."""
+    def lookup(self, token_ids: Sequence[int], local_hit_tokens: int = 0) -> int:
+        """Leading tokens to hold once restored from outside the engine (whole blocks), which holds
+        the first local_hit_tokens itself; at most local_hit_tokens when restoring does not pay.
+        Changes nothing."""
+
+    def report_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A prefill forward computed num_tokens in this many seconds (what restoring saves)."""
 
     def load(self, request_id: Hashable, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
              start_token: int = 0) -> None:

@@ -92,6 +92,9 @@ class Engine:
         """One scheduler step (a prefill batch or a decode batch, or only the connector's news);
         returns the requests that finished in it."""
         plan = self.scheduler.schedule()
+        started = time.perf_counter()
+        # A prefill that waits for loads layer by layer times those loads too: no recompute sample.
+        prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill)
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
             self.scheduler.poll_connector()            # while the GPU computes (see below)
@@ -108,6 +111,9 @@ class Engine:
         else:
             return []
         now_s = time.perf_counter()
+        if prefill_sample and self.connector is not None:
+            # The forward's time, sampling included: what the connector's cost model prices recompute by.
+            self.connector.report_prefill(sum(chunk.num_tokens for chunk in plan.prefill), now_s - started)
         finished = []
         for i, (request, token_id) in enumerate(zip(sampled, token_ids, strict=True)):
             if request is None:

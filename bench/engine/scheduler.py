@@ -175,7 +175,8 @@ class Scheduler:
         request.num_loaded_tokens = 0
         request.load = None
         if self.connector is not None:
-            num_external = min(self.connector.lookup(request.token_ids), num_reusable_blocks * self.block_size)
+            num_external = min(self.connector.lookup(request.token_ids, local_hit_tokens=request.num_computed_tokens),
+                               num_reusable_blocks * self.block_size)
             num_external -= num_external % self.block_size
             if num_external > request.num_computed_tokens:
                 start = request.num_computed_tokens

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.chunks import ChunkMap
+from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
@@ -112,7 +113,7 @@ class DaemonState:
     def __init__(self, l2_bytes: int, *, max_namespaces: int, session_timeout_s: float,
                  session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
                  l3_index_sink: Callable[[IndexChange], None] | None = None,
-                 peer_end_sink: Callable[[PeerExport], None] | None = None):
+                 peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -121,7 +122,8 @@ class DaemonState:
         last sign of life. ``l3_index_sink``: where every change of L3 residency is reported, in
         order, for a persistent L3 file (the I/O layer writes them to its index); None: L3 is
         temporary. ``peer_end_sink``: called with each peer registration that ends (its session
-        ended), so that the I/O layer closes its epoch file."""
+        ended), so that the I/O layer closes its epoch file. ``cost_model``: decides which restores are
+        taken (default: policy cost, the default priors)."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         self.max_namespaces = max_namespaces
@@ -151,6 +153,8 @@ class DaemonState:
         self._l3_index_sink = l3_index_sink if Tier.L3 in self.chunks else None
         self.peers = PeerRegistry()
         self._peer_end_sink = peer_end_sink
+        self.cost = cost_model if cost_model is not None else CostModel()
+        self._background_move_ids: dict[int, int] = {}      # namespace id -> its background promotion
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -244,6 +248,7 @@ class DaemonState:
         victim = min(idle, key=lambda ns: ns.idle_since)
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
+        self.cost.forget_engine(victim.namespace_id)
         for tier, chunks in self.chunks.items():
             for chunk in chunks.owned_by(victim.namespace_id):
                 chunks.owner[chunk] = None
@@ -268,8 +273,14 @@ class DaemonState:
     def heartbeat(self, session_id: int) -> None:
         self.session(session_id)
 
-    def engine_report(self, session_id: int, report: dict) -> None:
-        self.session(session_id).report = report
+    def engine_report(self, session_id: int, report: dict, cost_samples=()) -> None:
+        """An engine's facts for status, and the timings it measured (direction, size, seconds) for
+        the cost model of its namespace."""
+        session = self.session(session_id)
+        session.report = report
+        for direction, size, seconds in cost_samples:
+            if not self.cost.add_engine_sample(session.namespace_id, direction, size, seconds):
+                self.cost.counters["samples_ignored_total"] += 1
 
     def detach(self, session_id: int) -> int:
         """End a session and reclaim its leases; returns how many leases were reclaimed. The engine
@@ -368,29 +379,40 @@ class DaemonState:
     # ---- match, release, commit ----------------------------------------------------------
 
     def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
-              promote_l3: bool = False, promoted_tokens: int = 0) -> MatchReply | TierMove:
+              promote_l3: bool = False, promoted_tokens: int = 0, local_hit_tokens: int = 0,
+              policy: str = "", decision: Decision | None = None) -> MatchReply | TierMove:
         """The hit per tier, a lease on the L2 hit and, with reserve_backup, private L2 pages for
         the pages the daemon lacks.
 
-        With promote_l3, when L3 holds more of the prefix than L2, returns instead the S2H move
-        that must run first (planned from the same tree walk); the caller runs it, finishes it,
-        then matches again without promote_l3."""
+        With promote_l3 the cost model decides (under ``policy``, for the tokens beyond the engine's
+        own ``local_hit_tokens``) whether the pages only L3 holds are worth restoring; if so, returns
+        instead the S2H move that must run first (planned from the same tree walk, the decision in
+        ``move.decision``); the caller runs it, finishes it, then matches again without promote_l3,
+        with that decision. The reply carries the decision."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
         num_pages = len(token_ids) // page_size
         token_ids = token_ids[: num_pages * page_size]
+        local_hit_tokens = min(local_hit_tokens, len(token_ids)) // page_size * page_size
 
         result = namespace.tree.match(token_ids)
         allowed = self._reservable_pages(session, namespace)
-        if promote_l3 and result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2] and allowed > 0:
-            start_page = result.hit_tokens[Tier.L2] // page_size
-            move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
-                                   min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
-            if move is not None:
-                return move
+        peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
+        if decision is None and (promote_l3 or peer_block_ids):
+            decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, local_hit_tokens,
+                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0) if promote_l3
+                                        else 0, policy, where="match", peer_tokens=len(peer_block_ids) * page_size)
+            if decision.choice == "l3" and allowed > 0:
+                start_page = result.hit_tokens[Tier.L2] // page_size
+                move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
+                                       min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
+                if move is not None:
+                    move.decision = decision
+                    return move
         hits = {tier.label: count for tier, count in result.hit_tokens.items()}
+        decided = self._decided(decision or NO_DECISION, policy, max(local_hit_tokens, result.hit_tokens[Tier.L2]))
         hit_tokens = result.hit_tokens[Tier.L2]
         locked_node = result.last_node[Tier.L2]
         host_page_ids = list(result.page_ids[Tier.L2])
@@ -412,13 +434,12 @@ class DaemonState:
                 self.metrics.add("reservations_capped")
             backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
-        peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
         if session.session_id in self.peers.by_session:
             hits["peer"] = len(peer_block_ids) * page_size
             self.metrics.add("hit_tokens_peer", hits["peer"])
         if locked_node is None and not backup_page_ids:
             return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
-                              peer_epochs)
+                              peer_epochs, **decided)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -432,11 +453,27 @@ class DaemonState:
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
         return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
-                          peer_id, peer_block_ids, peer_epochs)
+                          peer_id, peer_block_ids, peer_epochs, **decided)
 
-    def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False) -> MatchReply:
+    def _decided(self, decision: Decision, policy: str, loadable_tokens: int | None = None) -> dict[str, Any]:
+        """A decision's reply fields (MatchReply's choice, restore_tokens, predicted_s, policy). A
+        match's reply names no more tokens to restore from L2 or L3 than its lease can load
+        (``loadable_tokens``): a promotion may have failed, been cut to the session's allowance,
+        or found no room."""
+        if not decision.choice:
+            return {}
+        restore_tokens = decision.restore_tokens
+        if loadable_tokens is not None and decision.choice in ("l2", "l3"):
+            restore_tokens = min(restore_tokens, loadable_tokens)
+        return {"choice": decision.choice, "restore_tokens": restore_tokens, "predicted_s": decision.predicted_s,
+                "policy": policy or self.cost.policy}
+
+    def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False, local_hit_tokens: int = 0,
+               policy: str = "", promote_l3: bool = True) -> MatchReply:
         """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
-        LRU update, and no page ids (they are only ever handed out under a lease).
+        LRU update, and no page ids (they are only ever handed out under a lease). It carries the
+        cost model's decision (under ``policy``) for the tokens beyond the engine's own
+        ``local_hit_tokens``; with promote_l3 False, L3 is no candidate.
 
         With tp_group, the hit of the session's tensor-parallel group: per tier, the least over
         the namespaces of every rank (the same geometry but for tp_rank); 0 while a rank has none.
@@ -445,6 +482,7 @@ class DaemonState:
         geometry = self.namespaces[session.namespace_id].geometry
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
         token_ids = token_ids[: len(token_ids) // geometry.page_size * geometry.page_size]
+        local_hit_tokens = min(local_hit_tokens, len(token_ids)) // geometry.page_size * geometry.page_size
         if tp_group:
             namespaces = [self.geometry_to_namespace.get(dataclasses.replace(geometry, tp_rank=rank))
                           for rank in range(geometry.tp_size)]
@@ -461,16 +499,54 @@ class DaemonState:
             hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
                                                    for label in hits}
         assert hits is not None
+        peer_tokens = 0
         if not tp_group and session_id in self.peers.by_session:
             # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
             # in a lookup: the match that takes the lease names them).
             namespace = self.namespaces[session.namespace_id]
-            hits["peer"] = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            hits["peer"] = peer_tokens
             self.metrics.add("lookup_hit_tokens_peer", hits["peer"], model=geometry.model_id)
         self.metrics.add("lookups", model=geometry.model_id)
         self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
-        return MatchReply(hits, None, [], hits["l2"], [])
+        decision = self.cost.decide(session.namespace_id, geometry.bytes_per_token, local_hit_tokens, hits["l2"],
+                                    hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup",
+                                    peer_tokens=peer_tokens)
+        return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
+
+    def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:
+        """After a lookup (of this session, for these tokens) whose decision declined an L3 hit: the
+        S2H move of the pages only L3 holds, when the cost model says a later request would restore
+        them from L2 rather than recompute them; None otherwise, or while this namespace has a
+        background promotion pending already (one at a time). No request waits for it: its read
+        is a storage-read sample, the one way the model learns a disk it keeps declining."""
+        l3_tokens = looked_up.hit_tokens.get("l3", 0)
+        if looked_up.policy != "cost" or looked_up.choice not in ("recompute", "l2") \
+                or l3_tokens <= max(looked_up.hit_tokens["l2"], looked_up.restore_tokens):
+            return None
+        session = self.session(session_id)
+        namespace = self.namespaces[session.namespace_id]
+        if not self.cost.later_restore_wins(namespace.namespace_id, namespace.geometry.bytes_per_token, l3_tokens):
+            self.cost.counters["background_promotion_skips_no_gain_total"] += 1
+            return None
+        if namespace.namespace_id in self._background_move_ids:
+            self.cost.counters["background_promotion_skips_busy_total"] += 1
+            return None
+        page_size = namespace.geometry.page_size
+        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        token_ids = token_ids[: len(token_ids) // page_size * page_size]
+        result = namespace.tree.match(token_ids, touch=False)
+        l2_pages, l3_pages = result.hit_tokens[Tier.L2] // page_size, result.hit_tokens.get(Tier.L3, 0) // page_size
+        allowed = self._reservable_pages(session, namespace)
+        if l3_pages <= l2_pages or allowed <= 0:
+            return None
+        move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, l2_pages,
+                               min(l3_pages, l2_pages + allowed))
+        if move is not None:
+            self._background_move_ids[namespace.namespace_id] = move.op_id
+            self.cost.counters["background_promotions_total"] += 1
+        return move
 
     def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
         """How many more L2 pages this session may reserve: MAX_SESSION_RESERVED_SHARE of the
@@ -869,6 +945,9 @@ class DaemonState:
             namespace.tree.unlock(node, tier)
         move.locks = []
         del self.moves[move.op_id]
+        if self._background_move_ids.get(move.namespace_id) == move.op_id:
+            del self._background_move_ids[move.namespace_id]
+            self.cost.counters["background_promoted_pages_total"] += gained
         if ok and num_valid < len(move.source_page_ids):
             self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
         return gained
@@ -1170,6 +1249,7 @@ class DaemonState:
             "leases": len(self.leases),
             "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},
             "namespaces": namespaces,
+            "cost_model": self.cost.status({ns.namespace_id: ns.geometry.model_id for ns in self.namespaces.values()}),
             "pool": {tier.label: {"chunk_bytes": chunks.chunk_bytes, "chunks": chunks.num_chunks,
                                   "free_chunks": len(chunks.free_chunks())}
                      for tier, chunks in self.chunks.items()},

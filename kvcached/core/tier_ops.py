@@ -56,6 +56,7 @@ class TierMove:
     page_checksums: list[int] = dataclasses.field(default_factory=list)
     page_keys: list[bytes] = dataclasses.field(default_factory=list)
     num_published_pages: int = 0         # s2h: the leading pages whose checksums matched (all without an index)
+    decision: Any = None                 # s2h for a match: the cost model's decision that asked for it
 
     @property
     def direction(self) -> str:

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from kvcached.config import DaemonConfig
+from kvcached.core.cost_model import CostModel
 from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
@@ -361,6 +362,8 @@ class Server:
                 metrics.add(f"{direction}_extents", result.num_extents)
                 metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
+                # What a request waiting for such a move would wait: queueing, the file I/O, the hand-back.
+                self.state.cost.add_storage_sample(direction, result.num_bytes, end_to_end_s)
                 metrics.observe(f"{direction}_service_seconds", result.seconds)
                 metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
@@ -479,9 +482,18 @@ class Server:
     def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
         if not request.lock:
-            return to_wire(self.state.lookup(request.session_id, request.token_ids, request.tp_group))
+            reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
+                                      request.local_hit_tokens, request.policy, request.promote_l3)
+            if self.storage is not None and request.promote_l3 and not request.tp_group:
+                # Planned once the answer is: the promotion (if the model asks for one) runs on the
+                # loop, and no request waits for it.
+                move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
+                if move is not None:
+                    self._spawn_threadsafe(self._run_move(move))
+            return to_wire(reply)
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                   promote_l3=request.promote_l3 and self.storage is not None)
+                                   promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
+                                   policy=request.policy)
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
         return to_wire(outcome)
@@ -495,7 +507,9 @@ class Server:
             promoted_pages = move.num_published_pages
             self.state.metrics.add("promotions" if promoted_pages else "restore_fallbacks")
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promoted_tokens=promoted_pages * page_size)
+                                       promoted_tokens=promoted_pages * page_size,
+                                       local_hit_tokens=request.local_hit_tokens, policy=request.policy,
+                                       decision=move.decision)
             assert not isinstance(outcome, TierMove)
             return to_wire(outcome)
 
@@ -523,7 +537,7 @@ class Server:
 
     def _engine_report(self, body: dict) -> dict[str, Any] | None:
         request = EngineReport.parse(body)
-        self.state.engine_report(request.session_id, request.report)
+        self.state.engine_report(request.session_id, request.report, request.cost_samples)
         return {} if request.ack else None
 
     def _peer_register(self, body: dict) -> dict[str, Any]:
@@ -658,7 +672,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 session_grace_s=config.session_grace_s,
                                 l3_bytes=storage.size_bytes if storage else 0,
                                 l3_index_sink=index.submit if index else None,
-                                peer_end_sink=lambda export: epoch_files.close(export.peer_id))
+                                peer_end_sink=lambda export: epoch_files.close(export.peer_id),
+                                cost_model=CostModel(config.cost_priors, config.restore_policy))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if index is not None:

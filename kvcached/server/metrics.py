@@ -7,8 +7,8 @@ counters live in ``kvcached.core.metrics.Metrics``, the engines' in their connec
 (ENGINE_REPORT, shown per session in status), and this module only names them.
 
 Names follow Prometheus conventions: ``kvcached_*_total`` counters, ``*_bytes``, ``*_seconds``
-histograms, labels ``tier`` (l2, l3), ``direction`` (h2d, d2h: engine DMA; h2s, s2h: L3 file
-I/O), ``model``, ``engine``/``session``, ``reason``. docs/metrics.md lists them all. A counter
+histograms, labels ``tier`` (l2, l3), ``direction`` (h2d, d2h: engine DMA; d2d: a copy out of
+another engine's GPU memory; h2s, s2h: L3 file I/O), ``model``, ``engine``/``session``, ``reason``. docs/metrics.md lists them all. A counter
 the tables below do not name still reaches Prometheus, as ``kvcached_daemon_events_total{event}``
 or ``kvcached_engine_events_total{event}``, so a new counter is never lost, only unnamed.
 """
@@ -327,29 +327,69 @@ def _daemon(families: _Families, snapshot: dict[str, Any]) -> None:
                      1 if index.get("failed") else 0)
 
 
+# The cost model's counters (status "cost_model", top level) -> (metric, help, labels).
+COST_MODEL_COUNTERS = {
+    "background_promotions_total": ("kvcached_background_promotions", "L3 hits a lookup declined, promoted to L2 "
+                                    "in the background (a later request restores them at DMA speed)", {}),
+    "background_promoted_pages_total": ("kvcached_background_promoted_pages", "Pages background promotions "
+                                        "added to L2", {}),
+    "background_promotion_skips_busy_total": ("kvcached_background_promotion_skips", "Background promotions not "
+                                              "started, by reason", {"reason": "busy"}),
+    "background_promotion_skips_no_gain_total": ("kvcached_background_promotion_skips", "", {"reason": "no_gain"}),
+    "samples_ignored_total": ("kvcached_cost_model_samples_ignored", "Timings engines reported that are no sample "
+                              "(a prefill under 16 tokens, a time out of range)", {}),
+}
+COST_MODEL_MODES = ("prior", "ewma", "fit")
+
+
 def cost_model_metrics(families: _Families, snapshot: dict[str, Any]) -> None:
-    """The one place where the cost model's status becomes metrics.
-
-    Until its status keys are settled they are exported generically: every number under
-    ``snapshot["cost_model"]`` as ``kvcached_cost_model_value{path}`` (``path``: the keys down to
-    it, joined by dots, e.g. ``engines.vllm-0.h2d.slope_s_per_byte``), and every map named
-    ``decisions`` under it (choice -> count) as ``kvcached_policy_decisions_total{path, choice}``.
-    Give the terms names of their own here once they are fixed."""
-
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            if path and path[-1] == "decisions" and all(_number(v) for v in node.values()):
-                for choice, count in node.items():
-                    families.add(CounterMetricFamily, "kvcached_policy_decisions", "Cost-model decisions, by "
-                                 "choice", {"path": ".".join(path[:-1]), "choice": str(choice)}, count)
-                return
-            for key, value in node.items():
-                walk(value, (*path, str(key)))
-        elif _number(node):
-            families.add(GaugeMetricFamily, "kvcached_cost_model_value", "A number of the cost model's status, "
-                         "by its path there", {"path": ".".join(path)}, node)
-
-    walk(snapshot.get("cost_model", {}), ())
+    """The one place where the cost model's status (``kvcached/core/cost_model.py``) becomes metrics:
+    per engine (``model``, ``namespace``) and direction its line's fixed term, slope, sample count
+    and mode; the storage lines (the daemon's one L3 file: ``s2h`` reads, ``h2s`` writes) with
+    empty ``model`` and ``namespace``; the decisions per choice and the hits not restored per
+    source, each by ``where`` (``lookup``, ``match``); the policy; the background promotions."""
+    cost = snapshot.get("cost_model")
+    if not cost:
+        return
+    families.add(InfoMetricFamily, "kvcached_cost_model", "The restore policy (cost, always, never) and margin",
+                 {}, {"policy": str(cost.get("policy", "")), "margin": str(cost.get("margin", ""))})
+    lines = [("", "", direction, line) for direction, line in cost.get("storage", {}).items()]
+    for engine in cost.get("engines", []):
+        model, namespace = str(engine.get("model_id", "")), str(engine.get("namespace_id", ""))
+        lines += [(model, namespace, direction, line) for direction, line in engine.get("directions", {}).items()]
+        engine_labels = {"model": model, "namespace": namespace}
+        for where, counts in engine.get("decisions_total", {}).items():
+            for choice, count in counts.items():
+                families.add(CounterMetricFamily, "kvcached_cost_model_decisions", "Restore decisions of lookups "
+                             "and matches, by choice (engine, l2, l3, peer, recompute)",
+                             {**engine_labels, "where": where, "choice": choice}, count)
+        for where, counts in engine.get("policy_skips_total", {}).items():
+            for source, count in counts.items():
+                families.add(CounterMetricFamily, "kvcached_cost_model_policy_skips", "Hits not restored from the "
+                             "source holding the most (recomputed or restored from another), by that source",
+                             {**engine_labels, "where": where, "source": source}, count)
+    for model, namespace, direction, line in lines:
+        labels = {"model": model, "namespace": namespace, "direction": direction}
+        families.add(GaugeMetricFamily, "kvcached_cost_model_fixed_seconds", "The fixed term of a direction's "
+                     "line (fixed + size x slope)", labels, line["fixed_s"])
+        if "slope_s_per_token" in line:
+            families.add(GaugeMetricFamily, "kvcached_cost_model_slope_seconds_per_token", "The slope of an "
+                         "engine's prefill line (recompute)", labels, line["slope_s_per_token"])
+        else:
+            families.add(GaugeMetricFamily, "kvcached_cost_model_slope_seconds_per_byte", "The slope of a "
+                         "transfer's line (h2d, d2h, d2d; s2h, h2s)", labels, line["slope_s_per_byte"])
+        families.add(CounterMetricFamily, "kvcached_cost_model_samples", "Samples a line took in", labels,
+                     line["samples_total"])
+        for mode in COST_MODEL_MODES:
+            families.add(GaugeMetricFamily, "kvcached_cost_model_mode", "1 for a line's mode: prior (no sample "
+                         "yet), ewma (sizes barely vary: the fixed term learned), fit (both terms fitted)",
+                         {**labels, "mode": mode}, 1 if line["mode"] == mode else 0)
+    for key, (metric, help, labels) in COST_MODEL_COUNTERS.items():
+        families.add(CounterMetricFamily, metric, help, labels, cost.get(key, 0))
+    for key, value in cost.items():         # a counter not named above still reaches Prometheus
+        if key.endswith("_total") and key not in COST_MODEL_COUNTERS and _number(value):
+            families.add(CounterMetricFamily, "kvcached_daemon_events", "Daemon counters without a metric of "
+                         "their own, by name", {"event": f"cost_model_{key.removesuffix('_total')}"}, value)
 
 
 def metric_families(snapshot: dict[str, Any]) -> list[Metric]:

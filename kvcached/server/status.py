@@ -66,6 +66,15 @@ COLUMNS: dict[str, dict[str, str]] = {
         "l3 read": "bytes read from the L3 file into L2 (s2h), GB/s",
         "evicted": "pages evicted per second, per tier",
     },
+    "cost model (per engine and direction: restore or recompute; docs/architecture.md \"The cost model\")": {
+        "dir": "h2d, d2h: L2 <-> GPU; d2d: out of another engine's GPU memory; prefill: recompute; s2h, h2s: the L3 file",
+        "mode": "prior: no sample yet; ewma: sizes barely vary, the fixed term learned; fit: both terms fitted",
+        "samples": "samples taken in since start",
+        "fixed_ms": "the line's fixed term, milliseconds",
+        "slope": "its slope, as a bandwidth (GiB/s) or, for prefill, microseconds per token",
+        "decisions": "restore choices taken per lookup and match, by choice",
+        "policy skips": "hits not restored, by the tier skipped",
+    },
     "other": {
         "metrics": "every daemon counter since start, by name (docs/metrics.md maps them to /metrics)",
     },
@@ -230,12 +239,43 @@ def render_table(snapshot: dict[str, Any], previous: dict[str, Any] | None = Non
             lines.append(f"{direction:<4} {d['count']:>7} {format_size(d['bytes']):>10} {d['gibps']:>7.2f} "
                          f"{d['extents']:>8} {d['failures']:>8} {d['mean_queue_wait_s']:>9.4f} "
                          f"{d['mean_end_to_end_s']:>9.4f}")
+    lines += render_cost_model(snapshot.get("cost_model"))
     metrics = snapshot.get("metrics", {})
     if metrics:
         lines += ["", "metrics: " + "  ".join(f"{k}={v}" for k, v in metrics.items())]
     if previous is not None:
         lines += _rate_lines(snapshot, previous)
     return "\n".join(lines)
+
+
+def render_cost_model(cost: dict[str, Any] | None) -> list[str]:
+    """Per engine (namespace) and direction the model's line, then the decisions per choice."""
+    if not cost:
+        return []
+
+    def line(ns: str, model: str, direction: str, d: dict[str, Any]) -> str:
+        if "slope_s_per_token" in d:
+            rate = f"{d['slope_s_per_token'] * 1e6:.2f} us/token"
+        else:
+            slope = d["slope_s_per_byte"]
+            rate = f"{1 / slope / 2**30:.2f} GiB/s" if slope > 0 else "inf GiB/s"
+        return (f"{ns:>3} {model[:24]:<24} {direction:<8} {d['mode']:<6} {d['samples_total']:>8} "
+                f"{d['fixed_s'] * 1e3:>9.3f} {rate:>16}")
+
+    lines = ["", f"cost model: policy {cost['policy']}, margin {cost['margin']}",
+             f"{'ns':>3} {'model':<24} {'dir':<8} {'mode':<6} {'samples':>8} {'fixed_ms':>9} {'slope':>16}"]
+    for engine in cost.get("engines", []):
+        for direction, d in engine["directions"].items():
+            lines.append(line(str(engine["namespace_id"]), engine["model_id"], direction, d))
+    for direction, d in cost.get("storage", {}).items():
+        lines.append(line("-", "(L3 file)", direction, d))
+    for engine in cost.get("engines", []):
+        for kind, key in (("decisions", "decisions_total"), ("policy skips", "policy_skips_total")):
+            counts = "  ".join(f"{where}: " + " ".join(f"{c}={n}" for c, n in by.items())
+                               for where, by in engine.get(key, {}).items())
+            if counts:
+                lines.append(f"  {kind} of ns {engine['namespace_id']}:  {counts}")
+    return lines
 
 
 def pressure_warnings(snapshot: dict[str, Any]) -> list[str]:

@@ -43,24 +43,55 @@ def test_bench_ttft_quick_measures_every_tier_with_its_checks_passing(tmp_path):
         assert row["loaded_tokens"] == [32] * 4 and row["promoted_tokens"] == [32 if tier != "l2" else 0] * 4, row
 
 
-def test_bench_stress_quick_measures_both_tiers_with_no_mismatch(tmp_path):
-    """8 requests at batch 1 and 2, tiers none and l2: a row each with its req/s and TTFT
-    percentiles, no engine cache hit, every l2 request loading its whole prefix, no token or KV
-    mismatch, the daemon's integrity ok. Two engine processes sharing 4 prefixes: with kvcached,
-    one loads prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
+def test_bench_ttft_quick_policy_cost_writes_a_policy_row_per_tier(tmp_path):
+    """--policy cost: per tier a row with the TTFT under the cost model, under always (every whole
+    page restored, bit for bit) and never (none restored) from the same daemon, the choice the
+    daemon made for the timed requests, and the cost model it ended with (the engine's prefill
+    samples and transfer samples in, its lookups' decisions counted); the daemon's integrity ok."""
+    result = run_quick("bench.bench_ttft", tmp_path, "--points", "tiny=40", "--no-hf", "--samples", "2",
+                       "--warmup", "1", "--policy", "cost")
+    rows = {row["tier"]: row for row in result["rows"]}
+    assert sorted(rows) == ["l2", "l3", "l3-cold"] and not result["failures"] and result["policy"] == "cost", result
+    for tier, row in rows.items():
+        assert row["cost_ms"] > 0 and row["restore_ms"] > 0 and row["recompute_ms"] > 0, row
+        assert row["choice"] in ("l2", "l3", "recompute") and len(row["choices"]) == 2, row
+        assert row["tier_forced"] and row["kv_equal"] and row["integrity_ok"] and row["outputs_equal"], row
+        assert row["within_5pct"] == (row["cost_ms"] <= 1.05 * min(row["restore_ms"], row["recompute_ms"])), row
+        (engine,) = row["cost_model"]["engines"]
+        assert engine["directions"]["prefill"]["samples_total"] > 0 and engine["directions"]["d2h"]["samples_total"] > 0
+        assert sum(engine["decisions_total"]["lookup"].values()) >= 4, engine
+    assert len(result["summary"]) >= 3, result["summary"]
+
+
+def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_path):
+    """8 requests at batch 1 and 2: tier none, and l2 and l3-cold under policies always and cost,
+    a row each with its req/s and TTFT percentiles, no engine cache hit, no token mismatch (each
+    request against the reference of the path it took), the daemons' integrity ok; under always
+    every request loads its whole prefix (l2: its KV bit for bit; l3-cold: every one promoted from
+    L3, none found in L2). Two engine processes sharing 4 prefixes: with kvcached, one loads
+    prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
     result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2")
     engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
     assert engines["none"]["cross_engine_hit_tokens"] == 0 and engines["l2"]["cross_engine_hit_tokens"] > 0, engines
     assert engines["l2"]["mismatches"] == 0 and engines["l2"]["integrity"] == "ok", engines
     assert engines["l2"]["requests"] == engines["none"]["requests"] == 2 * 4 * 2, engines
-    rows = {(row["tier"], row["batch"]): row for row in result["rows"] if row["engines"] == 1}
-    assert sorted(rows) == [("l2", 1), ("l2", 2), ("none", 1), ("none", 2)], result
-    for (tier, _), row in rows.items():
+    rows = {(row["tier"], row["policy"], row["batch"]): row for row in result["rows"] if row["engines"] == 1}
+    assert sorted(rows) == sorted([("none", None, b) for b in (1, 2)] + [
+        (tier, policy, b) for tier in ("l2", "l3-cold") for policy in ("always", "cost") for b in (1, 2)]), result
+    assert not result["errors"] and len(result["summary"]) == 2, result
+    for (tier, policy, _), row in rows.items():
         assert row["requests"] == 8 and row["req_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
         assert row["mismatches"] == 0 and row["engine_cache_hit_tokens"] == 0, row
-        if tier == "l2":
-            assert row["kv_mismatches"] == 0 and row["loads_complete"] and row["integrity"] == "ok", row
-            assert row["loaded_tokens"] == 8 * 48, row
+        if tier != "none":
+            assert row["integrity"] == "ok", row
+        if policy == "always":
+            assert row["loads_complete"] and row["loaded_tokens"] == 8 * 48, row
+        if (tier, policy) == ("l2", "always"):
+            assert row["kv_mismatches"] == 0, row
+        if (tier, policy) == ("l3-cold", "always"):
+            assert row["connector"]["promoted_tokens"] == 8 * 48, row
+        if policy == "cost":
+            assert sum(row["cost_model"]["engines"][0]["decisions_total"]["lookup"].values()) >= 8, row
 
 
 def test_bench_overlap_quick_measures_every_case_with_its_checks_passing(tmp_path):

@@ -118,6 +118,36 @@ def test_the_longest_run_wins_and_removals_apply_first(state, rng, seed):
     assert state.match(c.session_id, other.tobytes()).peer_block_ids == [8, 9, 6]
 
 
+def test_the_peer_is_chosen_by_the_cost_model_and_loses_once_its_copies_measure_slow(state, rng, seed):
+    """A match of a registered session with a peer candidate carries the cost model's decision even
+    without promote_l3: at the d2d prior the peer (6 pages) beats L2 (4 pages) and restores all 6;
+    once the engine reports d2d copies of 0.5 s, the match and the lookup take L2 instead (peer
+    fields still named). A match with no peer candidate and no promote_l3 asks no decision."""
+    a, b = attach(state, 1), attach(state, 2)
+    register(state, a)
+    register(state, b)
+    tokens = rng.integers(0, 1 << 30, 6 * PAGE, dtype=np.int32)
+    backup = state.match(b.session_id, tokens[: 4 * PAGE].tobytes(), reserve_backup=True)
+    state.commit_backup(b.session_id, backup.lease_id, backup.backup_page_ids)
+    assert backup.choice == ""                       # nothing published yet: no candidate, no decision
+    publish(state, a, tokens, rng.choice(NUM_BLOCKS, 6, replace=False).tolist(), [2] * 6)
+    reply = state.match(b.session_id, tokens.tobytes(), promote_l3=False)
+    assert (reply.choice, reply.restore_tokens, reply.hit_tokens["l2"]) == ("peer", 6 * PAGE, 4 * PAGE), f"seed {seed}"
+    assert len(reply.peer_block_ids) == 6 and reply.predicted_s["peer"] < reply.predicted_s["l2"]
+    state.release(b.session_id, reply.lease_id)
+    bytes_per_page = GEOMETRY.bytes_per_page
+    state.engine_report(b.session_id, {}, [("d2d", n * bytes_per_page, 0.5 + n * 1e-6)
+                                           for n in rng.integers(1, 32, size=8).tolist()])
+    reply = state.match(b.session_id, tokens.tobytes(), promote_l3=False)
+    assert (reply.choice, reply.restore_tokens, len(reply.peer_block_ids)) == ("l2", 4 * PAGE, 6), f"seed {seed}"
+    state.release(b.session_id, reply.lease_id)
+    looked_up = state.lookup(b.session_id, tokens.tobytes())
+    assert (looked_up.choice, looked_up.restore_tokens) == ("l2", 4 * PAGE)
+    skips = state.status()["cost_model"]["engines"][0]["policy_skips_total"]
+    assert skips == {"lookup": {"peer": 1}, "match": {"peer": 1}}
+    state.check_integrity()
+
+
 @pytest.mark.parametrize("end", ["detach", "process_gone", "expire"])
 def test_a_session_end_takes_its_registration_and_residency(state, ended, rng, end):
     """However an owner's session ends, its registration ends once (the sink hears of it), its

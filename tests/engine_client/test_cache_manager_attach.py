@@ -50,7 +50,7 @@ class RecordingClient:
     def remove_reattach_listener(self, listener) -> None:
         self.reattach_listeners.remove(listener)
 
-    def report(self, report: dict[str, Any]) -> bool:
+    def report(self, report: dict[str, Any], cost_samples=()) -> bool:
         self.reports.append(report)
         return True
 

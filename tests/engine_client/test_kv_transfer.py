@@ -149,10 +149,11 @@ def test_a_load_of_pages_in_many_runs_goes_whole_bit_for_bit(case, backend, rng,
 @pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
 def test_each_layer_event_is_recorded_once_that_layer_is_written_and_before_the_next(case, backend, rng, seed,
                                                                                      monkeypatch):
-    """The load lane records one event per layer, in layer order; when the event of layer i is
-    recorded, layers 0..i of every named block hold their pages' bytes and layers i+1.. do not yet
-    (what the engine's stream may read after waiting on event i is all written, and
-    the load goes layer by layer, not all at once with the events after)."""
+    """The load lane records a start event (the cost model's timing starts there) before any layer
+    is written, then one event per layer, in layer order; when the event of layer i is recorded,
+    layers 0..i of every named block hold their pages' bytes and layers i+1.. do not yet (what the
+    engine's stream may read after waiting on event i is all written, and the load goes layer by
+    layer, not all at once with the events after)."""
     host_page_ids, block_ids = pages_and_blocks(rng)
     transfer = KVTransfer(case.layout, case.pool, backend=backend)
     pairs = list(zip(host_page_ids.tolist(), block_ids.tolist()))
@@ -160,12 +161,14 @@ def test_each_layer_event_is_recorded_once_that_layer_is_written_and_before_the_
     assert not any(torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for p, b in pairs for i in range(L))
     seen: list[list[list[bool]]] = []        # per record: per block, per layer: holds its page's bytes
 
-    def record(lane, stream=None):
+    def record(lane, stream=None, timing=False):
         seen.append([[torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for i in range(L)] for p, b in pairs])
 
     monkeypatch.setattr(KVTransfer, "_record", staticmethod(record))
     transfer.load(host_page_ids, block_ids)
-    assert len(seen) == L, f"seed {seed}: {len(seen)} events for {L} layers"
+    assert len(seen) == 1 + L, f"seed {seed}: {len(seen)} events for a start and {L} layers"
+    start, seen = seen[0], seen[1:]
+    assert not any(any(block_state) for block_state in start), f"seed {seed}: at the start event: {start}"
     for layer, state in enumerate(seen):
         assert all(block_state == [i <= layer for i in range(L)] for block_state in state), \
             f"seed {seed}: at event {layer}: {state}"

@@ -26,7 +26,9 @@ def random_bits(shape, generator) -> torch.Tensor:
 
 
 class Engine:
-    """One engine rank: its own KV tensors (random), registered with a connector of its own."""
+    """One engine rank: its own KV tensors (random), registered with a connector of its own. Its
+    lookups take every hit (policy always): these tests are about the mechanics; what the cost
+    model decides is tested in tests/core/test_cost_model.py and test_cost_decisions.py."""
 
     def __init__(self, socket_path: str, kind: str = "layer", seed: int = SEED, num_blocks: int = N,
                  layers: int = L, heads: int = H, head_dim: int = D, config: ConnectorConfig | None = None,
@@ -41,7 +43,7 @@ class Engine:
             self.tensors = [random_bits((num_blocks, 2, heads, P, head_dim), generator) for _ in range(layers)]
         self.connector = KVConnector.register(
             connect(socket_path, client_name=f"{kind}-{seed}"), self.tensors, kind, model_id=MODEL, page_size=P,
-            num_kv_heads=heads, head_dim=head_dim, config=config or ConnectorConfig(report_interval_s=0), **register)
+            num_kv_heads=heads, head_dim=head_dim, config=config or ConnectorConfig(report_interval_s=0, policy="always"), **register)
         self.loads: list[LoadResult] = []
         self.released: list = []
 
@@ -283,7 +285,7 @@ def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
     is published."""
     rng = np.random.default_rng(SEED + 7)
     engine = Engine(daemon.socket_path, "layer", seed=SEED + 7,
-                    config=ConnectorConfig(fence_margin_s=60.0, report_interval_s=0))
+                    config=ConnectorConfig(fence_margin_s=60.0, report_interval_s=0, policy="always"))
     try:
         tokens = random_tokens(rng, 5 * P)
         engine.connector.save("r", tokens, [0, 1, 2, 3, 4])

@@ -33,7 +33,8 @@ class GpuEngine:
                                       device="cuda").view(torch.bfloat16) for _ in range(L)]
         self.connector = KVConnector.register(connect(socket_path), self.tensors, "layer", model_id="gpu-test",
                                               page_size=P, num_kv_heads=H, head_dim=D,
-                                              config=ConnectorConfig(backend=backend, report_interval_s=0))
+                                              config=ConnectorConfig(backend=backend, report_interval_s=0,
+                                                                     policy="always"))
 
     def block(self, block_id: int) -> torch.Tensor:
         return torch.stack([t[:, block_id] for t in self.tensors]).view(torch.int16).cpu()
@@ -192,6 +193,32 @@ def test_gpu_many_small_loads_wrap_the_id_ring_bit_for_bit(daemon):
     finally:
         a.connector.close()
         b.connector.close()
+
+
+def test_gpu_a_transfers_time_is_its_copies_not_its_wait_for_the_callers_stream(daemon):
+    """A save queued behind ~0.1 s of the engine's own work is timed from its lane's start to its
+    end (CUDA events): its time, and the D2H line the daemon learns from it, are a small part of
+    that wait; the sample reaches the daemon with the connector's report."""
+    rng = np.random.default_rng(SEED + 9)
+    a = GpuEngine(daemon.socket_path, SEED + 9)
+    try:
+        tokens = rng.integers(0, 100_000, size=8 * P, dtype=np.int32)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a.connector.save("r", tokens, list(range(8)))
+        a.connector.request_finished("r")
+        torch.cuda.synchronize()
+        waited_s = time.perf_counter() - started
+        save_all(a, "flush", rng.integers(0, 100_000, size=P, dtype=np.int32), [9])
+        a.connector.flush_report()
+        a.connector.flush()
+        d2h = a.connector.client.status()["cost_model"]["engines"][0]["directions"]["d2h"]
+        assert d2h["samples_total"] == 2, d2h
+        predicted_s = d2h["fixed_s"] + 8 * a.connector.geometry.bytes_per_page * d2h["slope_s_per_byte"]
+        assert predicted_s < 0.2 * waited_s, (d2h, waited_s)
+    finally:
+        a.connector.close()
 
 
 def test_gpu_the_engines_stream_waits_for_each_layer_alone(daemon):

@@ -172,6 +172,45 @@ def test_metrics_count_what_two_engines_did(traffic):
     assert value(m, "kvcached_namespace_page_bytes", model=MODEL) == BYTES_PER_PAGE
 
 
+def test_the_cost_model_metrics_show_its_lines_and_the_decisions_taken(traffic):
+    """After the traffic's real transfers and decisions, /metrics shows the cost model under names
+    of its own, with the values /status has: per engine and direction the fixed term, slope,
+    sample count and mode (B's one load: h2d, one sample, ewma; the three saves: d2h, fit; no
+    prefill sample: prior), the L3 file's write line (three write-throughs); the decisions per
+    choice (B's lookup and B's load chose l2; A's load of a prefix nothing held: engine; A's first
+    request a save: none), no policy skip, and the policy."""
+    _, t = traffic
+
+    def cost_model():
+        cost = json.loads(get(f"{t.url}/status")[2])["cost_model"]
+        directions = cost["engines"][0]["directions"] if cost["engines"] else {}
+        done = directions and directions["h2d"]["samples_total"] == 1 and directions["d2h"]["samples_total"] == 3
+        return cost if done else None
+
+    cost = wait_for(cost_model, "the engines' transfer samples to reach the daemon")
+    m = scrape(t.url)
+    (engine,) = cost["engines"]
+    ns = {"model": MODEL, "namespace": str(engine["namespace_id"])}
+    for direction, line in engine["directions"].items():
+        labels = {**ns, "direction": direction}
+        assert value(m, "kvcached_cost_model_fixed_seconds", **labels) == line["fixed_s"], (direction, t.seed)
+        unit = "token" if direction == "prefill" else "byte"
+        assert value(m, f"kvcached_cost_model_slope_seconds_per_{unit}", **labels) == line[f"slope_s_per_{unit}"]
+        assert value(m, "kvcached_cost_model_samples_total", **labels) == line["samples_total"], direction
+        assert value(m, "kvcached_cost_model_mode", **labels, mode=line["mode"]) == 1, direction
+    modes = {d: line["mode"] for d, line in engine["directions"].items()}
+    assert modes == {"h2d": "ewma", "d2h": "fit", "d2d": "prior", "prefill": "prior"}, (modes, t.seed)
+    storage = {"model": "", "namespace": "", "direction": "h2s"}
+    assert value(m, "kvcached_cost_model_samples_total", **storage) == cost["storage"]["h2s"]["samples_total"] == 3
+    assert value(m, "kvcached_cost_model_fixed_seconds", **storage) == cost["storage"]["h2s"]["fixed_s"]
+    assert value(m, "kvcached_cost_model_mode", **storage, mode="fit") == 1
+    decisions = {(dict(ls)["where"], dict(ls)["choice"]): v for (n, ls), v in m.items()
+                 if n == "kvcached_cost_model_decisions_total"}
+    assert decisions == {("lookup", "l2"): 1, ("match", "l2"): 1, ("match", "engine"): 1}, (decisions, t.seed)
+    assert not [n for n, _ in m if n == "kvcached_cost_model_policy_skips_total"]
+    assert value(m, "kvcached_cost_model_info", policy="cost", margin="1.1") == 1
+
+
 def test_openmetrics_on_request(traffic):
     """A scraper that asks for OpenMetrics gets it, and it parses with the OpenMetrics parser."""
     _, t = traffic
@@ -275,8 +314,8 @@ def test_status_follow_shows_rates_over_each_interval(traffic):
 
 
 def test_status_help_explains_every_column(traffic):
-    """Every column header of the table (namespaces, sessions, L3 io, rates) is explained by
-    `kvcached status --help`."""
+    """Every column header of the table (namespaces, sessions, L3 io, the cost model, rates) is
+    explained by `kvcached status --help`."""
     daemon, t = traffic
     help_text = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--help"], env=child_env(),
                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=30).stdout
@@ -285,7 +324,7 @@ def test_status_help_explains_every_column(traffic):
         table = render_table(client.status(), first)
     headers = [line for line in table.splitlines()
                if line.lstrip().startswith(("ns ", "session ", "io "))]
-    assert len(headers) == 3, table
+    assert len(headers) == 4, table         # the cost model's lines begin with "ns" too
     columns_part = help_text.split("columns and figures:", 1)[1]
     explained = {line.split()[0] for line in columns_part.splitlines() if line.startswith("    ")}
     for header in headers:

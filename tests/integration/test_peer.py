@@ -64,9 +64,9 @@ class OwnerProcess:
 class Reader:
     """An engine of the same namespace with its own (untouched) tensors and connector."""
 
-    def __init__(self, socket_path: str, device: str = "cpu"):
+    def __init__(self, socket_path: str, device: str = "cpu", **config):
         self.tensors = new_tensors(device)
-        self.connector = register(socket_path, "peer-reader", self.tensors)
+        self.connector = register(socket_path, "peer-reader", self.tensors, **config)
         self.requests = 0
 
     def wait_for_peers(self, count: int = 1, timeout_s: float = 20.0) -> None:
@@ -173,6 +173,40 @@ def test_a_reader_restores_an_owners_prefixes_bit_for_bit(daemon, owners, seed):
         assert owner.stop()["published"] >= len(prefixes(seed)) * PREFIX_PAGES
     finally:
         reader.connector.close()
+
+
+def test_the_cost_model_chooses_the_peer_and_learns_its_copies_as_d2d_samples(daemon, owners, seed):
+    """The daemon's decision chooses the source: under the default policy a reader's matches choose
+    "peer" and its loads copy from the owner, each copy a d2d sample the daemon learns (no h2d
+    sample: nothing came from L2); a reader under policy "never" is told to recompute, and its load
+    copies nothing from the owner though the owner offers every page."""
+    owner = owners(daemon.socket_path, seed, "hold")
+    reader = Reader(daemon.socket_path)
+    never = Reader(daemon.socket_path, policy="never")
+    try:
+        reader.wait_for_peers()
+        never.wait_for_peers()
+        blocks = list(range(1, PREFIX_PAGES + 1))
+        for tokens in prefixes(seed)[:3]:
+            result = reader.restore(tokens, blocks)
+            assert result.ok and reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], (result, seed)
+        tokens = prefixes(seed)[3]
+        decision = never.connector.lookup_async(tokens).decision()
+        assert (decision.choice, decision.num_tokens, decision.hit_tokens["peer"]) == \
+            ("recompute", 0, PREFIX_PAGES * PAGE), (decision, seed)
+        result = never.restore(tokens, blocks)
+        assert result.num_tokens == 0 and never.connector.stats().get("peer_loaded_pages", 0) == 0, result
+        reader.connector.flush_report()
+        reader.connector.flush()
+        with connect(daemon.socket_path) as client:
+            (engine,) = client.status()["cost_model"]["engines"]
+        assert engine["directions"]["d2d"]["samples_total"] == 3, engine
+        assert engine["directions"]["h2d"]["samples_total"] == 0, engine
+        assert engine["decisions_total"]["match"] == {"peer": 3, "recompute": 1}, engine
+        owner.stop()
+    finally:
+        reader.connector.close()
+        never.connector.close()
 
 
 def test_an_owner_registered_after_the_reader_is_found_by_its_first_candidate(daemon, owners, seed):

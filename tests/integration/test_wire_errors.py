@@ -230,6 +230,23 @@ def test_engine_report_shows_in_status(daemon, bystander):
         peer.close()
 
 
+def test_bad_restore_policies_and_cost_samples_are_refused_and_feed_nothing(daemon, peer, bystander):
+    """A match or lookup naming an unknown policy, or a negative engine hit, and an engine report
+    whose cost samples are malformed (unknown direction, negative or non-finite seconds, a float
+    size, too many) get BAD_FRAME; the cost model takes in none of them."""
+    session_id = bystander.info.session_id
+    match = {"session_id": session_id, "token_ids": np.arange(8, dtype="<i4").tobytes()}
+    for bad in ({"policy": "sometimes"}, {"policy": 1}, {"local_hit_tokens": -4}, {"lock": False, "policy": "x"}):
+        assert_error(peer.request(MsgKind.MATCH, {**match, **bad}), ErrorCode.BAD_FRAME)
+    report = {"session_id": session_id, "report": {}}
+    for samples in ([["s2h", 4096, 0.1]], [["h2d", 4096, -1.0]], [["h2d", 4096, float("nan")]],
+                    [["h2d", 4096.0, 0.1]], [["prefill", 64]], "h2d", [["h2d", 1, 0.1]] * 1025):
+        assert_error(peer.request(MsgKind.ENGINE_REPORT, {**report, "cost_samples": samples}), ErrorCode.BAD_FRAME)
+    (engine,) = bystander.status()["cost_model"]["engines"] or [None]
+    assert engine is None or all(d["samples_total"] == 0 for d in engine["directions"].values()), engine
+    assert_still_serving(bystander, daemon)
+
+
 def test_status_never_reveals_session_ids(daemon, bystander):
     """Session ids are capabilities: the status names sessions by a digest, so a peer that reads the
     status cannot detach another engine or release its leases."""

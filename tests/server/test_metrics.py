@@ -1,5 +1,5 @@
 """The Prometheus collector over a real DaemonState's status, in-process: per-model counters,
-histograms, counters no rule names, the cost model's hook."""
+histograms, counters no rule names, the cost model."""
 
 from __future__ import annotations
 
@@ -106,15 +106,49 @@ def test_counters_no_rule_names_are_still_exported(rng):
         == 3 * GEOMETRIES[0].bytes_per_page
 
 
-def test_cost_model_status_is_exported_through_its_hook(rng):
-    """Whatever numbers the status carries under "cost_model" are exported by their path, and a
-    "decisions" map as counts per choice (until they get names of their own)."""
-    fixed_s, decided = float(rng.random()), {"l2": int(rng.integers(100)), "recompute": int(rng.integers(100))}
+def test_the_cost_model_is_exported_under_names_of_its_own(rng):
+    """Each engine direction's line (fixed seconds, slope per byte or per token, samples, a 1 for
+    its mode) and the L3 file's lines (no model) are exported with the values status shows; the
+    decisions per where and choice, the hits not restored per source, the policy and the
+    background-promotion counters (0 before any) too."""
     state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
+    session, namespace = state.attach(GEOMETRIES[0], pid=7, client_name="eng")
+    page_bytes = GEOMETRIES[0].bytes_per_page
+    sizes = rng.integers(1, 64, size=6).tolist()
+    state.engine_report(session.session_id, {}, [("h2d", n * page_bytes, 1e-3 + n * 1e-6) for n in sizes]
+                        + [("prefill", 256, 0.01)] * 3 + [("prefill", 4, 1.0)])
+    state.cost.add_storage_sample("s2h", 10 * page_bytes, 0.5)
+    prefix = rng.integers(0, 1 << 30, 6 * 8, dtype=np.int32).tobytes()
+    reply = state.match(session.session_id, prefix, reserve_backup=True)
+    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
+    for _ in range(int(rng.integers(1, 5))):
+        state.lookup(session.session_id, prefix)
+    state.lookup(session.session_id, prefix, policy="never")
     snapshot = state.status()
-    snapshot["cost_model"] = {"engines": {"vllm-0": {"h2d": {"fixed_s": fixed_s, "mode": "ewma"},
-                                                     "decisions": decided}}}
+    cost = snapshot["cost_model"]
+    (engine,) = cost["engines"]
     samples = exported(snapshot)
-    assert value(samples, "kvcached_cost_model_value", path="engines.vllm-0.h2d.fixed_s") == fixed_s
-    for choice, count in decided.items():
-        assert value(samples, "kvcached_policy_decisions_total", path="engines.vllm-0", choice=choice) == count
+    ns = {"model": "model-a", "namespace": str(namespace.namespace_id)}
+    for direction, line in engine["directions"].items():
+        labels = {**ns, "direction": direction}
+        assert value(samples, "kvcached_cost_model_fixed_seconds", **labels) == line["fixed_s"], direction
+        unit = "token" if direction == "prefill" else "byte"
+        assert value(samples, f"kvcached_cost_model_slope_seconds_per_{unit}", **labels) == line[f"slope_s_per_{unit}"]
+        assert value(samples, "kvcached_cost_model_samples_total", **labels) == line["samples_total"]
+        assert [value(samples, "kvcached_cost_model_mode", **labels, mode=m) for m in ("prior", "ewma", "fit")] \
+            == [float(line["mode"] == m) for m in ("prior", "ewma", "fit")], direction
+    assert [engine["directions"][d]["mode"] for d in ("h2d", "prefill", "d2h")] == ["fit", "ewma", "prior"]
+    assert value(samples, "kvcached_cost_model_samples_total", **ns, direction="h2d") == len(sizes)
+    for direction, line in cost["storage"].items():
+        labels = {"model": "", "namespace": "", "direction": direction}
+        assert value(samples, "kvcached_cost_model_fixed_seconds", **labels) == line["fixed_s"]
+        assert value(samples, "kvcached_cost_model_samples_total", **labels) == line["samples_total"]
+    assert value(samples, "kvcached_cost_model_samples_total", model="", namespace="", direction="s2h") == 1
+    for where, counts in engine["decisions_total"].items():
+        for choice, count in counts.items():
+            assert value(samples, "kvcached_cost_model_decisions_total", **ns, where=where, choice=choice) == count
+    assert engine["decisions_total"]["lookup"]["recompute"] == 1 and engine["decisions_total"]["lookup"]["l2"] >= 1
+    assert value(samples, "kvcached_cost_model_policy_skips_total", **ns, where="lookup", source="l2") == 1
+    assert value(samples, "kvcached_cost_model_samples_ignored_total") == 1          # the 4-token prefill
+    assert value(samples, "kvcached_background_promotions_total") == 0
+    assert value(samples, "kvcached_cost_model_info", policy="cost") == 1

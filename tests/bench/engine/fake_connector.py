@@ -54,8 +54,9 @@ class FakeConnector:
         self.finished_requests: set[Hashable] = set()
         self.layer_waits: list[tuple[int, tuple]] = []   # (layer, request ids) of each wait_for_layer_load
         self.counters: collections.Counter[str] = collections.Counter()
+        self.prefill_samples: list[tuple[int, float]] = []
 
-    def lookup(self, token_ids: Sequence[int]) -> int:
+    def lookup(self, token_ids: Sequence[int], local_hit_tokens: int = 0) -> int:
         self.counters["lookups"] += 1
         num_pages = 0
         for page_hash in block_hashes(token_ids, self.block_size, len(token_ids) // self.block_size):
@@ -63,6 +64,9 @@ class FakeConnector:
                 break
             num_pages += 1
         return num_pages * self.block_size
+
+    def report_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.prefill_samples.append((num_tokens, seconds))
 
     def load(self, request_id, token_ids, block_ids, num_tokens, start_token=0) -> None:
         assert start_token % self.block_size == 0 and num_tokens == len(block_ids) * self.block_size

@@ -298,3 +298,29 @@ def test_a_load_voided_after_it_was_queued_is_recomputed(tmp_path, load_mode):
     assert (request.num_loaded_tokens, request.num_prefilled_tokens) == (0, 70), f"seed {seed}"
     assert_same_output(request, cold, seed)
     assert_all_blocks_back(engine, seed)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_prefill_times_go_to_the_connector_but_not_those_that_waited_for_a_load(tmp_path, load_mode):
+    """Each prefill forward's tokens and seconds go to the connector (report_prefill: the cost
+    model's recompute samples): a cold prompt's 70 tokens, and, after its load, a restored
+    request's 6 remaining tokens under "async"; under "layerwise" that prefill ran on the load in
+    flight, waiting for its layers, so its time includes the load's and it reports nothing."""
+    seed = 2700
+    engine = engine_on(hf_model(seed), tmp_path, load_mode=load_mode)
+    connector = connected(engine, latency_polls=2)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 70)
+    engine.generate([prompt], 1)
+    run_to_idle(engine)
+    assert sum(n for n, _ in connector.prefill_samples) == 70, f"seed {seed}: {connector.prefill_samples}"
+    assert all(seconds > 0 for _, seconds in connector.prefill_samples), connector.prefill_samples
+    engine.reset_prefix_cache()
+    connector.prefill_samples.clear()
+    connector.layer_waits.clear()
+    request = engine.add_request(prompt, 1)
+    run_to_idle(engine)
+    assert (request.num_loaded_tokens, request.num_prefilled_tokens) == (64, 6), f"seed {seed}"
+    if load_mode == "layerwise":
+        assert connector.layer_waits and connector.prefill_samples == [], f"seed {seed}: {connector.prefill_samples}"
+    else:
+        assert not connector.layer_waits and [n for n, _ in connector.prefill_samples] == [6], f"seed {seed}"

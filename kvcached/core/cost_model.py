@@ -1,0 +1,258 @@
+"""The online cost model: whether restoring a cached prefix beats recomputing it, learned from the
+times the engines and the daemon measure on this machine. No I/O; the daemon asks it at every
+lookup and restoring match, and feeds it samples.
+
+Each direction is a line, ``seconds = fixed_s + size * slope_s`` (size in bytes for transfers, in
+tokens for prefill), learned from the last ``WINDOW`` samples (size, seconds):
+
+- while their sizes barely differ (spread <= max(1, 5% of the largest)), one size cannot tell a
+  fixed cost from a slope: the prior slope (the bandwidth prior) is kept and only the fixed term is
+  learned, as an EWMA (alpha 0.2) of ``seconds - prior_slope * size``. Where that goes negative (the
+  samples are faster than the prior allows even with no fixed cost), the fixed term is 0 and the
+  slope is what the samples show;
+- once they vary, a non-negative intercept and slope are fitted by least squares over the window
+  (a two-variable non-negative least squares problem, solved in closed form).
+
+Directions: ``h2d`` and ``d2h`` (L2 <-> GPU), ``d2d`` (a copy out of another engine's GPU memory)
+and ``prefill`` per engine (the engines measure them); ``s2h`` (storage reads, L3 -> L2) and ``h2s``
+(storage writes) for the daemon's one L3 file, apart.
+
+A decision prices, for the tokens beyond the engine's own hit, recomputing them against restoring
+them from each source that holds more (another engine's GPU cache, L2, L3):
+benefit(c) = recompute(tokens c adds) - margin * restore(c); the largest positive benefit wins,
+none: recompute. A prefill's fixed term is paid whatever is restored (the engine computes at least
+the prompt's last token), so recomputing n tokens is priced ``n * prefill_slope``. An L3 restore is
+the read of the pages L2 lacks, then the DMA of them all; a peer restore one device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+from proto.messages import RESTORE_POLICIES
+
+WINDOW = 32
+EWMA_ALPHA = 0.2
+SPREAD_SHARE = 0.05
+MIN_PREFILL_TOKENS = 16            # shorter prefills are mostly fixed overhead: not samples
+POLICIES = RESTORE_POLICIES
+ENGINE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
+STORAGE_DIRECTIONS = ("s2h", "h2s")
+MAX_SAMPLE_SIZE = 1 << 50
+MAX_SAMPLE_SECONDS = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostPriors:
+    recompute_s_per_token: float = 50e-6
+    host_bytes_per_s: float = 12 * 2**30       # L2 <-> GPU, each way
+    storage_bytes_per_s: float = 3 * 2**30     # L3 reads and writes
+    margin: float = 1.1                        # a restore must beat recompute by this factor
+    peer_bytes_per_s: float = 1000 * 2**30     # another engine's GPU memory -> this engine's (CUDA IPC)
+
+    def __post_init__(self) -> None:
+        for name in ("recompute_s_per_token", "host_bytes_per_s", "storage_bytes_per_s", "peer_bytes_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not (math.isfinite(self.margin) and self.margin >= 1.0):
+            raise ValueError(f"margin must be at least 1, got {self.margin}")
+
+
+class LineModel:
+    """``fixed_s + size * slope_s`` for one direction; see the module note."""
+
+    def __init__(self, prior_slope_s: float, min_size: int = 1):
+        self.prior_slope_s = prior_slope_s
+        self.min_size = min_size
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=WINDOW)
+        self.num_samples = 0                # taken in, ever
+        self.fixed_s = 0.0
+        self.slope_s = prior_slope_s
+        self.mode = "prior"                 # "prior" (no sample yet), "ewma" or "fit"
+        self._ewma_fixed_s: float | None = None
+
+    def add(self, size: int, seconds: float) -> bool:
+        """Take in one sample; False (ignored) when it is not one: below min_size, or not finite."""
+        if not (self.min_size <= size <= MAX_SAMPLE_SIZE and math.isfinite(seconds) and 0 <= seconds <= MAX_SAMPLE_SECONDS):
+            return False
+        self.samples.append((size, seconds))
+        self.num_samples += 1
+        target = seconds - self.prior_slope_s * size
+        self._ewma_fixed_s = target if self._ewma_fixed_s is None else \
+            self._ewma_fixed_s + EWMA_ALPHA * (target - self._ewma_fixed_s)
+        sizes = [s for s, _ in self.samples]
+        largest = max(sizes)
+        if largest - min(sizes) <= max(1.0, SPREAD_SHARE * largest):
+            self.mode = "ewma"
+            if self._ewma_fixed_s >= 0:
+                self.fixed_s, self.slope_s = self._ewma_fixed_s, self.prior_slope_s
+            else:
+                mean_size = sum(sizes) / len(sizes)
+                self.fixed_s, self.slope_s = 0.0, max(0.0, self.prior_slope_s + self._ewma_fixed_s / mean_size)
+        else:
+            self.mode = "fit"
+            self.fixed_s, self.slope_s = fit_non_negative(self.samples)
+        return True
+
+    def predict(self, size: float) -> float:
+        """Seconds for a transfer (or prefill) of this size; nothing to move costs nothing."""
+        return self.fixed_s + size * self.slope_s if size > 0 else 0.0
+
+    def status(self, unit: str) -> dict[str, Any]:
+        return {"fixed_s": self.fixed_s, f"slope_s_per_{unit}": self.slope_s,
+                f"prior_slope_s_per_{unit}": self.prior_slope_s, "samples_total": self.num_samples,
+                "window": len(self.samples), "mode": self.mode}
+
+
+def fit_non_negative(samples) -> tuple[float, float]:
+    """(intercept, slope), both >= 0, minimising the squared error of intercept + slope * size over
+    the samples. The objective is convex and the feasible set a quadrant: the unconstrained least
+    squares solution when it is feasible, else the best of the two edges' own optima (each clamped)."""
+    n = len(samples)
+    mean_x = sum(s for s, _ in samples) / n
+    mean_y = sum(t for _, t in samples) / n
+    var_x = sum((s - mean_x) ** 2 for s, _ in samples)        # centred: sizes in bytes are large
+    if var_x > 0:
+        slope = sum((s - mean_x) * (t - mean_y) for s, t in samples) / var_x
+        intercept = mean_y - slope * mean_x
+        if slope >= 0 and intercept >= 0:
+            return intercept, slope
+
+    def squared_error(a: float, b: float) -> float:
+        return sum((a + b * s - t) ** 2 for s, t in samples)
+
+    sxx = sum(s * s for s, _ in samples)
+    through_origin = max(0.0, sum(s * t for s, t in samples) / sxx) if sxx > 0 else 0.0
+    edges = [(max(0.0, mean_y), 0.0), (0.0, through_origin)]
+    return min(edges, key=lambda ab: squared_error(*ab))
+
+
+class EngineModel:
+    """One engine's directions (an engine, here, is a namespace: the sessions of one KV geometry,
+    e.g. a vLLM scheduler's lookups and its worker's transfers) and the decisions taken for it."""
+
+    def __init__(self, priors: CostPriors):
+        host_slope = 1.0 / priors.host_bytes_per_s
+        self.h2d, self.d2h = LineModel(host_slope), LineModel(host_slope)
+        self.d2d = LineModel(1.0 / priors.peer_bytes_per_s)
+        self.prefill = LineModel(priors.recompute_s_per_token, min_size=MIN_PREFILL_TOKENS)
+        self.directions = {"h2d": self.h2d, "d2h": self.d2h, "d2d": self.d2d, "prefill": self.prefill}
+        # where ("lookup" or "match") -> choice -> count; skips: where -> tier not restored -> count
+        self.decisions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.policy_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+class Decision(NamedTuple):
+    choice: str                        # one of proto.messages.RESTORE_CHOICES
+    restore_tokens: int                # leading tokens to hold after the restore (the engine's own hit counts in)
+    predicted_s: dict[str, float]      # per candidate (and "recompute"): seconds to hold the longest hit
+    longest: str                       # the source holding the most beyond the engine's hit ("": none)
+
+
+NO_DECISION = Decision("", 0, {}, "")
+
+
+class CostModel:
+    def __init__(self, priors: CostPriors = CostPriors(), policy: str = "cost"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.priors = priors
+        self.policy = policy
+        storage_slope = 1.0 / priors.storage_bytes_per_s
+        self.storage = {"s2h": LineModel(storage_slope), "h2s": LineModel(storage_slope)}
+        self.engines: dict[int, EngineModel] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def engine(self, engine_id: int) -> EngineModel:
+        model = self.engines.get(engine_id)
+        if model is None:
+            model = self.engines[engine_id] = EngineModel(self.priors)
+        return model
+
+    def forget_engine(self, engine_id: int) -> None:
+        self.engines.pop(engine_id, None)
+
+    # ---- samples ----------------------------------------------------------------------------
+
+    def add_engine_sample(self, engine_id: int, direction: str, size: int, seconds: float) -> bool:
+        assert direction in ENGINE_DIRECTIONS, direction
+        return self.engine(engine_id).directions[direction].add(size, seconds)
+
+    def add_storage_sample(self, direction: str, num_bytes: int, seconds: float) -> bool:
+        assert direction in STORAGE_DIRECTIONS, direction
+        return self.storage[direction].add(num_bytes, seconds)
+
+    # ---- decisions --------------------------------------------------------------------------
+
+    def decide(self, engine_id: int, bytes_per_token: int, local_tokens: int, l2_tokens: int, l3_tokens: int,
+               policy: str = "", where: str = "lookup", peer_tokens: int = 0) -> Decision:
+        """Where the tokens beyond the engine's own hit (local_tokens) should come from: the leading
+        tokens L2, L3 and another engine's GPU cache (peer_tokens) hold; 0: no candidate. Counted
+        under ``where``. Runs on the daemon's socket thread for every lookup and restoring match:
+        plain arithmetic, no allocation beyond the reply's."""
+        policy = policy or self.policy
+        assert policy in POLICIES, policy
+        engine = self.engine(engine_id)
+        # (source, the leading tokens it holds, seconds to restore those beyond the engine's hit);
+        # listed fastest first, so that the longest hit goes to the fastest source holding it.
+        candidates: list[tuple[str, int, float]] = []
+        if peer_tokens > local_tokens:
+            candidates.append(("peer", peer_tokens, engine.d2d.predict((peer_tokens - local_tokens) * bytes_per_token)))
+        if l2_tokens > local_tokens:
+            candidates.append(("l2", l2_tokens, engine.h2d.predict((l2_tokens - local_tokens) * bytes_per_token)))
+        if l3_tokens > local_tokens and l3_tokens > l2_tokens:     # the pages L2 lacks are read first, then all moved
+            candidates.append(("l3", l3_tokens, engine.h2d.predict((l3_tokens - local_tokens) * bytes_per_token)
+                               + self.storage["s2h"].predict((l3_tokens - l2_tokens) * bytes_per_token)))
+        if not candidates:
+            decision = Decision("engine", local_tokens, {}, "")
+        else:
+            longest, end, _ = max(candidates, key=lambda c: c[1])
+            per_token = engine.prefill.slope_s
+            margin = self.priors.margin
+            predicted = {"recompute": (end - local_tokens) * per_token}
+            choice, restore_tokens, best_benefit = "recompute", local_tokens, 0.0
+            for source, tokens, restore_s in candidates:
+                predicted[source] = restore_s + (end - tokens) * per_token
+                benefit = (tokens - local_tokens) * per_token - margin * restore_s
+                if benefit > best_benefit:
+                    choice, restore_tokens, best_benefit = source, tokens, benefit
+            if policy == "always":
+                choice, restore_tokens = longest, end
+            elif policy == "never":
+                choice, restore_tokens = "recompute", local_tokens
+            decision = Decision(choice, restore_tokens, predicted, longest)
+        engine.decisions[where][decision.choice] += 1
+        if decision.longest and decision.choice != decision.longest:
+            engine.policy_skips[where][decision.longest] += 1
+        return decision
+
+    def later_restore_wins(self, engine_id: int, bytes_per_token: int, num_tokens: int) -> bool:
+        """Whether a later request holding none of these tokens would restore them from L2 rather
+        than recompute them (what a background promotion to L2 is for)."""
+        engine = self.engine(engine_id)
+        return num_tokens * engine.prefill.slope_s > self.priors.margin * engine.h2d.predict(num_tokens * bytes_per_token)
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status(self, engine_names: dict[int, str]) -> dict[str, Any]:
+        """The model per engine and direction, and the decisions taken, for the status snapshot."""
+        units = {"h2d": "byte", "d2h": "byte", "d2d": "byte", "prefill": "token"}
+        return {
+            "policy": self.policy,
+            "margin": self.priors.margin,
+            "priors": dataclasses.asdict(self.priors),
+            "storage": {direction: model.status("byte") for direction, model in self.storage.items()},
+            "engines": [
+                {"namespace_id": engine_id, "model_id": engine_names.get(engine_id, ""),
+                 "directions": {d: m.status(units[d]) for d, m in engine.directions.items()},
+                 "decisions_total": {where: dict(sorted(c.items())) for where, c in sorted(engine.decisions.items())},
+                 "policy_skips_total": {where: dict(sorted(c.items()))
+                                        for where, c in sorted(engine.policy_skips.items())}}
+                for engine_id, engine in sorted(self.engines.items())
+            ],
+            **{name: value for name, value in sorted(self.counters.items())},
+        }

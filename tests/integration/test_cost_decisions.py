@@ -1,0 +1,167 @@
+"""The cost model over the wire: a real daemon process, real connectors (CPU tensors) over ipc://.
+Lookups answer the daemon's decision; the timings engines report and the daemon's own L3 reads
+move it; a slow L3 is declined while L2 is taken."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import textwrap
+import time
+
+import numpy as np
+
+from bench.tiers import TierControl
+from engine_client.client import connect
+from engine_client.connector import ConnectorConfig
+from kvcached.server.status import render_table
+from tests.integration.daemon_proc import DaemonProcess, child_env
+from tests.integration.test_connector import P, Engine, random_tokens
+
+L3_READ_DELAY_S = 0.5
+
+
+def cost_model(daemon) -> dict:
+    with connect(daemon.socket_path) as client:
+        return client.status(check_integrity=True)["cost_model"]
+
+
+def engine_of(daemon, seed: int, policy: str) -> Engine:
+    return Engine(daemon.socket_path, "layer", seed=seed, config=ConnectorConfig(report_interval_s=0, policy=policy))
+
+
+def save(engine: Engine, tokens, block_ids) -> None:
+    request_id = f"save-{block_ids[0]}-{time.monotonic_ns()}"
+    engine.connector.save(request_id, tokens, block_ids)
+    engine.connector.request_finished(request_id)
+    engine.settle()
+
+
+def test_lookups_answer_the_decision_and_reported_prefill_times_move_it(rng):
+    """A saved 8-page prefix: under cost (priors: a prefill of 50 us per token) the lookup answers
+    l2 with the tokens to hold and a prediction per candidate; an engine holding it already gets
+    "engine"; never answers recompute. Once the engine reports prefills that cost next to nothing
+    (report_prefill, sent with its report), the same lookup answers recompute, while always still
+    restores it; the transfers' timings reached the model too, and status counts the decisions
+    (and `kvcached status` shows them)."""
+    daemon = DaemonProcess(l2_size="8MiB").start()
+    engines = []
+    try:
+        cost, always, never = (engine_of(daemon, seed, policy)
+                               for seed, policy in ((11, "cost"), (12, "always"), (13, "never")))
+        engines += [cost, always, never]
+        prefix = random_tokens(rng, 8 * P)
+        save(cost, prefix, list(range(8)))
+        decision = cost.connector.lookup_async(prefix).decision()
+        assert (decision.choice, decision.num_tokens) == ("l2", 8 * P), decision
+        assert decision.predicted_s["l2"] < decision.predicted_s["recompute"], decision
+        assert cost.connector.lookup(prefix, local_hit_tokens=8 * P) == 8 * P
+        assert cost.connector.lookup_async(prefix, 8 * P).decision().choice == "engine"
+        assert never.connector.lookup_async(prefix, 2 * P).decision()[:2] == ("recompute", 2 * P)
+
+        always.connector.load("load", prefix, list(range(10, 18)), 8 * P)
+        always.poll_until(lambda: always.loads, "the load")
+        assert always.loads[0].ok, always.loads
+        for num_tokens in rng.integers(16, 4096, size=12).tolist():
+            cost.connector.report_prefill(num_tokens, num_tokens * 1e-9)
+        for engine in engines:
+            engine.connector.flush_report()
+            engine.connector.flush()                # handled before the lookups below
+        assert cost.connector.lookup_async(prefix).decision()[:2] == ("recompute", 0)
+        assert always.connector.lookup_async(prefix).decision()[:2] == ("l2", 8 * P)
+
+        model = cost_model(daemon)
+        (engine,) = model["engines"]
+        directions = engine["directions"]
+        assert directions["prefill"]["mode"] == "fit" and directions["prefill"]["slope_s_per_token"] < 2e-9, directions
+        assert directions["h2d"]["samples_total"] >= 1 and directions["d2h"]["samples_total"] >= 1, directions
+        lookups = engine["decisions_total"]["lookup"]
+        assert lookups["l2"] >= 2 and lookups["recompute"] >= 2 and lookups["engine"] >= 1, lookups
+        with connect(daemon.socket_path) as client:
+            table = render_table(client.status())
+        assert "cost model: policy cost, margin 1.1" in table and " prefill " in table and "(L3 file)" in table, table
+    finally:
+        for engine in engines:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
+def throttled_daemon() -> tuple[DaemonProcess, str]:
+    """A daemon whose every L3 read takes L3_READ_DELAY_S longer (a slow disk): a sitecustomize on
+    its PYTHONPATH slows the one function its reads go through. Its cost model starts from the
+    default priors, which take such a disk for a fast one."""
+    site_dir = tempfile.mkdtemp(prefix="kvt-site-", dir="/tmp")
+    with open(os.path.join(site_dir, "sitecustomize.py"), "w") as f:
+        f.write(textwrap.dedent(f"""\
+            import time
+            from kvcached.server import io_workers
+
+            _preadv = io_workers._preadv
+
+            def _slow_preadv(fd, buffers, offset):
+                time.sleep({L3_READ_DELAY_S})
+                return _preadv(fd, buffers, offset)
+
+            io_workers._preadv = _slow_preadv
+            """))
+    env = {"PYTHONPATH": site_dir + os.pathsep + child_env()["PYTHONPATH"]}
+    return DaemonProcess(l2_size="8MiB", extra_args=("--max-namespaces", "1"), env=env).start(), site_dir
+
+
+def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
+    """An engine whose prefill costs 2 ms per token (it reports so); prefix A only in L3, of a disk
+    slower than the prior says: the first lookup takes A from L3 and its load promotes it (one slow
+    read, measured by the daemon). Then, A again in L3 alone and B in L2: a lookup of A answers
+    recompute (0.5 s of read against 0.19 s of prefill), one of B answers l2 and B's load restores
+    it; A, whose L2 copy would win for a later request, is promoted in the background. The model's
+    storage read line shows the slow read; its write line, apart, does not."""
+    daemon, site_dir = throttled_daemon()
+    engine = None
+    control = None
+    try:
+        engine = engine_of(daemon, 21, "cost")
+        for num_tokens in rng.integers(16, 2048, size=8).tolist():
+            engine.connector.report_prefill(num_tokens, num_tokens * 2e-3)
+        control = TierControl(daemon, engine.connector.geometry)
+        a, b = random_tokens(rng, 6 * P), random_tokens(rng, 6 * P)
+        save(engine, a, list(range(6)))
+        control.wait_idle()                             # A written through to L3
+        control.evict_l2()
+        assert control.hits(a) == {"l2": 0, "l3": 6 * P}
+        assert engine.connector.lookup_async(a).decision()[:2] == ("l3", 6 * P)   # by the prior
+        started = time.monotonic()
+        engine.connector.load("a", a, list(range(6, 12)), 6 * P)
+        engine.poll_until(lambda: engine.loads, "A's load (through the slow read)")
+        assert engine.loads[0].ok and time.monotonic() - started >= L3_READ_DELAY_S, engine.loads
+        engine.connector.request_finished("a")
+        engine.settle()
+        control.wait_idle()
+
+        control.evict_l2()
+        save(engine, b, list(range(12, 18)))
+        control.wait_idle()
+        assert control.hits(a) == {"l2": 0, "l3": 6 * P} and control.hits(b)["l2"] == 6 * P
+        assert engine.connector.lookup_async(a).decision()[:2] == ("recompute", 0), json.dumps(cost_model(daemon))
+        assert engine.connector.lookup_async(b).decision()[:2] == ("l2", 6 * P), json.dumps(cost_model(daemon))
+        engine.connector.load("b", b, list(range(18, 24)), 6 * P)
+        engine.poll_until(lambda: len(engine.loads) == 2, "B's load")
+        assert engine.loads[1].ok and engine.loads[1].num_tokens == 6 * P, engine.loads
+        control.wait_idle()                             # A's background promotion
+        assert control.hits(a)["l2"] == 6 * P
+
+        model = cost_model(daemon)
+        storage = model["storage"]
+        assert storage["s2h"]["samples_total"] >= 2 and storage["s2h"]["fixed_s"] >= 0.8 * L3_READ_DELAY_S, storage
+        assert storage["h2s"]["samples_total"] >= 2 and storage["h2s"]["fixed_s"] < 0.5 * L3_READ_DELAY_S, storage
+        assert model["background_promotions_total"] == 1 and model["background_promoted_pages_total"] == 6, model
+    finally:
+        if control is not None:
+            control.close()
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
+        os.remove(os.path.join(site_dir, "sitecustomize.py"))
+        os.rmdir(site_dir)
