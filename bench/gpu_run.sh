@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The H200 run, in one device call of at most 10 minutes (this script ends within 9):
+# The H200 run: every GPU check and benchmark, in stages; one call of this script ends within 9
+# minutes (a device call's limit is 10), so the whole run takes two:
 #
-#   bash bench/gpu_run.sh          (from the repository root, with the pyzmq wheel in .whl/ carried)
-#   bash bench/gpu_run.sh --quick  (the same steps on tiny shapes, e.g. on a CPU machine, to try it)
+#   bash bench/gpu_run.sh tests,connector,overlap,stress     (from the repository root, with the
+#   bash bench/gpu_run.sh ttft,policy                          pyzmq wheel in .whl/ carried)
+#   bash bench/gpu_run.sh --quick [STAGES]    (the same steps on tiny shapes, e.g. on a CPU machine)
 #
-# 1. the GPU tests (pytest -m gpu)            -> $OUT/gpu_tests.log
-# 2. bench_connector (two geometries, 20 requests) -> $OUT/connector.json, connector.log
-# 3. bench_stress (tiers none, l2, l3-cold; policies always, cost) -> $OUT/stress.json, stress.log
-# 4. bench_ttft, with whatever time is left   -> $OUT/ttft.json, ttft.log
-# plus $OUT/env.txt (GPU, versions). Each stage runs under `timeout`, which sends SIGTERM to the
-# stage's whole process group (the daemons it started included; the benchmarks stop their daemons
-# on SIGTERM), then SIGKILL 15 s later. Result files are written after every row, so a stage cut
-# short still leaves what it measured.
+# Stages (default: all of them, in this order, as far as the time goes):
+#   tests      the GPU tests (pytest -m gpu)                            -> gpu_tests.log
+#   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json
+#   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
+#   stress     bench_stress: batches 1 and 4, policies always and cost  -> stress.json
+#   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
+#   policy     bench_ttft --policy cost: the cost model's choices       -> policy.json
+# Results go to bench/results/h200/ and to $OUT with each stage's log, plus $OUT/env.txt. Each
+# stage runs under `timeout`, which sends SIGTERM to the stage's process group (the daemons it
+# started included), then SIGKILL 15 s later; result files are written after every row, so a stage
+# cut short still leaves what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START_S=$SECONDS
@@ -20,12 +25,15 @@ OUT=${OUT:-/tmp/kvbench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-QUICK=${1:-}
+QUICK=
+[[ ${1:-} == --quick ]] && { QUICK=--quick; shift; }
+STAGES=",${1:-tests,connector,overlap,stress,ttft,policy},"
 RESULTS=$PWD/bench/results/h200
-[[ $QUICK == --quick ]] && RESULTS=$(mktemp -d /tmp/kvbench-quick.XXXXXX)
+[[ -n $QUICK ]] && RESULTS=$(mktemp -d /tmp/kvbench-quick.XXXXXX)
 # name BENCH: the arguments that send BENCH's result file to $RESULTS/BENCH.json
-name() { if [[ $QUICK == --quick ]]; then echo --quick --name "$1" --machine "$RESULTS";
+name() { if [[ -n $QUICK ]]; then echo --quick --name "$1" --machine "$RESULTS";
          else echo --name "$1" --machine h200; fi; }
+want() { [[ $STAGES == *",$1,"* ]]; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -34,7 +42,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 L3_DIR=$(mktemp -d /var/tmp/kvbench-l3.XXXXXX)       # a disk (not tmpfs): L3 reads are real reads
-trap 'rm -rf "$L3_DIR"; [[ $QUICK == --quick ]] && rm -rf "$RESULTS"' EXIT
+trap 'rm -rf "$L3_DIR"; [[ -n $QUICK ]] && rm -rf "$RESULTS"' EXIT
 
 { nvidia-smi; python3 -c 'import torch, triton, transformers, zmq; print("torch", torch.__version__, "cuda",
   torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__)'
@@ -52,17 +60,37 @@ stage() {
     timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
     echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - START_S))s in all" | tee -a "$OUT/$name.log"
 }
+keep() { cp "$RESULTS/$1.json" "$OUT/" 2>/dev/null; }
 
-stage gpu_tests 110 python3 -m pytest -q -m gpu tests
-if [[ -f bench/bench_connector.py ]]; then
-    stage connector 70 python3 -m bench.bench_connector --geometries qwen3-8b,qwen3-32b --requests 20 \
-        $(name connector)
-    cp "$RESULTS/connector.json" "$OUT/" 2>/dev/null
+if want tests; then
+    if [[ -n $QUICK ]]; then stage gpu_tests 110 python3 -m pytest -q -m gpu tests/bench/engine
+    else stage gpu_tests 110 python3 -m pytest -q -rs -m gpu tests; fi
 fi
-stage stress 150 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
-cp "$RESULTS/stress.json" "$OUT/" 2>/dev/null
-# bench_ttft starts no new point once its budget is spent, 50 s before its limit.
-TTFT_S=$(left_s)
-stage ttft "$TTFT_S" python3 -m bench.bench_ttft --l3-dir "$L3_DIR" --budget-s $((TTFT_S - 50)) $(name ttft)
-cp "$RESULTS/ttft.json" "$OUT/" 2>/dev/null
+if want connector; then
+    stage connector 85 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)
+    keep connector
+fi
+if want overlap; then
+    stage overlap 120 python3 -m bench.bench_overlap --l3-dir "$L3_DIR" $(name overlap)
+    keep overlap
+fi
+if want stress; then
+    stage stress 130 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
+    keep stress
+fi
+if want ttft; then
+    # bench_ttft starts no new point once its budget is spent; policy (when asked too) gets 190 s.
+    TTFT_S=$(left_s); want policy && TTFT_S=$((TTFT_S - 190))
+    POINTS=(); [[ -z $QUICK ]] && POINTS=(--points "${TTFT_POINTS:-qwen3-8b=350,1000,2000,3500,8000;qwen3-32b=3500;qwen3-4b=1000,3500}")
+    stage ttft "$TTFT_S" python3 -m bench.bench_ttft "${POINTS[@]}" --l3-dir "$L3_DIR" --budget-s $((TTFT_S - 50)) \
+        $(name ttft)
+    keep ttft
+fi
+if want policy; then
+    POLICY_S=$(left_s)
+    POINTS=(); [[ -z $QUICK ]] && POINTS=(--points "${POLICY_POINTS:-qwen3-8b=350,3500,8000}")
+    stage policy "$POLICY_S" python3 -m bench.bench_ttft --policy cost "${POINTS[@]}" --no-hf --l3-dir "$L3_DIR" \
+        --budget-s $((POLICY_S - 60)) $(name policy)
+    keep policy
+fi
 echo "done in $((SECONDS - START_S))s; files: $(ls "$OUT" | tr '\n' ' ')"
