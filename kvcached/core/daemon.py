@@ -204,6 +204,13 @@ class DaemonState:
         """A namespace that owns no chunk yet (attach gives it the free ones; it gains more as it
         reserves pages: _make_room)."""
         bytes_per_page = geometry.bytes_per_page
+        if not self.namespaces:
+            # The first geometry: where its page is larger than a chunk (a small pool: chunks are
+            # 1/64 of it), the pool is cut in chunks of whole pages of it instead (none straddles
+            # two); nothing is in the pool yet.
+            for tier, chunks in self.chunks.items():
+                if bytes_per_page > chunks.chunk_bytes:
+                    self.chunks[tier] = ChunkMap(chunks.space_bytes, min(bytes_per_page, chunks.space_bytes))
         l2_chunks = self.chunks[Tier.L2]
         if bytes_per_page > l2_chunks.chunk_bytes:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,

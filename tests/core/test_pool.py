@@ -271,3 +271,21 @@ def test_l3_chunks_that_change_hands_leave_the_index_true(clock, rng):
     for geometry in (BIG, other):
         index_matches_tree(rebuilt, after, geometry)
         assert after.rows[namespace_key(geometry)] == index.rows[namespace_key(geometry)]
+
+
+def test_a_first_geometry_with_pages_larger_than_a_chunk_gets_the_pool_cut_for_it(clock, rng):
+    """A small pool (chunks of 2 MiB) and a first geometry of 2.25 MiB pages (as Qwen3-8B's): it is
+    served, the pool is cut in chunks that hold one of its pages, and it may use every page of
+    the segment; a later geometry with pages larger than those chunks is refused, naming them."""
+    big = KVGeometry("m", num_layers=36, num_kv_heads=8, head_dim=128 * 16 // PAGE, dtype="bfloat16", page_size=PAGE)
+    state = new_state(clock, l2_bytes=64 << 20)
+    assert state.chunks[Tier.L2].chunk_bytes == 2 << 20 < big.bytes_per_page
+    session, namespace = state.attach(big, pid=1)
+    assert state.chunks[Tier.L2].chunk_bytes >= big.bytes_per_page
+    assert namespace.capacity[Tier.L2] == (64 << 20) // big.bytes_per_page
+    page_ids = back_up(state, session.session_id, tokens(rng, 5))
+    assert len(page_ids) == 5
+    state.check_integrity()
+    bigger = KVGeometry("m2", num_layers=80, num_kv_heads=8, head_dim=128 * 16 // PAGE, dtype="bfloat16", page_size=PAGE)
+    with pytest.raises(Exception, match="larger than a chunk"):
+        state.attach(bigger, pid=2)
