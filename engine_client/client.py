@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 import zmq
 
-from proto import codec
+from proto import codec, procfs
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
 from proto.replies import AttachInfo, MatchReply, from_wire
@@ -131,10 +131,10 @@ def process_identity() -> dict[str, int]:
     /proc does not say (the daemon then relies on heartbeats)."""
     try:
         namespace_id = os.stat("/proc/self/ns/pid").st_ino
-        with open("/proc/self/stat", "rb") as f:
-            stat = f.read()
-        start_time = int(stat[stat.rfind(b")") + 2:].split()[22 - 3])
-    except (OSError, IndexError, ValueError):
+    except OSError:
+        namespace_id = None
+    start_time = procfs.start_time("self")
+    if namespace_id is None or start_time is None:
         return {"pid_namespace_id": 0, "process_start_time": 0}
     return {"pid_namespace_id": namespace_id, "process_start_time": start_time}
 

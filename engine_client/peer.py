@@ -41,6 +41,7 @@ from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, 
 from engine_client.kv_transfer import KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from proto import epochs as epoch_format
+from proto import procfs
 from proto.messages import MsgKind
 from proto.replies import MatchReply, PeerListReply, PeerRegisterReply
 
@@ -86,15 +87,13 @@ def share_host_tensors(kv_caches) -> None:
 
 def process_running(pid: int, start_time: int) -> bool:
     """Whether the process (pid, start time) lives and has not begun to exit (/proc/<pid>/stat)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
+    fields = procfs.stat_fields(pid)
+    if fields is None:
         return False
-    fields = text[text.rfind(b")") + 2:].split()
     try:
-        state, flags, started = fields[0], int(fields[9 - 3]), int(fields[22 - 3])
-    except (IndexError, ValueError):
+        state, flags = fields[procfs.STATE_FIELD], int(fields[procfs.FLAGS_FIELD])
+        started = int(fields[procfs.START_TIME_FIELD])
+    except (KeyError, ValueError):
         return False
     return started == start_time and state not in (b"Z", b"X", b"x") and not flags & _PF_EXITING
 

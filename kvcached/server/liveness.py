@@ -14,6 +14,8 @@ import logging
 import os
 from typing import Callable
 
+from proto import procfs
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,21 +25,6 @@ def own_pid_namespace_id() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since boot."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[22 - 3])
-    except (IndexError, ValueError):
-        return None
 
 
 def open_pidfd(pid: int, pid_namespace_id: int, start_time: int) -> tuple[int | None, str]:
@@ -54,7 +41,7 @@ def open_pidfd(pid: int, pid_namespace_id: int, start_time: int) -> tuple[int | 
         return None, f"pidfd_open({pid}) failed: {exc}"
     # Checked after opening: if the start time still matches, the pidfd is of the same process
     # (had it exited before the open, the pid would now be another's, or nobody's).
-    if process_start_time(pid) != start_time:
+    if procfs.start_time(pid) != start_time:
         os.close(pidfd)
         return None, f"pid {pid} is not the engine's process any more (start time differs)"
     return pidfd, ""
