@@ -249,11 +249,7 @@ class KVTransfer:
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
         started = time.perf_counter()
         with self._on(lane, after):
-            if lane.last_scatter is not None:
-                # The scatters read their ids and slots after the copy stream moved on: the id ring
-                # and the slots are reused once the last load's scatters are done.
-                lane.stream.wait_event(lane.last_scatter)
-            start_event = self._record(lane, timing=True)
+            start_event = self._begin_load(lane)
             # A load of more pages than one layer's slot holds goes in chunks, every layer of
             # each; its layer events come with the last chunk (the last one timed: the load's end).
             first, step = 0, 0
@@ -274,9 +270,23 @@ class KVTransfer:
                 if last == len(block_ids):
                     break
                 first = last
-        lane.last_scatter = done_event = layer_events[-1]
-        return Transfer(len(block_ids), done_event, done_event, layer_events, start_event,
-                        time.perf_counter() - started)
+        return self._end_load(lane, len(block_ids), layer_events[-1], start_event, started, layer_events)
+
+    def _begin_load(self, lane: _Lane) -> torch.cuda.Event | None:
+        """On the load lane's stream, before a load (layered, whole or from a peer): wait for the
+        last load's scatters (they read their ids and slots after the copy stream moved on: the id
+        ring and the slots are reused once they are done); returns the load's timed start event."""
+        if lane.last_scatter is not None:
+            lane.stream.wait_event(lane.last_scatter)
+        return self._record(lane, timing=True)
+
+    @staticmethod
+    def _end_load(lane: _Lane, num_pages: int, done_event: torch.cuda.Event | None,
+                  start_event: torch.cuda.Event | None, started: float,
+                  layer_events: list[torch.cuda.Event | None] | None = None) -> Transfer:
+        """The queued load's Transfer; its last event is what the next load waits for."""
+        lane.last_scatter = done_event
+        return Transfer(num_pages, done_event, done_event, layer_events, start_event, time.perf_counter() - started)
 
     def _scatter_after_copy(self, lane: _Lane, table: SegmentTable, packed: torch.Tensor,
                             ids: torch.Tensor, timing: bool = False) -> torch.cuda.Event | None:
@@ -296,17 +306,13 @@ class KVTransfer:
                     after: torch.cuda.Event | None) -> Transfer:
         started = time.perf_counter()
         with self._on(lane, after):
-            if lane.last_scatter is not None:
-                lane.stream.wait_event(lane.last_scatter)
-            start_event = self._record(lane, timing=True)
+            start_event = self._begin_load(lane)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 self._copy_runs(lane, host_page_ids[first:last], to_host=False)
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
             done_event = self._record(lane, timing=True)
-        lane.last_scatter = done_event
-        return Transfer(len(block_ids), done_event, done_event, start_event=start_event,
-                        host_seconds=time.perf_counter() - started)
+        return self._end_load(lane, len(block_ids), done_event, start_event, started)
 
     def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
                   after: torch.cuda.Event | None = None) -> Transfer:
@@ -325,9 +331,7 @@ class KVTransfer:
         lane = self.lanes["load"]
         started = time.perf_counter()
         with self._on(lane, after):
-            if lane.last_scatter is not None:
-                lane.stream.wait_event(lane.last_scatter)
-            start_event = self._record(lane, timing=True)
+            start_event = self._begin_load(lane)
             for first in range(0, len(block_ids), lane.workspace_pages):
                 last = min(first + lane.workspace_pages, len(block_ids))
                 packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
@@ -335,9 +339,7 @@ class KVTransfer:
                              packed.view(source.word_dtype).view(source.packed_shape(last - first)))
                 self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
             done_event = self._record(lane, timing=True)
-        lane.last_scatter = done_event
-        return Transfer(len(block_ids), done_event, done_event, start_event=start_event,
-                        host_seconds=time.perf_counter() - started)
+        return self._end_load(lane, len(block_ids), done_event, start_event, started)
 
     @staticmethod
     def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int, slot: int) -> torch.Tensor:
