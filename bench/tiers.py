@@ -18,6 +18,7 @@ L3 read is a daemon started with ``--l3-o-direct`` whose L3 file's page cache is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -97,7 +98,9 @@ def attach_kvcached(engine: Engine, socket_path: str, *, model_id: str, model_re
         connect(socket_path, timeout_s=60.0, client_name=client_name), engine.kv_caches, "layer",
         model_id=model_id, model_revision=model_revision, page_size=engine.block_size,
         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        config=config or ConnectorConfig(policy=policy))
+        # Layered loads only where the engine prefills while a load is in flight.
+        config=dataclasses.replace(config or ConnectorConfig(policy=policy),
+                                   layered_loads=engine.config.load_mode == "layerwise"))
     try:
         engine.attach_connector(connector)
     except BaseException:

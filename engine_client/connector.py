@@ -97,6 +97,12 @@ class ConnectorConfig:
     reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
     report_interval_s: float = 1.0     # how often changed counters (and timings) go to the daemon
     policy: str = ""                   # restore policy: "cost", "always", "never" ("": the daemon's)
+    # Loads go group by group of layers, so that wait_for_layer_load waits for a layer's group
+    # alone (engines whose prefill runs while a load is in flight); False: every load whole, the
+    # fewest host calls (engines that wait for a load's result). A load under layered_min_bytes
+    # goes whole anyway: queueing it group by group would take the host about as long as its DMA.
+    layered_loads: bool = True
+    layered_min_bytes: int = 64 << 20
     # Peer restores (engine_client/peer.py): register this engine's KV tensors for other engines of
     # the namespace on its device to copy from, and load a prefix from theirs when the daemon's
     # decision chooses another engine's GPU cache (asynchronous loads only; one tensor-parallel
@@ -666,8 +672,10 @@ class KVConnector:
                 usable, load.reason = 0, self._fence_cause(request.session_id)
         if usable:
             try:
+                layered = self.config.layered_loads and usable * self.geometry.bytes_per_page >= \
+                    self.config.layered_min_bytes
                 load.transfer = self.transfer.load(request.host_page_ids[load.start_page: load.start_page + usable],
-                                                   load.block_ids[:usable], load.after)
+                                                   load.block_ids[:usable], load.after, layered)
             except Exception as exc:            # the blocks are recomputed; nothing else depends on them
                 self._warn_once("load_transfer_failed", f"a load's transfer failed: {exc!r}")
                 usable, load.reason = 0, "transfer_failed"

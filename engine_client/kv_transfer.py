@@ -2,24 +2,29 @@
 
     save  gather the blocks (all layers, through the segment table) into a packed device buffer,
           then one DMA per run of consecutive L2 pages straight into the shared pool mapping
-    load  layer by layer: per run of L2 pages, one strided DMA of the layer's rows (its K, its V)
-          into the packed buffer, then a scatter of that layer into the blocks; an event after
-          each layer, so the engine's stream can wait for layer i alone (``Transfer.wait_layer_on``)
-          while the DMA of layer i + 1 runs
-          (a peer restore instead gathers out of another engine's blocks mapped into this
-          process, then scatters: ``copy_from``)
+    load  layered (for an engine whose prefill reads a load in flight): group by group of
+          consecutive layers (``LOAD_GROUPS`` groups), per run of L2 pages one strided DMA of the
+          group's K rows and one of its V rows into the packed buffer, then a scatter of the
+          group into the blocks; an event after each group, so the engine's stream can wait for
+          layer i's group alone (``Transfer.wait_layer_on``) while the next group's DMA runs.
+          Whole (otherwise): one DMA per run of L2 pages, one scatter: the fewest host calls.
+          Queueing a load takes the host a few calls per group, not per layer: measured on the
+          H200 machine, ~0.2 ms per layer made the host, not the DMA, the bound of a layer-by-layer
+          load below ~1,000 tokens, and stalled the engine's other requests meanwhile.
+          (A peer restore instead copies another engine's blocks, mapped into this process,
+          straight into this engine's: ``copy_from``.)
 
 Each direction is a lane: a private copy stream, a packed workspace and a ring of block ids, all
 allocated (and the kernels compiled) at construction, so that nothing on a request's path depends
 on its size. A lane's work runs in its stream's order, so the workspace is reused by each transfer
-(and by each layer of a load) without any host-side tracking; a transfer larger than the workspace
+(and by each group of a load) without any host-side tracking; a transfer larger than the workspace
 goes in chunks that reuse it, one after the other. Saves and loads have a lane each, so a save's
 D2H runs beside a load's H2D. A transfer's first operation waits on an event of the caller's stream
 (``after``): the gather reads blocks only once the engine's prefill wrote them, and the scatter
 writes blocks only once the work the engine queued before the load is done with them.
 
-L2 pages are page-major (a page holds every layer), so one layer of a run of pages is rows of one
-segment, a page apart: a strided copy, ``cudaMemcpy2DAsync`` (``engine_client.cudart``), which ran
+L2 pages are page-major (a page holds every layer), so one group of layers of a run of pages is rows
+of its K (and of its V) spans, a page apart: a strided copy, ``cudaMemcpy2DAsync`` (``engine_client.cudart``), which ran
 at 0.93-0.99 of a flat DMA of the same bytes on the H200 machine; on CPU the same rows are copied
 by torch through strided views. The pinned pool's chunks hold whole pages
 (``shared_pool.whole_page_chunk_bytes``), so a run cut where a chunk ends is cut between pages.
@@ -55,6 +60,10 @@ _AUTO_TIMING_PAGES = 64
 # A load whose L2 pages lie in more runs than this goes whole (one DMA per run), not layer by
 # layer (a strided copy per run, layer and K/V): a fragmented L2 would take thousands of copies.
 LAYERWISE_MAX_RUNS = 8
+# A layered load's groups of layers: each costs the host a few calls (its strided copies, events,
+# a scatter launch), so that queueing the load takes far less than its DMA; the engine's attention
+# of a layer waits for that layer's group.
+LOAD_GROUPS = 12
 _LOAD_SLOTS = 2          # a load's packed layer slots: the DMA of one while the other is scattered
 _AUTO_TIMING_REPEATS = 3
 
@@ -159,6 +168,17 @@ class _Lane:
         return self.ids.upload(block_ids, self.stream)
 
 
+def _spans(segments: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted segment indices as spans of consecutive ones: (first segment, its index in the list, count)."""
+    spans: list[tuple[int, int, int]] = []
+    for index, segment in enumerate(segments):
+        if spans and spans[-1][0] + spans[-1][2] == segment:
+            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + 1)
+        else:
+            spans.append((segment, index, 1))
+    return spans
+
+
 class Runs(NamedTuple):
     starts: np.ndarray      # index into the transfer's pages of each run's first page
     ends: np.ndarray
@@ -182,15 +202,23 @@ class KVTransfer:
         self.layout = layout
         self.device = layout.device
         self.table = SegmentTable(layout)
-        # Per layer: its segments' table; a layer of a packed page is [segments of the layer, words].
-        self.layer_tables = [SegmentTable(layout, layout.layer_segments(i)) for i in range(layout.num_layers)]
+        # A layered load goes in LOAD_GROUPS groups of consecutive layers (or one per layer, for
+        # fewer layers): each group's segments in page order (its layers' K, then their V: each a
+        # contiguous span of a page, one strided copy per run of pages), and their table; a group
+        # of a packed page is [segments of the group, words].
+        group_size = -(-layout.num_layers // min(layout.num_layers, LOAD_GROUPS))
+        self.layer_groups = [tuple(range(first, min(first + group_size, layout.num_layers)))
+                             for first in range(0, layout.num_layers, group_size)]
+        group_segments = [sorted(s for layer in layers for s in layout.layer_segments(layer))
+                          for layers in self.layer_groups]
+        self.group_tables = [SegmentTable(layout, segments) for segments in group_segments]
+        self.group_spans = [_spans(segments) for segments in group_segments]
         self.page_bytes = layout.page_bytes
         self.segment_bytes = layout.segment_bytes
         self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
-        # A load holds one layer of its pages in each of its slots: num_layers / slots times as
-        # many pages fit.
-        layer_chunk_pages = max(1, workspace_pages * layout.num_layers // _LOAD_SLOTS)
+        # A load holds one group of layers of its pages in each of its slots.
+        layer_chunk_pages = max(1, workspace_pages * layout.num_layers // (_LOAD_SLOTS * group_size))
         self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
                       "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
@@ -234,42 +262,43 @@ class KVTransfer:
                             host_seconds=time.perf_counter() - started)
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
-             after: torch.cuda.Event | None = None) -> Transfer:
-        """Queue: L2 pages -> blocks (host_page_ids[i] into block_ids[i]). Layer by layer where the
-        L2 pages lie in few runs: each layer's rows into one of two packed slots on the copy stream,
-        its scatter on the lane's scatter stream, an event after it (``Transfer.layer_events``), so
-        the DMA of layer i + 1 runs while layer i is scattered. Pages in many runs (a fragmented L2)
-        would take a strided copy per run, layer and K/V: they go whole instead, one DMA per run
-        and one scatter, every layer's event the last one."""
+             after: torch.cuda.Event | None = None, layered: bool = True) -> Transfer:
+        """Queue: L2 pages -> blocks (host_page_ids[i] into block_ids[i]). ``layered`` (where the
+        L2 pages lie in few runs): group by group of layers (``layer_groups``), each group's rows
+        into one of two packed slots on the copy stream, its scatter on the lane's scatter stream,
+        an event after it for each of its layers (``Transfer.layer_events``), so the DMA of the
+        next group runs while one is scattered and the engine's attention of layer i waits for
+        layer i's group alone. Otherwise (or pages in many runs, which would take a strided copy
+        per run, group and K/V) the load goes whole: one DMA per run and one scatter, every
+        layer's event the last one; the fewest host calls, for loads nobody waits on per layer."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
-        if len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+        if not layered or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
             return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
         started = time.perf_counter()
         with self._on(lane, after):
             start_event = self._begin_load(lane)
-            # A load of more pages than one layer's slot holds goes in chunks, every layer of
-            # each; its layer events come with the last chunk (the last one timed: the load's end).
-            first, step = 0, 0
-            while True:
-                last = min(first + lane.chunk_pages, len(block_ids))
-                ids = lane.upload(block_ids[first:last])
-                for layer, table in enumerate(self.layer_tables):
-                    slot = step % _LOAD_SLOTS
-                    step += 1
-                    if slot_free[slot] is not None:
-                        lane.stream.wait_event(slot_free[slot])
-                    packed = self._layer_packed(lane, table, last - first, slot)
-                    self._copy_layer(lane, layer, host_page_ids[first:last], packed)
-                    final = last == len(block_ids) and layer == len(self.layer_tables) - 1
-                    slot_free[slot] = event = self._scatter_after_copy(lane, table, packed, ids, timing=final)
-                    if last == len(block_ids):
-                        layer_events.append(event)
-                if last == len(block_ids):
-                    break
-                first = last
+            # A load of more pages than one group's slot holds goes in chunks of them, group by
+            # group: a group's event comes after its last chunk (the last one timed: the load's end).
+            chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
+                      for first in range(0, len(block_ids), lane.chunk_pages)]
+            ids = [lane.upload(block_ids[first:last]) for first, last in chunks]    # on the copy stream
+            pieces = [self._pieces(host_page_ids[first:last]) for first, last in chunks]
+            step = 0
+            with self._on_scatter_stream(lane):
+                for group, (layers, table) in enumerate(zip(self.layer_groups, self.group_tables)):
+                    for chunk, (first, last) in enumerate(chunks):
+                        slot = step % _LOAD_SLOTS
+                        step += 1
+                        if lane.stream is not None and slot_free[slot] is not None:
+                            lane.stream.wait_event(slot_free[slot])
+                        packed = self._group_packed(lane, table, last - first, slot)
+                        self._copy_group(lane, group, pieces[chunk], packed)
+                        final = group == len(self.layer_groups) - 1 and chunk == len(chunks) - 1
+                        slot_free[slot] = event = self._scatter_after_copy(lane, table, packed, ids[chunk], timing=final)
+                    layer_events.extend([event] * len(layers))
         return self._end_load(lane, len(block_ids), layer_events[-1], start_event, started, layer_events)
 
     def _begin_load(self, lane: _Lane) -> torch.cuda.Event | None:
@@ -290,17 +319,27 @@ class KVTransfer:
 
     def _scatter_after_copy(self, lane: _Lane, table: SegmentTable, packed: torch.Tensor,
                             ids: torch.Tensor, timing: bool = False) -> torch.cuda.Event | None:
-        """The scatter of packed into the blocks, on the scatter stream once the copies queued so
-        far on the copy stream are done; the event after it."""
+        """The scatter of packed into the blocks, on the scatter stream (the current stream:
+        ``_on_scatter_stream``) once the copies queued so far on the copy stream are done; the
+        event after it."""
         if lane.scatter_stream is None:
             self._scatter(table, packed, ids)
             return self._record(lane, timing=timing)
         copied = torch.cuda.Event()
         copied.record(lane.stream)
         lane.scatter_stream.wait_event(copied)
+        self._scatter(table, packed, ids)
+        return self._record(lane, lane.scatter_stream, timing=timing)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _on_scatter_stream(lane: _Lane) -> Iterator[None]:
+        """Launch on the lane's scatter stream (the copies name their stream themselves)."""
+        if lane.scatter_stream is None:
+            yield
+            return
         with torch.cuda.stream(lane.scatter_stream):
-            self._scatter(table, packed, ids)
-            return self._record(lane, lane.scatter_stream, timing=timing)
+            yield
 
     def _load_whole(self, lane: _Lane, host_page_ids: np.ndarray, block_ids: np.ndarray,
                     after: torch.cuda.Event | None) -> Transfer:
@@ -342,33 +381,39 @@ class KVTransfer:
         return self._end_load(lane, len(block_ids), done_event, start_event, started)
 
     @staticmethod
-    def _layer_packed(lane: _Lane, table: SegmentTable, num_pages: int, slot: int) -> torch.Tensor:
-        """Slot ``slot`` of the lane's workspace as one layer of num_pages packed pages [n, segments, words]."""
+    def _group_packed(lane: _Lane, table: SegmentTable, num_pages: int, slot: int) -> torch.Tensor:
+        """Slot ``slot`` of the lane's workspace as one group of num_pages packed pages [n, segments, words]."""
         shape = table.packed_shape(num_pages)
         size = shape[0] * shape[1] * shape[2]
         start = slot * (lane.workspace_words.numel() // _LOAD_SLOTS)
         return lane.workspace_words[start: start + size].view(shape)
 
-    def _copy_layer(self, lane: _Lane, layer: int, host_page_ids: np.ndarray, packed: torch.Tensor) -> None:
-        """One layer of the L2 pages into packed [n, segments of the layer, words]: per run of
-        consecutive L2 pages (cut where a pinned chunk ends, between pages) and per segment, one
-        strided copy of a row per page (the rows a page apart in L2, segments apart in packed)."""
-        if not len(host_page_ids):
-            return
-        page_bytes, segment_bytes = self.page_bytes, self.segment_bytes
-        segments = self.layout.layer_segments(layer)
-        packed_pitch = len(segments) * segment_bytes
-        packed_bytes = packed.view(torch.uint8).view(-1)
+    def _pieces(self, host_page_ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """The L2 pages as pieces (L2 byte offset, index of its first page, pages): runs of
+        consecutive pages, cut where a pinned chunk ends (between pages)."""
+        page_bytes = self.page_bytes
+        pieces = []
         runs = page_runs(host_page_ids)
         for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
             host_start = int(host_page_ids[start]) * page_bytes
             for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
                 assert (piece_start - host_start) % page_bytes == 0 and (piece_end - piece_start) % page_bytes == 0
-                first = start + (piece_start - host_start) // page_bytes
-                for index, segment in enumerate(segments):
-                    self._copy_rows(lane, packed_bytes, (first * len(segments) + index) * segment_bytes, packed_pitch,
-                                    piece_start + segment * segment_bytes, page_bytes, segment_bytes,
-                                    (piece_end - piece_start) // page_bytes)
+                pieces.append((piece_start, start + (piece_start - host_start) // page_bytes,
+                               (piece_end - piece_start) // page_bytes))
+        return pieces
+
+    def _copy_group(self, lane: _Lane, group: int, pieces: list[tuple[int, int, int]], packed: torch.Tensor) -> None:
+        """One group of layers of the pages into packed [n, segments of the group, words]: per
+        piece and per span of the group's segments (its K, its V), one strided copy of a row per
+        page (a page apart in L2, the group's segments apart in packed)."""
+        segment_bytes = self.segment_bytes
+        width = self.group_tables[group].num_segments
+        packed_pitch = width * segment_bytes
+        packed_bytes = packed.view(torch.uint8).view(-1)
+        for host_start, first, height in pieces:
+            for segment, index, count in self.group_spans[group]:
+                self._copy_rows(lane, packed_bytes, (first * width + index) * segment_bytes, packed_pitch,
+                                host_start + segment * segment_bytes, self.page_bytes, count * segment_bytes, height)
 
     def _copy_rows(self, lane: _Lane, packed_bytes: torch.Tensor, packed_offset: int, packed_pitch: int,
                    host_offset: int, host_pitch: int, width: int, height: int) -> None:
@@ -443,17 +488,20 @@ class KVTransfer:
         return self._time_backends()
 
     def _time_backends(self) -> dict[str, str]:
-        """Time the gather (all layers at once, as a save) and the scatter (layer by layer, as a
-        load) of both backends on this layout; keep the faster per direction. The scatters write
-        back the bytes just gathered from the same blocks."""
+        """Time the gather (all layers at once, as a save) and the scatter (group by group of
+        layers, as a layered load) of both backends on this layout, the host's launches included;
+        keep the faster per direction. The scatters write back the bytes just gathered from the
+        same blocks."""
         lane = self.lanes["save"]
         num_pages = min(_AUTO_TIMING_PAGES, lane.workspace_pages, self.layout.num_blocks)
         ids = torch.arange(num_pages, dtype=torch.int32, device=self.device)
         packed = lane.workspace[:num_pages]
-        # One layer's packed pages per layer, side by side in the same num_pages pages of workspace.
-        layer_words = num_pages * len(self.layout.layer_segments(0)) * self.table.segment_words
-        layer_packed = [lane.workspace_words[i * layer_words: (i + 1) * layer_words].view(t.packed_shape(num_pages))
-                        for i, t in enumerate(self.layer_tables)]
+        # Each group's packed pages, side by side in the same num_pages pages of workspace.
+        group_packed, offset = [], 0
+        for table in self.group_tables:
+            words = num_pages * table.num_segments * table.segment_words
+            group_packed.append(lane.workspace_words[offset: offset + words].view(table.packed_shape(num_pages)))
+            offset += words
         seconds: dict[tuple[str, str], float] = {}
 
         def timed(run) -> float:
@@ -465,16 +513,16 @@ class KVTransfer:
             torch.cuda.synchronize(self.device)
             return time.perf_counter() - started
 
-        def scatter_layers(scatter) -> None:
-            for table, layer in zip(self.layer_tables, layer_packed):
-                scatter(table, layer, ids)
+        def scatter_groups(scatter) -> None:
+            for table, packed_group in zip(self.group_tables, group_packed):
+                scatter(table, packed_group, ids)
 
         for name, (gather, scatter) in BACKENDS.items():
             seconds[(name, "save")] = timed(lambda: gather(self.table, ids, packed))
-            for table, layer in zip(self.layer_tables, layer_packed):
-                gather(table, ids, layer)
-            # Each layer's packed pages hold these blocks' own bytes: the scatters rewrite them unchanged.
-            seconds[(name, "load")] = timed(lambda: scatter_layers(scatter))
+            for table, packed_group in zip(self.group_tables, group_packed):
+                gather(table, ids, packed_group)
+            # Each group's packed pages hold these blocks' own bytes: the scatters rewrite them unchanged.
+            seconds[(name, "load")] = timed(lambda: scatter_groups(scatter))
         choice = {direction: min(BACKENDS, key=lambda name: seconds[(name, direction)]) for direction in ("save", "load")}
         logger.info("transfer backends: %s (gather/scatter of %d pages: %s)", choice, num_pages,
                     {f"{n}/{d}": round(s / _AUTO_TIMING_REPEATS * 1e3, 4) for (n, d), s in seconds.items()})
@@ -483,8 +531,8 @@ class KVTransfer:
     def _warm(self) -> None:
         """Run each lane's path once on one page, so that the first real transfer compiles, finds
         and allocates nothing: L2 page 0 is read into the workspace (never written: it is not this
-        engine's; for the load lane, layer 0 of it by the strided copy), then block 0 is gathered and
-        scattered back unchanged (for the load lane, its layer 0)."""
+        engine's; for the load lane, the first group of layers of it by the strided copies), then block
+        0 is gathered and scattered back unchanged (for the load lane, that group of it)."""
         block = np.zeros(1, dtype=np.int64)
         save, load = self.lanes["save"], self.lanes["load"]
         with self._on(save, None):
@@ -493,9 +541,9 @@ class KVTransfer:
             self._gather(self.table, save.upload(block), packed)
             self._scatter(self.table, packed, save.upload(block))
         with self._on(load, None):
-            table = self.layer_tables[0]
-            packed = self._layer_packed(load, table, 1, 0)
-            self._copy_layer(load, 0, block, packed)
+            table = self.group_tables[0]
+            packed = self._group_packed(load, table, 1, 0)
+            self._copy_group(load, 0, self._pieces(block), packed)
             self._gather(table, load.upload(block), packed)
             self._scatter(table, packed, load.upload(block))
         if self.device.type == "cuda":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine_client.block_copy import triton_available
+from engine_client import kv_transfer
 from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
@@ -96,15 +97,17 @@ def cut_every(num_pages: int, page_bytes: int):
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-@pytest.mark.parametrize("shape", ["one chunk", "chunks of 3 pages", "pool pinned in 2-page chunks"])
+@pytest.mark.parametrize("shape", ["one chunk", "chunks of 3 pages", "pool pinned in 2-page chunks", "groups of 2 layers"])
 @pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
-def test_a_load_writes_every_layer_of_the_named_blocks_bit_for_bit(case, shape, backend, rng, seed):
+def test_a_load_writes_every_layer_of_the_named_blocks_bit_for_bit(case, shape, backend, rng, seed, monkeypatch):
     """A load of random L2 pages (runs and single pages, random order) into other random blocks
     gives every layer of each named block the bytes of that layer of its page, and leaves every other
     block as it was: in one pass, in chunks smaller than the load (a workspace of one page holds
-    one page of one layer in each of its two slots), and with the runs cut where pinned chunks of 2
-    pages end."""
+    one page of one layer in each of its two slots), with the runs cut where pinned chunks of 2
+    pages end, and in groups of 2 layers (one strided copy of the group's K rows, one of its V)."""
     host_page_ids, block_ids = pages_and_blocks(rng)
+    if shape == "groups of 2 layers":
+        monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
     workspace_bytes = case.layout.page_bytes if shape == "chunks of 3 pages" else 64 * case.layout.page_bytes
     transfer = KVTransfer(case.layout, case.pool, backend=backend, workspace_bytes=workspace_bytes)
     if shape == "pool pinned in 2-page chunks":
@@ -145,17 +148,23 @@ def test_a_load_of_pages_in_many_runs_goes_whole_bit_for_bit(case, backend, rng,
             assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
 
 
+@pytest.mark.parametrize("load_groups", [12, 2])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
-def test_each_layer_event_is_recorded_once_that_layer_is_written_and_before_the_next(case, backend, rng, seed,
-                                                                                     monkeypatch):
+def test_each_group_event_is_recorded_once_its_layers_are_written_and_before_the_next(case, backend, load_groups,
+                                                                                      rng, seed, monkeypatch):
     """The load lane records a start event (the cost model's timing starts there) before any layer
-    is written, then one event per layer, in layer order; when the event of layer i is recorded,
-    layers 0..i of every named block hold their pages' bytes and layers i+1.. do not yet (what the
-    engine's stream may read after waiting on event i is all written, and the load goes layer by
-    layer, not all at once with the events after)."""
+    is written, then one event per group of layers (LOAD_GROUPS 12: one per layer of the 3; 2:
+    layers 0-1, then 2), in layer order; when the event of a group is recorded, the layers of it
+    and of the groups before it hold their pages' bytes in every named block and the later layers
+    do not yet (what the engine's stream may read after waiting on a layer's event is all written,
+    and the load goes group by group, not all at once with the events after); each layer's event
+    is its group's."""
+    monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", load_groups)
     host_page_ids, block_ids = pages_and_blocks(rng)
     transfer = KVTransfer(case.layout, case.pool, backend=backend)
+    groups = [(0,), (1,), (2,)] if load_groups == 12 else [(0, 1), (2,)]
+    assert transfer.layer_groups == groups
     pairs = list(zip(host_page_ids.tolist(), block_ids.tolist()))
     # Random bits: before the load no layer of a block holds its page's bytes.
     assert not any(torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for p, b in pairs for i in range(L))
@@ -163,15 +172,39 @@ def test_each_layer_event_is_recorded_once_that_layer_is_written_and_before_the_
 
     def record(lane, stream=None, timing=False):
         seen.append([[torch.equal(case.block_layer(b, i), case.page_layer(p, i)) for i in range(L)] for p, b in pairs])
+        return len(seen) - 1                 # the event: which record it was
 
     monkeypatch.setattr(KVTransfer, "_record", staticmethod(record))
-    transfer.load(host_page_ids, block_ids)
-    assert len(seen) == 1 + L, f"seed {seed}: {len(seen)} events for a start and {L} layers"
+    done = transfer.load(host_page_ids, block_ids)
+    assert len(seen) == 1 + len(groups), f"seed {seed}: {len(seen)} events for a start and {len(groups)} groups"
     start, seen = seen[0], seen[1:]
     assert not any(any(block_state) for block_state in start), f"seed {seed}: at the start event: {start}"
-    for layer, state in enumerate(seen):
-        assert all(block_state == [i <= layer for i in range(L)] for block_state in state), \
-            f"seed {seed}: at event {layer}: {state}"
+    for index, state in enumerate(seen):
+        written = {layer for group in groups[: index + 1] for layer in group}
+        assert all(block_state == [i in written for i in range(L)] for block_state in state), \
+            f"seed {seed}: at event {index}: {state}"
+    assert done.layer_events == [1 + index for index, group in enumerate(groups) for _ in group], done.layer_events
+
+
+@pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
+def test_a_load_not_layered_goes_whole_bit_for_bit(case, rng, seed, monkeypatch):
+    """load(..., layered=False) of pages in few runs goes whole: one copy per run and one scatter
+    of all layers (no layer events), every layer of each named block its page's bytes, every
+    other block untouched."""
+    host_page_ids, block_ids = pages_and_blocks(rng)
+    transfer = KVTransfer(case.layout, case.pool, backend="torch")
+    copies = []
+    monkeypatch.setattr(transfer, "_copy_rows", lambda *a: copies.append(a))   # the layered path's strided copies
+    others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+    done = transfer.load(host_page_ids, block_ids, layered=False)
+    assert done.done() and done.layer_events is None and not copies
+    for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
+                f"seed {seed}: block {block} layer {layer} (page {page})"
+    for block, layers in others.items():
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
 
 
 def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():

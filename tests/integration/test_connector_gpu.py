@@ -34,7 +34,7 @@ class GpuEngine:
         self.connector = KVConnector.register(connect(socket_path), self.tensors, "layer", model_id="gpu-test",
                                               page_size=P, num_kv_heads=H, head_dim=D,
                                               config=ConnectorConfig(backend=backend, report_interval_s=0,
-                                                                     policy="always"))
+                                                                     policy="always", layered_min_bytes=0))
 
     def block(self, block_id: int) -> torch.Tensor:
         return torch.stack([t[:, block_id] for t in self.tensors]).view(torch.int16).cpu()
