@@ -97,15 +97,11 @@ class Engine:
         prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill)
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
-            self.scheduler.poll_connector()            # while the GPU computes (see below)
-            token_ids = logits.argmax(-1).tolist()     # greedy; waits for the step's work
+            token_ids = self._tokens(logits)
             sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
-            # While the GPU runs the batch: the connector's replies come in and the copies they
-            # allow are queued (their host work hidden too), and loads done are seen a step sooner.
-            self.scheduler.poll_connector()
-            token_ids = logits.argmax(-1).tolist()
+            token_ids = self._tokens(logits)
             self.scheduler.decode_done(plan.decode)
             sampled = plan.decode
         else:
@@ -123,7 +119,23 @@ class Engine:
             if self.scheduler.append_token(request, token_id, now_s):
                 del self._requests[request.request_id]
                 finished.append(request)
+        self.scheduler.save_due()          # the prompts' saves, once their first tokens are out
         return finished
+
+    def _tokens(self, logits: torch.Tensor) -> list[int]:
+        """The step's greedy tokens, once the GPU is done with it. Meanwhile the connector's
+        replies come in and the copies they allow are queued (their host work hidden under the
+        GPU's), and loads done are seen a step sooner; while a load waits for its match's reply
+        (sent this step), the host polls for it until the GPU is done, so that its copies start
+        within this step rather than the next."""
+        token_ids = logits.argmax(-1)
+        self.scheduler.poll_connector()
+        if self.device.type == "cuda" and self.scheduler.loads_matching():
+            computed = torch.cuda.Event()
+            computed.record()
+            while not computed.query() and self.scheduler.loads_matching():
+                self.scheduler.poll_connector()
+        return token_ids.tolist()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Abort every request (their pending loads are cancelled), step until the connector no

@@ -51,6 +51,8 @@ class Scheduler:
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
+        # Prompts prefilled this step (the request, its tokens then), saved once sampled.
+        self.saves_due: list[tuple[Request, int]] = []
 
     @property
     def connector(self) -> EngineConnector | None:
@@ -115,12 +117,23 @@ class Scheduler:
             request.num_prefilled_tokens += num_tokens
             self._register_blocks(request)
             if ends_prompt:
-                num_full_blocks = len(request.token_ids) // self.block_size
-                if self.connector is not None and num_full_blocks:
-                    self.connector.save(request.connector_id, request.token_ids,
-                                        request.block_ids[:num_full_blocks], 0)
+                if self.connector is not None and len(request.token_ids) >= self.block_size:
+                    self.saves_due.append((request, len(request.token_ids)))
                 sampled.append(request)
         return sampled
+
+    def save_due(self, request: Request | None = None) -> None:
+        """Queue the saves of the prompts prefilled this step (after their first tokens are out:
+        a save's host work is not the user's wait), or of ``request``'s alone (before it ends)."""
+        for due in [d for d in self.saves_due if request is None or d[0] is request]:
+            self.saves_due.remove(due)
+            due_request, num_tokens = due
+            self.connector.save(due_request.connector_id, due_request.token_ids[:num_tokens],
+                                due_request.block_ids[: num_tokens // self.block_size], 0)
+
+    def loads_matching(self) -> bool:
+        """Whether a load waits for its match's reply (its copies not queued yet)."""
+        return any(r.load is not None and r.load.state is LoadState.MATCHING for r in self.running)
 
     def decode_done(self, requests: list[Request]) -> None:
         for request in requests:
@@ -140,6 +153,7 @@ class Scheduler:
         return request.state is RequestState.FINISHED
 
     def finish(self, request: Request, reason: str, now_s: float) -> None:
+        self.save_due(request)
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
         else:
