@@ -93,8 +93,11 @@ class Engine:
         returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         started = time.perf_counter()
-        # A prefill that waits for loads layer by layer times those loads too: no recompute sample.
-        prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill)
+        # Recompute samples for the cost model: prefills of whole prompts alone. A prefill that waits
+        # for loads layer by layer times those loads too, and one on top of cached or loaded tokens
+        # also reads their KV (its time is not its tokens'): neither is a sample.
+        prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill) \
+            and all(chunk.first_token == 0 for chunk in plan.prefill)
         if plan.prefill:
             logits = self._run_prefill(plan.prefill)
             token_ids = self._tokens(logits)
