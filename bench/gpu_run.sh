@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_run.sh tests,connector,overlap,stress     (from the repository root, with the
 #   bash bench/gpu_run.sh ttft,policy                          pyzmq wheel in .whl/ carried)
+#   bash bench/gpu_run.sh engines
 #   bash bench/gpu_run.sh --quick [STAGES]    (the same steps on tiny shapes, e.g. on a CPU machine)
 #
 # Stages (default: all of them, in this order, as far as the time goes):
@@ -11,6 +12,7 @@
 #   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json
 #   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
 #   stress     bench_stress: batches 1 and 4, policies always and cost  -> stress.json
+#   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost: the cost model's choices       -> policy.json
 # Results go to bench/results/h200/ and to $OUT with each stage's log, plus $OUT/env.txt. Each
@@ -27,7 +29,7 @@ export PYTHONUNBUFFERED=1
 
 QUICK=
 [[ ${1:-} == --quick ]] && { QUICK=--quick; shift; }
-STAGES=",${1:-tests,connector,overlap,stress,ttft,policy},"
+STAGES=",${1:-tests,connector,overlap,stress,ttft,policy,engines},"
 RESULTS=$PWD/bench/results/h200
 [[ -n $QUICK ]] && RESULTS=$(mktemp -d /tmp/kvbench-quick.XXXXXX)
 # name BENCH: the arguments that send BENCH's result file to $RESULTS/BENCH.json
@@ -75,8 +77,13 @@ if want overlap; then
     keep overlap
 fi
 if want stress; then
-    stage stress 130 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
+    stage stress 210 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
     keep stress
+fi
+if want engines; then
+    ENGINES=8; [[ -n $QUICK ]] && ENGINES=2
+    stage engines "$(left_s)" python3 -m bench.bench_stress --batches '' --engines $ENGINES $(name stress_engines)
+    keep stress_engines
 fi
 if want ttft; then
     # bench_ttft starts no new point once its budget is spent; policy (when asked too) gets 190 s.
