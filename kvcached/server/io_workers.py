@@ -5,6 +5,12 @@ Design notes:
   memoryview slices: no serialisation, no intermediate copies.
 - One system-call loop per extent: a run where both the L2 pages and the slots are consecutive
   (`coalesce_extents`). A loop, because the kernel may move fewer bytes than asked.
+- A job's bytes go in slices of at most SLICE_BYTES (whole pages; a long extent is cut, short ones
+  are packed together), run in parallel on a small module-level pool: one thread's copy out of the
+  page cache ran at ~2.2 GB/s on the H200 machine. The pool is not the IoExecutor's: a slice never
+  waits for anything, so jobs waiting for their slices cannot deadlock it. A job returns or
+  raises only after every slice it started has ended, so its pages are never freed or published
+  under a live copy.
 - No fsync. A temporary file's content dies with the process. A file kept across restarts
   (``keep_content``) is described by the daemon's L3 index (``l3_index_store.py``), whose rows
   are written only after a slot's bytes are, each with the crc32 of those bytes: what a crash
@@ -46,6 +52,8 @@ from kvcached.core.storage import SlotLayout, coalesce_extents
 logger = logging.getLogger(__name__)
 
 DIRECT_IO_ALIGNMENT_BYTES = 4096
+SLICE_BYTES = 16 << 20  # the most one thread moves in one go; rounded down to whole pages (at least one)
+NUM_SLICE_THREADS = min(8, os.cpu_count() or 1)
 FILE_MODE = 0o600  # the file holds every engine's KV bytes: private to the daemon's user
 
 # Fault-injection seam (see the module note): looked up at call time, so monkeypatching works.
@@ -55,7 +63,9 @@ _preadv = os.preadv
 
 class ShortReadError(OSError):
     """The file ended before a slot's bytes did (it was truncated underneath, or a read went past
-    its end). The destination pages hold partial data and must not be published."""
+    its end). The destination pages hold partial data and must not be published. `offset`,
+    `expected_bytes` and `read_bytes` are those of the one read that came short: an extent, or
+    the slice of it that one thread read."""
 
     def __init__(self, path: str, offset: int, expected_bytes: int, read_bytes: int):
         super().__init__(
@@ -71,7 +81,7 @@ class ShortReadError(OSError):
 class IoResult(NamedTuple):
     num_bytes: int
     num_extents: int
-    seconds: float  # time in the system calls (service time), not validation or queueing
+    seconds: float  # the job's wall time in the file I/O, all slices (service time), not validation or queueing
     page_checksums: Sequence[int] = ()  # with checksum=True: zlib.crc32 of each page moved, in order
 
 
@@ -333,6 +343,72 @@ def _page_checksums(view: memoryview, bytes_per_page: int) -> list[int]:
     return checksums
 
 
+class _Piece(NamedTuple):
+    """A contiguous part of one extent: `num_bytes` at `arena_offset` of the arena and at
+    `file_offset` of the file (both at page boundaries, so O_DIRECT alignment holds)."""
+    arena_offset: int
+    file_offset: int
+    num_bytes: int
+
+
+def _plan_slices(runs: Sequence[tuple[int, int, int]], layout: SlotLayout,
+                 bytes_per_page: int) -> list[list[_Piece]]:
+    """Cut the runs (first L2 page, first slot, number of pages) into slices of at most
+    SLICE_BYTES (whole pages, one at least), in order: a long run into several, consecutive
+    short ones packed into one."""
+    slice_pages = max(1, SLICE_BYTES // bytes_per_page)
+    slices: list[list[_Piece]] = []
+    num_free_pages = 0  # room left in the last slice
+    for first_page_id, first_slot_id, num_run_pages in runs:
+        num_done_pages = 0
+        while num_done_pages < num_run_pages:
+            if num_free_pages == 0:
+                slices.append([])
+                num_free_pages = slice_pages
+            num_pages = min(num_free_pages, num_run_pages - num_done_pages)
+            slices[-1].append(_Piece((first_page_id + num_done_pages) * bytes_per_page,
+                                     layout.offset(first_slot_id + num_done_pages), num_pages * bytes_per_page))
+            num_done_pages += num_pages
+            num_free_pages -= num_pages
+    return slices
+
+
+_slice_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_slice_pool_lock = threading.Lock()
+
+
+def _get_slice_pool() -> concurrent.futures.ThreadPoolExecutor:
+    # Made on first use, not at import: a process forked before that gets a pool of its own.
+    global _slice_pool
+    with _slice_pool_lock:
+        if _slice_pool is None:
+            _slice_pool = concurrent.futures.ThreadPoolExecutor(NUM_SLICE_THREADS,
+                                                                thread_name_prefix="kvcached-io-slice")
+        return _slice_pool
+
+
+def _run_slices(move_slice: Callable[[list[_Piece]], list[int]], slices: list[list[_Piece]]) -> list[int]:
+    """Run `move_slice` on every slice, in parallel where there are several; return their page
+    checksums in order. Returns or raises only when no slice runs any more; after the first
+    error the slices not yet started are dropped, and the error of the earliest failed slice
+    is raised."""
+    if len(slices) <= 1:
+        return move_slice(slices[0]) if slices else []
+    pool = _get_slice_pool()
+    futures = [pool.submit(move_slice, pieces) for pieces in slices]
+    try:
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    finally:
+        for future in futures:
+            future.cancel()  # only those not started: a running one is waited for below
+        concurrent.futures.wait(futures)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+    assert not any(future.cancelled() for future in futures), "slices were dropped, yet none failed"
+    return [page_checksum for future in futures for page_checksum in future.result()]
+
+
 def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_page: int,
                 l2_page_ids: Sequence[int], slot_ids: Sequence[int], checksum: bool = False) -> IoResult:
     """Copy L2 page `l2_page_ids[i]` of the arena `src` into slot `slot_ids[i]` of `layout`.
@@ -342,17 +418,23 @@ def write_pages(storage: StorageFile, layout: SlotLayout, src: Any, bytes_per_pa
     file; after an OSError the slots hold undefined bytes and must not be published.
     """
     extents = coalesce_extents(l2_page_ids, slot_ids)
-    checksums: list[int] = []
     with _byte_view(src) as arena:
         _check_transfer(storage, layout, arena, bytes_per_page, l2_page_ids, slot_ids, dst_ids=slot_ids)
+        slices = _plan_slices([(extent.src_start, extent.dst_start, extent.num_pages) for extent in extents],
+                              layout, bytes_per_page)
         with storage._io_in_flight() as fd:
+
+            def write_slice(pieces: list[_Piece]) -> list[int]:
+                checksums: list[int] = []
+                for piece in pieces:
+                    with arena[piece.arena_offset:piece.arena_offset + piece.num_bytes] as view:
+                        if checksum:
+                            checksums += _page_checksums(view, bytes_per_page)
+                        _pwrite_all(storage.path, fd, view, piece.file_offset)
+                return checksums
+
             start_s = time.perf_counter()
-            for extent in extents:
-                arena_start = extent.src_start * bytes_per_page
-                with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
-                    if checksum:
-                        checksums += _page_checksums(view, bytes_per_page)
-                    _pwrite_all(storage.path, fd, view, layout.offset(extent.dst_start))
+            checksums = _run_slices(write_slice, slices)
             seconds = time.perf_counter() - start_s
     return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds, checksums)
 
@@ -366,19 +448,25 @@ def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_pag
     be published.
     """
     extents = coalesce_extents(slot_ids, l2_page_ids)
-    checksums: list[int] = []
     with _byte_view(dst) as arena:
         if arena.readonly:
             raise ValueError("read_pages needs a writable arena")
         _check_transfer(storage, layout, arena, bytes_per_page, l2_page_ids, slot_ids, dst_ids=l2_page_ids)
+        slices = _plan_slices([(extent.dst_start, extent.src_start, extent.num_pages) for extent in extents],
+                              layout, bytes_per_page)
         with storage._io_in_flight() as fd:
+
+            def read_slice(pieces: list[_Piece]) -> list[int]:
+                checksums: list[int] = []
+                for piece in pieces:
+                    with arena[piece.arena_offset:piece.arena_offset + piece.num_bytes] as view:
+                        _preadv_all(storage, fd, view, piece.file_offset)
+                        if checksum:
+                            checksums += _page_checksums(view, bytes_per_page)
+                return checksums
+
             start_s = time.perf_counter()
-            for extent in extents:
-                arena_start = extent.dst_start * bytes_per_page
-                with arena[arena_start:arena_start + extent.num_pages * bytes_per_page] as view:
-                    _preadv_all(storage, fd, view, layout.offset(extent.src_start))
-                    if checksum:
-                        checksums += _page_checksums(view, bytes_per_page)
+            checksums = _run_slices(read_slice, slices)
             seconds = time.perf_counter() - start_s
     return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds, checksums)
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -635,3 +636,236 @@ def test_a_second_open_of_a_named_l3_file_is_refused(tmp_path):
         assert raised.value.errno == errno.EBUSY and "another kvcached daemon" in str(raised.value)
     with StorageFile.open(path, 4096, keep_content=True) as storage:
         assert storage.kept_content_bytes == 4096
+
+
+# --- slices: one job's bytes moved in parallel -------------------------------------------------
+# SLICE_BYTES is set to a little over 3 pages (rounded down to 3 whole pages), so the 8-page
+# extents of these tests go in slices of 3, 3 and 2 pages.
+SLICE_PAGES = 3
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    monkeypatch.setattr(io_workers, "SLICE_BYTES", SLICE_PAGES * BYTES_PER_PAGE + 100)
+
+
+def _record_calls(monkeypatch, name: str) -> list[tuple[int, int]]:
+    """Wrap io_workers._pwrite or _preadv (the real call); return the (file offset, bytes asked)
+    of each call, in the order they were made."""
+    real = getattr(io_workers, name)
+    calls: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def recording(fd, data, offset):
+        with lock:
+            calls.append((offset, len(data) if name == "_pwrite" else len(data[0])))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(io_workers, name, recording)
+    return calls
+
+
+def _slot_ranges(first_slot_id: int, num_pages_per_call: list[int]) -> list[tuple[int, int]]:
+    ranges, slot_id = [], first_slot_id
+    for num_pages in num_pages_per_call:
+        ranges.append((LAYOUT.offset(slot_id), num_pages * BYTES_PER_PAGE))
+        slot_id += num_pages
+    return ranges
+
+
+def test_long_extent_goes_in_slices_bit_exact(storage, arena, monkeypatch, small_slices):
+    """An 8-page extent is written and read in three calls of 3, 3 and 2 whole pages at the right
+    offsets, and round-trips bit for bit into other pages; the file holds each page at its slot."""
+    writes, reads = _record_calls(monkeypatch, "_pwrite"), _record_calls(monkeypatch, "_preadv")
+    write_result, read_result = _roundtrip(storage, arena, list(range(0, 8)), list(range(8, 16)),
+                                           list(range(16, 24)))
+    expected_calls = _slot_ranges(8, [3, 3, 2])
+    assert sorted(writes) == expected_calls and sorted(reads) == expected_calls
+    assert write_result.num_extents == read_result.num_extents == 1
+    assert write_result.num_bytes == read_result.num_bytes == 8 * BYTES_PER_PAGE
+    for page_id, slot_id in zip(range(0, 8), range(8, 16)):
+        assert _file_bytes(storage.path, LAYOUT.offset(slot_id), BYTES_PER_PAGE) == arena.page(page_id)
+
+
+# pages 0-6 -> slots 0-6, page 9 -> slot 10, pages 12-16 -> slots 14-18: slices of 3 pages are
+# [0-2] [3-5] [6, 9, 12] [13-15] [16], in 7 calls.
+SEVERAL_SRC_PAGE_IDS = [0, 1, 2, 3, 4, 5, 6, 9, 12, 13, 14, 15, 16]
+SEVERAL_SLOT_IDS = [0, 1, 2, 3, 4, 5, 6, 10, 14, 15, 16, 17, 18]
+SEVERAL_DST_PAGE_IDS = [17, 18, 19, 20, 21, 22, 23, 25, 26, 27, 28, 29, 30]
+SEVERAL_CALLS = sorted(_slot_ranges(0, [3, 3, 1]) + _slot_ranges(10, [1]) + _slot_ranges(14, [1, 3, 1]))
+
+
+def test_several_extents_go_in_slices_bit_exact(storage, arena, monkeypatch, small_slices):
+    """Three extents (7, 1 and 5 pages) move in calls of at most 3 whole pages each, every slot byte
+    once, and round-trip bit for bit."""
+    writes, reads = _record_calls(monkeypatch, "_pwrite"), _record_calls(monkeypatch, "_preadv")
+    write_result, read_result = _roundtrip(storage, arena, SEVERAL_SRC_PAGE_IDS, SEVERAL_SLOT_IDS,
+                                           SEVERAL_DST_PAGE_IDS)
+    assert sorted(writes) == SEVERAL_CALLS and sorted(reads) == SEVERAL_CALLS
+    assert write_result.num_extents == read_result.num_extents == 3
+
+
+def test_sliced_checksums_are_per_page_in_order(tmp_path, monkeypatch):
+    """With checksums, a sliced job returns the crc32 of each page moved in the order of its page map,
+    the same list as the one-thread path (slices larger than the job), on writes and on reads."""
+    results = {}
+    arena_bytes = random.randbytes(NUM_ARENA_PAGES * BYTES_PER_PAGE)  # the same bytes for both slice sizes
+    for slice_bytes in (SLICE_PAGES * BYTES_PER_PAGE, 1 << 30):
+        monkeypatch.setattr(io_workers, "SLICE_BYTES", slice_bytes)
+        reads = _record_calls(monkeypatch, "_preadv")
+        arena = Arena()
+        arena.mm[:] = arena_bytes
+        try:
+            with StorageFile.open(str(tmp_path / f"l3-{slice_bytes}.bin"), FILE_SIZE_BYTES) as storage:
+                expected = [zlib.crc32(arena.page(page_id)) for page_id in SEVERAL_SRC_PAGE_IDS]
+                written = write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, SEVERAL_SRC_PAGE_IDS,
+                                      SEVERAL_SLOT_IDS, checksum=True)
+                read = read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, SEVERAL_SLOT_IDS,
+                                  SEVERAL_DST_PAGE_IDS, checksum=True)
+                assert list(written.page_checksums) == list(read.page_checksums) == expected
+                results[slice_bytes] = (list(read.page_checksums), len(reads))
+        finally:
+            arena.close()
+        monkeypatch.undo()
+    (sliced, num_sliced_calls), (whole, num_whole_calls) = results.values()
+    assert sliced == whole
+    assert (num_sliced_calls, num_whole_calls) == (len(SEVERAL_CALLS), 3)  # 7 slices' calls, one per extent
+
+
+def test_slices_of_one_job_run_at_once(storage, arena, monkeypatch):
+    """The two slices of a 4-page extent (slices of 2 pages) are read by two threads at the same time:
+    each waits in its read for the other to arrive."""
+    if io_workers.NUM_SLICE_THREADS < 2:
+        pytest.skip("one CPU: the slice pool has one thread")
+    monkeypatch.setattr(io_workers, "SLICE_BYTES", 2 * BYTES_PER_PAGE)
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [0, 1, 2, 3])
+    both_in_read = threading.Barrier(2, timeout=10)  # broken (and the read fails) if the slices ran one by one
+    real_preadv = os.preadv
+    thread_ids = set()
+
+    def meeting_preadv(fd, buffers, offset):
+        thread_ids.add(threading.get_ident())
+        both_in_read.wait()
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(io_workers, "_preadv", meeting_preadv)
+    expected = [arena.page(page_id) for page_id in range(4)]
+    read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [10, 11, 12, 13])
+    assert len(thread_ids) == 2
+    assert [arena.page(page_id) for page_id in range(10, 14)] == expected
+
+
+def test_short_read_in_the_middle_slice_raises(storage, arena, monkeypatch, small_slices):
+    """A read of the middle slice that ends early (half a page, then end of file) raises
+    ShortReadError for that slice, and no slice reads on after read_pages raised."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(8)))
+    real_preadv = os.preadv
+    middle_offset = LAYOUT.offset(SLICE_PAGES)
+    lock = threading.Lock()
+    num_in_read = [0]
+
+    def short_middle_preadv(fd, buffers, offset):
+        with lock:
+            num_in_read[0] += 1
+        try:
+            if offset == middle_offset:
+                return real_preadv(fd, [buffers[0][:BYTES_PER_PAGE // 2]], offset)
+            if middle_offset < offset < LAYOUT.offset(2 * SLICE_PAGES):
+                return 0  # the rest of the middle slice: end of file
+            return real_preadv(fd, buffers, offset)
+        finally:
+            with lock:
+                num_in_read[0] -= 1
+
+    monkeypatch.setattr(io_workers, "_preadv", short_middle_preadv)
+    with pytest.raises(ShortReadError) as excinfo:
+        read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(16, 24)))
+    assert num_in_read[0] == 0
+    assert excinfo.value.offset == middle_offset
+    assert excinfo.value.expected_bytes == SLICE_PAGES * BYTES_PER_PAGE
+    assert excinfo.value.read_bytes == BYTES_PER_PAGE // 2
+    assert storage.num_inflight_io == 0
+    storage.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["_preadv", "_pwrite"])
+def test_io_error_in_one_slice_raises_after_every_slice_ended(storage, arena, monkeypatch, name):
+    """An EIO in the second of two slices raises OSError(EIO) from the job, and only after the first
+    slice, still in its system call when the second failed, has ended."""
+    monkeypatch.setattr(io_workers, "SLICE_BYTES", 2 * BYTES_PER_PAGE)
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [0, 1, 2, 3])
+    real = getattr(io_workers, name)
+    first_slice_in_call, job_ended = threading.Event(), threading.Event()
+    events = []
+
+    def failing_second_slice(fd, data, offset):
+        if offset == LAYOUT.offset(2):
+            assert first_slice_in_call.wait(10)
+            events.append("second slice failed")
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        first_slice_in_call.set()
+        # Still in the call when the second slice fails; a job that ended at that error would end
+        # this wait at once. One that waits for this slice ends the wait by its bound.
+        events.append("job ended under the first slice" if job_ended.wait(0.5) else "first slice ended")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(io_workers, name, failing_second_slice)
+    with pytest.raises(OSError) as excinfo:
+        if name == "_preadv":
+            read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [10, 11, 12, 13])
+        else:
+            write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, [4, 5, 6, 7], [0, 1, 2, 3])
+    job_ended.set()
+    assert excinfo.value.errno == errno.EIO
+    assert events == ["second slice failed", "first slice ended"]
+    assert storage.num_inflight_io == 0
+    storage.check_integrity()
+
+
+def test_measured_seconds_cover_every_slice(storage, arena, monkeypatch, small_slices):
+    """IoResult.seconds is the whole job's time: a last slice that takes 50 ms makes it at least 50 ms."""
+    write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(8)))
+    real_preadv = os.preadv
+    last_slice_offset = LAYOUT.offset(2 * SLICE_PAGES)
+
+    def slow_last_preadv(fd, buffers, offset):
+        if offset == last_slice_offset:
+            time.sleep(0.05)  # a lower bound on the job's time, not a wait for anything
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(io_workers, "_preadv", slow_last_preadv)
+    result = read_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(range(8)), list(range(16, 24)))
+    assert result.seconds >= 0.05
+
+
+def test_o_direct_sliced_roundtrip_is_bit_exact(tmp_path, arena, monkeypatch, small_slices):
+    """With O_DIRECT, extents cut into slices at whole pages round-trip bit for bit (aligned offsets)."""
+    reads = _record_calls(monkeypatch, "_preadv")
+    with _open_direct_or_skip(str(tmp_path / "l3.bin")) as storage:
+        _roundtrip(storage, arena, SEVERAL_SRC_PAGE_IDS, SEVERAL_SLOT_IDS, SEVERAL_DST_PAGE_IDS)
+        storage.check_integrity()
+    assert sorted(reads) == SEVERAL_CALLS
+
+
+def test_concurrent_sliced_jobs_through_the_executor(storage, arena, small_slices):
+    """Jobs of several slices each, run at once on the I/O pool (two writes, then four reads), share
+    the slice pool without deadlock (bounded by a timeout) and arrive bit for bit."""
+    async def main():
+        executor = IoExecutor(max_workers=4)
+        try:
+            writes = [executor.run(write_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE, pages, pages)
+                      for pages in (list(range(0, 6)), list(range(6, 12)))]
+            await asyncio.wait_for(asyncio.gather(*writes), timeout=30)
+            slot_to_dst = [(range(0, 6), range(12, 18)), (range(6, 12), range(18, 24)),
+                           (range(0, 4), range(24, 28)), (range(6, 10), range(28, 32))]
+            expected = {dst: arena.page(slot) for slots, dsts in slot_to_dst for slot, dst in zip(slots, dsts)}
+            reads = [executor.run(read_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(slots), list(dsts))
+                     for slots, dsts in slot_to_dst]
+            await asyncio.wait_for(asyncio.gather(*reads), timeout=30)
+            assert {dst: arena.page(dst) for dst in expected} == expected
+            executor.check_integrity()
+        finally:
+            executor.shutdown()
+
+    asyncio.run(main())
+    storage.check_integrity()
