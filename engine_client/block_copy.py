@@ -1,22 +1,26 @@
-"""Gather an engine's KV blocks into packed L2 pages, and scatter them back, through a segment table.
+"""Gather an engine's KV blocks into packed L2 pages, scatter them back, and copy blocks from one
+engine's tensors into another's, through segment tables.
 
 A packed buffer holds n pages ``[n, S, segment_words]``: page i is block ``block_ids[i]`` of every
 segment (see ``engine_client.layout``), segment s at ``segment_addresses[s] + block * stride[s]``.
 Everything moves as integer words of the layout's ``word_bytes`` (bit for bit, NaN payloads and
-float8 included).
+float8 included). A block copy (``copy_blocks``) moves block ``source_block_ids[i]`` of every
+segment of one table into block ``block_ids[i]`` of the same segment of another (a peer restore:
+the source is another engine's tensors mapped into this process), with nothing packed between.
 
 Two backends with the same semantics and the same checks:
   * Triton: one program per (page, segment, block of ``BLOCK`` words); each loads its segment's
-    base address from the table, so any layout (one tensor, one per layer, opaque blocks, any
-    block stride) is one kernel. On CPU tensors it runs under the Triton interpreter (tests).
-    The page count is not specialised on, so a new size compiles nothing (warm once per layout).
+    base address and block stride from the table (from both tables, for a block copy), so any
+    layout (one tensor, one per layer, opaque blocks, any block stride) is one kernel. On CPU
+    tensors it runs under the Triton interpreter (tests). The page count is not specialised on,
+    so a new size compiles nothing (warm once per layout).
   * torch: one ``index_select`` / ``index_copy_`` per segment on views of the engine's tensors.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -93,6 +97,42 @@ def check_args(table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tenso
                          f"({table.device}) must be on one device")
 
 
+def _check_ids(name: str, block_ids: torch.Tensor) -> None:
+    if not isinstance(block_ids, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor")
+    if block_ids.dim() != 1 or block_ids.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, got {block_ids.dtype} "
+                        f"of shape {tuple(block_ids.shape)}")
+    if block_ids.stride(0) != 1 and block_ids.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_copy_args(source: SegmentTable, source_block_ids: torch.Tensor, target: SegmentTable,
+                    block_ids: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless the two tables hold pages of one format (as many segments,
+    of as many words of one size) on one device, and the ids name as many blocks of each."""
+    _check_ids("source_block_ids", source_block_ids)
+    _check_ids("block_ids", block_ids)
+    check_same_pages(source, target)
+    if source_block_ids.shape != block_ids.shape:
+        raise ValueError(f"{source_block_ids.shape[0]} source blocks for {block_ids.shape[0]} blocks")
+    if not (source_block_ids.device == block_ids.device == target.device):
+        raise ValueError(f"the ids ({source_block_ids.device}, {block_ids.device}) must be on the tables' device "
+                         f"({target.device})")
+
+
+def check_same_pages(source: SegmentTable, target: SegmentTable) -> None:
+    """ValueError unless a block copy can go from ``source`` to ``target``: as many segments, of as
+    many words of one size, on one device."""
+    if (source.num_segments, source.segment_words, source.word_bytes) != \
+            (target.num_segments, target.segment_words, target.word_bytes):
+        raise ValueError(f"the source's pages ({source.num_segments} segments of {source.segment_words} words of "
+                         f"{source.word_bytes} bytes) are not the target's ({target.num_segments} of "
+                         f"{target.segment_words} of {target.word_bytes})")
+    if source.device != target.device:
+        raise ValueError(f"the source is on {source.device}, the target on {target.device}")
+
+
 # ---- torch ---------------------------------------------------------------------------------
 
 
@@ -113,6 +153,19 @@ def scatter_torch(table: SegmentTable, packed: torch.Tensor, block_ids: torch.Te
     indices = block_ids.to(torch.int64)
     for segment, view in enumerate(table.views):
         view.index_copy_(0, indices, packed[:, segment])
+
+
+def copy_blocks_torch(source: SegmentTable, source_block_ids: torch.Tensor, target: SegmentTable,
+                      block_ids: torch.Tensor) -> None:
+    """Segment s of target block block_ids[i] = segment s of source block source_block_ids[i]. A
+    block both read and written by one copy (the tables over one tensor): unspecified, unless it
+    is copied onto itself."""
+    check_copy_args(source, source_block_ids, target, block_ids)
+    if block_ids.shape[0] == 0:
+        return
+    indices = block_ids.to(torch.int64)
+    for source_view, target_view in zip(source.views, target.views):
+        target_view.index_copy_(0, indices, source_view.index_select(0, source_block_ids))
 
 
 # ---- triton --------------------------------------------------------------------------------
@@ -147,42 +200,82 @@ if triton is not None:
             mask = offsets < segment_words
             tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
+    @triton.jit(do_not_specialize=["num_rows"])
+    def _copy_between_kernel(source_addresses_ptr, source_strides_ptr, source_ids_ptr, target_addresses_ptr,
+                             target_strides_ptr, target_ids_ptr, num_rows, num_segments, segment_words,
+                             WORD_BYTES: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        # Axis 0 walks (page i, segment s) in order; axis 1 the block of words within the segment.
+        # Both tables' segments are words of WORD_BYTES (checked by the wrapper).
+        if WORD_BYTES == 8:
+            word = tl.int64
+        elif WORD_BYTES == 4:
+            word = tl.int32
+        elif WORD_BYTES == 2:
+            word = tl.int16
+        else:
+            word = tl.int8
+        row = tl.program_id(0).to(tl.int64)
+        page = row // num_segments
+        segment = row - page * num_segments
+        source_base = tl.load(source_addresses_ptr + segment).to(tl.pointer_type(word))
+        target_base = tl.load(target_addresses_ptr + segment).to(tl.pointer_type(word))
+        source_block = tl.load(source_ids_ptr + page).to(tl.int64)
+        target_block = tl.load(target_ids_ptr + page).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+        src = source_base + source_block * tl.load(source_strides_ptr + segment) + offsets
+        dst = target_base + target_block * tl.load(target_strides_ptr + segment) + offsets
+        if EVEN:
+            tl.store(dst, tl.load(src))
+        else:
+            mask = offsets < segment_words
+            tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
 _interpreted: dict = {}
 
 
-def _kernel_for(device: torch.device):
+def _kernel_for(kernel, device: torch.device):
     if device.type != "cpu":
-        return _copy_blocks_kernel
+        return kernel
     # On CPU tensors: the interpreter, built from the kernel's source whether or not
     # TRITON_INTERPRET was set at import.
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(_copy_blocks_kernel, InterpretedFunction):
-        return _copy_blocks_kernel
-    if "kernel" not in _interpreted:
-        _interpreted["kernel"] = InterpretedFunction(_copy_blocks_kernel.fn)
-    return _interpreted["kernel"]
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    if kernel not in _interpreted:
+        _interpreted[kernel] = InterpretedFunction(kernel.fn)
+    return _interpreted[kernel]
 
 
-def _launch(gather: bool, table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError("the Triton backend needs the triton package, which is not installed")
-    check_args(table, block_ids, packed)
-    num_rows = block_ids.shape[0] * table.num_segments
+def _run(kernel, table: SegmentTable, num_pages: int, args: tuple, **constants) -> None:
+    """Launch one program per (page, segment, block of words) of ``table``'s pages."""
+    num_rows = num_pages * table.num_segments
     if num_rows == 0:
         return
     if num_rows > _MAX_GRID_X:
         raise ValueError(f"{num_rows} rows exceed the grid limit {_MAX_GRID_X}")
     grid = (num_rows, triton.cdiv(table.segment_words, table.block_words))
-    kernel = _kernel_for(table.device)
-    args = (table.addresses, table.block_strides, block_ids, packed, num_rows, table.num_segments,
-            table.segment_words)
-    even = table.segment_words % table.block_words == 0
+    kernel = _kernel_for(kernel, table.device)
+    args = (*args, num_rows, table.num_segments, table.segment_words)
+    constants.update(BLOCK=table.block_words, EVEN=table.segment_words % table.block_words == 0)
     if table.device.type == "cuda" and torch.cuda.current_device() != table.device.index:
         with torch.cuda.device(table.device):
-            kernel[grid](*args, GATHER=gather, BLOCK=table.block_words, EVEN=even)
+            kernel[grid](*args, **constants)
         return
-    kernel[grid](*args, GATHER=gather, BLOCK=table.block_words, EVEN=even)
+    kernel[grid](*args, **constants)
+
+
+def _need_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the Triton backend needs the triton package, which is not installed")
+
+
+def _launch(gather: bool, table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    _need_triton()
+    check_args(table, block_ids, packed)
+    _run(_copy_blocks_kernel, table, block_ids.shape[0], (table.addresses, table.block_strides, block_ids, packed),
+         GATHER=gather)
 
 
 def gather_triton(table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
@@ -195,7 +288,22 @@ def scatter_triton(table: SegmentTable, packed: torch.Tensor, block_ids: torch.T
     _launch(False, table, block_ids, packed)
 
 
-# Backend name -> (gather, scatter).
-BACKENDS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {"torch": (gather_torch, scatter_torch)}
+def copy_blocks_triton(source: SegmentTable, source_block_ids: torch.Tensor, target: SegmentTable,
+                       block_ids: torch.Tensor) -> None:
+    """As ``copy_blocks_torch``, with one Triton launch on the current stream."""
+    _need_triton()
+    check_copy_args(source, source_block_ids, target, block_ids)
+    _run(_copy_between_kernel, target, block_ids.shape[0],
+         (source.addresses, source.block_strides, source_block_ids, target.addresses, target.block_strides, block_ids),
+         WORD_BYTES=target.word_bytes)
+
+
+class Backend(NamedTuple):
+    gather: Callable[[SegmentTable, torch.Tensor, torch.Tensor], None]
+    scatter: Callable[[SegmentTable, torch.Tensor, torch.Tensor], None]
+    copy_blocks: Callable[[SegmentTable, torch.Tensor, SegmentTable, torch.Tensor], None]
+
+
+BACKENDS: dict[str, Backend] = {"torch": Backend(gather_torch, scatter_torch, copy_blocks_torch)}
 if triton is not None:
-    BACKENDS["triton"] = (gather_triton, scatter_triton)
+    BACKENDS["triton"] = Backend(gather_triton, scatter_triton, copy_blocks_triton)

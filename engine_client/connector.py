@@ -115,6 +115,10 @@ class LoadResult(NamedTuple):
     num_tokens: int                # tokens loaded, from the load's start_token on
     failed_block_ids: list[int]    # blocks left unfilled: the engine recomputes their tokens
     reason: str | None             # why blocks failed (None when none did)
+    # The device time of the load's copies, from their start on the load lane (after the engine's
+    # queued work) to their end (``Transfer.seconds()``); 0.0 when nothing was copied, and in the
+    # provisional result of a queued load (``Finished.queued``).
+    transfer_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -720,9 +724,11 @@ class KVConnector:
     def _complete_load(self, request: _Request, load: _Load) -> None:
         usable = load.num_pages_queued
         reason = load.reason
+        transfer_s = 0.0
         if load.transfer is not None:           # a peer copy: device to device; else L2 to the GPU
+            transfer_s = load.transfer.seconds()
             self._cost_samples.append(("d2d" if load.peer_copy is not None else "h2d",
-                                       usable * self.geometry.bytes_per_page, load.transfer.seconds()))
+                                       usable * self.geometry.bytes_per_page, transfer_s))
         if load.peer_copy is not None:
             # Only blocks the owner did not touch during the copy count (their epochs unchanged).
             verified = self.peer.finish(load.peer_copy)
@@ -737,7 +743,7 @@ class KVConnector:
             self._count_failure(len(failed), reason or "unknown")
         self.counters["loaded_pages"] += usable
         self._finished_loads.append(LoadResult(request.request_id, usable * self.page_size, failed,
-                                               reason if failed else None))
+                                               reason if failed else None, transfer_s))
         request.loads.remove(load)
         if load in self._sync_loads:
             self._sync_loads.remove(load)

@@ -12,7 +12,7 @@
           H200 machine, ~0.2 ms per layer made the host, not the DMA, the bound of a layer-by-layer
           load below ~1,000 tokens, and stalled the engine's other requests meanwhile.
           (A peer restore instead copies another engine's blocks, mapped into this process,
-          straight into this engine's: ``copy_from``.)
+          straight into this engine's: one block-to-block launch, ``copy_from``.)
 
 Each direction is a lane: a private copy stream, a packed workspace and a ring of block ids, all
 allocated (and the kernels compiled) at construction, so that nothing on a request's path depends
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from engine_client import cudart
-from engine_client.block_copy import BACKENDS, SegmentTable, triton_available
+from engine_client.block_copy import BACKENDS, SegmentTable, check_same_pages, triton_available
 from engine_client.layout import KVLayout
 from engine_client.shared_pool import SharedHostPool
 
@@ -147,7 +147,8 @@ class _IdRing:
 
 class _Lane:
     """chunk_pages: the most pages one pass of the lane handles (all layers of them for a save, one
-    layer of them for a load): what its workspace holds."""
+    layer of them for a load): what its workspace holds. copy_pages: the most pages one block copy
+    (``copy_from``) handles: both its id arrays in one upload of the id ring."""
 
     def __init__(self, name: str, table: SegmentTable, workspace_pages: int, chunk_pages: int):
         self.name = name
@@ -158,7 +159,9 @@ class _Lane:
         self.workspace_bytes = self.workspace.view(torch.uint8).view(-1)
         self.workspace_pages = workspace_pages
         self.chunk_pages = chunk_pages
-        self.ids = _IdRing(max(4096, 4 * chunk_pages + 2 * _ID_ALIGN), device) if self.stream else None
+        id_capacity = max(4096, 4 * chunk_pages + 2 * _ID_ALIGN)
+        self.ids = _IdRing(id_capacity, device) if self.stream else None
+        self.copy_pages = (id_capacity // 2 - _ID_ALIGN) // 2
         self.scatter_stream = torch.cuda.Stream(device) if self.stream is not None else None   # loads
         self.last_scatter: torch.cuda.Event | None = None     # the last load's last scatter
 
@@ -166,6 +169,18 @@ class _Lane:
         if self.ids is None:
             return torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int32))
         return self.ids.upload(block_ids, self.stream)
+
+    def upload_pair(self, first_ids: np.ndarray, second_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two id arrays of one length in one upload, the second at an aligned offset (so that its
+        slice, like the first, is one Triton specialisation)."""
+        count = len(first_ids)
+        assert len(second_ids) == count <= self.copy_pages, (len(first_ids), len(second_ids), self.copy_pages)
+        offset = -(-count // _ID_ALIGN) * _ID_ALIGN
+        both = np.zeros(offset + count, dtype=np.int32)
+        both[:count] = first_ids
+        both[offset:] = second_ids
+        uploaded = self.upload(both)
+        return uploaded[:count], uploaded[offset:]
 
 
 def _spans(segments: list[int]) -> list[tuple[int, int, int]]:
@@ -223,8 +238,9 @@ class KVTransfer:
                       "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
         self.backend_by_direction = self._choose_backends(backend)
-        self._gather = BACKENDS[self.backend_by_direction["save"]][0]
-        self._scatter = BACKENDS[self.backend_by_direction["load"]][1]
+        self._gather = BACKENDS[self.backend_by_direction["save"]].gather
+        self._scatter = BACKENDS[self.backend_by_direction["load"]].scatter
+        self._copy_blocks = BACKENDS[self.backend_by_direction["load"]].copy_blocks
         self._warm()
 
     def use_host_pool(self, host_pool: SharedHostPool) -> None:
@@ -356,27 +372,25 @@ class KVTransfer:
     def copy_from(self, source: SegmentTable, source_block_ids: np.ndarray, block_ids: np.ndarray,
                   after: torch.cuda.Event | None = None) -> Transfer:
         """Queue on the load lane: another engine's blocks (``source``: its tensors mapped into this
-        process, pages of this layout's format) -> packed -> this engine's blocks (source_block_ids[i]
-        into block_ids[i]). Device to device; no host memory involved."""
+        process, pages of this layout's format, in words of its size) -> this engine's blocks
+        (source_block_ids[i] into block_ids[i]). One block-to-block launch, device to device, nothing
+        packed between (more only for more blocks than one upload of the id ring holds)."""
         source_block_ids = np.asarray(source_block_ids, dtype=np.int64)
         block_ids = np.asarray(block_ids, dtype=np.int64)
+        if block_ids.ndim != 1 or source_block_ids.shape != block_ids.shape:
+            raise ValueError(f"source_block_ids {source_block_ids.shape} and block_ids {block_ids.shape} must be "
+                             "1-D and of one length")
+        check_same_pages(source, self.table)
         self.layout.check_block_ids(block_ids)
-        if source.num_segments != self.table.num_segments or source.segment_words * source.word_bytes != \
-                self.table.segment_words * self.table.word_bytes or source.device != self.device:
-            raise ValueError("the source's pages are not this layout's, or it is on another device")
         source.layout.check_block_ids(source_block_ids)
-        if source_block_ids.shape != block_ids.shape:
-            raise ValueError(f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks")
         lane = self.lanes["load"]
         started = time.perf_counter()
         with self._on(lane, after):
             start_event = self._begin_load(lane)
-            for first in range(0, len(block_ids), lane.workspace_pages):
-                last = min(first + lane.workspace_pages, len(block_ids))
-                packed = lane.workspace_bytes[: (last - first) * self.page_bytes]
-                self._gather(source, lane.upload(source_block_ids[first:last]),
-                             packed.view(source.word_dtype).view(source.packed_shape(last - first)))
-                self._scatter(self.table, lane.workspace[: last - first], lane.upload(block_ids[first:last]))
+            for first in range(0, len(block_ids), lane.copy_pages):
+                last = min(first + lane.copy_pages, len(block_ids))
+                source_ids, ids = lane.upload_pair(source_block_ids[first:last], block_ids[first:last])
+                self._copy_blocks(source, source_ids, self.table, ids)
             done_event = self._record(lane, timing=True)
         return self._end_load(lane, len(block_ids), done_event, start_event, started)
 
@@ -517,7 +531,7 @@ class KVTransfer:
             for table, packed_group in zip(self.group_tables, group_packed):
                 scatter(table, packed_group, ids)
 
-        for name, (gather, scatter) in BACKENDS.items():
+        for name, (gather, scatter, _) in BACKENDS.items():
             seconds[(name, "save")] = timed(lambda: gather(self.table, ids, packed))
             for table, packed_group in zip(self.group_tables, group_packed):
                 gather(table, ids, packed_group)
@@ -532,7 +546,8 @@ class KVTransfer:
         """Run each lane's path once on one page, so that the first real transfer compiles, finds
         and allocates nothing: L2 page 0 is read into the workspace (never written: it is not this
         engine's; for the load lane, the first group of layers of it by the strided copies), then block
-        0 is gathered and scattered back unchanged (for the load lane, that group of it)."""
+        0 is gathered and scattered back unchanged (for the load lane, that group of it), and on the
+        load lane copied onto itself (a peer restore's block copy)."""
         block = np.zeros(1, dtype=np.int64)
         save, load = self.lanes["save"], self.lanes["load"]
         with self._on(save, None):
@@ -546,6 +561,8 @@ class KVTransfer:
             self._copy_group(load, 0, self._pieces(block), packed)
             self._gather(table, load.upload(block), packed)
             self._scatter(table, packed, load.upload(block))
+            source_ids, ids = load.upload_pair(block, block)
+            self._copy_blocks(self.table, source_ids, self.table, ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -7,8 +7,8 @@ this engine copies blocks out of theirs, through handles the daemon relays (docs
             write is done (``cached``, seen done by an event at a later ``poll``), and publishes
             what its cache holds, batched, never waited for (PEER_PUBLISH)
     reader  asks for the registrations it may open (PEER_LIST), opens each once on a thread of
-            its own, copies the blocks a match names on the load lane (gather out of the owner's
-            tensors through their segment table, scatter into its own), and keeps a copied block
+            its own, copies the blocks a match names on the load lane (one block copy out of the
+            owner's tensors, through their segment table, into its own), and keeps a copied block
             only if its epoch was the published one before the copy and still is after it, the
             owner's registration still open and its process not exiting
 
@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from engine_client.block_copy import SegmentTable
+from engine_client.block_copy import SegmentTable, check_same_pages
 from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingReply, token_bytes
 from engine_client.kv_transfer import KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
@@ -481,9 +481,14 @@ class PeerSharing:
                 (own.page_layout, own.block_shape, own.num_segments, int(entry["num_blocks"])):
             raise PeerError(f"its blocks ({layout.kind}, {layout.num_segments} segments of {layout.block_shape}) "
                             f"are not this engine's ({own.kind}, {own.num_segments} of {own.block_shape})")
+        table = SegmentTable(layout)
+        try:
+            check_same_pages(table, self.transfer.table)    # one block copy moves words of one size
+        except ValueError as exc:
+            raise PeerError(f"its blocks cannot be copied into this engine's: {exc}") from None
         epoch_file = EpochFile(entry["epochs_path"], entry["epochs_offset_bytes"], layout.num_blocks,
                                writable=False, daemon_uid=self.daemon_uid)
-        return OpenedPeer(peer_id, SegmentTable(layout), epoch_file, pid, start_time)
+        return OpenedPeer(peer_id, table, epoch_file, pid, start_time)
 
     def _open_in_background(self, entry: dict[str, Any]) -> None:
         peer_id = entry.get("peer_id")

@@ -36,6 +36,7 @@ class LoadResult(NamedTuple):
     num_tokens: int                  # tokens loaded from the load's start_token on
     failed_block_ids: list[int]      # blocks left unfilled: recomputed
     reason: str | None
+    transfer_s: float = 0.0          # the device time of its copies (0.0: none, or not said)
 
 
 class Finished(NamedTuple):

@@ -1,6 +1,7 @@
 """KVTransfer's loads, layer by layer (CPU: the strided copies through torch views, Triton
 interpreted): bit for bit into other blocks on every layout, in chunks and across pinned-chunk
-cuts, and each layer written before that layer's event is recorded."""
+cuts, and each layer written before that layer's event is recorded; its copies out of another
+engine's blocks (a peer restore), one block copy, bit for bit (on CUDA too where there is a GPU)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_client.block_copy import triton_available
 from engine_client import kv_transfer
+from engine_client.block_copy import SegmentTable, triton_available
 from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
@@ -27,35 +28,44 @@ def random_bits(shape, generator) -> torch.Tensor:
     return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(torch.bfloat16)
 
 
-class Case:
-    """An engine's KV tensors of one layout kind, an L2 pool of random pages in a file, and how to
-    read one layer of a block and one layer of an L2 page as bytes."""
+def engine_tensors(kind: str, generator, device: str = "cpu"):
+    """Random KV tensors of one layout kind on ``device``."""
+    if kind == "pool":
+        return random_bits((2, L, N, P, H, D), generator).to(device)
+    if kind == "layer":
+        return [random_bits((2, N, P, H, D), generator).to(device) for _ in range(L)]
+    return [random_bits((N, 2, H, P, D), generator).to(device) for _ in range(L)]
 
-    def __init__(self, kind: str, seed: int, tmp_path):
+
+def block_layer(kind: str, tensors, block: int, layer: int) -> torch.Tensor:
+    """One layer of a block of the tensors, as bytes (a copy, on the host)."""
+    if kind == "pool":
+        part = tensors[:, layer, block]
+    elif kind == "layer":
+        part = tensors[layer][:, block]
+    else:
+        part = tensors[layer][block]
+    return part.contiguous().view(torch.uint8).reshape(-1).cpu().clone()
+
+
+class Case:
+    """An engine's KV tensors of one layout kind (on ``device``), an L2 pool of random pages in a file
+    (pinned on CUDA), and how to read one layer of a block and one layer of an L2 page as bytes."""
+
+    def __init__(self, kind: str, seed: int, tmp_path, device: str = "cpu"):
         generator = torch.Generator().manual_seed(seed)
         self.kind = kind
-        if kind == "pool":
-            self.tensors = random_bits((2, L, N, P, H, D), generator)
-        elif kind == "layer":
-            self.tensors = [random_bits((2, N, P, H, D), generator) for _ in range(L)]
-        else:
-            self.tensors = [random_bits((N, 2, H, P, D), generator) for _ in range(L)]
+        self.tensors = engine_tensors(kind, generator, device)
         self.layout = describe_layout(kind, self.tensors)
         geometry = self.layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
         path = os.path.join(tmp_path, f"l2-{kind}")
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
                                   dtype=torch.uint8).numpy().tobytes())
-        self.pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=False)
+        self.pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=device == "cuda")
 
     def block_layer(self, block: int, layer: int) -> torch.Tensor:
-        if self.kind == "pool":
-            part = self.tensors[:, layer, block]
-        elif self.kind == "layer":
-            part = self.tensors[layer][:, block]
-        else:
-            part = self.tensors[layer][block]
-        return part.contiguous().view(torch.uint8).reshape(-1).clone()
+        return block_layer(self.kind, self.tensors, block, layer)
 
     def page_layer(self, page: int, layer: int) -> torch.Tensor:
         """Layer `layer` of L2 page `page` in the page's own order: [K, V] of it, or its block."""
@@ -218,3 +228,150 @@ def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():
         chunk = whole_page_chunk_bytes(bytes_per_page)
         assert chunk % bytes_per_page == 0 and chunk % 4096 == 0, bytes_per_page
         assert chunk <= max(256 << 20, np.lcm(bytes_per_page, 4096)), bytes_per_page
+
+
+def blocks_of_two_engines(rng, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """count distinct random blocks of a peer and count distinct random blocks of this engine, block
+    i never the number of peer block i."""
+    source = rng.permutation(N)[:count]
+    for _ in range(1000):
+        target = rng.permutation(N)[:count]
+        if (target != source).all():
+            return source, target
+    raise AssertionError("no target blocks apart from the source's in 1000 draws")
+
+
+def count_kernel_calls(transfer: KVTransfer, monkeypatch) -> dict[str, int]:
+    """From now on, how many times the transfer calls its backend's gather, scatter and block copy."""
+    calls = {"gather": 0, "scatter": 0, "copy_blocks": 0}
+    for name in calls:
+        def counted(*args, _name=name, _original=getattr(transfer, f"_{name}")):
+            calls[_name] += 1
+            return _original(*args)
+        monkeypatch.setattr(transfer, f"_{name}", counted)
+    return calls
+
+
+def all_layers(kind: str, tensors) -> dict[int, list[torch.Tensor]]:
+    """Every layer of every block, as bytes."""
+    return {block: [block_layer(kind, tensors, block, layer) for layer in range(L)] for block in range(N)}
+
+
+def same_bytes(layers: dict[int, list[torch.Tensor]], other: dict[int, list[torch.Tensor]]) -> bool:
+    return layers.keys() == other.keys() and all(torch.equal(a, b) for block in layers
+                                                 for a, b in zip(layers[block], other[block]))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("shape", ["one launch", "ids in chunks of 3 pages"])
+@pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
+def test_a_copy_from_a_peer_is_one_block_copy_bit_for_bit(case, shape, backend, rng, seed, monkeypatch):
+    """copy_from another engine's tensors (the same kind, other random bytes) gives every layer of
+    each named block the bytes of that layer of its source block (random blocks, each into another
+    block number), leaves every other block and all the peer's blocks as they were, and is block
+    copies alone (no gather, no scatter): one launch, or one per chunk where the ids are more than
+    one upload of the id ring holds (9 pages, 3 to an upload: 3 launches)."""
+    peer_tensors = engine_tensors(case.kind, torch.Generator().manual_seed(seed + 1))
+    peer = SegmentTable(describe_layout(case.kind, peer_tensors))
+    source_ids, block_ids = blocks_of_two_engines(rng, 9)
+    transfer = KVTransfer(case.layout, case.pool, backend=backend)
+    if shape != "one launch":
+        monkeypatch.setattr(transfer.lanes["load"], "copy_pages", 3)
+    calls = count_kernel_calls(transfer, monkeypatch)
+    peer_before, own_before = all_layers(case.kind, peer_tensors), all_layers(case.kind, case.tensors)
+    done = transfer.copy_from(peer, source_ids, block_ids)
+    assert done.done() and calls == {"gather": 0, "scatter": 0, "copy_blocks": 1 if shape == "one launch" else 3}, \
+        (calls, seed)
+    own_after, peer_after = all_layers(case.kind, case.tensors), all_layers(case.kind, peer_tensors)
+    source_of = dict(zip(block_ids.tolist(), source_ids.tolist()))
+    for block in range(N):
+        expected = peer_before[source_of[block]] if block in source_of else own_before[block]
+        for layer in range(L):
+            assert torch.equal(own_after[block][layer], expected[layer]), \
+                f"seed {seed}: block {block} layer {layer} ({shape}, {backend})"
+            assert torch.equal(peer_after[block][layer], peer_before[block][layer]), f"seed {seed}: peer block {block}"
+
+
+@pytest.mark.parametrize("bad", ["other pages", "source block out of range", "block out of range", "two lengths"])
+@pytest.mark.parametrize("case", ["layer"], indirect=True)
+def test_a_copy_from_that_cannot_be_made_is_refused_before_anything_is_queued(case, bad, rng, seed, monkeypatch):
+    """A peer table of other pages (one layer's segments of the peer's), a source or a target block
+    outside its tensors, ids of two lengths: ValueError, no kernel called, no byte of either changed."""
+    peer_tensors = engine_tensors(case.kind, torch.Generator().manual_seed(seed + 1))
+    peer_layout = describe_layout(case.kind, peer_tensors)
+    peer = SegmentTable(peer_layout)
+    source_ids, block_ids = blocks_of_two_engines(rng, 4)
+    if bad == "other pages":
+        peer = SegmentTable(peer_layout, peer_layout.layer_segments(0))
+    elif bad == "source block out of range":
+        source_ids[2] = N
+    elif bad == "block out of range":
+        block_ids[1] = N
+    else:
+        block_ids = block_ids[:3]
+    transfer = KVTransfer(case.layout, case.pool)
+    calls = count_kernel_calls(transfer, monkeypatch)
+    peer_before, own_before = all_layers(case.kind, peer_tensors), all_layers(case.kind, case.tensors)
+    with pytest.raises(ValueError):
+        transfer.copy_from(peer, source_ids, block_ids)
+    assert calls == {"gather": 0, "scatter": 0, "copy_blocks": 0}, calls
+    assert same_bytes(all_layers(case.kind, peer_tensors), peer_before), f"seed {seed}: a peer block changed"
+    assert same_bytes(all_layers(case.kind, case.tensors), own_before), f"seed {seed}: a block changed"
+
+
+SLEEP_CYCLES = 200_000_000      # ~0.1 s of a GPU: far longer than any copy here
+
+
+def compiled_binaries(kernel) -> int:
+    """How many binaries of a Triton kernel this process compiled, over every device."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this triton keeps no device_caches: compilations cannot be counted")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", ["pool", "layer", "blocks"])
+def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_compiles_nothing(
+        kind, backend, tmp_path, rng, seed, monkeypatch):
+    """On a GPU: copies out of another engine's CUDA tensors of 1, 5 and 9 pages (the last in chunks
+    of 2 pages through the device id ring), each queued after an event of the caller's stream that
+    follows a rewrite of the source blocks (behind a ~0.1 s sleep), give every named block the
+    rewritten bytes of its source block, bit for bit, every other block unchanged; each is done once
+    the device is synchronized and has a device time; and no size compiles the copy kernel (the
+    construction warmed it)."""
+    from engine_client import block_copy
+
+    case = Case(kind, seed, tmp_path, device="cuda")
+    try:
+        peer_tensors = engine_tensors(kind, torch.Generator().manual_seed(seed + 1), "cuda")
+        peer = SegmentTable(describe_layout(kind, peer_tensors))
+        transfer = KVTransfer(case.layout, case.pool, backend=backend)
+        kernel = block_copy._copy_between_kernel if transfer.backend_by_direction["load"] == "triton" else None
+        compiled = compiled_binaries(kernel) if kernel is not None else 0
+        flat_peer = [peer_tensors] if isinstance(peer_tensors, torch.Tensor) else peer_tensors
+        for count in (1, 5, 9):
+            if count == 9:
+                monkeypatch.setattr(transfer.lanes["load"], "copy_pages", 2)
+            source_ids, block_ids = blocks_of_two_engines(rng, count)
+            own_before = all_layers(kind, case.tensors)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for tensor in flat_peer:         # the caller's stream rewrites the source, late
+                tensor.view(torch.int16).random_(-2**15, 2**15)
+            after = torch.cuda.Event()
+            after.record()
+            done = transfer.copy_from(peer, source_ids, block_ids, after)
+            torch.cuda.synchronize()
+            assert done.done() and done.seconds() > 0, (count, seed)
+            peer_now, own_after = all_layers(kind, peer_tensors), all_layers(kind, case.tensors)
+            source_of = dict(zip(block_ids.tolist(), source_ids.tolist()))
+            for block in range(N):
+                expected = peer_now[source_of[block]] if block in source_of else own_before[block]
+                for layer in range(L):
+                    assert torch.equal(own_after[block][layer], expected[layer]), \
+                        f"seed {seed}: {count} pages: block {block} layer {layer} ({backend})"
+        if kernel is not None:
+            assert compiled_binaries(kernel) == compiled, f"{compiled_binaries(kernel) - compiled} compilations"
+    finally:
+        case.close()

@@ -133,7 +133,8 @@ def test_metrics_count_what_two_engines_did(traffic):
     per tier, committed pages, L3 writes (bytes and the seconds histogram's count) and the L2 bytes
     owned: each by the amount the engines moved."""
     daemon, t = traffic
-    assert t.b.loads == [LoadResult("r", 6 * P, t.b.loads[0].failed_block_ids, "not_cached")], t.seed
+    assert t.b.loads == [LoadResult("r", 6 * P, t.b.loads[0].failed_block_ids, "not_cached",
+                                    t.b.loads[0].transfer_s)], t.seed
     assert len(t.b.loads[0].failed_block_ids) == 2 and t.lookup_tokens == 6 * P
     m = scrape(t.url)
     a, b = f"layer-{t.seed}", f"layer-{t.seed + 1}"

@@ -69,10 +69,12 @@ class Reader:
         self.connector = register(socket_path, "peer-reader", self.tensors, **config)
         self.requests = 0
 
-    def wait_for_peers(self, count: int = 1, timeout_s: float = 20.0) -> None:
-        """Until ``count`` peers were opened (a first candidate asks for them)."""
+    def wait_for_peers(self, count: int = 1, timeout_s: float = 20.0, peer_id: int | None = None) -> None:
+        """Until ``count`` peers were opened (a first candidate asks for them), ``peer_id`` among them
+        if given (where other readers are engines too, the first one opened may be another reader)."""
         deadline = time.monotonic() + timeout_s
-        while self.connector.stats().get("peers_opened", 0) < count:
+        while self.connector.stats().get("peers_opened", 0) < count or \
+                (peer_id is not None and peer_id not in self.connector.peer._peers):
             assert time.monotonic() < deadline, f"no peer opened: {self.connector.stats()}"
             self.connector.poll()
             time.sleep(0.005)
@@ -148,7 +150,8 @@ def owners():
 def test_a_reader_restores_an_owners_prefixes_bit_for_bit(daemon, owners, seed):
     """Every prefix the owner's cache holds: the reader's lookup counts all its pages, its load
     copies them out of the owner's memory (no L2 involved: nothing was saved) into other blocks,
-    and they hold the owner's bytes bit for bit; its other blocks are untouched."""
+    and they hold the owner's bytes bit for bit; its other blocks are untouched. Each load's result
+    reports its copy's time (more than none)."""
     owner = owners(daemon.socket_path, seed, "hold")
     reader = Reader(daemon.socket_path)
     try:
@@ -158,7 +161,7 @@ def test_a_reader_restores_an_owners_prefixes_bit_for_bit(daemon, owners, seed):
             assert reader.connector.lookup(tokens) == PREFIX_PAGES * PAGE, f"prefix {index} (seed {seed})"
             blocks = list(range(1, PREFIX_PAGES + 1))[::-1]
             result = reader.restore(tokens, blocks)
-            assert result.ok and result.num_tokens == PREFIX_PAGES * PAGE, (result, seed)
+            assert result.ok and result.num_tokens == PREFIX_PAGES * PAGE and result.transfer_s > 0, (result, seed)
             assert reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], f"prefix {index} (seed {seed})"
         for block, before in untouched.items():
             if block > PREFIX_PAGES:
@@ -184,8 +187,8 @@ def test_the_cost_model_chooses_the_peer_and_learns_its_copies_as_d2d_samples(da
     reader = Reader(daemon.socket_path)
     never = Reader(daemon.socket_path, policy="never")
     try:
-        reader.wait_for_peers()
-        never.wait_for_peers()
+        reader.wait_for_peers(peer_id=owner.info["peer_id"])
+        never.wait_for_peers(peer_id=owner.info["peer_id"])
         blocks = list(range(1, PREFIX_PAGES + 1))
         for tokens in prefixes(seed)[:3]:
             result = reader.restore(tokens, blocks)
