@@ -375,3 +375,40 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
             assert compiled_binaries(kernel) == compiled, f"{compiled_binaries(kernel) - compiled} compilations"
     finally:
         case.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["layered, groups of 2 layers", "layered, a group per layer", "whole"])
+@pytest.mark.parametrize("kind", ["pool", "layer", "blocks"])
+def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, tmp_path, rng, seed, monkeypatch):
+    """On a GPU, a load of random L2 pages (runs and single pages) into other random blocks gives
+    every layer of each named block its page's bytes and leaves every other block as it was, layered
+    (its strided copies on the copy stream, its scatters on the scatter stream) or whole; layered,
+    the layers of a group share one event, groups have distinct ones, the last is the load's end."""
+    if mode == "layered, groups of 2 layers":
+        monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
+    case = Case(kind, seed, tmp_path, device="cuda")
+    try:
+        host_page_ids, block_ids = pages_and_blocks(rng)
+        transfer = KVTransfer(case.layout, case.pool, backend="auto")
+        others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+        done = transfer.load(host_page_ids, block_ids, layered=mode != "whole")
+        torch.cuda.synchronize()
+        assert done.done() and done.seconds() > 0
+        if mode == "whole":
+            assert done.layer_events is None
+        else:
+            groups = [(0, 1), (2,)] if mode == "layered, groups of 2 layers" else [(0,), (1,), (2,)]
+            assert transfer.layer_groups == groups
+            events = done.layer_events
+            assert len(events) == L and len({id(e) for e in events}) == len(groups) and events[-1] is done.done_event
+            assert all(events[layer] is events[group[0]] for group in groups for layer in group)
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            for layer in range(L):
+                assert torch.equal(case.block_layer(block, layer).cpu(), case.page_layer(page, layer).cpu()), \
+                    f"seed {seed}: block {block} layer {layer} (page {page}, {mode})"
+        for block, layers in others.items():
+            for layer in range(L):
+                assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+    finally:
+        case.close()
