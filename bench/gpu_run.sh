@@ -82,7 +82,7 @@ if want stress; then
 fi
 if want engines; then
     ENGINES=8; [[ -n $QUICK ]] && ENGINES=2
-    stage engines "$(left_s)" python3 -m bench.bench_stress --batches '' --engines $ENGINES $(name stress_engines)
+    stage engines 480 python3 -m bench.bench_stress --batches '' --engines $ENGINES $(name stress_engines)
     keep stress_engines
 fi
 if want ttft; then
