@@ -289,7 +289,8 @@ class KVTransfer:
         layer's event the last one; the fewest host calls, for loads nobody waits on per layer."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
-        if not layered or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+        # No pages: nothing to go group by group (and no group's event to give).
+        if not layered or not len(block_ids) or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
             return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter

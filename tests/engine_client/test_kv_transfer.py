@@ -217,6 +217,20 @@ def test_a_load_not_layered_goes_whole_bit_for_bit(case, rng, seed, monkeypatch)
             assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
 
 
+@pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
+def test_a_load_of_no_pages_writes_nothing_and_is_done(case, seed):
+    """A load of no pages (layered, as asked by default) is accepted, done at once, lets a wait for
+    any layer through, and leaves every block as it was."""
+    before = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N)}
+    done = KVTransfer(case.layout, case.pool, backend="torch").load(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert done.done() and done.num_pages == 0
+    for layer in range(L):
+        done.wait_layer_on(layer, None)
+    for block, layers in before.items():
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+
+
 def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():
     """The pinning chunk of a pool is a multiple of its L2 page and of the OS page size, at most
     256 MiB (one page when a page is larger): no page spans two registrations. Qwen3-8B's 2.25 MiB
