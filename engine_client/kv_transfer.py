@@ -232,10 +232,12 @@ class KVTransfer:
         self.segment_bytes = layout.segment_bytes
         self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
-        # A load holds one group of layers of its pages in each of its slots.
-        layer_chunk_pages = max(1, workspace_pages * layout.num_layers // (_LOAD_SLOTS * group_size))
+        # A load holds one group of layers of its pages in each of its slots: one page of the
+        # largest group at least (a workspace of one page of one layer is made two).
+        load_pages = max(workspace_pages, -(-_LOAD_SLOTS * group_size // layout.num_layers))
+        layer_chunk_pages = load_pages * layout.num_layers // (_LOAD_SLOTS * group_size)
         self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
-                      "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
+                      "load": _Lane("load", self.table, load_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
         self.backend_by_direction = self._choose_backends(backend)
         self._gather = BACKENDS[self.backend_by_direction["save"]].gather

@@ -231,6 +231,40 @@ def test_a_load_of_no_pages_writes_nothing_and_is_done(case, seed):
             assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
 
 
+def test_a_layered_load_of_a_one_layer_engine_with_a_workspace_of_one_page_is_bit_for_bit(tmp_path, rng, seed):
+    """One layer, a workspace of one page: each of the load's two slots still holds its group (the
+    whole page), so a layered load of 5 pages (one run, chunks of one page through both slots)
+    gives each named block its page's bytes and leaves every other block as it was."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [random_bits((2, N, P, H, D), generator)]
+    layout = describe_layout("layer", tensors)
+    geometry = layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
+    path = os.path.join(tmp_path, "l2-one-layer")
+    with open(path, "wb") as f:
+        f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
+                              dtype=torch.uint8).numpy().tobytes())
+    pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=False)
+    try:
+        transfer = KVTransfer(layout, pool, backend="torch", workspace_bytes=layout.page_bytes)
+        first = int(rng.integers(0, NUM_HOST_PAGES - 5))
+        host_page_ids, block_ids = np.arange(first, first + 5), rng.permutation(N)[:5]
+        before = {b: block_layer("layer", tensors, b, 0) for b in range(N)}
+        done = transfer.load(host_page_ids, block_ids)
+        assert done.done() and len(done.layer_events) == 1
+        page_bytes = pool.byte_view()
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            expected = page_bytes[page * layout.page_bytes: (page + 1) * layout.page_bytes]
+            assert torch.equal(block_layer("layer", tensors, block, 0), expected), f"seed {seed}: block {block}"
+        for block in set(range(N)) - set(block_ids.tolist()):
+            assert torch.equal(block_layer("layer", tensors, block, 0), before[block]), f"seed {seed}: block {block}"
+        del transfer, page_bytes, expected
+    finally:
+        try:
+            pool.close()
+        except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
+            pass
+
+
 def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():
     """The pinning chunk of a pool is a multiple of its L2 page and of the OS page size, at most
     256 MiB (one page when a page is larger): no page spans two registrations. Qwen3-8B's 2.25 MiB
