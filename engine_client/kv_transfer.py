@@ -159,7 +159,11 @@ class _Lane:
         self.workspace_bytes = self.workspace.view(torch.uint8).view(-1)
         self.workspace_pages = workspace_pages
         self.chunk_pages = chunk_pages
-        id_capacity = max(4096, 4 * chunk_pages + 2 * _ID_ALIGN)
+        # A layered load uploads every chunk's ids before its first scatter, and every group's
+        # scatters read them: half the ring holds the ids of a load of every block, so that no
+        # upload of a load overwrites (the ring wrapping) ids that the load still reads.
+        self.max_load_ids = table.num_blocks + _ID_ALIGN * -(-table.num_blocks // chunk_pages)
+        id_capacity = max(4096, 4 * chunk_pages + 2 * _ID_ALIGN, 2 * self.max_load_ids)
         self.ids = _IdRing(id_capacity, device) if self.stream else None
         self.copy_pages = (id_capacity // 2 - _ID_ALIGN) // 2
         self.scatter_stream = torch.cuda.Stream(device) if self.stream is not None else None   # loads
@@ -291,8 +295,12 @@ class KVTransfer:
         layer's event the last one; the fewest host calls, for loads nobody waits on per layer."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
-        # No pages: nothing to go group by group (and no group's event to give).
-        if not layered or not len(block_ids) or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+        # No pages: nothing to go group by group (and no group's event to give). More ids than
+        # the ring keeps for one load (blocks named twice): whole.
+        chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
+                  for first in range(0, len(block_ids), lane.chunk_pages)]
+        if not layered or not chunks or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS or \
+                len(block_ids) + _ID_ALIGN * len(chunks) > lane.max_load_ids:
             return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
@@ -301,8 +309,6 @@ class KVTransfer:
             start_event = self._begin_load(lane)
             # A load of more pages than one group's slot holds goes in chunks of them, group by
             # group: a group's event comes after its last chunk (the last one timed: the load's end).
-            chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
-                      for first in range(0, len(block_ids), lane.chunk_pages)]
             ids = [lane.upload(block_ids[first:last]) for first, last in chunks]    # on the copy stream
             pieces = [self._pieces(host_page_ids[first:last]) for first, last in chunks]
             step = 0

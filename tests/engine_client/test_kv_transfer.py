@@ -6,6 +6,7 @@ engine's blocks (a peer restore), one block copy, bit for bit (on CUDA too where
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -460,3 +461,54 @@ def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, tmp_p
                 assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
     finally:
         case.close()
+
+
+def many_chunk_load(device: str, seed: int, rng) -> tuple[str, int]:
+    """A layered load of 3,100 of 3,200 blocks from L2 pages in 2 runs, with a workspace of one
+    page (chunks of one page: 3,100 chunks, each chunk's ids one upload of the id ring): checks it
+    bit for bit. Returns what failed ("" when nothing) and the load's chunk count."""
+    layers, num_blocks, num_pages = 3, 3200, 3100
+    generator = torch.Generator().manual_seed(seed)
+    tensors = random_bits((2, layers, num_blocks, P, H, D), generator).to(device)
+    layout = describe_layout("pool", tensors)
+    geometry = layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "l2-many-chunks")
+        with open(path, "wb") as f:
+            f.write(torch.randint(0, 256, (num_pages * geometry.bytes_per_page,), generator=generator,
+                                  dtype=torch.uint8).numpy().tobytes())
+        pool = SharedHostPool.open(path, 0, num_pages, geometry, pin=device == "cuda")
+        try:
+            transfer = KVTransfer(layout, pool, backend="auto", workspace_bytes=layout.page_bytes)
+            chunk_pages = transfer.lanes["load"].chunk_pages
+            host_page_ids = np.roll(np.arange(num_pages), int(rng.integers(1, num_pages)))
+            block_ids = rng.permutation(num_blocks)[:num_pages]
+            before = tensors.view(torch.int16).cpu().clone()
+            done = transfer.load(host_page_ids, block_ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            after = tensors.view(torch.int16).cpu()
+            pages = pool.byte_view().view(torch.int16).view(num_pages, 2, layers, P, H, D)
+            expected = before.clone()
+            expected[:, :, torch.from_numpy(block_ids)] = pages[torch.from_numpy(host_page_ids)].permute(1, 2, 0, 3, 4, 5)
+            del pages
+            failed = "" if done.done() and done.layer_events is not None and torch.equal(after, expected) else \
+                f"seed {seed}: {int((after != expected).any(-1).any(-1).any(-1).any(0).any(0).sum())} blocks wrong"
+            del transfer, done
+        finally:
+            try:
+                pool.close()
+            except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
+                pass
+    return failed, -(-num_pages // chunk_pages)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_layered_load_of_more_chunks_than_a_4096_id_ring_holds_is_bit_for_bit(rng, seed):
+    """On a GPU, a layered load in more chunks than 4,096 ring slots hold at once (3,100 chunks of
+    one page, each upload 4 slots: all of them are uploaded before the first scatter, and every
+    group's scatters read them) gives each of the 3,100 named blocks its page's bytes, bit for bit,
+    and leaves the other 100 blocks as they were."""
+    failed, chunks = many_chunk_load("cuda", seed, rng)
+    assert chunks * 4 > 4096, chunks
+    assert not failed, failed
