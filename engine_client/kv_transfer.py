@@ -554,8 +554,8 @@ class KVTransfer:
     def _warm(self) -> None:
         """Run each lane's path once on one page, so that the first real transfer compiles, finds
         and allocates nothing: L2 page 0 is read into the workspace (never written: it is not this
-        engine's; for the load lane, the first group of layers of it by the strided copies), then block
-        0 is gathered and scattered back unchanged (for the load lane, that group of it), and on the
+        engine's; for the load lane, each group of layers of it by the strided copies), then block
+        0 is gathered and scattered back unchanged (for the load lane, group by group), and on the
         load lane copied onto itself (a peer restore's block copy)."""
         block = np.zeros(1, dtype=np.int64)
         save, load = self.lanes["save"], self.lanes["load"]
@@ -565,11 +565,13 @@ class KVTransfer:
             self._gather(self.table, save.upload(block), packed)
             self._scatter(self.table, packed, save.upload(block))
         with self._on(load, None):
-            table = self.group_tables[0]
-            packed = self._group_packed(load, table, 1, 0)
-            self._copy_group(load, 0, self._pieces(block), packed)
-            self._gather(table, load.upload(block), packed)
-            self._scatter(table, packed, load.upload(block))
+            # Every group: one of another size (the last, say) may be a kernel of its own to
+            # Triton (a group of one segment is).
+            for group, table in enumerate(self.group_tables):
+                packed = self._group_packed(load, table, 1, 0)
+                self._copy_group(load, group, self._pieces(block), packed)
+                self._gather(table, load.upload(block), packed)
+                self._scatter(table, packed, load.upload(block))
             source_ids, ids = load.upload_pair(block, block)
             self._copy_blocks(self.table, source_ids, self.table, ids)
         if self.device.type == "cuda":

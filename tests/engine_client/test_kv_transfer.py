@@ -512,3 +512,32 @@ def test_on_cuda_a_layered_load_of_more_chunks_than_a_4096_id_ring_holds_is_bit_
     failed, chunks = many_chunk_load("cuda", seed, rng)
     assert chunks * 4 > 4096, chunks
     assert not failed, failed
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing(tmp_path, rng, seed, monkeypatch):
+    """On a GPU with the Triton backend, a "blocks" layout in groups of 2 layers of its 3 (the last
+    group one layer: one segment, a count Triton compiles a kernel of its own for) loads bit for
+    bit without compiling the gather/scatter kernel: the construction warmed every group's."""
+    if not triton_available():
+        pytest.skip("no triton")
+    from engine_client import block_copy
+
+    monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
+    case = Case("blocks", seed, tmp_path, device="cuda")
+    try:
+        transfer = KVTransfer(case.layout, case.pool, backend="triton")
+        assert transfer.layer_groups == [(0, 1), (2,)] and transfer.group_tables[-1].num_segments == 1
+        compiled = compiled_binaries(block_copy._copy_blocks_kernel)
+        host_page_ids, block_ids = pages_and_blocks(rng)
+        done = transfer.load(host_page_ids, block_ids)
+        torch.cuda.synchronize()
+        assert done.done() and len(done.layer_events) == L
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            for layer in range(L):
+                assert torch.equal(case.block_layer(block, layer).cpu(), case.page_layer(page, layer).cpu()), \
+                    f"seed {seed}: block {block} layer {layer} (page {page})"
+        assert compiled_binaries(block_copy._copy_blocks_kernel) == compiled, \
+            f"{compiled_binaries(block_copy._copy_blocks_kernel) - compiled} compilations"
+    finally:
+        case.close()
