@@ -159,7 +159,11 @@ class _Lane:
         self.workspace_bytes = self.workspace.view(torch.uint8).view(-1)
         self.workspace_pages = workspace_pages
         self.chunk_pages = chunk_pages
-        id_capacity = max(4096, 4 * chunk_pages + 2 * _ID_ALIGN)
+        # A layered load uploads every chunk's ids before its first scatter, and every group's
+        # scatters read them: half the ring holds the ids of a load of every block, so that no
+        # upload of a load overwrites (the ring wrapping) ids that the load still reads.
+        self.max_load_ids = table.num_blocks + _ID_ALIGN * -(-table.num_blocks // chunk_pages)
+        id_capacity = max(4096, 4 * chunk_pages + 2 * _ID_ALIGN, 2 * self.max_load_ids)
         self.ids = _IdRing(id_capacity, device) if self.stream else None
         self.copy_pages = (id_capacity // 2 - _ID_ALIGN) // 2
         self.scatter_stream = torch.cuda.Stream(device) if self.stream is not None else None   # loads
@@ -232,10 +236,12 @@ class KVTransfer:
         self.segment_bytes = layout.segment_bytes
         self.use_host_pool(host_pool)
         workspace_pages = max(1, min(workspace_bytes // self.page_bytes, layout.num_blocks))
-        # A load holds one group of layers of its pages in each of its slots.
-        layer_chunk_pages = max(1, workspace_pages * layout.num_layers // (_LOAD_SLOTS * group_size))
+        # A load holds one group of layers of its pages in each of its slots: one page of the
+        # largest group at least (a workspace of one page of one layer is made two).
+        load_pages = max(workspace_pages, -(-_LOAD_SLOTS * group_size // layout.num_layers))
+        layer_chunk_pages = load_pages * layout.num_layers // (_LOAD_SLOTS * group_size)
         self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
-                      "load": _Lane("load", self.table, workspace_pages, layer_chunk_pages)}
+                      "load": _Lane("load", self.table, load_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
         self.backend_by_direction = self._choose_backends(backend)
         self._gather = BACKENDS[self.backend_by_direction["save"]].gather
@@ -289,7 +295,12 @@ class KVTransfer:
         layer's event the last one; the fewest host calls, for loads nobody waits on per layer."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
         lane = self.lanes["load"]
-        if not layered or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+        # No pages: nothing to go group by group (and no group's event to give). More ids than
+        # the ring keeps for one load (blocks named twice): whole.
+        chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
+                  for first in range(0, len(block_ids), lane.chunk_pages)]
+        if not layered or not chunks or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS or \
+                len(block_ids) + _ID_ALIGN * len(chunks) > lane.max_load_ids:
             return self._load_whole(lane, host_page_ids, block_ids, after)
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
@@ -298,8 +309,6 @@ class KVTransfer:
             start_event = self._begin_load(lane)
             # A load of more pages than one group's slot holds goes in chunks of them, group by
             # group: a group's event comes after its last chunk (the last one timed: the load's end).
-            chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
-                      for first in range(0, len(block_ids), lane.chunk_pages)]
             ids = [lane.upload(block_ids[first:last]) for first, last in chunks]    # on the copy stream
             pieces = [self._pieces(host_page_ids[first:last]) for first, last in chunks]
             step = 0
@@ -545,8 +554,8 @@ class KVTransfer:
     def _warm(self) -> None:
         """Run each lane's path once on one page, so that the first real transfer compiles, finds
         and allocates nothing: L2 page 0 is read into the workspace (never written: it is not this
-        engine's; for the load lane, the first group of layers of it by the strided copies), then block
-        0 is gathered and scattered back unchanged (for the load lane, that group of it), and on the
+        engine's; for the load lane, each group of layers of it by the strided copies), then block
+        0 is gathered and scattered back unchanged (for the load lane, group by group), and on the
         load lane copied onto itself (a peer restore's block copy)."""
         block = np.zeros(1, dtype=np.int64)
         save, load = self.lanes["save"], self.lanes["load"]
@@ -556,11 +565,13 @@ class KVTransfer:
             self._gather(self.table, save.upload(block), packed)
             self._scatter(self.table, packed, save.upload(block))
         with self._on(load, None):
-            table = self.group_tables[0]
-            packed = self._group_packed(load, table, 1, 0)
-            self._copy_group(load, 0, self._pieces(block), packed)
-            self._gather(table, load.upload(block), packed)
-            self._scatter(table, packed, load.upload(block))
+            # Every group: one of another size (the last, say) may be a kernel of its own to
+            # Triton (a group of one segment is).
+            for group, table in enumerate(self.group_tables):
+                packed = self._group_packed(load, table, 1, 0)
+                self._copy_group(load, group, self._pieces(block), packed)
+                self._gather(table, load.upload(block), packed)
+                self._scatter(table, packed, load.upload(block))
             source_ids, ids = load.upload_pair(block, block)
             self._copy_blocks(self.table, source_ids, self.table, ids)
         if self.device.type == "cuda":

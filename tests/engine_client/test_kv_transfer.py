@@ -6,6 +6,7 @@ engine's blocks (a peer restore), one block copy, bit for bit (on CUDA too where
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -217,6 +218,54 @@ def test_a_load_not_layered_goes_whole_bit_for_bit(case, rng, seed, monkeypatch)
             assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
 
 
+@pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
+def test_a_load_of_no_pages_writes_nothing_and_is_done(case, seed):
+    """A load of no pages (layered, as asked by default) is accepted, done at once, lets a wait for
+    any layer through, and leaves every block as it was."""
+    before = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N)}
+    done = KVTransfer(case.layout, case.pool, backend="torch").load(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert done.done() and done.num_pages == 0
+    for layer in range(L):
+        done.wait_layer_on(layer, None)
+    for block, layers in before.items():
+        for layer in range(L):
+            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+
+
+def test_a_layered_load_of_a_one_layer_engine_with_a_workspace_of_one_page_is_bit_for_bit(tmp_path, rng, seed):
+    """One layer, a workspace of one page: each of the load's two slots still holds its group (the
+    whole page), so a layered load of 5 pages (one run, chunks of one page through both slots)
+    gives each named block its page's bytes and leaves every other block as it was."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [random_bits((2, N, P, H, D), generator)]
+    layout = describe_layout("layer", tensors)
+    geometry = layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
+    path = os.path.join(tmp_path, "l2-one-layer")
+    with open(path, "wb") as f:
+        f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
+                              dtype=torch.uint8).numpy().tobytes())
+    pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=False)
+    try:
+        transfer = KVTransfer(layout, pool, backend="torch", workspace_bytes=layout.page_bytes)
+        first = int(rng.integers(0, NUM_HOST_PAGES - 5))
+        host_page_ids, block_ids = np.arange(first, first + 5), rng.permutation(N)[:5]
+        before = {b: block_layer("layer", tensors, b, 0) for b in range(N)}
+        done = transfer.load(host_page_ids, block_ids)
+        assert done.done() and len(done.layer_events) == 1
+        page_bytes = pool.byte_view()
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            expected = page_bytes[page * layout.page_bytes: (page + 1) * layout.page_bytes]
+            assert torch.equal(block_layer("layer", tensors, block, 0), expected), f"seed {seed}: block {block}"
+        for block in set(range(N)) - set(block_ids.tolist()):
+            assert torch.equal(block_layer("layer", tensors, block, 0), before[block]), f"seed {seed}: block {block}"
+        del transfer, page_bytes, expected
+    finally:
+        try:
+            pool.close()
+        except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
+            pass
+
+
 def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():
     """The pinning chunk of a pool is a multiple of its L2 page and of the OS page size, at most
     256 MiB (one page when a page is larger): no page spans two registrations. Qwen3-8B's 2.25 MiB
@@ -410,5 +459,85 @@ def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, tmp_p
         for block, layers in others.items():
             for layer in range(L):
                 assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+    finally:
+        case.close()
+
+
+def many_chunk_load(device: str, seed: int, rng) -> tuple[str, int]:
+    """A layered load of 3,100 of 3,200 blocks from L2 pages in 2 runs, with a workspace of one
+    page (chunks of one page: 3,100 chunks, each chunk's ids one upload of the id ring): checks it
+    bit for bit. Returns what failed ("" when nothing) and the load's chunk count."""
+    layers, num_blocks, num_pages = 3, 3200, 3100
+    generator = torch.Generator().manual_seed(seed)
+    tensors = random_bits((2, layers, num_blocks, P, H, D), generator).to(device)
+    layout = describe_layout("pool", tensors)
+    geometry = layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "l2-many-chunks")
+        with open(path, "wb") as f:
+            f.write(torch.randint(0, 256, (num_pages * geometry.bytes_per_page,), generator=generator,
+                                  dtype=torch.uint8).numpy().tobytes())
+        pool = SharedHostPool.open(path, 0, num_pages, geometry, pin=device == "cuda")
+        try:
+            transfer = KVTransfer(layout, pool, backend="auto", workspace_bytes=layout.page_bytes)
+            chunk_pages = transfer.lanes["load"].chunk_pages
+            host_page_ids = np.roll(np.arange(num_pages), int(rng.integers(1, num_pages)))
+            block_ids = rng.permutation(num_blocks)[:num_pages]
+            before = tensors.view(torch.int16).cpu().clone()
+            done = transfer.load(host_page_ids, block_ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            after = tensors.view(torch.int16).cpu()
+            pages = pool.byte_view().view(torch.int16).view(num_pages, 2, layers, P, H, D)
+            expected = before.clone()
+            expected[:, :, torch.from_numpy(block_ids)] = pages[torch.from_numpy(host_page_ids)].permute(1, 2, 0, 3, 4, 5)
+            del pages
+            failed = "" if done.done() and done.layer_events is not None and torch.equal(after, expected) else \
+                f"seed {seed}: {int((after != expected).any(-1).any(-1).any(-1).any(0).any(0).sum())} blocks wrong"
+            del transfer, done
+        finally:
+            try:
+                pool.close()
+            except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
+                pass
+    return failed, -(-num_pages // chunk_pages)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_layered_load_of_more_chunks_than_a_4096_id_ring_holds_is_bit_for_bit(rng, seed):
+    """On a GPU, a layered load in more chunks than 4,096 ring slots hold at once (3,100 chunks of
+    one page, each upload 4 slots: all of them are uploaded before the first scatter, and every
+    group's scatters read them) gives each of the 3,100 named blocks its page's bytes, bit for bit,
+    and leaves the other 100 blocks as they were."""
+    failed, chunks = many_chunk_load("cuda", seed, rng)
+    assert chunks * 4 > 4096, chunks
+    assert not failed, failed
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing(tmp_path, rng, seed, monkeypatch):
+    """On a GPU with the Triton backend, a "blocks" layout in groups of 2 layers of its 3 (the last
+    group one layer: one segment, a count Triton compiles a kernel of its own for) loads bit for
+    bit without compiling the gather/scatter kernel: the construction warmed every group's."""
+    if not triton_available():
+        pytest.skip("no triton")
+    from engine_client import block_copy
+
+    monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
+    case = Case("blocks", seed, tmp_path, device="cuda")
+    try:
+        transfer = KVTransfer(case.layout, case.pool, backend="triton")
+        assert transfer.layer_groups == [(0, 1), (2,)] and transfer.group_tables[-1].num_segments == 1
+        compiled = compiled_binaries(block_copy._copy_blocks_kernel)
+        host_page_ids, block_ids = pages_and_blocks(rng)
+        done = transfer.load(host_page_ids, block_ids)
+        torch.cuda.synchronize()
+        assert done.done() and len(done.layer_events) == L
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            for layer in range(L):
+                assert torch.equal(case.block_layer(block, layer).cpu(), case.page_layer(page, layer).cpu()), \
+                    f"seed {seed}: block {block} layer {layer} (page {page})"
+        assert compiled_binaries(block_copy._copy_blocks_kernel) == compiled, \
+            f"{compiled_binaries(block_copy._copy_blocks_kernel) - compiled} compilations"
     finally:
         case.close()
