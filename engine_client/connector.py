@@ -719,6 +719,9 @@ class KVConnector:
                 if load.peer_copy is not None:
                     load.transfer = load.peer_copy.transfer
                     self.counters["peer_load_pages_queued"] += usable
+                    # Provisional, as a load from L2 is: the epochs checked at completion may void it.
+                    self._queued_loads.append(LoadResult(load.request_id, usable * self.page_size,
+                                                         load.block_ids[usable:].tolist(), load.reason))
         load.num_pages_queued = usable
 
     def _complete_load(self, request: _Request, load: _Load) -> None:

@@ -178,6 +178,34 @@ def test_a_reader_restores_an_owners_prefixes_bit_for_bit(daemon, owners, seed):
         reader.connector.close()
 
 
+def test_a_peer_load_is_reported_queued_before_or_with_its_result(daemon, owners, seed):
+    """A load copied from the owner is named in ``finished().queued`` (with every token it fills,
+    nothing failed) no later than its result, as a load from L2 is: an engine may prefill on it
+    while the copy runs (its attention waiting for the copy on the GPU); the result then confirms
+    it, and the blocks hold the owner's bytes."""
+    owner = owners(daemon.socket_path, seed, "hold")
+    reader = Reader(daemon.socket_path)
+    try:
+        reader.wait_for_peers(peer_id=owner.info["peer_id"])
+        tokens = prefixes(seed)[0]
+        blocks = list(range(1, PREFIX_PAGES + 1))
+        request_id = reader.start(tokens, blocks)
+        queued, result = None, None
+        deadline = time.monotonic() + 10.0
+        while result is None:
+            finished = reader.connector.finished()
+            queued = queued or next((r for r in finished.queued if r.request_id == request_id), None)
+            result = next((r for r in finished.loads if r.request_id == request_id), None)
+            assert time.monotonic() < deadline, reader.connector.stats()
+        assert queued is not None, f"the peer load was never reported queued (seed {seed})"
+        assert (queued.num_tokens, queued.failed_block_ids) == (PREFIX_PAGES * PAGE, []), queued
+        assert result.ok and reader.connector.stats()["peer_loaded_pages"] == PREFIX_PAGES, (result, seed)
+        assert reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], seed
+        reader.connector.request_finished(request_id)
+    finally:
+        reader.connector.close()
+
+
 def test_the_cost_model_chooses_the_peer_and_learns_its_copies_as_d2d_samples(daemon, owners, seed):
     """The daemon's decision chooses the source: under the default policy a reader's matches choose
     "peer" and its loads copy from the owner, each copy a d2d sample the daemon learns (no h2d
