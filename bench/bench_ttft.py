@@ -29,6 +29,11 @@ In the same run, Hugging Face transformers' SDPA prefill of the same weights and
 ``logits_to_keep=1``, then the argmax, as the engine's first token) is timed: ``engine_over_hf``
 is the engine's recompute TTFT over it (target <= 1.3).
 
+Each restore row also says where its samples' TTFT went (``phases_ms``, per timed request, from
+the request's ``PendingLoad``): ``to_load`` (arrival to its load: admission and the lookup's round
+trip), ``to_copies`` (load to its copies queued: the match's round trip), ``copies`` (queued to
+the load seen done), ``to_token`` (done to the first token: the prefill not under the load).
+
     python -m bench.bench_ttft                                    # H200: bench/results/h200/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
     python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
@@ -467,6 +472,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     engine, args = point.engine, run.args
     connector = engine.connector
     warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
+    phases: dict[str, list[float]] = {"to_load": [], "to_copies": [], "copies": [], "to_token": []}
 
     def force(token_ids, num_tokens: int) -> None:
         if tier != "peer":
@@ -497,6 +503,8 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
         if i >= 2 * args.warmup:
             choices.append(lookup_choice(before, after))
+            for phase, ms in ttft_phases(request).items():
+                phases[phase].append(ms)
         if request.num_loaded_tokens:
             kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
 
@@ -540,9 +548,22 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
            "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples_ms),
-           "warmup_ms": rounded(warmup_ms)}
+           "warmup_ms": rounded(warmup_ms),
+           "phases_ms": {phase: rounded(values) for phase, values in phases.items() if values}}
     row["within_noise"] = row["logit_diff"] <= row["noise_floor"]
     return row
+
+
+def ttft_phases(request) -> dict[str, float]:
+    """Where a restored request's TTFT went (ms), from its PendingLoad's times: to_load (arrival to
+    load(): admission, the lookup's round trip), to_copies (load() to its copies queued: the match's
+    round trip and the step that took the reply in), copies (queued to the load seen done), to_token
+    (done to the first token: the prefill's part not under the load). Empty without a load."""
+    load = request.load
+    if load is None or load.queued_s is None or load.done_s is None or request.first_token_s is None:
+        return {}
+    return {"to_load": (load.started_s - request.arrival_s) * 1e3, "to_copies": (load.queued_s - load.started_s) * 1e3,
+            "copies": (load.done_s - load.queued_s) * 1e3, "to_token": (request.first_token_s - load.done_s) * 1e3}
 
 
 def lookup_choice(before: dict[str, int], after: dict[str, int]) -> str:
