@@ -454,18 +454,13 @@ class KVTransfer:
     def _copy_runs(self, lane: _Lane, host_page_ids: np.ndarray, to_host: bool = True) -> None:
         """Packed pages <-> L2: one DMA per run of consecutive L2 pages (cut at pinned-chunk boundaries)."""
         page_bytes = self.page_bytes
-        runs = page_runs(host_page_ids)
-        for start, end in zip(runs.starts.tolist(), runs.ends.tolist()):
-            host_start = int(host_page_ids[start]) * page_bytes
-            packed_start = start * page_bytes
-            for piece_start, piece_end in self.host_pool.chunk_pieces(host_start, host_start + (end - start) * page_bytes):
-                host = self.host_bytes[piece_start:piece_end]
-                offset = packed_start + piece_start - host_start
-                packed = lane.workspace_bytes[offset: offset + piece_end - piece_start]
-                if to_host:
-                    host.copy_(packed, non_blocking=True)
-                else:
-                    packed.copy_(host, non_blocking=True)
+        for host_start, first, num_pages in self._pieces(host_page_ids):
+            host = self.host_bytes[host_start: host_start + num_pages * page_bytes]
+            packed = lane.workspace_bytes[first * page_bytes: (first + num_pages) * page_bytes]
+            if to_host:
+                host.copy_(packed, non_blocking=True)
+            else:
+                packed.copy_(host, non_blocking=True)
 
     def _check(self, block_ids, host_page_ids) -> tuple[np.ndarray, np.ndarray]:
         block_ids = np.asarray(block_ids, dtype=np.int64)
