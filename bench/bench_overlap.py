@@ -62,8 +62,8 @@ import torch
 from bench.common import exit_on_sigterm, median, print_table, write_result
 from bench.engine import Engine, EngineConfig, Request, load_model
 from bench.engine.load import LoadState
-from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_to_idle,
-                         settle)
+from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_request,
+                         run_to_idle, settle)
 from engine_client.connector import ConnectorConfig
 
 logger = logging.getLogger(__name__)
@@ -284,12 +284,7 @@ def under_decode_trial(bench: Bench, engine: TimedEngine, control: TierControl |
         for _ in range(plan.baseline_steps):
             engine.step()
         baseline_s = median([s.ended_s - s.started_s for s in engine.steps[first_step:]])
-        request = engine.add_request(prompt, CHECK_TOKENS)
-        deadline = time.monotonic() + 120
-        while request.finish_s is None:
-            engine.step()
-            if time.monotonic() > deadline:
-                raise TimeoutError("the restored request did not finish")
+        request = run_request(engine, prompt, CHECK_TOKENS, timeout_s=120)
         for _ in range(2):
             engine.step()
     steps = engine.steps[first_step:]
@@ -354,13 +349,7 @@ def run_under_decode(bench: Bench, engines: dict[str, TimedEngine], control: Tie
 
 def timed_request(engine: Engine, prompt: list[int], max_new_tokens: int) -> Request:
     with gc_paused():
-        request = engine.add_request(prompt, max_new_tokens)
-        deadline = time.monotonic() + 120
-        while request.finish_s is None:
-            engine.step()
-            if time.monotonic() > deadline:
-                raise TimeoutError("the request did not finish")
-    return request
+        return run_request(engine, prompt, max_new_tokens, timeout_s=120)
 
 
 def run_ttft(bench: Bench, engines: dict[str, TimedEngine], control: TierControl) -> None:
