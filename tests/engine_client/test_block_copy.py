@@ -10,6 +10,7 @@ import torch
 from engine_client.block_copy import (BACKENDS, SegmentTable, copy_blocks_torch, copy_blocks_triton, gather_triton,
                                       scatter_triton, triton_available)
 from engine_client.layout import describe_layout
+from tests.engine_client.blocks import distinct_block_pairs
 
 L, N, P, H, D = 3, 9, 4, 2, 8
 SEED = 20261201
@@ -131,17 +132,6 @@ COPY_PAIRS = [(case, case) for case in CASES] + [("pool", "layer"), ("layer", "p
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def source_and_target_blocks(rng, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """count distinct random source blocks and count distinct random target blocks, target i never
-    block number source i."""
-    source = rng.permutation(N)[:count]
-    for _ in range(1000):
-        target = rng.permutation(N)[:count]
-        if (target != source).all():
-            return source, target
-    raise AssertionError("no target blocks apart from the source's in 1000 draws")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("source_case,target_case", COPY_PAIRS)
@@ -156,7 +146,7 @@ def test_a_block_copy_moves_each_source_block_into_its_target_block(source_case,
     target_kind, target_tensors, target_page = make_case(target_case, generator, device)
     source = SegmentTable(describe_layout(source_kind, source_tensors))
     target = SegmentTable(describe_layout(target_kind, target_tensors))
-    source_ids, block_ids = source_and_target_blocks(np.random.default_rng(seed), 5)
+    source_ids, block_ids = distinct_block_pairs(np.random.default_rng(seed), 5, N)
     source_before = [source_page(b).clone() for b in range(N)]
     target_before = [target_page(b).clone() for b in range(N)]
     BACKENDS[backend].copy_blocks(source, torch.from_numpy(source_ids).to(device), target,

@@ -18,6 +18,7 @@ from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
 from proto.messages import KVGeometry
+from tests.engine_client.blocks import distinct_block_pairs
 
 L, N, P, H, D = 3, 12, 4, 2, 8
 NUM_HOST_PAGES = 16
@@ -279,17 +280,6 @@ def test_a_pinned_pool_is_cut_into_chunks_of_whole_pages():
         assert chunk <= max(256 << 20, np.lcm(bytes_per_page, 4096)), bytes_per_page
 
 
-def blocks_of_two_engines(rng, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """count distinct random blocks of a peer and count distinct random blocks of this engine, block
-    i never the number of peer block i."""
-    source = rng.permutation(N)[:count]
-    for _ in range(1000):
-        target = rng.permutation(N)[:count]
-        if (target != source).all():
-            return source, target
-    raise AssertionError("no target blocks apart from the source's in 1000 draws")
-
-
 def count_kernel_calls(transfer: KVTransfer, monkeypatch) -> dict[str, int]:
     """From now on, how many times the transfer calls its backend's gather, scatter and block copy."""
     calls = {"gather": 0, "scatter": 0, "copy_blocks": 0}
@@ -322,7 +312,7 @@ def test_a_copy_from_a_peer_is_one_block_copy_bit_for_bit(case, shape, backend, 
     one upload of the id ring holds (9 pages, 3 to an upload: 3 launches)."""
     peer_tensors = engine_tensors(case.kind, torch.Generator().manual_seed(seed + 1))
     peer = SegmentTable(describe_layout(case.kind, peer_tensors))
-    source_ids, block_ids = blocks_of_two_engines(rng, 9)
+    source_ids, block_ids = distinct_block_pairs(rng, 9, N)
     transfer = KVTransfer(case.layout, case.pool, backend=backend)
     if shape != "one launch":
         monkeypatch.setattr(transfer.lanes["load"], "copy_pages", 3)
@@ -349,7 +339,7 @@ def test_a_copy_from_that_cannot_be_made_is_refused_before_anything_is_queued(ca
     peer_tensors = engine_tensors(case.kind, torch.Generator().manual_seed(seed + 1))
     peer_layout = describe_layout(case.kind, peer_tensors)
     peer = SegmentTable(peer_layout)
-    source_ids, block_ids = blocks_of_two_engines(rng, 4)
+    source_ids, block_ids = distinct_block_pairs(rng, 4, N)
     if bad == "other pages":
         peer = SegmentTable(peer_layout, peer_layout.layer_segments(0))
     elif bad == "source block out of range":
@@ -403,7 +393,7 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
         for count in (1, 5, 9):
             if count == 9:
                 monkeypatch.setattr(transfer.lanes["load"], "copy_pages", 2)
-            source_ids, block_ids = blocks_of_two_engines(rng, count)
+            source_ids, block_ids = distinct_block_pairs(rng, count, N)
             own_before = all_layers(kind, case.tensors)
             torch.cuda._sleep(SLEEP_CYCLES)
             for tensor in flat_peer:         # the caller's stream rewrites the source, late
