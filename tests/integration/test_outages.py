@@ -79,8 +79,9 @@ def test_prepare_during_an_outage_costs_no_more_than_a_miss(daemon, caplog):
 
     A call's cost is its wall time less the time its thread sat runnable waiting for a CPU
     (tests/integration/timing.py): on a loaded machine the scheduler preempts any call for a time
-    slice (4-12 ms, involuntary switches with the thread's CPU time under 1 ms: neither the
-    collector nor the heartbeat thread). Waiting for the daemon, a lock or the GIL is blocked time
+    slice (4-12 ms, involuntary switches with the thread's CPU time under 1 ms), and the garbage
+    collector is paused during each call (a full collection of the suite's heap, 10-116 ms, with no
+    run-queue wait, is not the call's). Waiting for the daemon, a lock or the GIL is blocked time
     and still counts, so a prepare that waited would fail here as it did before (5 s)."""
     seed = 20260101
     rng = np.random.default_rng(seed)
