@@ -1,7 +1,8 @@
 """Throughput on the reference engine: prefixes in rotation, recompute against restores from L2.
 
 8 prefixes of 350 tokens; 80 requests, request j = prefix j % 8 + a unique 16-token suffix, 1
-output token; each batch size has its own 80 requests, the same for every tier. A batch of b keeps
+output token; each case (tier, policy, batch size) has its own 80 suffixes, so no case restores
+what an earlier one saved beyond a prefix. A batch of b keeps
 b requests in the engine (closed loop: one finishes, the next enters). The engine's block pool
 holds b requests, so its own GPU cache never still holds a prefix when it comes round again.
 Tiers:
@@ -63,8 +64,8 @@ COLUMNS = ["model", "tier", "policy", "engines", "batch", "req_per_s", "speedup"
 
 
 class Workload:
-    """The prefixes, and per batch size its own 80 prompts (unique suffixes: no run finds pages
-    that an earlier run saved beyond a prefix)."""
+    """The prefixes, and per case its own 80 prompts (unique suffixes: no run finds pages that an
+    earlier run saved beyond a prefix)."""
 
     def __init__(self, args, vocab_size: int):
         self.rng = np.random.default_rng(args.seed)
@@ -123,7 +124,8 @@ class Reference:
             return
         # Room for every prefix and the suffix blocks of every prompt: nothing of a prefix is evicted.
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
-                                        + 4 * workload.num_requests * len(args.batches.split(",")) + 64, 1)
+                                        + 4 * workload.num_requests * len(args.batches.split(","))
+                                        * len(args.policies.split(",")) * 2 + 64, 1)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-reference")
         control = TierControl(daemon, connector.geometry)
@@ -283,15 +285,17 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             l2_bytes = max(pages * bytes_per_page, 8 << 20)
             daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir)
         reference = Reference(model, workload, daemon, args)
+        cases = [(tier, policy) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
         for batch in batches:
-            prompts = workload.prompts()
-            expected = {"recompute": reference.recompute(prompts)}
-            if daemon is not None:
-                expected["own_cache"] = reference.own_cache(prompts)
             baseline = None
-            cases = [(tier, policy) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
             for tier, policy in cases:
                 try:
+                    # Prompts of the case's own: an earlier case's saves (a prompt's suffix pages) in
+                    # the shared daemon would serve more than the prefix, which neither reference is.
+                    prompts = workload.prompts()
+                    expected = {"recompute": reference.recompute(prompts)}
+                    if tier != "none":
+                        expected["own_cache"] = reference.own_cache(prompts)
                     row = run_case(model, workload, prompts, tier, policy, batch, daemon, reference, expected, args)
                 except Exception as exc:        # recorded; the other cases go on
                     fail(f"{tier} {policy} batch {batch}", exc)

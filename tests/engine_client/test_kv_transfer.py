@@ -6,6 +6,7 @@ engine's blocks (a peer restore), one block copy, bit for bit (on CUDA too where
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -23,6 +24,13 @@ from tests.engine_client.blocks import distinct_block_pairs
 L, N, P, H, D = 3, 12, 4, 2, 8
 NUM_HOST_PAGES = 16
 BACKEND_NAMES = ["torch"] + (["triton"] if triton_available() else [])
+
+
+def pool_dir(device: str) -> str:
+    """A new directory for a test's L2 file: on CUDA under /dev/shm, where the daemon's segment
+    lives, since cudaHostRegister refuses a shared mapping of a file on a disk's file system
+    (invalid argument); removed by the caller."""
+    return tempfile.mkdtemp(prefix="kvcached-test-l2-", dir="/dev/shm" if device == "cuda" else None)
 
 
 def random_bits(shape, generator) -> torch.Tensor:
@@ -54,13 +62,14 @@ class Case:
     """An engine's KV tensors of one layout kind (on ``device``), an L2 pool of random pages in a file
     (pinned on CUDA), and how to read one layer of a block and one layer of an L2 page as bytes."""
 
-    def __init__(self, kind: str, seed: int, tmp_path, device: str = "cpu"):
+    def __init__(self, kind: str, seed: int, device: str = "cpu"):
         generator = torch.Generator().manual_seed(seed)
         self.kind = kind
         self.tensors = engine_tensors(kind, generator, device)
         self.layout = describe_layout(kind, self.tensors)
         geometry = self.layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
-        path = os.path.join(tmp_path, f"l2-{kind}")
+        self.dir = pool_dir(device)
+        path = os.path.join(self.dir, f"l2-{kind}")
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
                                   dtype=torch.uint8).numpy().tobytes())
@@ -81,11 +90,12 @@ class Case:
             self.pool.close()
         except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
             pass
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
-def case(request, tmp_path, seed):
-    made = Case(request.param, seed, tmp_path)
+def case(request, seed):
+    made = Case(request.param, seed)
     yield made
     made.close()
 
@@ -373,7 +383,7 @@ def compiled_binaries(kernel) -> int:
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("kind", ["pool", "layer", "blocks"])
 def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_compiles_nothing(
-        kind, backend, tmp_path, rng, seed, monkeypatch):
+        kind, backend, rng, seed, monkeypatch):
     """On a GPU: copies out of another engine's CUDA tensors of 1, 5 and 9 pages (the last in chunks
     of 2 pages through the device id ring), each queued after an event of the caller's stream that
     follows a rewrite of the source blocks (behind a ~0.1 s sleep), give every named block the
@@ -382,7 +392,7 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
     construction warmed it)."""
     from engine_client import block_copy
 
-    case = Case(kind, seed, tmp_path, device="cuda")
+    case = Case(kind, seed, device="cuda")
     try:
         peer_tensors = engine_tensors(kind, torch.Generator().manual_seed(seed + 1), "cuda")
         peer = SegmentTable(describe_layout(kind, peer_tensors))
@@ -419,14 +429,14 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["layered, groups of 2 layers", "layered, a group per layer", "whole"])
 @pytest.mark.parametrize("kind", ["pool", "layer", "blocks"])
-def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, tmp_path, rng, seed, monkeypatch):
+def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, rng, seed, monkeypatch):
     """On a GPU, a load of random L2 pages (runs and single pages) into other random blocks gives
     every layer of each named block its page's bytes and leaves every other block as it was, layered
     (its strided copies on the copy stream, its scatters on the scatter stream) or whole; layered,
     the layers of a group share one event, groups have distinct ones, the last is the load's end."""
     if mode == "layered, groups of 2 layers":
         monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
-    case = Case(kind, seed, tmp_path, device="cuda")
+    case = Case(kind, seed, device="cuda")
     try:
         host_page_ids, block_ids = pages_and_blocks(rng)
         transfer = KVTransfer(case.layout, case.pool, backend="auto")
@@ -462,7 +472,8 @@ def many_chunk_load(device: str, seed: int, rng) -> tuple[str, int]:
     tensors = random_bits((2, layers, num_blocks, P, H, D), generator).to(device)
     layout = describe_layout("pool", tensors)
     geometry = layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
-    with tempfile.TemporaryDirectory() as tmp:
+    tmp = pool_dir(device)
+    try:
         path = os.path.join(tmp, "l2-many-chunks")
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (num_pages * geometry.bytes_per_page,), generator=generator,
@@ -490,6 +501,8 @@ def many_chunk_load(device: str, seed: int, rng) -> tuple[str, int]:
                 pool.close()
             except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
                 pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return failed, -(-num_pages // chunk_pages)
 
 
@@ -505,7 +518,7 @@ def test_on_cuda_a_layered_load_of_more_chunks_than_a_4096_id_ring_holds_is_bit_
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing(tmp_path, rng, seed, monkeypatch):
+def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing(rng, seed, monkeypatch):
     """On a GPU with the Triton backend, a "blocks" layout in groups of 2 layers of its 3 (the last
     group one layer: one segment, a count Triton compiles a kernel of its own for) loads bit for
     bit without compiling the gather/scatter kernel: the construction warmed every group's."""
@@ -514,7 +527,7 @@ def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing
     from engine_client import block_copy
 
     monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", 2)
-    case = Case("blocks", seed, tmp_path, device="cuda")
+    case = Case("blocks", seed, device="cuda")
     try:
         transfer = KVTransfer(case.layout, case.pool, backend="triton")
         assert transfer.layer_groups == [(0, 1), (2,)] and transfer.group_tables[-1].num_segments == 1
