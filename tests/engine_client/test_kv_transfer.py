@@ -5,6 +5,7 @@ engine's blocks (a peer restore), one block copy, bit for bit (on CUDA too where
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -64,7 +65,7 @@ class Case:
 
     def __init__(self, kind: str, seed: int, device: str = "cpu"):
         generator = torch.Generator().manual_seed(seed)
-        self.kind = kind
+        self.kind, self.device = kind, device
         self.tensors = engine_tensors(kind, generator, device)
         self.layout = describe_layout(kind, self.tensors)
         geometry = self.layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
@@ -86,6 +87,8 @@ class Case:
                           for s in self.layout.layer_segments(layer)]).clone()
 
     def close(self) -> None:
+        if self.device == "cuda":   # views of the pool in cycles (a transfer's) go first: a pinned
+            gc.collect()            # pool unmapped later stays registered, and the next one fails
         try:
             self.pool.close()
         except RuntimeError:    # a failed test's traceback still holds a view: unmapped with it
@@ -423,6 +426,7 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
         if kernel is not None:
             assert compiled_binaries(kernel) == compiled, f"{compiled_binaries(kernel) - compiled} compilations"
     finally:
+        transfer = done = None      # its views of the pool, or the pool stays registered once unmapped
         case.close()
 
 
@@ -460,6 +464,7 @@ def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, rng, 
             for layer in range(L):
                 assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
     finally:
+        transfer = done = None      # its views of the pool, or the pool stays registered once unmapped
         case.close()
 
 
@@ -543,4 +548,5 @@ def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing
         assert compiled_binaries(block_copy._copy_blocks_kernel) == compiled, \
             f"{compiled_binaries(block_copy._copy_blocks_kernel) - compiled} compilations"
     finally:
+        transfer = done = None      # its views of the pool, or the pool stays registered once unmapped
         case.close()
