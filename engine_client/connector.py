@@ -337,6 +337,10 @@ class KVConnector:
         # A re-attach's pool, mapped in the background (_open_next_pool), swapped in by poll.
         self._next_lock = threading.Lock()
         self._next_pool: tuple[int, AttachInfo, SharedHostPool] | None = None
+        # Ended sessions' pools that a caller's view kept open: closed (unpinned, then unmapped) by
+        # a later poll once the view is gone. Dropped instead, a pinned pool would be unmapped by
+        # the view's end still registered with CUDA, and a later mapping at its address not pinned.
+        self._ended_pools: list[SharedHostPool] = []
         self._remap_threads: list[threading.Thread] = []
         client.add_reattach_listener(self._on_reattach)
         self._report(force=True)
@@ -482,6 +486,8 @@ class KVConnector:
         for request in list(self._requests.values()):
             self._advance(request)
         self._follow_session()
+        if self._ended_pools:
+            self._close_ended_pools()
         if self.peer is not None:
             self.peer.poll()
         self._count_refusals(self.client.poll_errors())
@@ -987,10 +993,22 @@ class KVConnector:
         self.host_pool, self._generation, self._session = pool, generation, info
         try:
             old.close()
-        except RuntimeError as exc:     # a view of it still lives: it is unmapped with the view
-            logger.error("the ended session's L2 pool stays mapped: %s", exc)
+        except RuntimeError as exc:     # a view of it still lives: closed by a poll once it is gone
+            logger.warning("the ended session's L2 pool stays mapped until its last view is dropped: %s", exc)
+            self._ended_pools.append(old)
         logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
         self._report(force=True)
+
+    def _close_ended_pools(self) -> None:
+        still_viewed = []
+        for pool in self._ended_pools:
+            try:
+                pool.close()
+            except RuntimeError:
+                still_viewed.append(pool)
+            else:
+                logger.info("the ended session's L2 pool is closed")
+        self._ended_pools = still_viewed
 
     # ---- shutdown ---------------------------------------------------------------------------------
 
@@ -1035,6 +1053,10 @@ class KVConnector:
                 self.host_pool.close()
                 if next_pool is not None:
                     next_pool[2].close()
+                self._close_ended_pools()
+                if self._ended_pools:
+                    logger.error("%d ended sessions' L2 pools stay mapped and pinned: a view of each is alive",
+                                 len(self._ended_pools))
             finally:
                 self.client.close()
                 for thread in remap_threads:    # one still mapping closes what it maps (_closed)

@@ -270,6 +270,56 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
             restarted.cleanup()
 
 
+def mapped_inodes(path: str) -> set[int]:
+    """Inodes of this process's mappings of ``path`` (or of the file unlinked from it: "(deleted)")."""
+    with open("/proc/self/maps") as maps:
+        return {int(fields[4]) for fields in (line.split() for line in maps) if len(fields) > 5 and fields[5] == path}
+
+
+def test_an_ended_sessions_pool_held_by_a_view_is_closed_once_the_view_is_dropped(daemon, caplog):
+    """A view of the engine's L2 pool still alive when a daemon restart swaps in the new session's
+    pool: the old pool stays open and mapped (one warning says why) while the view lives, next to
+    the new one, and the first poll after the view is dropped closes it and its mapping goes (left
+    to the view's end instead, a pinned pool would be unmapped still registered with CUDA)."""
+    seed = 5151
+    rng = np.random.default_rng(seed)
+    caplog.set_level(logging.INFO)
+    engine = make_manager(daemon.socket_path, "engine")
+    restarted = None
+    try:
+        segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        old_inode = os.stat(segment).st_ino
+        assert prefill_and_finish(engine, random_tokens(rng, 2 * PAGE), seed)[1] == 2
+        old_pool = engine.host_pool
+        view = old_pool.pages[:2]
+        held = view.clone()
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: engine.client.state is ConnectionState.DOWN, 5.0, "the engine saw the daemon go")
+        restarted = DaemonProcess(socket_dir=daemon.socket_dir).start()
+        new_inode = os.stat(segment).st_ino
+
+        def swapped():
+            engine.connector.poll()
+            return mapped_inodes(segment) == {old_inode, new_inode} and engine.host_pool.pages.data_ptr() != \
+                view.data_ptr()
+        wait_until(swapped, 5.0, "the new session's pool in use, the old one mapped beside it")
+        assert torch.equal(view.view(torch.int16), held.view(torch.int16)), "the old pool changed under its view"
+        kept = [m for m in engine_warnings(caplog) if "stays mapped until its last view is dropped" in m]
+        assert len(kept) == 1, engine_warnings(caplog)
+        for _ in range(3):                  # polls while the view lives close nothing
+            engine.connector.poll()
+        assert not old_pool.closed and mapped_inodes(segment) == {old_inode, new_inode}
+
+        del view
+        engine.connector.poll()
+        assert old_pool.closed and mapped_inodes(segment) == {new_inode}
+    finally:
+        engine.close()
+        if restarted is not None:
+            restarted.stop()
+            restarted.cleanup()
+
+
 def test_a_stalled_daemon_is_down_then_attached_again(daemon, caplog):
     """A daemon that stops answering (SIGSTOP) puts the client DOWN from a missed heartbeat reply;
     once it runs again (SIGCONT) the client is attached within 2 s, its session kept or replaced."""
