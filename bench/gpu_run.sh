@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 run: every GPU check and benchmark, in stages; one call of this script ends within 9
-# minutes (a device call's limit is 10), so the whole run takes two:
+# minutes (a device call's limit is 10), so the whole run takes three:
 #
 #   bash bench/gpu_run.sh tests,connector,overlap,stress     (from the repository root, with the
 #   bash bench/gpu_run.sh ttft,policy                          pyzmq wheel in .whl/ carried)
