@@ -120,7 +120,8 @@ class Owner:
 
 def read(args) -> int:
     tensors = new_tensors(args.device)
-    connector = register(args.socket, f"peer-reader-{args.seed}", tensors)
+    # Policy "always": the reader copies whatever the owner offers, however long its copies took.
+    connector = register(args.socket, f"peer-reader-{args.seed}", tensors, policy="always")
     blocks = list(range(PREFIX_PAGES))
     loaded = restores = 0
     while not stdin_closed(0.0):

@@ -64,9 +64,12 @@ class OwnerProcess:
 class Reader:
     """An engine of the same namespace with its own (untouched) tensors and connector."""
 
-    def __init__(self, socket_path: str, device: str = "cpu", **config):
+    def __init__(self, socket_path: str, device: str = "cpu", policy: str = "always", **config):
+        # Policy "always" unless a test is about the decision: a cost decision turns on how long
+        # earlier copies took, which on a loaded 2-core machine can be any time (one slow copy
+        # priced the peer out of every later match: no copy, and so no sample, ever came again).
         self.tensors = new_tensors(device)
-        self.connector = register(socket_path, "peer-reader", self.tensors, **config)
+        self.connector = register(socket_path, "peer-reader", self.tensors, policy=policy, **config)
         self.requests = 0
 
     def wait_for_peers(self, count: int = 1, timeout_s: float = 20.0, peer_id: int | None = None) -> None:
@@ -212,9 +215,16 @@ def test_the_cost_model_chooses_the_peer_and_learns_its_copies_as_d2d_samples(da
     sample: nothing came from L2); a reader under policy "never" is told to recompute, and its load
     copies nothing from the owner though the owner offers every page."""
     owner = owners(daemon.socket_path, seed, "hold")
-    reader = Reader(daemon.socket_path)
+    reader = Reader(daemon.socket_path, policy="cost")
     never = Reader(daemon.socket_path, policy="never")
     try:
+        # The namespace's recompute priced far above any copy (prefills the reader reports, of
+        # varied sizes: 50 ms a token), so that the choices below do not turn on this machine's
+        # copy times.
+        for num_tokens in (20, 40, 80):
+            reader.connector.report_prefill(num_tokens, num_tokens * 0.050)
+        reader.connector.flush_report()
+        reader.connector.flush()
         reader.wait_for_peers(peer_id=owner.info["peer_id"])
         never.wait_for_peers(peer_id=owner.info["peer_id"])
         blocks = list(range(1, PREFIX_PAGES + 1))
