@@ -76,27 +76,6 @@ class SegmentTable:
         return (num_pages, self.num_segments, self.segment_words)
 
 
-def check_args(table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """Raise TypeError/ValueError unless block_ids and packed describe a copy of whole pages."""
-    if not isinstance(block_ids, torch.Tensor) or not isinstance(packed, torch.Tensor):
-        raise TypeError("block_ids and packed must be tensors")
-    if block_ids.dim() != 1 or block_ids.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"block_ids must be a 1-D int32 or int64 tensor, got {block_ids.dtype} "
-                        f"of shape {tuple(block_ids.shape)}")
-    if packed.dtype != table.word_dtype:
-        raise TypeError(f"packed must hold {table.word_dtype} words, got {packed.dtype}")
-    expected = table.packed_shape(block_ids.shape[0])
-    if tuple(packed.shape) != expected:
-        raise ValueError(f"packed has shape {tuple(packed.shape)}, {block_ids.shape[0]} pages need {expected}")
-    if not packed.is_contiguous():
-        raise ValueError(f"packed must be contiguous, got strides {packed.stride()}")
-    if block_ids.stride(0) != 1 and block_ids.shape[0] > 1:
-        raise ValueError("block_ids must be contiguous")
-    if not (packed.device == block_ids.device == table.device):
-        raise ValueError(f"packed ({packed.device}), block_ids ({block_ids.device}) and the KV tensors "
-                         f"({table.device}) must be on one device")
-
-
 def _check_ids(name: str, block_ids: torch.Tensor) -> None:
     if not isinstance(block_ids, torch.Tensor):
         raise TypeError(f"{name} must be a tensor")
@@ -105,6 +84,23 @@ def _check_ids(name: str, block_ids: torch.Tensor) -> None:
                         f"of shape {tuple(block_ids.shape)}")
     if block_ids.stride(0) != 1 and block_ids.shape[0] > 1:
         raise ValueError(f"{name} must be contiguous")
+
+
+def check_args(table: SegmentTable, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless block_ids and packed describe a copy of whole pages."""
+    _check_ids("block_ids", block_ids)
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError("packed must be a tensor")
+    if packed.dtype != table.word_dtype:
+        raise TypeError(f"packed must hold {table.word_dtype} words, got {packed.dtype}")
+    expected = table.packed_shape(block_ids.shape[0])
+    if tuple(packed.shape) != expected:
+        raise ValueError(f"packed has shape {tuple(packed.shape)}, {block_ids.shape[0]} pages need {expected}")
+    if not packed.is_contiguous():
+        raise ValueError(f"packed must be contiguous, got strides {packed.stride()}")
+    if not (packed.device == block_ids.device == table.device):
+        raise ValueError(f"packed ({packed.device}), block_ids ({block_ids.device}) and the KV tensors "
+                         f"({table.device}) must be on one device")
 
 
 def check_copy_args(source: SegmentTable, source_block_ids: torch.Tensor, target: SegmentTable,
