@@ -65,7 +65,7 @@ class Case:
 
     def __init__(self, kind: str, seed: int, device: str = "cpu"):
         generator = torch.Generator().manual_seed(seed)
-        self.kind, self.device = kind, device
+        self.kind, self.device, self.seed = kind, device, seed
         self.tensors = engine_tensors(kind, generator, device)
         self.layout = describe_layout(kind, self.tensors)
         geometry = self.layout.geometry("transfer-test", page_size=P, num_kv_heads=H, head_dim=D)
@@ -85,6 +85,22 @@ class Case:
         page_bytes = self.pool.byte_view()[page * self.layout.page_bytes: (page + 1) * self.layout.page_bytes]
         return torch.cat([page_bytes[s * segment_bytes: (s + 1) * segment_bytes]
                           for s in self.layout.layer_segments(layer)]).clone()
+
+    def other_blocks(self, block_ids) -> dict[int, list[torch.Tensor]]:
+        """Every layer, as bytes, of each block not in block_ids: what a load must leave as it was."""
+        return {b: [self.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+
+    def check_loaded(self, host_page_ids, block_ids, what: str, others=None) -> None:
+        """Every layer of block block_ids[i] holds that layer of L2 page host_page_ids[i]; each block
+        of ``others`` (``other_blocks`` before the load) holds what it held."""
+        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
+            for layer in range(L):
+                assert torch.equal(self.block_layer(block, layer), self.page_layer(page, layer)), \
+                    f"seed {self.seed}: block {block} layer {layer} (page {page}{what})"
+        for block, layers in (others or {}).items():
+            for layer in range(L):
+                assert torch.equal(self.block_layer(block, layer), layers[layer]), \
+                    f"seed {self.seed}: block {block} touched"
 
     def close(self) -> None:
         if self.device == "cuda":   # views of the pool in cycles (a transfer's) go first: a pinned
@@ -141,16 +157,10 @@ def test_a_load_writes_every_layer_of_the_named_blocks_bit_for_bit(case, shape, 
         case.pool.chunk_pieces = cut_every(2, case.layout.page_bytes)
     chunk_pages = transfer.lanes["load"].chunk_pages
     assert chunk_pages == L // 2 if shape == "chunks of 3 pages" else chunk_pages >= len(block_ids), chunk_pages
-    others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+    others = case.other_blocks(block_ids)
     done = transfer.load(host_page_ids, block_ids)
     assert done.done() and len(done.layer_events) == L
-    for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
-                f"seed {seed}: block {block} layer {layer} (page {page}, {shape}, {backend})"
-    for block, layers in others.items():
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+    case.check_loaded(host_page_ids, block_ids, f", {shape}, {backend}", others)
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
@@ -163,16 +173,10 @@ def test_a_load_of_pages_in_many_runs_goes_whole_bit_for_bit(case, backend, rng,
     host_page_ids = np.sort(rng.choice(NUM_HOST_PAGES, LAYERWISE_MAX_RUNS + 2, replace=False))[::-1].astype(np.int64)
     block_ids = rng.permutation(N)[: len(host_page_ids)]
     assert len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS
-    others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+    others = case.other_blocks(block_ids)
     done = KVTransfer(case.layout, case.pool, backend=backend).load(host_page_ids, block_ids)
     assert done.done() and done.layer_events is None
-    for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
-                f"seed {seed}: block {block} layer {layer} (page {page}, {backend})"
-    for block, layers in others.items():
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+    case.check_loaded(host_page_ids, block_ids, f", {backend}", others)
 
 
 @pytest.mark.parametrize("load_groups", [12, 2])
@@ -222,16 +226,10 @@ def test_a_load_not_layered_goes_whole_bit_for_bit(case, rng, seed, monkeypatch)
     transfer = KVTransfer(case.layout, case.pool, backend="torch")
     copies = []
     monkeypatch.setattr(transfer, "_copy_rows", lambda *a: copies.append(a))   # the layered path's strided copies
-    others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+    others = case.other_blocks(block_ids)
     done = transfer.load(host_page_ids, block_ids, layered=False)
     assert done.done() and done.layer_events is None and not copies
-    for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), case.page_layer(page, layer)), \
-                f"seed {seed}: block {block} layer {layer} (page {page})"
-    for block, layers in others.items():
-        for layer in range(L):
-            assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+    case.check_loaded(host_page_ids, block_ids, "", others)
 
 
 @pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
@@ -446,7 +444,7 @@ def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, rng, 
     try:
         host_page_ids, block_ids = pages_and_blocks(rng)
         transfer = KVTransfer(case.layout, case.pool, backend="auto")
-        others = {b: [case.block_layer(b, layer) for layer in range(L)] for b in range(N) if b not in block_ids}
+        others = case.other_blocks(block_ids)
         done = transfer.load(host_page_ids, block_ids, layered=mode != "whole")
         torch.cuda.synchronize()
         assert done.done() and done.seconds() > 0
@@ -458,13 +456,7 @@ def test_on_cuda_a_load_is_bit_for_bit_with_an_event_per_group(kind, mode, rng, 
             events = done.layer_events
             assert len(events) == L and len({id(e) for e in events}) == len(groups) and events[-1] is done.done_event
             assert all(events[layer] is events[group[0]] for group in groups for layer in group)
-        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
-            for layer in range(L):
-                assert torch.equal(case.block_layer(block, layer).cpu(), case.page_layer(page, layer).cpu()), \
-                    f"seed {seed}: block {block} layer {layer} (page {page}, {mode})"
-        for block, layers in others.items():
-            for layer in range(L):
-                assert torch.equal(case.block_layer(block, layer), layers[layer]), f"seed {seed}: block {block} touched"
+        case.check_loaded(host_page_ids, block_ids, f", {mode}", others)
     finally:
         transfer = done = None      # its views of the pool, or the pool stays registered once unmapped
         case.close()
@@ -543,10 +535,7 @@ def test_on_cuda_a_layered_load_whose_last_group_is_one_segment_compiles_nothing
         done = transfer.load(host_page_ids, block_ids)
         torch.cuda.synchronize()
         assert done.done() and len(done.layer_events) == L
-        for page, block in zip(host_page_ids.tolist(), block_ids.tolist()):
-            for layer in range(L):
-                assert torch.equal(case.block_layer(block, layer).cpu(), case.page_layer(page, layer).cpu()), \
-                    f"seed {seed}: block {block} layer {layer} (page {page})"
+        case.check_loaded(host_page_ids, block_ids, "")
         assert compiled_binaries(block_copy._copy_blocks_kernel) == compiled, \
             f"{compiled_binaries(block_copy._copy_blocks_kernel) - compiled} compilations"
     finally:
