@@ -309,6 +309,16 @@ def all_layers(kind: str, tensors) -> dict[int, list[torch.Tensor]]:
     return {block: [block_layer(kind, tensors, block, layer) for layer in range(L)] for block in range(N)}
 
 
+def check_copied(own_after, source_layers, own_before, source_ids, block_ids, what: str) -> None:
+    """Every layer of block block_ids[i] (in ``own_after``, as ``all_layers`` gives) holds that of
+    source block source_ids[i] (in ``source_layers``); every other block what it held before."""
+    source_of = dict(zip(block_ids.tolist(), source_ids.tolist()))
+    for block in range(N):
+        expected = source_layers[source_of[block]] if block in source_of else own_before[block]
+        for layer in range(L):
+            assert torch.equal(own_after[block][layer], expected[layer]), f"{what}: block {block} layer {layer}"
+
+
 def same_bytes(layers: dict[int, list[torch.Tensor]], other: dict[int, list[torch.Tensor]]) -> bool:
     return layers.keys() == other.keys() and all(torch.equal(a, b) for block in layers
                                                  for a, b in zip(layers[block], other[block]))
@@ -335,12 +345,9 @@ def test_a_copy_from_a_peer_is_one_block_copy_bit_for_bit(case, shape, backend, 
     assert done.done() and calls == {"gather": 0, "scatter": 0, "copy_blocks": 1 if shape == "one launch" else 3}, \
         (calls, seed)
     own_after, peer_after = all_layers(case.kind, case.tensors), all_layers(case.kind, peer_tensors)
-    source_of = dict(zip(block_ids.tolist(), source_ids.tolist()))
+    check_copied(own_after, peer_before, own_before, source_ids, block_ids, f"seed {seed} ({shape}, {backend})")
     for block in range(N):
-        expected = peer_before[source_of[block]] if block in source_of else own_before[block]
         for layer in range(L):
-            assert torch.equal(own_after[block][layer], expected[layer]), \
-                f"seed {seed}: block {block} layer {layer} ({shape}, {backend})"
             assert torch.equal(peer_after[block][layer], peer_before[block][layer]), f"seed {seed}: peer block {block}"
 
 
@@ -417,12 +424,8 @@ def test_on_cuda_a_copy_from_a_peer_is_bit_for_bit_after_the_callers_work_and_co
             torch.cuda.synchronize()
             assert done.done() and done.seconds() > 0, (count, seed)
             peer_now, own_after = all_layers(kind, peer_tensors), all_layers(kind, case.tensors)
-            source_of = dict(zip(block_ids.tolist(), source_ids.tolist()))
-            for block in range(N):
-                expected = peer_now[source_of[block]] if block in source_of else own_before[block]
-                for layer in range(L):
-                    assert torch.equal(own_after[block][layer], expected[layer]), \
-                        f"seed {seed}: {count} pages: block {block} layer {layer} ({backend})"
+            check_copied(own_after, peer_now, own_before, source_ids, block_ids,
+                         f"seed {seed}: {count} pages ({backend})")
         if kernel is not None:
             assert compiled_binaries(kernel) == compiled, f"{compiled_binaries(kernel) - compiled} compilations"
     finally:
