@@ -586,19 +586,25 @@ def test_invalid_max_workers_raises():
         IoExecutor(max_workers=0)
 
 
+async def run_all(executor: IoExecutor, move, storage, arena, pairs, timeout_s: float = 30.0) -> list:
+    """``move`` (write_pages or read_pages) of each (sources, targets) pair of page ids, all at once
+    on the executor; their results, within timeout_s (a deadlock fails the test, not hangs it)."""
+    jobs = [executor.run(move, storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(sources), list(targets))
+            for sources, targets in pairs]
+    return await asyncio.wait_for(asyncio.gather(*jobs), timeout=timeout_s)
+
+
 def test_concurrent_reads_and_writes_through_the_executor(storage, arena):
     """Writes and reads of disjoint slots run concurrently on the pool and every page arrives bit-exact."""
     async def main():
         executor = IoExecutor(max_workers=4)
         try:
             expected = {dst: arena.page(src) for src, dst in zip(range(0, 12), range(12, 24))}
-            writes = [executor.run(write_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE,
-                                   [src], [slot]) for src, slot in zip(range(0, 12), range(12))]
-            write_results = await asyncio.gather(*writes)
+            write_results = await run_all(executor, write_pages, storage, arena,
+                                          [([src], [slot]) for src, slot in zip(range(0, 12), range(12))])
             assert all(isinstance(result, IoResult) and result.num_extents == 1 for result in write_results)
-            reads = [executor.run(read_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE,
-                                  [slot], [dst]) for slot, dst in zip(range(12), range(12, 24))]
-            await asyncio.gather(*reads)
+            await run_all(executor, read_pages, storage, arena,
+                          [([slot], [dst]) for slot, dst in zip(range(12), range(12, 24))])
             assert {dst: arena.page(dst) for dst in expected} == expected
             executor.check_integrity()
         finally:
@@ -853,15 +859,11 @@ def test_concurrent_sliced_jobs_through_the_executor(storage, arena, small_slice
     async def main():
         executor = IoExecutor(max_workers=4)
         try:
-            writes = [executor.run(write_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE, pages, pages)
-                      for pages in (list(range(0, 6)), list(range(6, 12)))]
-            await asyncio.wait_for(asyncio.gather(*writes), timeout=30)
+            await run_all(executor, write_pages, storage, arena, [(pages, pages) for pages in (range(0, 6), range(6, 12))])
             slot_to_dst = [(range(0, 6), range(12, 18)), (range(6, 12), range(18, 24)),
                            (range(0, 4), range(24, 28)), (range(6, 10), range(28, 32))]
             expected = {dst: arena.page(slot) for slots, dsts in slot_to_dst for slot, dst in zip(slots, dsts)}
-            reads = [executor.run(read_pages, storage, LAYOUT, arena.view, BYTES_PER_PAGE, list(slots), list(dsts))
-                     for slots, dsts in slot_to_dst]
-            await asyncio.wait_for(asyncio.gather(*reads), timeout=30)
+            await run_all(executor, read_pages, storage, arena, slot_to_dst)
             assert {dst: arena.page(dst) for dst in expected} == expected
             executor.check_integrity()
         finally:
