@@ -122,10 +122,13 @@ class Reference:
         self.cache_engine = self.saved_kv = None
         if daemon is None:
             return
-        # Room for every prefix and the suffix blocks of every prompt: nothing of a prefix is evicted.
+        # Room for every prefix and the suffix blocks of every prompt of every case it is the
+        # reference of (each tier with a connector, policy and batch: prompts of its own), so that
+        # nothing of a prefix is evicted.
+        num_cases = len([t for t in args.tiers.split(",") if t != "none"]) * len(args.policies.split(",")) \
+            * len(args.batches.split(","))
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
-                                        + 4 * workload.num_requests * len(args.batches.split(","))
-                                        * len(args.policies.split(",")) * 2 + 64, 1)
+                                        + 4 * workload.num_requests * num_cases + 64, 1)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-reference")
         control = TierControl(daemon, connector.geometry)
@@ -174,7 +177,8 @@ def run_case(model, workload: Workload, prompts, tier: str, policy: str, batch: 
 def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, args):
     """A daemon of its own for the L3-cold tier: an O_DIRECT L3 holding every prefix (written by
     the reference's cache engine, so its KV is the own-cache reference's) and an L2 holding about
-    1.5 x batch requests (the promotions and write-throughs of a batch in flight need room), fewer than the rotation's 8 prefixes (for batch <= 5)."""
+    1.5 x batch requests (the promotions and write-throughs of a batch in flight need room), fewer
+    than the rotation's 8 prefixes (for batch <= 5)."""
     bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
     per_request = workload.blocks_per_request
     l2_pages = max(2 * per_request, int(1.5 * batch * per_request)) + 8
