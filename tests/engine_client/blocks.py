@@ -1,8 +1,16 @@
-"""Block ids for the copy tests of test_block_copy.py and test_kv_transfer.py."""
+"""Random KV bits and block ids for the copy tests (test_block_copy.py, test_kv_transfer.py, the
+connector's integration tests)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+
+def random_bits(shape, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random 16-bit patterns viewed as ``dtype`` (NaN and infinity patterns included), on ``device``."""
+    return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(dtype).to(device)
 
 
 def distinct_block_pairs(rng, count: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,15 +10,10 @@ import torch
 from engine_client.block_copy import (BACKENDS, SegmentTable, copy_blocks_torch, copy_blocks_triton, gather_triton,
                                       scatter_triton, triton_available)
 from engine_client.layout import describe_layout
-from tests.engine_client.blocks import distinct_block_pairs
+from tests.engine_client.blocks import distinct_block_pairs, random_bits
 
 L, N, P, H, D = 3, 9, 4, 2, 8
 SEED = 20261201
-
-
-def random_bits(shape, generator, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
-    """Random bits, NaN and infinity patterns included (never zeros)."""
-    return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(dtype).to(device)
 
 
 def make_case(name: str, generator, device="cpu"):

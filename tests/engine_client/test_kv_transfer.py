@@ -20,7 +20,7 @@ from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
 from proto.messages import KVGeometry
-from tests.engine_client.blocks import distinct_block_pairs
+from tests.engine_client.blocks import distinct_block_pairs, random_bits
 
 L, N, P, H, D = 3, 12, 4, 2, 8
 NUM_HOST_PAGES = 16
@@ -32,11 +32,6 @@ def pool_dir(device: str) -> str:
     lives, since cudaHostRegister refuses a shared mapping of a file on a disk's file system
     (invalid argument); removed by the caller."""
     return tempfile.mkdtemp(prefix="kvcached-test-l2-", dir="/dev/shm" if device == "cuda" else None)
-
-
-def random_bits(shape, generator) -> torch.Tensor:
-    """Random bf16 bit patterns (NaNs included), never zeros."""
-    return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(torch.bfloat16)
 
 
 def engine_tensors(kind: str, generator, device: str = "cpu"):

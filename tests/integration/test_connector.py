@@ -13,16 +13,12 @@ import torch
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
 from kvcached.server.status import render_table
+from tests.engine_client.blocks import random_bits
 from tests.integration.daemon_proc import DaemonProcess
 
 L, N, P, H, D = 3, 24, 16, 2, 32
 MODEL = "connector-test"
 SEED = 1201
-
-
-def random_bits(shape, generator) -> torch.Tensor:
-    """Random bf16 bit patterns (NaNs included), never zeros."""
-    return torch.randint(-2**15, 2**15, shape, generator=generator, dtype=torch.int16).view(torch.bfloat16)
 
 
 class Engine:
