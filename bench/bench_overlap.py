@@ -59,10 +59,10 @@ import traceback
 import numpy as np
 import torch
 
-from bench.common import exit_on_sigterm, median, print_table, write_result
+from bench.common import exit_on_sigterm, gc_paused, median, print_table, write_result
 from bench.engine import Engine, EngineConfig, Request, load_model
 from bench.engine.load import LoadState
-from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_request,
+from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request,
                          run_to_idle, settle)
 from engine_client.connector import ConnectorConfig
 

@@ -49,11 +49,10 @@ import traceback
 import numpy as np
 import torch
 
-from bench.common import exit_on_sigterm, percentile, print_table, write_result
+from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.stress_engines import Spec, run_engines
-from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, prefix_kv, run_request,
-                         settle)
+from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
 
 BLOCK_SIZE = 16
 STRESS_TIERS = ("none", "l2", "l3-cold")

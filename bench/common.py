@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -121,3 +123,16 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside a timed region (a full collection of a large heap takes ms);
+    what it would have collected is collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -23,9 +23,9 @@ import traceback
 import numpy as np
 import torch
 
-from bench.common import percentile
+from bench.common import gc_paused, percentile
 from bench.engine import Engine, EngineConfig, load_model
-from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, gc_paused, settle
+from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, settle
 from engine_client.client import connect
 
 BLOCK_SIZE = 16

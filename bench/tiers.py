@@ -17,9 +17,7 @@ L3 read is a daemon started with ``--l3-o-direct`` whose L3 file's page cache is
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import shutil
@@ -137,18 +135,6 @@ def run_request(engine: Engine, token_ids, max_new_tokens: int, timeout_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"request {request.request_id} did not finish within {timeout_s} s")
     return request
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """No garbage collection inside a timed region (a full collection of a large heap takes ms)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def prefix_kv(engine: Engine, token_ids) -> torch.Tensor:

@@ -20,8 +20,9 @@ import time
 import torch
 
 from bench.bench_ttft import BLOCK_SIZE, daemon_sizes, make_point, save_prefixes
+from bench.common import gc_paused
 from bench.engine import load_model
-from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, gc_paused, run_request, settle
+from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, run_request, settle
 
 
 class Timeline:

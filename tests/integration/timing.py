@@ -13,10 +13,11 @@ is not that call's cost; the garbage is collected after, outside the timing.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Callable, NamedTuple, TypeVar
+
+from bench.common import gc_paused
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 HAVE_SCHEDSTAT = os.path.exists(SCHEDSTAT)
@@ -42,14 +43,9 @@ def runqueue_wait_s() -> float:
 
 
 def timed(call: Callable[[], T]) -> tuple[T, CallTime]:
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         waited = runqueue_wait_s()
         started = time.perf_counter()
         result = call()
         wall_s = time.perf_counter() - started
         return result, CallTime(wall_s, runqueue_wait_s() - waited)
-    finally:
-        if collecting:
-            gc.enable()
