@@ -15,6 +15,7 @@
 #   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost: the cost model's choices       -> policy.json
+#   trace      trace_restore: where restored requests' TTFT goes           -> trace.log only
 # Results go to bench/results/h200/ and to $OUT with each stage's log, plus $OUT/env.txt. Each
 # stage runs under `timeout`, which sends SIGTERM to the stage's process group (the daemons it
 # started included), then SIGKILL 15 s later; result files are written after every row, so a stage
@@ -99,5 +100,9 @@ if want policy; then
     stage policy "$POLICY_S" python3 -m bench.bench_ttft --policy cost "${POINTS[@]}" --no-hf --l3-dir "$L3_DIR" \
         --budget-s $((POLICY_S - 60)) $(name policy)
     keep policy
+fi
+if want trace; then
+    if [[ -n $QUICK ]]; then stage trace 60 python3 -m bench.trace_restore --quick
+    else stage trace 90 python3 -m bench.trace_restore --tokens ${TRACE_TOKENS:-350,3500,8000} --repeats 2; fi
 fi
 echo "done in $((SECONDS - START_S))s; files: $(ls "$OUT" | tr '\n' ' ')"

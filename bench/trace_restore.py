@@ -117,6 +117,7 @@ def main() -> None:
                     timeline.wrap(connector, name, f"connector.{name}")
                 timeline.wrap(connector.client, "match_async", "client.match_async")
                 timeline.wrap(connector.transfer, "load", "transfer.load (queue)")
+                timeline.wrap(engine.scheduler, "_allocate_for", "scheduler.admit (hashes, lookup, load)")
                 for i in range(args.repeats):
                     trace(engine, point, control, timeline, profile=False)
                 trace(engine, point, control, timeline, profile=True)
