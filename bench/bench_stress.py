@@ -408,7 +408,8 @@ def main() -> None:
     failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
         ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
         ("incomplete loads", r.get("loads_complete") is False),
-        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0)) if bad] + errors
+        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0),
+        ("mismatches", r["engines"] > 1 and r["mismatches"] != 0)) if bad] + errors
     if failures:
         raise SystemExit(f"checks failed: {failures}")
 

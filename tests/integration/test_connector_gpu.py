@@ -55,6 +55,7 @@ def save_all(engine: GpuEngine, request_id, tokens, block_ids) -> None:
     while engine.connector.stats()["requests_open"]:
         engine.connector.poll()
         assert time.monotonic() < deadline, engine.connector.stats()
+    engine.connector.flush()            # the daemon has the commits: another engine's match sees them
 
 
 def load_all(engine: GpuEngine, request_id, tokens, block_ids, num_tokens):
