@@ -177,12 +177,14 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
     """A daemon of its own for the L3-cold tier: an O_DIRECT L3 holding every prefix (written by
     the reference's cache engine, so its KV is the own-cache reference's) and an L2 holding about
     1.5 x batch requests (the promotions and write-throughs of a batch in flight need room), fewer
-    than the rotation's 8 prefixes (for batch <= 5)."""
+    than the rotation's 8 prefixes (for batch <= 5). Its one engine may reserve all of L2 (the
+    default half would cut a batch's promotions short)."""
     bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
     per_request = workload.blocks_per_request
     l2_pages = max(2 * per_request, int(1.5 * batch * per_request)) + 8
     l3_pages = 2 * (len(workload.prefixes) * per_request + 2 * (args.requests + 32)) + 64
-    with KVDaemon(l2_pages * bytes_per_page, l3_pages * bytes_per_page, o_direct=True, l3_dir=args.l3_dir) as daemon:
+    with KVDaemon(l2_pages * bytes_per_page, l3_pages * bytes_per_page, o_direct=True, l3_dir=args.l3_dir,
+                  extra_args=("--session-share", "1")) as daemon:
         seeder = reference.cache_engine
         connector = attach_kvcached(seeder, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-seed-l3")

@@ -51,7 +51,7 @@ class KVDaemon:
     file of a directory of its own (removed by ``stop``), started empty."""
 
     def __init__(self, l2_bytes: int, l3_bytes: int, *, o_direct: bool = False, l3_dir: str | None = None,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, extra_args: tuple[str, ...] = ()):
         self.o_direct = o_direct
         self.l3_dir = tempfile.mkdtemp(prefix="kvl3-", dir=l3_dir)
         self.l3_path = os.path.join(self.l3_dir, "l3.bin")
@@ -59,6 +59,7 @@ class KVDaemon:
                  "--l3-size", str(align_up(l3_bytes)), "--log-level", "WARNING"]
         if o_direct:
             extra.append("--l3-o-direct")
+        extra += extra_args
         self.process = DaemonProcess(l2_size=str(align_up(l2_bytes)), extra_args=tuple(extra))
         try:
             self.process.start(timeout_s=start_timeout_s)

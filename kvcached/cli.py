@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"quarantined this long (default {defaults['session_grace_s'].default})")
     add("--no-pid-watch", "pid_watch", action="store_false", default=None,
         help="do not watch engines' pids; detect their end by heartbeats alone")
+    add("--session-share", "session_share", type=float, metavar="SHARE", help="the most of L2 one engine may "
+        "hold reserved at once, for its saves and L3 promotions in flight (0 to 1; default "
+        f"{defaults['session_share'].default}: one engine cannot crowd out the others; 1 for a lone engine)")
     add("--restore-policy", "restore_policy", choices=("cost", "always", "never"), help="which cached prefixes "
         "are restored: cost, those the cost model predicts beat recomputing them; always; never "
         f"(default {defaults['restore_policy'].default}; an engine may ask for another)")

@@ -138,6 +138,7 @@ class DaemonConfig:
     l3_o_direct: bool = False
     l3_fresh: bool = False              # with l3_path: start with an empty L3 (and index), not the last run's
     max_namespaces: int = 16             # distinct geometries served at once (they share the pool: no cost)
+    session_share: float = 0.5          # the most of L2 one engine's leases reserve at once (saves, promotions)
     heartbeat_interval_s: float = 0.5
     session_timeout_s: float = 1.5      # an engine whose pid is not watched: silent this long, it is gone
     # A watched engine that lives keeps its session this long silent (a stall, say); an unwatched
@@ -188,6 +189,7 @@ class DaemonConfig:
              f"{sorted(os.sched_getaffinity(0))}"),
             ("refusal_log_interval_s", self.refusal_log_interval_s > 0, "refusal_log_interval_s must be positive"),
             ("io_threads", 1 <= self.io_threads <= 256, "io_threads must be in 1..256"),
+            ("session_share", 0 < self.session_share <= 1, "session_share must be in (0, 1]"),
         )
         for field, ok, message in checks:
             if not ok:

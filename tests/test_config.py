@@ -80,3 +80,18 @@ def test_a_bad_variable_is_named_with_its_value_and_the_field_it_sets():
         assert str(error.value).startswith(f"{variable}={text!r}: ") and error.value.field == field
     assert DaemonConfig.from_env({**base, "KVCACHED_MAX_NAMESPACES": "0"}, max_namespaces=3).max_namespaces == 3
     assert DaemonConfig.from_env({**base, "KVCACHED_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+
+
+def test_session_share_comes_from_its_flag_and_a_share_outside_0_to_1_is_refused():
+    import pytest
+
+    from kvcached.config import ConfigError
+
+    base = {"KVCACHED_SOCKET": "/tmp/kvt-config/kvcached.sock", "KVCACHED_L2_SIZE": "64MiB"}
+    args = build_parser().parse_args(["serve", "--session-share", "1"])
+    assert DaemonConfig.from_env(base, session_share=args.session_share).session_share == 1.0
+    assert DaemonConfig.from_env(base).session_share == 0.5
+    for bad in (0.0, 1.01, -1.0):
+        with pytest.raises(ConfigError) as error:
+            DaemonConfig.from_env(base, session_share=bad)
+        assert error.value.field == "session_share"

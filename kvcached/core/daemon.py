@@ -50,7 +50,7 @@ MAX_PAGES_PER_TIER = 1 << 20
 # Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
 # at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
 # reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
-# session keeps what it holds while it lives.
+# session keeps what it holds while it lives. The default; ``session_share`` sets another.
 MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
@@ -113,7 +113,8 @@ class DaemonState:
     def __init__(self, l2_bytes: int, *, max_namespaces: int, session_timeout_s: float,
                  session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
                  l3_index_sink: Callable[[IndexChange], None] | None = None,
-                 peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None):
+                 peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None,
+                 session_share: float = MAX_SESSION_RESERVED_SHARE):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -123,9 +124,13 @@ class DaemonState:
         order, for a persistent L3 file (the I/O layer writes them to its index); None: L3 is
         temporary. ``peer_end_sink``: called with each peer registration that ends (its session
         ended), so that the I/O layer closes its epoch file. ``cost_model``: decides which restores are
-        taken (default: policy cost, the default priors)."""
+        taken (default: policy cost, the default priors). ``session_share``: the most of L2 one
+        session reserves at a time (MAX_SESSION_RESERVED_SHARE)."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
+        if not 0 < session_share <= 1:
+            raise ValueError(f"session_share must be in (0, 1], got {session_share}")
+        self.session_share = session_share
         self.max_namespaces = max_namespaces
         self.chunks: dict[Tier, ChunkMap] = {Tier.L2: ChunkMap(l2_bytes)}
         if l3_bytes > 0:
@@ -556,11 +561,11 @@ class DaemonState:
         return move
 
     def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
-        """How many more L2 pages this session may reserve: MAX_SESSION_RESERVED_SHARE of the
-        namespace's pages, less the private pages of all its leases. One cap for every path that
-        reserves L2 pages for a session (a match's backup pages or its L3 promotion)."""
+        """How many more L2 pages this session may reserve: ``session_share`` of the namespace's
+        pages, less the private pages of all its leases. One cap for every path that reserves L2
+        pages for a session (a match's backup pages or its L3 promotion)."""
         held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
-        return max(0, int(namespace.num_pages * MAX_SESSION_RESERVED_SHARE) - held)
+        return max(0, int(namespace.num_pages * self.session_share) - held)
 
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)

@@ -673,7 +673,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 l3_bytes=storage.size_bytes if storage else 0,
                                 l3_index_sink=index.submit if index else None,
                                 peer_end_sink=lambda export: epoch_files.close(export.peer_id),
-                                cost_model=CostModel(config.cost_priors, config.restore_policy))
+                                cost_model=CostModel(config.cost_priors, config.restore_policy),
+                                session_share=config.session_share)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if index is not None:

@@ -274,3 +274,27 @@ def test_idle_namespace_makes_way_for_a_new_geometry(clock, rng):
     again, ns_again = state.attach(GEOMETRY, pid=4)            # the first model comes back: a fresh cache
     assert ns_again is not ns_first and ns_again.tree.owned_pages(Tier.L2) == 0
     state.check_integrity()
+
+
+@pytest.mark.parametrize("share", [MAX_SESSION_RESERVED_SHARE, 0.25, 1.0])
+def test_one_session_reserves_at_most_its_share_of_l2(clock, rng, share):
+    """A session's leases reserve at most ``session_share`` of the namespace's 16 pages at once;
+    once they are released it may reserve that much again."""
+    state = DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, clock=clock, session_share=share)
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    cap = int(namespace.num_pages * share)
+    first = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
+    assert len(first.backup_page_ids) == cap
+    second = state.match(session.session_id, tokens(rng, 4), reserve_backup=True)
+    assert second.backup_page_ids == []
+    assert state.metrics.counters["reservations_capped"] == 2 - (cap == 16)
+    state.release(session.session_id, first.lease_id)
+    again = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
+    assert len(again.backup_page_ids) == cap
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_session_share_outside_0_to_1_is_refused(clock, share):
+    with pytest.raises(ValueError, match="session_share"):
+        DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, clock=clock, session_share=share)
