@@ -59,7 +59,7 @@ import traceback
 import numpy as np
 import torch
 
-from bench.common import exit_on_sigterm, gc_paused, median, print_table, write_result
+from bench.common import exit_on_sigterm, gc_paused, median, print_table, profiled, write_result
 from bench.engine import Engine, EngineConfig, Request, load_model
 from bench.engine.load import LoadState
 from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request,
@@ -284,7 +284,8 @@ def under_decode_trial(bench: Bench, engine: TimedEngine, control: TierControl |
         for _ in range(plan.baseline_steps):
             engine.step()
         baseline_s = median([s.ended_s - s.started_s for s in engine.steps[first_step:]])
-        request = run_request(engine, prompt, CHECK_TOKENS, timeout_s=120)
+        with profiled(f"overlap_{engine.config.load_mode}_{tier}"):
+            request = run_request(engine, prompt, CHECK_TOKENS, timeout_s=120)
         for _ in range(2):
             engine.step()
     steps = engine.steps[first_step:]

@@ -136,3 +136,23 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def profiled(name: str) -> Iterator[None]:
+    """With $KVCACHED_BENCH_PROFILE_DIR set: run the block under torch.profiler (host and CUDA) and
+    write its Chrome trace to that directory as NAME.json (a later run of the same name replaces
+    it). Otherwise nothing. For finding where time goes, not for timing: the profiler slows the host."""
+    directory = os.environ.get("KVCACHED_BENCH_PROFILE_DIR")
+    if not directory:
+        yield
+        return
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(directory, exist_ok=True)
+    with torch.profiler.profile(activities=activities, with_stack=False) as profile:
+        yield
+    profile.export_chrome_trace(os.path.join(directory, f"{name}.json"))

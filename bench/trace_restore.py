@@ -12,6 +12,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -20,7 +21,7 @@ import time
 import torch
 
 from bench.bench_ttft import BLOCK_SIZE, daemon_sizes, make_point, save_prefixes
-from bench.common import gc_paused
+from bench.common import gc_paused, profiled
 from bench.engine import load_model
 from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, run_request, settle
 
@@ -59,7 +60,7 @@ class Timeline:
                 print(f"  {(t - since) * 1e3:9.3f} ms  {what}")
 
 
-def trace(engine, point, control, timeline: Timeline, profile: bool) -> None:
+def trace(engine, point, control, timeline: Timeline, profile: bool, chrome: bool = False) -> None:
     prefix = point.prefixes[0]
     prompt = prefix + point.suffix()
     settle(engine, control)
@@ -68,7 +69,7 @@ def trace(engine, point, control, timeline: Timeline, profile: bool) -> None:
     timeline.events.clear()
     profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
-    with gc_paused():
+    with gc_paused(), profiled(f"restore_{point.model_name}_{point.num_tokens}") if chrome else contextlib.nullcontext():
         if profiler:
             profiler.enable()
         request = run_request(engine, prompt, 1)
@@ -121,6 +122,7 @@ def main() -> None:
                 for i in range(args.repeats):
                     trace(engine, point, control, timeline, profile=False)
                 trace(engine, point, control, timeline, profile=True)
+                trace(engine, point, control, timeline, profile=False, chrome=True)  # $KVCACHED_BENCH_PROFILE_DIR
                 timeline.unwrap()
             finally:
                 control.close()
