@@ -289,7 +289,7 @@ class _Request:
     loads: list[_Load] = dataclasses.field(default_factory=list)
     saves: list[_Save] = dataclasses.field(default_factory=list)
     finished: bool = False
-    hold_blocks: bool = False           # request_finished returned True
+    hold_blocks: bool = False           # request_finished returned True, and finished() has not released it
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
 
 
@@ -663,6 +663,11 @@ class KVConnector:
         if request.finished and request.match is None and not request.loads \
                 and all(s.transfer is None for s in request.saves):
             self._end(request)
+        elif request.hold_blocks and not self._touches_blocks(request):
+            # Its saves' gathers are done (their DMA to L2 and the commit may not be): the engine
+            # may reuse the blocks now rather than a DMA later.
+            request.hold_blocks = False
+            self._released.append(request.request_id)
 
     def _queue_load(self, request: _Request, load: _Load) -> None:
         load.queued = True

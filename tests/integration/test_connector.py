@@ -147,6 +147,60 @@ def test_a_saved_prefix_loads_into_other_blocks_bit_for_bit(daemon, kind):
         b.close()
 
 
+
+def test_a_finished_requests_blocks_are_released_once_its_gathers_are_done_not_its_dma():
+    """A finished request whose save is queued holds its blocks only while the save's gathers read
+    them: with the save's DMA to L2 still in flight (its completion held back here), ``released``
+    names the request, nothing is committed yet; once the DMA completes the pages are committed and
+    the request is not released twice. (The daemon is stopped while the save and request_finished
+    are called, so that the match's reply is not in yet and the request does hold its blocks; its
+    heartbeats are slow, as in the test below, so that the pause costs no session.)"""
+    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
+    rng = np.random.default_rng(SEED + 40)
+    engine = queue_save = None
+    dma_done = False
+
+    class DmaInFlight:
+        """The queued save, its blocks read (blocks_free), its DMA not done until dma_done."""
+
+        def __init__(self, transfer):
+            self.transfer = transfer
+
+        def __getattr__(self, name):
+            return getattr(self.transfer, name)
+
+        def done(self) -> bool:
+            return dma_done and self.transfer.done()
+
+    try:
+        engine = Engine(daemon.socket_path)
+        queue_save = engine.connector.transfer.save
+        engine.connector.transfer.save = lambda *args, **kwargs: DmaInFlight(queue_save(*args, **kwargs))
+        tokens = random_tokens(rng, 4 * P)
+        stop_process(daemon.proc.pid)
+        try:
+            engine.connector.save("r", tokens, [3, 7, 11, 2])
+            holds = engine.connector.request_finished("r")
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert holds
+        engine.poll_until(lambda: "r" in engine.released, "the blocks' release")
+        assert engine.connector.stats().get("committed_pages", 0) == 0 and engine.connector.is_open("r")
+        dma_done = True
+        engine.poll_until(lambda: engine.connector.stats().get("committed_pages") == 4, "the commit")
+        engine.settle()
+        assert engine.released == ["r"] and not engine.connector.is_open("r")
+        with connect(daemon.socket_path) as client:
+            assert client.status(check_integrity=True)["integrity"] == "ok"
+    finally:
+        dma_done = True
+        if engine is not None:
+            engine.connector.transfer.__dict__.pop("save", None)    # nothing here keeps the pool's views
+            queue_save = None
+            engine.close()
+        daemon.cleanup()
+
+
 def test_loads_and_saves_return_at_once_and_complete_by_polling():
     """With the daemon stopped (SIGSTOP), save(), load() and request_finished() still return at
     once: nothing waits for a reply. The saved request holds its blocks (request_finished says so)
