@@ -67,7 +67,7 @@ keep() { cp "$RESULTS/$1.json" "$OUT/" 2>/dev/null; }
 
 if want tests; then
     if [[ -n $QUICK ]]; then stage gpu_tests 110 python3 -m pytest -q -m gpu tests/bench/engine
-    else stage gpu_tests 110 python3 -m pytest -q -rs -m gpu tests; fi
+    else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu tests; fi
 fi
 if want connector; then
     stage connector 85 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)
