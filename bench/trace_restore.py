@@ -114,7 +114,7 @@ def main() -> None:
                 timeline = Timeline(device)
                 timeline.wrap(engine, "step", "engine.step", sync=True)
                 timeline.wrap(engine, "_run_prefill", "prefill", sync=True)
-                for name in ("lookup", "load", "poll", "finished", "save", "request_finished"):
+                for name in ("lookup", "lookup_async", "load", "poll", "finished", "save", "request_finished"):
                     timeline.wrap(connector, name, f"connector.{name}")
                 timeline.wrap(connector.client, "match_async", "client.match_async")
                 timeline.wrap(connector.transfer, "load", "transfer.load (queue)")

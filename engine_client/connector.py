@@ -181,6 +181,12 @@ class PendingLookup:
     def result(self, timeout_s: float | None = None) -> int:
         return self.decision(timeout_s).num_tokens
 
+    def cancel(self) -> None:
+        """Give the lookup up (its reply, if it comes, is dropped); result() is 0 from now on."""
+        if self._decision is None:
+            self._pending.cancel()
+            self._decision = RestoreDecision("", 0, {}, {})
+
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
         if self._decision is None:
             self._decision = self._lookup._decision_of(self._pending, timeout_s)

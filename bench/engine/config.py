@@ -95,10 +95,13 @@ class EngineConfig:
                                        # of the layers' pieces (bench/engine/graphs.py); 0: never
     load_mode: str = "layerwise"       # how a request waits for the connector's load of its prefix (LOAD_MODES)
     load_timeout_s: float = 60.0       # "blocking": the longest the host waits for the loads of a step
+    lookup_timeout_s: float = 5.0      # a connector lookup unanswered this long is given up (recomputed)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError(f"every size must be positive: {self}")
+        if not self.lookup_timeout_s > 0 or not self.load_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s and load_timeout_s must be positive: {self}")
         if self.graph_max_tokens < 0:
             raise ValueError(f"graph_max_tokens must be >= 0, got {self.graph_max_tokens}")
         if self.decode_backend not in ("auto", "triton", "torch"):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Hashable
+from typing import Any, Hashable
 
+import numpy as np
 import torch
 
 from bench.engine.load import PendingLoad
@@ -57,11 +58,24 @@ class Request:
     num_loaded_tokens: int = 0             # tokens the connector loaded at admission
     num_prefilled_tokens: int = 0          # tokens prefill computed (over preemptions too)
     load: PendingLoad | None = None        # the connector's load of this admission, if any
+    lookup: Any = None                     # WAITING: the connector's lookup sent, its reply not taken
+    lookup_local_hit_tokens: int = 0       # the engine's own hit that lookup was sent with
+    lookup_sent_s: float = 0.0             # time.monotonic() when it was sent
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None       # "length", "stop" or "abort"
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per sampled token (keep_logits)
+    _token_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    def token_array(self, num_tokens: int | None = None) -> np.ndarray:
+        """The first num_tokens (default all) of token_ids as int32 (what the connector and the
+        hashes take), converted once: tokens are only ever appended, so a cached array that is long
+        enough holds them."""
+        num_tokens = len(self.token_ids) if num_tokens is None else num_tokens
+        if self._token_array is None or len(self._token_array) < num_tokens:
+            self._token_array = np.asarray(self.token_ids, dtype=np.int32)
+        return self._token_array[:num_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -128,7 +128,7 @@ class Scheduler:
         for due in [d for d in self.saves_due if request is None or d[0] is request]:
             self.saves_due.remove(due)
             due_request, num_tokens = due
-            self.connector.save(due_request.connector_id, due_request.token_ids[:num_tokens],
+            self.connector.save(due_request.connector_id, due_request.token_array(num_tokens),
                                 due_request.block_ids[: num_tokens // self.block_size], 0)
 
     def loads_matching(self) -> bool:
@@ -156,6 +156,9 @@ class Scheduler:
         self.save_due(request)
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
+            if request.lookup is not None:
+                request.lookup.cancel()
+                request.lookup = None
         else:
             self.running.remove(request)
             self._free_blocks(request)      # a pending load is cancelled with them
@@ -173,15 +176,22 @@ class Scheduler:
             self.running.append(request)
 
     def _allocate_for(self, request: Request) -> bool:
-        """The prefix cache's hit, blocks for the rest, and the connector's load beyond the hit."""
+        """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
+        is not in), blocks for the rest, and the connector's load beyond the hit."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
-        request.block_hashes = block_hashes(request.token_ids, self.block_size, num_reusable_blocks,
+        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_reusable_blocks,
                                             request.block_hashes)
         hit_block_ids = self.blocks.match(request.block_hashes)
+        looked_up = None
+        if self.connector is not None:
+            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size)
+            if looked_up is None:
+                return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         if not self.blocks.can_allocate(num_new_blocks, hit_block_ids):
             return False
+        request.lookup = None
         self.blocks.acquire(hit_block_ids)
         request.block_ids = hit_block_ids + self.blocks.allocate(num_new_blocks)
         request.num_cached_tokens = request.num_computed_tokens = len(hit_block_ids) * self.block_size
@@ -189,19 +199,36 @@ class Scheduler:
         request.num_loaded_tokens = 0
         request.load = None
         if self.connector is not None:
-            num_external = min(self.connector.lookup(request.token_ids, local_hit_tokens=request.num_computed_tokens),
-                               num_reusable_blocks * self.block_size)
+            num_external = min(looked_up, num_reusable_blocks * self.block_size)
             num_external -= num_external % self.block_size
             if num_external > request.num_computed_tokens:
                 start = request.num_computed_tokens
                 request.load = PendingLoad(request.connector_id, start, num_external - start, time.perf_counter())
-                self.connector.load(request.connector_id, request.token_ids,
+                self.connector.load(request.connector_id, request.token_array(),
                                     request.block_ids[start // self.block_size: num_external // self.block_size],
                                     num_external - start, start)
                 request.move_to(RequestState.LOADING)
                 return True
         request.move_to(RequestState.PREFILL)
         return True
+
+    def _looked_up(self, request: Request, local_hit_tokens: int) -> int | None:
+        """The connector's lookup of the request: the leading tokens to hold, or None while its
+        reply is not in. Sent once (again only if the engine's own hit changed meanwhile), not
+        waited for: the step goes on, and a later one takes the reply. A reply not in within
+        ``lookup_timeout_s`` is given up (0: recomputed). "blocking", or a connector without
+        ``lookup_async``: the host waits for the reply here."""
+        lookup_async = getattr(self.connector, "lookup_async", None)
+        if lookup_async is None or self.config.load_mode == "blocking":
+            return self.connector.lookup(request.token_array(), local_hit_tokens=local_hit_tokens)
+        if request.lookup is None or request.lookup_local_hit_tokens != local_hit_tokens:
+            if request.lookup is not None:
+                request.lookup.cancel()
+            request.lookup = lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
+            request.lookup_local_hit_tokens, request.lookup_sent_s = local_hit_tokens, time.monotonic()
+        if not request.lookup.ready() and time.monotonic() - request.lookup_sent_s < self.config.lookup_timeout_s:
+            return None
+        return request.lookup.result(timeout_s=0)
 
     def poll_connector(self) -> None:
         """The connector's news: loads queued (IN_FLIGHT; "layerwise": the request may prefill),
@@ -256,14 +283,14 @@ class Scheduler:
         num_full_blocks = request.num_computed_tokens // self.block_size
         if num_full_blocks <= request.num_registered_blocks:
             return
-        request.block_hashes = block_hashes(request.token_ids, self.block_size, num_full_blocks,
+        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_full_blocks,
                                             request.block_hashes)
         for i in range(request.num_registered_blocks, num_full_blocks):
             self.blocks.register(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = num_full_blocks
         blocks_cached = getattr(self.connector, "blocks_cached", None)
         if blocks_cached is not None:       # written by the work queued so far (this step's forward)
-            blocks_cached(request.token_ids[: num_full_blocks * self.block_size], request.block_ids[:num_full_blocks])
+            blocks_cached(request.token_array(num_full_blocks * self.block_size), request.block_ids[:num_full_blocks])
 
     def _free_blocks(self, request: Request) -> None:
         if request.load is not None and request.load.pending:

@@ -80,6 +80,18 @@ class Setup:
             detach_kvcached(self.engine)
 
 
+def step_until_admitted(setup: Setup, request, decoding) -> None:
+    """Step until the request is admitted: its lookup goes out in one step and is not waited for;
+    the step that finds the reply in admits it. The decoding request gets a token in every step
+    meanwhile."""
+    deadline = time.monotonic() + 10
+    while request.state is RequestState.WAITING:
+        tokens_before = len(decoding.output_token_ids)
+        setup.engine.step()
+        assert len(decoding.output_token_ids) == tokens_before + 1, "a step without a decode token"
+        assert time.monotonic() < deadline, "the lookup's reply never came"
+
+
 def run_request_alone(engine: Engine, prompt, max_new_tokens: int):
     engine.reset_prefix_cache()
     (request,) = engine.generate([prompt], max_new_tokens)
@@ -120,8 +132,9 @@ def stop_before_the_match(setup: Setup, daemon: DaemonProcess) -> None:
 @pytest.mark.parametrize("load_mode", ["layerwise", "async", "blocking"])
 def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tokens(daemon, tmp_path, load_mode):
     """While a request decodes, another with a 96-token prefix in L2 is admitted, the daemon stopped
-    (SIGSTOP) just before its match goes out. "layerwise", "async": the step that admits it and
-    three more run decode batches with its load MATCHING; then the daemon is resumed. "blocking":
+    (SIGSTOP) just before its match goes out. "layerwise", "async": the steps until it is admitted
+    (its lookup is not waited for) and four more run decode batches, the last four with its load
+    MATCHING; then the daemon is resumed. "blocking":
     that step waits for the load on the host (the daemon resumed 0.3 s later) and prefills the
     request, with no decode token. "layerwise":
     the step that takes in the reply prefills it with the load IN_FLIGHT, its attention of each
@@ -139,6 +152,8 @@ def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tok
     try:
         decoding = setup.start_decoding()
         restored = setup.engine.add_request(setup.prompt, 6)
+        if load_mode != "blocking":
+            step_until_admitted(setup, restored, decoding)
         tokens_before = len(decoding.output_token_ids)
         if load_mode == "blocking":
             resume.start()                  # the step below waits on the host until the load is done
@@ -190,7 +205,7 @@ def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_m
     try:
         decoding = setup.start_decoding()
         restored = setup.engine.add_request(setup.prompt, 6)
-        setup.engine.step()
+        step_until_admitted(setup, restored, decoding)
         assert restored.load.state is LoadState.MATCHING, f"seed {seed}: {restored.load}"
         if how == "abort":
             assert setup.engine.abort(restored.request_id)
@@ -260,3 +275,57 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
         if setup is not None:
             setup.control.client.close()
         process.cleanup()
+
+
+def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_path):
+    """With the daemon stopped (SIGSTOP) before a request with a 96-token prefix in L2 arrives, its
+    lookup goes out and no step waits for it: three steps each give the decoding request a token
+    while it stays WAITING. Resumed, the reply is taken in and the prefix loaded. A second request's
+    lookup, the daemon stopped again, gets no reply within lookup_timeout_s (0.5 s here): it is
+    given up, the request is admitted and recomputes its prompt. Both get their recompute's
+    tokens; every count returns to its value before."""
+    import dataclasses
+
+    seed = 6300
+    setup = Setup(daemon, tmp_path, seed, "async")
+    scheduler = setup.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, lookup_timeout_s=0.5)
+    stopped = False
+    try:
+        decoding = setup.start_decoding()
+        stop_process(daemon.proc.pid)
+        stopped = True
+        restored = setup.engine.add_request(setup.prompt, 6)
+        for _ in range(3):
+            tokens_before = len(decoding.output_token_ids)
+            setup.engine.step()
+            assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
+        assert restored.state is RequestState.WAITING and restored.lookup is not None, f"seed {seed}"
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        run_to_idle(setup.engine, timeout_s=30)
+        assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
+        assert_same_output(restored, setup.recompute, seed)
+        setup.engine.reset_prefix_cache()
+
+        failures_before = setup.connector.stats().get("lookup_failures_unavailable", 0)
+        stop_process(daemon.proc.pid)
+        stopped = True
+        started = time.monotonic()
+        given_up = setup.engine.add_request(setup.prompt, 6)
+        while given_up.state is RequestState.WAITING:
+            setup.engine.step()
+            assert time.monotonic() - started < 5, f"seed {seed}: the lookup was never given up"
+        assert time.monotonic() - started >= 0.5, f"seed {seed}: given up before lookup_timeout_s"
+        assert given_up.load is None and given_up.lookup is None
+        assert setup.connector.stats()["lookup_failures_unavailable"] == failures_before + 1
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        counts = settled_counts(setup)
+        assert given_up.num_loaded_tokens == 0 and given_up.num_prefilled_tokens == len(setup.prompt)
+        assert_same_output(given_up, setup.recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        setup.close()
