@@ -3,11 +3,11 @@
     save  gather the blocks (all layers, through the segment table) into a packed device buffer,
           then one DMA per run of consecutive L2 pages straight into the shared pool mapping
     load  layered (for an engine whose prefill reads a load in flight): group by group of
-          consecutive layers (``LOAD_GROUPS`` groups), per run of L2 pages one strided DMA of the
-          group's K rows and one of its V rows into the packed buffer, then a scatter of the
-          group into the blocks; an event after each group, so the engine's stream can wait for
-          layer i's group alone (``Transfer.wait_layer_on``) while the next group's DMA runs.
-          Whole (otherwise): one DMA per run of L2 pages, one scatter: the fewest host calls.
+          consecutive layers (``LOAD_GROUPS`` groups, the last one layer by layer), per run of
+          L2 pages one strided DMA of the group's K rows and one of its V rows into the packed
+          buffer, then a scatter of the group into the blocks; an event after each group, so the
+          engine's stream can wait for layer i's group alone (``Transfer.wait_layer_on``) while
+          the next group's DMA runs. Whole (otherwise): one DMA per run of L2 pages, one scatter: the fewest host calls.
           Queueing a load takes the host a few calls per group, not per layer: measured on the
           H200 machine, ~0.2 ms per layer made the host, not the DMA, the bound of a layer-by-layer
           load below ~1,000 tokens, and stalled the engine's other requests meanwhile.
@@ -222,12 +222,15 @@ class KVTransfer:
         self.device = layout.device
         self.table = SegmentTable(layout)
         # A layered load goes in LOAD_GROUPS groups of consecutive layers (or one per layer, for
-        # fewer layers): each group's segments in page order (its layers' K, then their V: each a
-        # contiguous span of a page, one strided copy per run of pages), and their table; a group
-        # of a packed page is [segments of the group, words].
+        # fewer layers), the last group's layers one by one (what a prefill still computes after the
+        # load's last DMA is then one layer, not a group): each group's segments in page order (its
+        # layers' K, then their V: each a contiguous span of a page, one strided copy per run of
+        # pages), and their table; a group of a packed page is [segments of the group, words].
         group_size = -(-layout.num_layers // min(layout.num_layers, LOAD_GROUPS))
-        self.layer_groups = [tuple(range(first, min(first + group_size, layout.num_layers)))
-                             for first in range(0, layout.num_layers, group_size)]
+        groups = [tuple(range(first, min(first + group_size, layout.num_layers)))
+                  for first in range(0, layout.num_layers, group_size)]
+        self.layer_groups = groups[:-1] + [(layer,) for layer in groups[-1]]
+        group_size = max(len(layers) for layers in self.layer_groups)
         group_segments = [sorted(s for layer in layers for s in layout.layer_segments(layer))
                           for layers in self.layer_groups]
         self.group_tables = [SegmentTable(layout, segments) for segments in group_segments]

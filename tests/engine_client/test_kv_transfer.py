@@ -174,14 +174,15 @@ def test_a_load_of_pages_in_many_runs_goes_whole_bit_for_bit(case, backend, rng,
     case.check_loaded(host_page_ids, block_ids, f", {backend}", others)
 
 
-@pytest.mark.parametrize("load_groups", [12, 2])
+@pytest.mark.parametrize("load_groups", [12, 2, 1])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("case", ["pool", "layer", "blocks"], indirect=True)
 def test_each_group_event_is_recorded_once_its_layers_are_written_and_before_the_next(case, backend, load_groups,
                                                                                       rng, seed, monkeypatch):
     """The load lane records a start event (the cost model's timing starts there) before any layer
     is written, then one event per group of layers (LOAD_GROUPS 12: one per layer of the 3; 2:
-    layers 0-1, then 2), in layer order; when the event of a group is recorded, the layers of it
+    layers 0-1, then 2; 1: one group of the 3, and the last group's layers go one by one), in
+    layer order; when the event of a group is recorded, the layers of it
     and of the groups before it hold their pages' bytes in every named block and the later layers
     do not yet (what the engine's stream may read after waiting on a layer's event is all written,
     and the load goes group by group, not all at once with the events after); each layer's event
@@ -189,7 +190,7 @@ def test_each_group_event_is_recorded_once_its_layers_are_written_and_before_the
     monkeypatch.setattr(kv_transfer, "LOAD_GROUPS", load_groups)
     host_page_ids, block_ids = pages_and_blocks(rng)
     transfer = KVTransfer(case.layout, case.pool, backend=backend)
-    groups = [(0,), (1,), (2,)] if load_groups == 12 else [(0, 1), (2,)]
+    groups = [(0, 1), (2,)] if load_groups == 2 else [(0,), (1,), (2,)]
     assert transfer.layer_groups == groups
     pairs = list(zip(host_page_ids.tolist(), block_ids.tolist()))
     # Random bits: before the load no layer of a block holds its page's bytes.
