@@ -152,18 +152,26 @@ def run_engines(num_engines: int, spec: Spec, l3_dir: str | None) -> list[dict]:
             process.start()
         try:
             barrier.wait(WAIT_TIMEOUT_S)
-            per_phase = {}
-            for phase in PHASES:
-                barrier.wait(WAIT_TIMEOUT_S)
-                barrier.wait(WAIT_TIMEOUT_S)
-                per_phase[phase] = sorted((results.get(timeout=WAIT_TIMEOUT_S) for _ in processes),
-                                          key=lambda r: r["engine"])
-            checks = collections.defaultdict(list)
-            for _ in range(len(PHASES) * len(processes)):
+            # Items come from several processes' queue feeders: told apart by their keys, never by
+            # their order (a check put after a barrier may overtake a result put before it).
+            by_phase: dict[str, list[dict]] = collections.defaultdict(list)
+            checks: dict[str, list[dict]] = collections.defaultdict(list)
+
+            def take() -> None:
                 item = results.get(timeout=WAIT_TIMEOUT_S)
                 if "error" in item:
                     raise RuntimeError(f"engine {item['engine']}: {item['error']}")
-                checks[item["phase"]].append(item["check"])
+                if "check" in item:
+                    checks[item["phase"]].append(item["check"])
+                else:
+                    by_phase[item["phase"]].append(item)
+
+            for phase in PHASES:
+                barrier.wait(WAIT_TIMEOUT_S)
+                barrier.wait(WAIT_TIMEOUT_S)
+            while sum(map(len, by_phase.values())) + sum(map(len, checks.values())) < 2 * len(PHASES) * len(processes):
+                take()
+            per_phase = {phase: sorted(by_phase[phase], key=lambda r: r["engine"]) for phase in PHASES}
             for process in processes:
                 process.join(WAIT_TIMEOUT_S)
         except BaseException as exc:

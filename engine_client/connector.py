@@ -187,6 +187,14 @@ class PendingLookup:
             self._pending.cancel()
             self._decision = RestoreDecision("", 0, {}, {})
 
+    def give_up(self, waited_s: float) -> None:
+        """cancel() a lookup whose reply did not come in time: counted (lookup_failures_no_reply)
+        and logged once."""
+        if self._decision is None:
+            self._lookup._failed("lookup_failures_no_reply",
+                                 DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
+            self.cancel()
+
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
         if self._decision is None:
             self._decision = self._lookup._decision_of(self._pending, timeout_s)
@@ -328,7 +336,11 @@ class KVConnector:
                                     policy=config.policy)
         self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
         self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_PENDING_COST_SAMPLES)
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests: dict[Hashable, _Request] = {}      # open, by id: not finished yet
+        # Finished, their leases not ended yet (transfers in flight, a reply or a commit to come):
+        # apart from _requests, so that the engine may reuse the id at once (vLLM resumes a
+        # preempted request under its id once its blocks are released).
+        self._ending: list[_Request] = []
         self._finished_loads: list[LoadResult] = []
         self._queued_loads: list[LoadResult] = []
         self._released: list[Hashable] = []
@@ -480,8 +492,10 @@ class KVConnector:
             return False
         self._finish(request)
         self._advance(request)
-        if request_id not in self._requests:
+        if self._requests.get(request_id) is not request:
             return False
+        del self._requests[request_id]
+        self._ending.append(request)
         request.hold_blocks = self._touches_blocks(request)
         return request.hold_blocks
 
@@ -489,7 +503,7 @@ class KVConnector:
         """Take in the daemon's replies, queue the transfers they allow, see which are done, end
         the leases of finished requests; after a re-attach, swap in the new session's pool once it
         is mapped. Never waits."""
-        for request in list(self._requests.values()):
+        for request in self._all_requests():
             self._advance(request)
         self._follow_session()
         if self._ended_pools:
@@ -552,11 +566,14 @@ class KVConnector:
     @property
     def num_open_requests(self) -> int:
         """Requests whose lease has not ended yet (finished or not)."""
-        return len(self._requests)
+        return len(self._requests) + len(self._ending)
 
     def is_open(self, request_id: Hashable) -> bool:
-        """Whether the request's lease has not ended yet (finished or not)."""
-        return request_id in self._requests
+        """Whether a request of this id has a lease not ended yet (finished or not)."""
+        return request_id in self._requests or any(r.request_id == request_id for r in self._ending)
+
+    def _all_requests(self) -> list[_Request]:
+        return [*self._requests.values(), *self._ending]
 
     def wait_for_match(self, request_id: Hashable, timeout_s: float | None = None) -> RequestLease:
         """What the open request's match gave it, waiting for the reply on the host if it has not
@@ -575,7 +592,7 @@ class KVConnector:
 
     def stats(self) -> dict[str, int]:
         counters = self.counters + self.lookups.counters
-        counters["requests_open"] = len(self._requests)
+        counters["requests_open"] = self.num_open_requests
         return dict(sorted(counters.items()))
 
     # ---- the request's state machine ------------------------------------------------------------
@@ -837,7 +854,10 @@ class KVConnector:
 
     def _end(self, request: _Request) -> None:
         """Commit the written prefix of the reservation (ending the lease), or release the lease."""
-        del self._requests[request.request_id]
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        else:
+            self._ending.remove(request)
         if request.hold_blocks:
             self._released.append(request.request_id)
         written = int(np.argmin(request.written)) if not request.written.all() else len(request.written)
@@ -989,7 +1009,7 @@ class KVConnector:
         if self._closed or self.client.is_attached(self._generation):
             return
         if any(t.transfer is not None and not t.transfer.done()
-               for request in self._requests.values() for t in (*request.loads, *request.saves)):
+               for request in self._all_requests() for t in (*request.loads, *request.saves)):
             return
         generation = self.client.generation
         if generation == self._generation:
@@ -1035,19 +1055,19 @@ class KVConnector:
         self.client.remove_reattach_listener(self._on_reattach)
         try:
             deadline = time.monotonic() + timeout_s
-            for request in list(self._requests.values()):
+            for request in self._all_requests():
                 self._finish(request)
                 if request.match is not None:
                     request.match.cancel()
                     request.match, request.failure = None, "closing"
-            while self._requests and time.monotonic() < deadline:
+            while self.num_open_requests and time.monotonic() < deadline:
                 self.poll()
-                if self._requests:
+                if self.num_open_requests:
                     time.sleep(0.001)
             if self.layout.device.type == "cuda":
                 torch.cuda.synchronize(self.layout.device)
             self.poll()
-            for request in list(self._requests.values()):     # past the deadline: nothing is waited for
+            for request in self._all_requests():     # past the deadline: nothing is waited for
                 for save in request.saves:
                     if save.transfer is not None:
                         self._skip(save.transfer.num_pages, "closing")

@@ -16,6 +16,7 @@ nothing registered or saved; it runs again) unless the result confirms what the 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from typing import Hashable, NamedTuple
@@ -168,6 +169,14 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        if self._lookups_async():
+            # The lookups of every waiting request that a seat could take go out together (one
+            # round trip for a burst), the engine's own hit of each as it is now.
+            for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
+                request.block_hashes = block_hashes(request.token_array(), self.block_size,
+                                                    (len(request.token_ids) - 1) // self.block_size,
+                                                    request.block_hashes)
+                self._looked_up(request, len(self.blocks.match(request.block_hashes)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self._allocate_for(request):
@@ -184,13 +193,16 @@ class Scheduler:
                                             request.block_hashes)
         hit_block_ids = self.blocks.match(request.block_hashes)
         looked_up = None
-        if self.connector is not None:
+        if self.connector is not None and self._lookups_async():
             looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size)
             if looked_up is None:
                 return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         if not self.blocks.can_allocate(num_new_blocks, hit_block_ids):
             return False
+        if self.connector is not None and looked_up is None:      # the host waits for the reply
+            looked_up = self.connector.lookup(request.token_array(),
+                                              local_hit_tokens=len(hit_block_ids) * self.block_size)
         request.lookup = None
         self.blocks.acquire(hit_block_ids)
         request.block_ids = hit_block_ids + self.blocks.allocate(num_new_blocks)
@@ -212,23 +224,31 @@ class Scheduler:
         request.move_to(RequestState.PREFILL)
         return True
 
+    def _lookups_async(self) -> bool:
+        """Whether admission sends lookups without waiting for them: a connector with
+        ``lookup_async``, outside "blocking" (there, and without it, the host waits at admission,
+        once blocks are there for the request)."""
+        return getattr(self.connector, "lookup_async", None) is not None and self.config.load_mode != "blocking"
+
     def _looked_up(self, request: Request, local_hit_tokens: int) -> int | None:
         """The connector's lookup of the request: the leading tokens to hold, or None while its
         reply is not in. Sent once (again only if the engine's own hit changed meanwhile), not
         waited for: the step goes on, and a later one takes the reply. A reply not in within
-        ``lookup_timeout_s`` is given up (0: recomputed). "blocking", or a connector without
-        ``lookup_async``: the host waits for the reply here."""
-        lookup_async = getattr(self.connector, "lookup_async", None)
-        if lookup_async is None or self.config.load_mode == "blocking":
-            return self.connector.lookup(request.token_array(), local_hit_tokens=local_hit_tokens)
-        if request.lookup is None or request.lookup_local_hit_tokens != local_hit_tokens:
-            if request.lookup is not None:
-                request.lookup.cancel()
-            request.lookup = lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
-            request.lookup_local_hit_tokens, request.lookup_sent_s = local_hit_tokens, time.monotonic()
-        if not request.lookup.ready() and time.monotonic() - request.lookup_sent_s < self.config.lookup_timeout_s:
-            return None
-        return request.lookup.result(timeout_s=0)
+        ``lookup_timeout_s`` of the first send is given up (0: recomputed)."""
+        pending = request.lookup
+        if pending is None or request.lookup_local_hit_tokens != local_hit_tokens:
+            if pending is None or pending.ready():
+                request.lookup_sent_s = time.monotonic()    # a resend while one is out keeps its time
+            if pending is not None:
+                pending.cancel()
+            request.lookup = self.connector.lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
+            request.lookup_local_hit_tokens = local_hit_tokens
+        if not request.lookup.ready():
+            waited_s = time.monotonic() - request.lookup_sent_s
+            if waited_s < self.config.lookup_timeout_s:
+                return None
+            request.lookup.give_up(waited_s)
+        return request.lookup.result()
 
     def poll_connector(self) -> None:
         """The connector's news: loads queued (IN_FLIGHT; "layerwise": the request may prefill),

@@ -308,7 +308,7 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
         assert_same_output(restored, setup.recompute, seed)
         setup.engine.reset_prefix_cache()
 
-        failures_before = setup.connector.stats().get("lookup_failures_unavailable", 0)
+        failures_before = setup.connector.stats().get("lookup_failures_no_reply", 0)
         stop_process(daemon.proc.pid)
         stopped = True
         started = time.monotonic()
@@ -318,12 +318,47 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
             assert time.monotonic() - started < 5, f"seed {seed}: the lookup was never given up"
         assert time.monotonic() - started >= 0.5, f"seed {seed}: given up before lookup_timeout_s"
         assert given_up.load is None and given_up.lookup is None
-        assert setup.connector.stats()["lookup_failures_unavailable"] == failures_before + 1
+        assert setup.connector.stats()["lookup_failures_no_reply"] == failures_before + 1
         os.kill(daemon.proc.pid, signal.SIGCONT)
         stopped = False
         counts = settled_counts(setup)
         assert given_up.num_loaded_tokens == 0 and given_up.num_prefilled_tokens == len(setup.prompt)
         assert_same_output(given_up, setup.recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        setup.close()
+
+
+def test_the_lookups_of_a_burst_of_requests_go_out_in_one_step(daemon, tmp_path):
+    """Three requests arrive together, the daemon stopped (SIGSTOP): the first step sends the
+    lookup of each (not of the first alone, which would admit a burst one request per step), and
+    none is admitted while no reply is in. Resumed, the step that takes the replies in admits all
+    three; each loads the 96-token prefix and gets the recompute's tokens, and every count returns
+    to its value before."""
+    seed = 6400
+    setup = Setup(daemon, tmp_path, seed, "async")
+    stopped = False
+    try:
+        stop_process(daemon.proc.pid)
+        stopped = True
+        burst = [setup.engine.add_request(setup.prompt, 6) for _ in range(3)]
+        setup.engine.step()
+        assert all(r.state is RequestState.WAITING and r.lookup is not None for r in burst), f"seed {seed}"
+        sent = [r.lookup for r in burst]
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 10
+        while not all(lookup.ready() for lookup in sent):
+            assert time.monotonic() < deadline, f"seed {seed}: no replies from the resumed daemon"
+            time.sleep(0.001)
+        setup.engine.step()
+        assert all(r.state is not RequestState.WAITING for r in burst), f"seed {seed}: {[r.state for r in burst]}"
+        counts = settled_counts(setup)
+        for request in burst:
+            assert request.num_loaded_tokens == 96, f"seed {seed}: {request.num_loaded_tokens}"
+            assert_same_output(request, setup.recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
         if stopped:

@@ -151,9 +151,11 @@ def test_a_saved_prefix_loads_into_other_blocks_bit_for_bit(daemon, kind):
 def test_a_finished_requests_blocks_are_released_once_its_gathers_are_done_not_its_dma():
     """A finished request whose save is queued holds its blocks only while the save's gathers read
     them: with the save's DMA to L2 still in flight (its completion held back here), ``released``
-    names the request, nothing is committed yet; once the DMA completes the pages are committed and
-    the request is not released twice. (The daemon is stopped while the save and request_finished
-    are called, so that the match's reply is not in yet and the request does hold its blocks; its
+    names the request, nothing is committed yet, and the id may be used again at once (vLLM resumes
+    a preempted request under its id once it is released): a second save under it is a request of
+    its own. Once the DMA completes the pages of both are committed, and each request that held its
+    blocks is released once. (The daemon is stopped while the first save and request_finished are
+    called, so that the match's reply is not in yet and the request does hold its blocks; its
     heartbeats are slow, as in the test below, so that the pause costs no session.)"""
     daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
     rng = np.random.default_rng(SEED + 40)
@@ -186,10 +188,15 @@ def test_a_finished_requests_blocks_are_released_once_its_gathers_are_done_not_i
         assert holds
         engine.poll_until(lambda: "r" in engine.released, "the blocks' release")
         assert engine.connector.stats().get("committed_pages", 0) == 0 and engine.connector.is_open("r")
+        again = random_tokens(rng, 2 * P)
+        engine.connector.save("r", again, [13, 14])
+        assert engine.connector.num_open_requests == 2
+        holds_again = engine.connector.request_finished("r")
         dma_done = True
-        engine.poll_until(lambda: engine.connector.stats().get("committed_pages") == 4, "the commit")
+        engine.poll_until(lambda: engine.connector.stats().get("committed_pages") == 6, "the commits")
         engine.settle()
-        assert engine.released == ["r"] and not engine.connector.is_open("r")
+        assert engine.released == ["r"] * (1 + holds_again) and not engine.connector.is_open("r")
+        assert engine.connector.lookup(tokens) == 4 * P and engine.connector.lookup(again) == 2 * P
         with connect(daemon.socket_path) as client:
             assert client.status(check_integrity=True)["integrity"] == "ok"
     finally:
