@@ -18,7 +18,11 @@ that prefix in the engine's own cache (put there by a full prefill of the prefix
 suffix: a prefill of a prompt of that length writes the prefix's KV the same bits, whichever its
 suffix), any other against a full prefill. ``mismatches`` counts first tokens whose logits differ
 in any bit. The reused tokens may be part of a prefix (``partial_requests``: the engine's own
-cache kept only some of its blocks); the reference then holds that part.
+cache kept only some of its blocks); the reference then holds that part. What it assumes: every
+reused block was written by a prefill of a prompt of this length from token 0. A block written
+on top of a partial hit (the rest of a prefix prefilled after its leading blocks were reused),
+then reused whole, holds other bits than that, and its requests would count as mismatches
+although nothing was mixed up (none did in the committed run).
 """
 
 from __future__ import annotations
