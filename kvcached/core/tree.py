@@ -463,9 +463,7 @@ class PrefixTree:
         if not block_ids:
             return 0
         where = self._peer_block_nodes.setdefault(owner, {})
-        for block_id in block_ids:
-            if block_id in where:
-                self._peer_forget(owner, block_id)
+        self._peer_forget(owner, [b for b in block_ids if b in where])
         entries = np.array([block_ids, epochs], dtype=np.int64).T
         for node, first_page in self._peer_path(data[:total_pages * self._page_bytes], total_pages):
             lo, hi = max(start_page, first_page), min(total_pages, first_page + node.num_pages)
@@ -487,16 +485,14 @@ class PrefixTree:
     def peer_remove(self, owner: int, block_ids: Sequence[int]) -> int:
         """Forget these blocks of ``owner`` (unknown ones are skipped); returns how many were known."""
         where = self._peer_block_nodes.get(owner, {})
-        known = [b for b in block_ids if b in where]
-        for block_id in known:
-            self._peer_forget(owner, block_id)
+        known = list(dict.fromkeys(b for b in block_ids if b in where))
+        self._peer_forget(owner, known)
         return len(known)
 
     def peer_drop(self, owner: int) -> int:
         """Forget everything of ``owner``; returns the blocks forgotten."""
         block_ids = list(self._peer_block_nodes.get(owner, ()))
-        for block_id in block_ids:
-            self._peer_forget(owner, block_id)
+        self._peer_forget(owner, block_ids)
         self._peer_block_nodes.pop(owner, None)
         return len(block_ids)
 
@@ -558,15 +554,28 @@ class PrefixTree:
             node = child
         return path
 
-    def _peer_forget(self, owner: int, block_id: int) -> None:
-        node = self._peer_block_nodes[owner].pop(block_id)
-        held = node.peer[owner]
-        held[held[:, 0] == block_id] = -1
-        if (held[:, 0] < 0).all():
-            del node.peer[owner]
-            if not node.peer:
-                node.peer = None
-                self._remove_if_empty(node)
+    def _peer_forget(self, owner: int, block_ids: Sequence[int]) -> None:
+        """Forget these recorded blocks of ``owner`` (distinct): one pass over each node that holds
+        some (an engine withdraws or moves hundreds of blocks at once), then the nodes left holding
+        nothing are dropped."""
+        if not block_ids:
+            return
+        where = self._peer_block_nodes[owner]
+        by_node: dict[int, tuple[TreeNode, list[int]]] = {}
+        for block_id in block_ids:
+            node = where.pop(block_id)
+            by_node.setdefault(id(node), (node, []))[1].append(block_id)
+        emptied = []
+        for node, blocks in by_node.values():
+            held = node.peer[owner]
+            held[np.isin(held[:, 0], blocks)] = -1
+            if (held[:, 0] < 0).all():
+                del node.peer[owner]
+                if not node.peer:
+                    node.peer = None
+                    emptied.append(node)
+        for node in emptied:                # an emptied ancestor goes with its last emptied child
+            self._remove_if_empty(node)
 
     # ---- integrity -----------------------------------------------------------------------
 
