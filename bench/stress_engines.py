@@ -98,7 +98,7 @@ def engine_process(index: int, spec: Spec, socket_path: str, barrier, results) -
             for k, request in zip(order, requests):
                 if request.num_loaded_tokens and k not in prefilled_by_me:
                     cross_engine += request.num_loaded_tokens
-                if request.num_prefilled_tokens > spec.prefix_tokens - spec.prefix_tokens % BLOCK_SIZE:
+                if request.num_prefilled_tokens > reusable:
                     prefilled_by_me.add(k)
             phase_requests[phase] = requests
             results.put({"engine": index, "phase": phase, "started": started,

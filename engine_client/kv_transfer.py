@@ -7,7 +7,8 @@
           L2 pages one strided DMA of the group's K rows and one of its V rows into the packed
           buffer, then a scatter of the group into the blocks; an event after each group, so the
           engine's stream can wait for layer i's group alone (``Transfer.wait_layer_on``) while
-          the next group's DMA runs. Whole (otherwise): one DMA per run of L2 pages, one scatter: the fewest host calls.
+          the next group's DMA runs. Whole (otherwise): one DMA per run of L2 pages, one
+          scatter: the fewest host calls.
           Queueing a load takes the host a few calls per group, not per layer: measured on the
           H200 machine, ~0.2 ms per layer made the host, not the DMA, the bound of a layer-by-layer
           load below ~1,000 tokens, and stalled the engine's other requests meanwhile.

@@ -173,10 +173,7 @@ class Scheduler:
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
             for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
-                request.block_hashes = block_hashes(request.token_array(), self.block_size,
-                                                    (len(request.token_ids) - 1) // self.block_size,
-                                                    request.block_hashes)
-                self._looked_up(request, len(self.blocks.match(request.block_hashes)) * self.block_size)
+                self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self._allocate_for(request):
@@ -189,9 +186,7 @@ class Scheduler:
         is not in), blocks for the rest, and the connector's load beyond the hit."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
-        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_reusable_blocks,
-                                            request.block_hashes)
-        hit_block_ids = self.blocks.match(request.block_hashes)
+        hit_block_ids = self._own_hit(request)
         looked_up = None
         if self.connector is not None and self._lookups_async():
             looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size)
@@ -223,6 +218,14 @@ class Scheduler:
                 return True
         request.move_to(RequestState.PREFILL)
         return True
+
+    def _own_hit(self, request: Request) -> list[int]:
+        """The prefix cache's blocks for the request's leading reusable blocks (all but the one
+        holding its last token, which is always computed); its block hashes brought up to date."""
+        num_reusable_blocks = (len(request.token_ids) - 1) // self.block_size
+        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_reusable_blocks,
+                                            request.block_hashes)
+        return self.blocks.match(request.block_hashes)
 
     def _lookups_async(self) -> bool:
         """Whether admission sends lookups without waiting for them: a connector with

@@ -201,7 +201,6 @@ def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_m
     seed = 6200 + (how == "close")
     setup = Setup(daemon, tmp_path, seed, load_mode)
     stop_before_the_match(setup, daemon)
-    stopped = True
     try:
         decoding = setup.start_decoding()
         restored = setup.engine.add_request(setup.prompt, 6)
@@ -215,13 +214,11 @@ def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_m
                 setup.engine.step()
             assert len(decoding.output_token_ids) == tokens_before + 3, f"seed {seed}: decode held up"
             os.kill(daemon.proc.pid, signal.SIGCONT)
-            stopped = False
             counts = settled_counts(setup)
             assert counts == setup.start_counts, f"seed {seed}"
             assert_same_output(decoding, setup.decoding_recompute, seed)
         else:
             os.kill(daemon.proc.pid, signal.SIGCONT)
-            stopped = False
             setup.engine.close()
             assert restored.load.state is LoadState.CANCELLED and setup.engine.connector is None
             blocks = setup.engine.scheduler.blocks
@@ -235,8 +232,7 @@ def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_m
                 time.sleep(0.01)
             assert (counts["leases"], counts["l2_private_pages"], counts["integrity"]) == (0, 0, "ok"), counts
     finally:
-        if stopped:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
+        os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
         setup.close()
 
 
@@ -290,11 +286,9 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
     setup = Setup(daemon, tmp_path, seed, "async")
     scheduler = setup.engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, lookup_timeout_s=0.5)
-    stopped = False
     try:
         decoding = setup.start_decoding()
         stop_process(daemon.proc.pid)
-        stopped = True
         restored = setup.engine.add_request(setup.prompt, 6)
         for _ in range(3):
             tokens_before = len(decoding.output_token_ids)
@@ -302,7 +296,6 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
             assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
         assert restored.state is RequestState.WAITING and restored.lookup is not None, f"seed {seed}"
         os.kill(daemon.proc.pid, signal.SIGCONT)
-        stopped = False
         run_to_idle(setup.engine, timeout_s=30)
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
         assert_same_output(restored, setup.recompute, seed)
@@ -310,7 +303,6 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
 
         failures_before = setup.connector.stats().get("lookup_failures_no_reply", 0)
         stop_process(daemon.proc.pid)
-        stopped = True
         started = time.monotonic()
         given_up = setup.engine.add_request(setup.prompt, 6)
         while given_up.state is RequestState.WAITING:
@@ -320,14 +312,12 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
         assert given_up.load is None and given_up.lookup is None
         assert setup.connector.stats()["lookup_failures_no_reply"] == failures_before + 1
         os.kill(daemon.proc.pid, signal.SIGCONT)
-        stopped = False
         counts = settled_counts(setup)
         assert given_up.num_loaded_tokens == 0 and given_up.num_prefilled_tokens == len(setup.prompt)
         assert_same_output(given_up, setup.recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
-        if stopped:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
+        os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
         setup.close()
 
 
@@ -339,16 +329,13 @@ def test_the_lookups_of_a_burst_of_requests_go_out_in_one_step(daemon, tmp_path)
     to its value before."""
     seed = 6400
     setup = Setup(daemon, tmp_path, seed, "async")
-    stopped = False
     try:
         stop_process(daemon.proc.pid)
-        stopped = True
         burst = [setup.engine.add_request(setup.prompt, 6) for _ in range(3)]
         setup.engine.step()
         assert all(r.state is RequestState.WAITING and r.lookup is not None for r in burst), f"seed {seed}"
         sent = [r.lookup for r in burst]
         os.kill(daemon.proc.pid, signal.SIGCONT)
-        stopped = False
         deadline = time.monotonic() + 10
         while not all(lookup.ready() for lookup in sent):
             assert time.monotonic() < deadline, f"seed {seed}: no replies from the resumed daemon"
@@ -361,6 +348,5 @@ def test_the_lookups_of_a_burst_of_requests_go_out_in_one_step(daemon, tmp_path)
             assert_same_output(request, setup.recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
-        if stopped:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
+        os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
         setup.close()
