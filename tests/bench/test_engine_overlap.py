@@ -18,12 +18,10 @@ from bench.engine import Engine, EngineConfig, RequestState, load_model
 from bench.engine.load import LoadState
 from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
 from tests.bench.engine.reference import hf_model, random_prompt
-from tests.integration.daemon_proc import DaemonProcess, stop_process
+from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 MODEL_ID = "engine-overlap-test"
 LOGITS_ATOL = 1e-4
-# Heartbeats 5 s apart, sessions kept 30 s: a daemon stopped for a moment is a pause, not an outage.
-PATIENT_DAEMON = ("--heartbeat-interval", "5", "--session-timeout", "30")
 
 
 @pytest.fixture

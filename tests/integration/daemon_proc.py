@@ -20,6 +20,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
+# Heartbeats 5 s apart, sessions kept 30 s: a daemon stopped (SIGSTOP) for a moment is a pause, not
+# an outage (with the defaults a loaded machine's pause can outlast what a session is known valid for).
+PATIENT_DAEMON = ("--heartbeat-interval", "5", "--session-timeout", "30")
+
+
 def stop_process(pid: int, timeout_s: float = 5.0) -> None:
     """SIGSTOP pid and wait until every thread of it is stopped. The kernel stops the threads one
     by one, so on a loaded machine a running thread can go on serving requests for a while after

@@ -14,7 +14,7 @@ from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
 from kvcached.server.status import render_table
 from tests.engine_client.blocks import random_bits
-from tests.integration.daemon_proc import DaemonProcess
+from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 L, N, P, H, D = 3, 24, 16, 2, 32
 MODEL = "connector-test"
@@ -88,25 +88,6 @@ def session_counters(daemon, name: str) -> dict:
     raise AssertionError(f"no session named {name}")
 
 
-def stop_process(pid: int, timeout_s: float = 5.0) -> None:
-    """SIGSTOP pid and return once every one of its threads is stopped (delivery is not instant)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    task_dir = f"/proc/{pid}/task"
-    while True:
-        states = []
-        for task in os.listdir(task_dir):
-            try:
-                with open(f"{task_dir}/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                continue
-        if states and all(state in ("T", "t") for state in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
-        time.sleep(0.001)
-
-
 @pytest.fixture
 def daemon():
     process = DaemonProcess().start()
@@ -157,7 +138,7 @@ def test_a_finished_requests_blocks_are_released_once_its_gathers_are_done_not_i
     blocks is released once. (The daemon is stopped while the first save and request_finished are
     called, so that the match's reply is not in yet and the request does hold its blocks; its
     heartbeats are slow, as in the test below, so that the pause costs no session.)"""
-    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
+    daemon = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     rng = np.random.default_rng(SEED + 40)
     engine = queue_save = None
     dma_done = False
@@ -218,7 +199,7 @@ def test_loads_and_saves_return_at_once_and_complete_by_polling():
     fence margin (1.5 s counted from the last answered heartbeat's sending, up to 0.5 s before the
     stop), and the load then fails by design (session_margin). So this daemon's heartbeats are 5 s
     apart and its sessions time out after 30 s: the client would see an outage after 10 s."""
-    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
+    daemon = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     rng = np.random.default_rng(SEED + 2)
     engine = None
     try:
@@ -466,7 +447,7 @@ def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_l
     was stopped) takes a's reply (a bounded host wait) and queues a's copies, so they are done when
     it returns on CPU; b's load, named by no one, is not queued by it; an id with no open request is
     ignored. (A patient daemon: its sessions outlive the stop by far, see the test above.)"""
-    daemon = DaemonProcess(extra_args=("--heartbeat-interval", "5", "--session-timeout", "30")).start()
+    daemon = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     rng = np.random.default_rng(SEED + 12)
     engine = None
     try:
