@@ -138,13 +138,18 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def profile_dir() -> str | None:
+    """Where ``profiled`` writes its traces ($KVCACHED_BENCH_PROFILE_DIR), or None: it does not."""
+    return os.environ.get("KVCACHED_BENCH_PROFILE_DIR") or None
+
+
 @contextlib.contextmanager
 def profiled(name: str) -> Iterator[None]:
     """With $KVCACHED_BENCH_PROFILE_DIR set: run the block under torch.profiler (host and CUDA) and
     write its Chrome trace to that directory as NAME.json (a later run of the same name replaces
     it). Otherwise nothing. For finding where time goes, not for timing: the profiler slows the host."""
-    directory = os.environ.get("KVCACHED_BENCH_PROFILE_DIR")
-    if not directory:
+    directory = profile_dir()
+    if directory is None:
         yield
         return
     import torch

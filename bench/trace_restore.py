@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.bench_ttft import BLOCK_SIZE, daemon_sizes, make_point, save_prefixes
-from bench.common import gc_paused, profiled
+from bench.common import gc_paused, profile_dir, profiled
 from bench.engine import load_model
 from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, run_request, settle
 
@@ -122,7 +122,8 @@ def main() -> None:
                 for i in range(args.repeats):
                     trace(engine, point, control, timeline, profile=False)
                 trace(engine, point, control, timeline, profile=True)
-                trace(engine, point, control, timeline, profile=False, chrome=True)  # $KVCACHED_BENCH_PROFILE_DIR
+                if profile_dir() is not None:
+                    trace(engine, point, control, timeline, profile=False, chrome=True)
                 timeline.unwrap()
             finally:
                 control.close()
