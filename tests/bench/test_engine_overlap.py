@@ -81,13 +81,18 @@ class Setup:
 def step_until_admitted(setup: Setup, request, decoding) -> None:
     """Step until the request is admitted: its lookup goes out in one step and is not waited for;
     the step that finds the reply in admits it. The decoding request gets a token in every step
-    meanwhile."""
+    meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
+    same number of steps however slowly the daemon answers (the decoding request must not run out
+    of tokens before the steps that follow)."""
     deadline = time.monotonic() + 10
     while request.state is RequestState.WAITING:
         tokens_before = len(decoding.output_token_ids)
         setup.engine.step()
         assert len(decoding.output_token_ids) == tokens_before + 1, "a step without a decode token"
-        assert time.monotonic() < deadline, "the lookup's reply never came"
+        while request.lookup is not None and not request.lookup.ready():
+            assert time.monotonic() < deadline, "the lookup's reply never came"
+            time.sleep(0.001)
+        assert time.monotonic() < deadline, "the request was never admitted"
 
 
 def run_request_alone(engine: Engine, prompt, max_new_tokens: int):
