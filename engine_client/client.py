@@ -274,6 +274,18 @@ class _Channel:
         except zmq.Again:
             return None
 
+    def await_reply(self, request_id: int, timeout_s: float) -> bool:
+        """Take in replies until request_id's has come (True) or timeout_s has passed (False); the
+        reply stays to be collected, and nothing is given up."""
+        deadline = time.monotonic() + timeout_s
+        while self.awaited.get(request_id) is None and not self.closed:
+            if time.monotonic() >= deadline:
+                return False
+            received = self._receive(deadline)
+            if received is not None:
+                self._absorb(received)
+        return self.awaited.get(request_id) is not None
+
     def drain(self) -> None:
         """Take in what the socket holds without waiting: error replies to earlier fire-and-forget
         requests, replies to awaited ones. (Asking ZMQ_EVENTS first: an empty socket's zmq.Again
@@ -363,6 +375,13 @@ class PendingReply:
         if self._channel.awaited.get(self._request_id) is None and not self._channel.closed:
             self._channel.drain()
         return self._channel.awaited.get(self._request_id) is not None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most timeout_s for the reply to come; True once it has. Unlike ``result``,
+        a reply not in by then is not given up."""
+        if self.ready():
+            return True
+        return timeout_s > 0 and self._channel.await_reply(self._request_id, timeout_s)
 
     def result(self, timeout_s: float | None = None):
         """Wait for the reply (at most timeout_s, default the client's). On a timeout the request

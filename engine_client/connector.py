@@ -178,6 +178,15 @@ class PendingLookup:
         except (DaemonUnavailable, RuntimeError):
             return True
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most timeout_s for the reply; True once it is in (or the lookup failed)."""
+        if self._decision is not None:
+            return True
+        try:
+            return self._pending.wait(timeout_s)
+        except (DaemonUnavailable, RuntimeError):
+            return True
+
     def result(self, timeout_s: float | None = None) -> int:
         return self.decision(timeout_s).num_tokens
 

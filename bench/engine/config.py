@@ -96,12 +96,17 @@ class EngineConfig:
     load_mode: str = "layerwise"       # how a request waits for the connector's load of its prefix (LOAD_MODES)
     load_timeout_s: float = 60.0       # "blocking": the longest the host waits for the loads of a step
     lookup_timeout_s: float = 5.0      # a connector lookup unanswered this long is given up (recomputed)
+    lookup_wait_s: float = 0.002       # the host waits this long, once, for the reply to the lookup of
+                                       # the request next in line (then it is admitted in this step, not
+                                       # a step later); 0: never waits
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError(f"every size must be positive: {self}")
         if not self.lookup_timeout_s > 0 or not self.load_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s and load_timeout_s must be positive: {self}")
+        if not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
+            raise ValueError(f"lookup_wait_s must be >= 0 and below lookup_timeout_s: {self}")
         if self.graph_max_tokens < 0:
             raise ValueError(f"graph_max_tokens must be >= 0, got {self.graph_max_tokens}")
         if self.decode_backend not in ("auto", "triton", "torch"):

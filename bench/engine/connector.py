@@ -5,8 +5,9 @@ the engine recomputes whatever its own prefix cache lacks.
 The engine's side, per request (``scheduler.py``):
 
   admission   n = lookup(tokens, local_hit_tokens=hit): the prefix to hold, by the connector's
-              decision (restore beats recompute); with lookup_async (optional), sent and not
-              waited for: the request is admitted in the step that finds its reply in -> allocate blocks ->
+              decision (restore beats recompute); with lookup_async (optional), sent and
+              waited for briefly (lookup_wait_s, for the request next in line): the request is
+              admitted in the step that finds its reply in -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
               (its failed blocks are recomputed); a released id frees the blocks held for it;
@@ -53,7 +54,8 @@ class EngineConnector(Protocol):
         Changes nothing."""
 
     # Optional: lookup_async(token_ids, local_hit_tokens=0) -> a pending lookup with ready() (never
-    # waits), result(timeout_s) (lookup's answer; 0 if not in by then) and cancel(). KVConnector has it.
+    # waits), wait(timeout_s) (ready() once the reply is in, at most timeout_s later; nothing given
+    # up), result(timeout_s) (lookup's answer; 0 if not in by then) and cancel(). KVConnector has it.
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """A prefill forward computed num_tokens in this many seconds (what restoring saves)."""

@@ -189,7 +189,7 @@ class Scheduler:
         hit_block_ids = self._own_hit(request)
         looked_up = None
         if self.connector is not None and self._lookups_async():
-            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size)
+            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=True)
             if looked_up is None:
                 return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
@@ -233,11 +233,14 @@ class Scheduler:
         once blocks are there for the request)."""
         return getattr(self.connector, "lookup_async", None) is not None and self.config.load_mode != "blocking"
 
-    def _looked_up(self, request: Request, local_hit_tokens: int) -> int | None:
+    def _looked_up(self, request: Request, local_hit_tokens: int, wait: bool = False) -> int | None:
         """The connector's lookup of the request: the leading tokens to hold, or None while its
-        reply is not in. Sent once (again only if the engine's own hit changed meanwhile), not
-        waited for: the step goes on, and a later one takes the reply. A reply not in within
-        ``lookup_timeout_s`` of the first send is given up (0: recomputed)."""
+        reply is not in. Sent once (again only if the engine's own hit changed meanwhile). With
+        ``wait`` (the request next in line), the host waits for the reply once, at most
+        ``lookup_wait_s`` (a round trip takes a fraction of a millisecond; without the wait the
+        request would be admitted a whole step later); beyond that the step goes on, and a later
+        one takes the reply. A reply not in within ``lookup_timeout_s`` of the first send is given
+        up (0: recomputed)."""
         pending = request.lookup
         if pending is None or request.lookup_local_hit_tokens != local_hit_tokens:
             if pending is None or pending.ready():
@@ -246,7 +249,13 @@ class Scheduler:
                 pending.cancel()
             request.lookup = self.connector.lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
             request.lookup_local_hit_tokens = local_hit_tokens
-        if not request.lookup.ready():
+            request.lookup_waited = False
+        if wait and not request.lookup_waited and self.config.lookup_wait_s > 0:
+            request.lookup_waited = True
+            ready = request.lookup.wait(self.config.lookup_wait_s)
+        else:
+            ready = request.lookup.ready()
+        if not ready:
             waited_s = time.monotonic() - request.lookup_sent_s
             if waited_s < self.config.lookup_timeout_s:
                 return None

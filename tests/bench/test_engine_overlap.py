@@ -79,9 +79,9 @@ class Setup:
 
 
 def step_until_admitted(setup: Setup, request, decoding) -> None:
-    """Step until the request is admitted: its lookup goes out in one step and is not waited for;
-    the step that finds the reply in admits it. The decoding request gets a token in every step
-    meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
+    """Step until the request is admitted: its lookup goes out in one step and is waited for at
+    most lookup_wait_s; the step that finds the reply in admits it. The decoding request gets a
+    token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
     same number of steps however slowly the daemon answers (the decoding request must not run out
     of tokens before the steps that follow)."""
     deadline = time.monotonic() + 10
@@ -136,7 +136,7 @@ def stop_before_the_match(setup: Setup, daemon: DaemonProcess) -> None:
 def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tokens(daemon, tmp_path, load_mode):
     """While a request decodes, another with a 96-token prefix in L2 is admitted, the daemon stopped
     (SIGSTOP) just before its match goes out. "layerwise", "async": the steps until it is admitted
-    (its lookup is not waited for) and four more run decode batches, the last four with its load
+    (its lookup waited for at most lookup_wait_s) and four more run decode batches, the last four with its load
     MATCHING; then the daemon is resumed. "blocking":
     that step waits for the load on the host (the daemon resumed 0.3 s later) and prefills the
     request, with no decode token. "layerwise":
@@ -278,8 +278,9 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
 
 def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_path):
     """With the daemon stopped (SIGSTOP) before a request with a 96-token prefix in L2 arrives, its
-    lookup goes out and no step waits for it: three steps each give the decoding request a token
-    while it stays WAITING. Resumed, the reply is taken in and the prefix loaded. A second request's
+    lookup goes out and is waited for once, lookup_wait_s (0.1 s here), then no more: three steps
+    each give the decoding request a token while it stays WAITING, the first of them one wait
+    for the reply with that bound, the others none. Resumed, the reply is taken in and the prefix loaded. A second request's
     lookup, the daemon stopped again, gets no reply within lookup_timeout_s (0.5 s here): it is
     given up, the request is admitted and recomputes its prompt. Both get their recompute's
     tokens; every count returns to its value before."""
@@ -288,16 +289,23 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
     seed = 6300
     setup = Setup(daemon, tmp_path, seed, "async")
     scheduler = setup.engine.scheduler
-    scheduler.config = dataclasses.replace(scheduler.config, lookup_timeout_s=0.5)
+    scheduler.config = dataclasses.replace(scheduler.config, lookup_timeout_s=0.5, lookup_wait_s=0.1)
     try:
         decoding = setup.start_decoding()
         stop_process(daemon.proc.pid)
         restored = setup.engine.add_request(setup.prompt, 6)
-        for _ in range(3):
+        waits = []
+        for step in range(3):
             tokens_before = len(decoding.output_token_ids)
+            started = time.monotonic()
             setup.engine.step()
+            if step == 0:
+                real_wait = restored.lookup.wait
+                assert time.monotonic() - started >= 0.1, f"seed {seed}: the first step did not wait for the reply"
+                restored.lookup.wait = lambda timeout_s: (waits.append(timeout_s), real_wait(timeout_s))[1]
             assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
         assert restored.state is RequestState.WAITING and restored.lookup is not None, f"seed {seed}"
+        assert waits == [], f"seed {seed}: a later step waited for the reply again: {waits}"
         os.kill(daemon.proc.pid, signal.SIGCONT)
         run_to_idle(setup.engine, timeout_s=30)
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
@@ -321,6 +329,33 @@ def test_a_lookup_is_not_waited_for_and_one_unanswered_is_given_up(daemon, tmp_p
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
+        setup.close()
+
+
+def test_the_step_that_sends_a_lookup_admits_its_request_once_the_reply_comes_within_lookup_wait_s(daemon, tmp_path):
+    """While a request decodes, another with a 96-token prefix in L2 arrives: the step that sends
+    its lookup waits for the reply (lookup_wait_s, 5 s here: far more than a running daemon takes)
+    and admits it, the decoding request getting its token in that step too. It loads the prefix,
+    both get their recompute's tokens, and every count returns to its value before."""
+    import dataclasses
+
+    seed = 6350
+    setup = Setup(daemon, tmp_path, seed, "async")
+    scheduler = setup.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, lookup_wait_s=5.0, lookup_timeout_s=10.0)
+    try:
+        decoding = setup.start_decoding()
+        restored = setup.engine.add_request(setup.prompt, 6)
+        tokens_before = len(decoding.output_token_ids)
+        setup.engine.step()
+        assert restored.state is not RequestState.WAITING, f"seed {seed}: not admitted in the step of its lookup"
+        assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
+        counts = settled_counts(setup)
+        assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
+        assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(decoding, setup.decoding_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
         setup.close()
 
 
