@@ -109,7 +109,8 @@ def drill_stale_writer(repeats: int, pid_watch: bool) -> dict:
                measured, all(exact), runs=runs)
 
 
-def drill_sigkill_mid_backup() -> dict:
+def drill_sigkill_mid_backup(within_s: float = 1.0) -> dict:
+    """Passes when every lease is gone within ``within_s`` of the SIGKILL (the benchmark's bound: 1 s)."""
     daemon = DaemonProcess().start()
     try:
         holders = [start_holder(daemon.socket_path, seed=seed) for seed in (1, 2)]
@@ -120,7 +121,7 @@ def drill_sigkill_mid_backup() -> dict:
             for holder, _, _ in holders:
                 holder.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
-            while observer.status()["leases"] and time.monotonic() - killed_at < 10.0:
+            while observer.status()["leases"] and time.monotonic() - killed_at < max(10.0, within_s):
                 time.sleep(0.005)
             gone_s = time.monotonic() - killed_at
             status = observer.status(check_integrity=True)
@@ -128,10 +129,12 @@ def drill_sigkill_mid_backup() -> dict:
             holder.wait()
     finally:
         daemon.cleanup()
-    ok = leases_before == 4 and status["leases"] == 0 and gone_s < 1.0 and status["integrity"] == "ok"
-    return row("1 SIGKILL mid-backup", "every lease of 2 SIGKILLed engines gone within 1 s",
+    ok = leases_before == 4 and status["leases"] == 0 and gone_s < within_s and status["integrity"] == "ok"
+    return row("1 SIGKILL mid-backup", f"every lease of 2 SIGKILLed engines gone within {within_s:g} s",
                f"{leases_before} leases gone {gone_s * 1e3:.0f} ms after SIGKILL, "
-               f"{len(status['quarantines'])} quarantines, integrity {status['integrity']}", ok)
+               f"{len(status['quarantines'])} quarantines, integrity {status['integrity']}", ok,
+               leases_before=leases_before, leases_after=status["leases"], gone_ms=round(gone_s * 1e3, 1),
+               integrity=status["integrity"])
 
 
 # ---- 2: outage ----------------------------------------------------------------------------------

@@ -135,8 +135,8 @@ def test_an_engine_stalled_past_its_session_never_overwrites_pages_given_to_anot
 def test_a_daemon_stopped_for_two_seconds_keeps_a_healthy_engines_session():
     """A daemon SIGSTOPped for 2 s (longer than the 1.5 s session timeout; engine pids not watched,
     so heartbeats alone keep sessions) does not expire the session of an engine that kept sending
-    heartbeats: for 1 s after the daemon resumes (ten reaper ticks) the session is there, and its
-    requests are served."""
+    heartbeats: for 1 s after the daemon resumes (ten reaper ticks) the session is there, the
+    engine is attached to it again (the first session, never replaced), and its requests are served."""
     daemon = DaemonProcess(extra_args=("--l3-size", "0", "--no-pid-watch")).start()
     geometry = KVGeometry("pause-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
     try:
@@ -154,6 +154,8 @@ def test_a_daemon_stopped_for_two_seconds_keeps_a_healthy_engines_session():
                 status = observer.status()
                 assert [s["client_name"] for s in status["sessions"]] == ["healthy"], status["metrics"]
                 time.sleep(0.05)
+            # A heartbeat that timed out during the pause leaves the engine DOWN until its next probe.
+            wait_until(lambda: engine.is_attached(), 10.0, f"the engine attached again: {engine.connection}")
             assert engine.generation == 1 and engine.is_attached(1)     # the first session, never replaced
             reply = engine.match(np.arange(16, dtype=np.int32))
             assert reply.hit_tokens["l2"] == 0
