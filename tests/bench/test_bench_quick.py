@@ -7,9 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.integration.daemon_proc import REPO_ROOT, child_env
 
 RUN_TIMEOUT_S = 300
+# pytest-timeout's limit for these tests: the run's own, and the checks after it
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 
 
 def run_quick(module: str, result_dir, *args: str) -> dict:
