@@ -88,6 +88,8 @@ class VLLMConnectorConfig:
     save: bool = True                 # save prompts' pages (False: only load)
     lookup_timeout_s: float = 1.0     # a lookup unanswered this long is a miss (then none is sent
                                   # until the daemon answers a heartbeat again)
+    lookup_wait_s: float = 0.002      # the scheduler waits this long, once, for a lookup's reply (then
+                                  # the request is scheduled in this step, not the next); 0: never
     reply_timeout_s: float = 5.0      # a load's or save's match unanswered this long: failed / skipped
     retry_interval_s: float = 1.0     # how often a side with no daemon at start-up tries to attach
     client_timeout_s: float = 2.0     # attach and detach
@@ -100,6 +102,15 @@ class VLLMConnectorConfig:
         if unknown:
             raise ValueError(f"unknown kvcached kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(names)}")
         return cls(**extra)
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_timeout_s", "reply_timeout_s", "retry_interval_s", "client_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"kvcached kv_connector_extra_config {name} must be a positive number, got {value!r}")
+        if not isinstance(self.lookup_wait_s, (int, float)) or not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
+            raise ValueError(f"kvcached kv_connector_extra_config lookup_wait_s must be >= 0 and below "
+                             f"lookup_timeout_s ({self.lookup_timeout_s}), got {self.lookup_wait_s!r}")
 
     @property
     def socket_path(self) -> str:
@@ -387,7 +398,9 @@ class _SchedulerSide:
         now = time.monotonic()
         if asked is not None and asked.hit_tokens is not None and now - asked.sent_at > self.config.lookup_timeout_s:
             asked = None                      # an old answer: ask again
+        wait_s = 0.0
         if asked is None:
+            wait_s = self.config.lookup_wait_s
             tokens = request.all_token_ids[: request.num_tokens - 1]
             tokens = tokens[: len(tokens) // self.block_size * self.block_size]
             self.counts.total["lookup_tokens"] += len(tokens)
@@ -399,7 +412,7 @@ class _SchedulerSide:
                 lookups.lookup_async(np.asarray(tokens, dtype=np.int32), num_computed_tokens), now)
         if asked.hit_tokens is None:
             failures = self._lookup_failures()
-            if asked.pending.ready():
+            if asked.pending.wait(wait_s):          # the lookup just sent: its reply, briefly waited for
                 asked.hit_tokens = asked.pending.result()
             elif now - asked.sent_at > self.config.lookup_timeout_s:
                 asked.hit_tokens = asked.pending.result(0.0)      # 0, counted by the lookups
