@@ -131,3 +131,33 @@ def test_result_after_close_is_a_clear_error(daemon, rng):
     with pytest.raises(DaemonUnavailable, match="closed"):
         pending.result()
     pending.cancel()
+
+
+def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
+    """A match sent to a stopped daemon (SIGSTOP; a patient one, whose session outlasts the stop):
+    wait(0.05) is False and the match is still pending; resumed, wait() is True once the reply is
+    in, and result() is that reply (the prefix's hit), its lease then released; no lease is left."""
+    import os
+    import signal
+
+    from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
+
+    process = DaemonProcess(extra_args=PATIENT_DAEMON).start()
+    try:
+        with connect(process.socket_path, timeout_s=5.0, client_name="wait") as client:
+            client.attach(GEOMETRY)
+            tokens = back_up(client, rng, 3)
+            stop_process(process.proc.pid)
+            try:
+                pending = client.match_async(tokens)
+                assert not pending.wait(0.05), "a reply from a stopped daemon"
+                assert not pending.ready()
+            finally:
+                os.kill(process.proc.pid, signal.SIGCONT)
+            assert pending.wait(30.0), "no reply from the resumed daemon"
+            reply = pending.result()
+            assert reply.hit_tokens["l2"] == len(tokens), reply
+            client.release(reply.lease_id)
+            assert_idle_and_sound(client)
+    finally:
+        process.cleanup()
