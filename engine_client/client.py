@@ -257,7 +257,8 @@ class _Channel:
             # sleeping in the kernel and paying a wake-up (large on virtual machines).
             # Each turn yields the CPU, so that ZeroMQ's I/O thread, when it shares it (connect's
             # cpu), runs at once.
-            spin_until = time.perf_counter() + self.spin_s
+            # (Never past the deadline.)
+            spin_until = time.perf_counter() + min(self.spin_s, max(0.0, deadline - time.monotonic()))
             while True:
                 try:
                     return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
@@ -265,7 +266,18 @@ class _Channel:
                     if time.perf_counter() >= spin_until:
                         break
                     os.sched_yield()
-        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            return None
+        if remaining_s < 0.001:
+            # Less than the 1 ms a blocking recv can wait at least: poll without blocking till the deadline.
+            while time.monotonic() < deadline:
+                try:
+                    return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
+                except zmq.Again:
+                    os.sched_yield()
+            return None
+        remaining_ms = int(remaining_s * 1000)
         if remaining_ms != self._rcvtimeo_ms:     # one blocking recv; no poll() per reply
             self.socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
             self._rcvtimeo_ms = remaining_ms
@@ -377,11 +389,15 @@ class PendingReply:
         return self._channel.awaited.get(self._request_id) is not None
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait at most timeout_s for the reply to come; True once it has. Unlike ``result``,
-        a reply not in by then is not given up."""
+        """Wait at most timeout_s for the reply to come; True once it has, or once none can come
+        (the client closed, the request's session known to be gone: ``result`` then raises at
+        once). Unlike ``result``, a reply not in by then is not given up."""
         if self.ready():
             return True
-        return timeout_s > 0 and self._channel.await_reply(self._request_id, timeout_s)
+        channel = self._channel
+        if channel.closed or (channel.session_gone is not None and channel.session_gone(self.generation) is not None):
+            return True
+        return timeout_s > 0 and channel.await_reply(self._request_id, timeout_s)
 
     def result(self, timeout_s: float | None = None):
         """Wait for the reply (at most timeout_s, default the client's). On a timeout the request

@@ -106,9 +106,10 @@ class VLLMConnectorConfig:
     def __post_init__(self) -> None:
         for name in ("lookup_timeout_s", "reply_timeout_s", "retry_interval_s", "client_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"kvcached kv_connector_extra_config {name} must be a positive number, got {value!r}")
-        if not isinstance(self.lookup_wait_s, (int, float)) or not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
+        if isinstance(self.lookup_wait_s, bool) or not isinstance(self.lookup_wait_s, (int, float)) \
+                or not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
             raise ValueError(f"kvcached kv_connector_extra_config lookup_wait_s must be >= 0 and below "
                              f"lookup_timeout_s ({self.lookup_timeout_s}), got {self.lookup_wait_s!r}")
 
@@ -347,6 +348,7 @@ class _SchedulerSide:
         self._finished_held: list[str] = []
         self._finished_freed: list[str] = []
         self._suspect_since: float | None = None      # when a lookup last went unanswered
+        self._waits_this_step = True                  # until one lookup_wait_s runs out in a step
         self._attacher = _Attacher("the scheduler's lookups", lambda: open_lookups(config, self.geometry),
                                    lambda lookups: lookups.client.close(), config.retry_interval_s)
 
@@ -400,7 +402,9 @@ class _SchedulerSide:
             asked = None                      # an old answer: ask again
         wait_s = 0.0
         if asked is None:
-            wait_s = self.config.lookup_wait_s
+            # Waited for once; not at all for the rest of a step in which one reply was not in time
+            # (a slow daemon costs a step one lookup_wait_s, not one per request).
+            wait_s = self.config.lookup_wait_s if self._waits_this_step else 0.0
             tokens = request.all_token_ids[: request.num_tokens - 1]
             tokens = tokens[: len(tokens) // self.block_size * self.block_size]
             self.counts.total["lookup_tokens"] += len(tokens)
@@ -414,6 +418,9 @@ class _SchedulerSide:
             failures = self._lookup_failures()
             if asked.pending.wait(wait_s):          # the lookup just sent: its reply, briefly waited for
                 asked.hit_tokens = asked.pending.result()
+            elif wait_s:
+                self._waits_this_step = False
+                return None
             elif now - asked.sent_at > self.config.lookup_timeout_s:
                 asked.hit_tokens = asked.pending.result(0.0)      # 0, counted by the lookups
                 self._suspect_since = now
@@ -455,6 +462,7 @@ class _SchedulerSide:
         return tracked
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCachedMetadata:
+        self._waits_this_step = True          # the step is scheduled: the next one may wait again
         meta = KVCachedMetadata(loads=self._pending_loads, finished_held=self._finished_held,
                                 finished_freed=self._finished_freed)
         self._pending_loads, self._finished_held, self._finished_freed = [], [], []

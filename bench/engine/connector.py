@@ -55,7 +55,8 @@ class EngineConnector(Protocol):
 
     # Optional: lookup_async(token_ids, local_hit_tokens=0) -> a pending lookup with ready() (never
     # waits), wait(timeout_s) (ready() once the reply is in, at most timeout_s later; nothing given
-    # up), result(timeout_s) (lookup's answer; 0 if not in by then) and cancel(). KVConnector has it.
+    # up), result(timeout_s) (lookup's answer; 0 if not in by then), cancel() and give_up(waited_s)
+    # (cancel(), counted as a lookup with no reply). KVConnector has it.
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """A prefill forward computed num_tokens in this many seconds (what restoring saves)."""

@@ -187,13 +187,15 @@ class Scheduler:
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
+        num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
+        can_allocate = self.blocks.can_allocate(num_new_blocks, hit_block_ids)
         looked_up = None
         if self.connector is not None and self._lookups_async():
-            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=True)
+            # The host waits for the reply only where the request could be admitted now.
+            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=can_allocate)
             if looked_up is None:
                 return False
-        num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
-        if not self.blocks.can_allocate(num_new_blocks, hit_block_ids):
+        if not can_allocate:
             return False
         if self.connector is not None and looked_up is None:      # the host waits for the reply
             looked_up = self.connector.lookup(request.token_array(),
@@ -228,9 +230,9 @@ class Scheduler:
         return self.blocks.match(request.block_hashes)
 
     def _lookups_async(self) -> bool:
-        """Whether admission sends lookups without waiting for them: a connector with
-        ``lookup_async``, outside "blocking" (there, and without it, the host waits at admission,
-        once blocks are there for the request)."""
+        """Whether admission sends lookups without waiting for their replies (but for the bounded
+        wait of ``_looked_up``): a connector with ``lookup_async``, outside "blocking" (there, and
+        without it, the host waits at admission, once blocks are there for the request)."""
         return getattr(self.connector, "lookup_async", None) is not None and self.config.load_mode != "blocking"
 
     def _looked_up(self, request: Request, local_hit_tokens: int, wait: bool = False) -> int | None:

@@ -16,6 +16,7 @@ import torch
 
 from bench.engine import Engine, EngineConfig, RequestState, load_model
 from bench.engine.load import LoadState
+from engine_client.connector import PendingLookup
 from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
 from tests.bench.engine.reference import hf_model, random_prompt
 from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
@@ -275,7 +276,7 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
         process.cleanup()
 
 
-def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daemon, tmp_path):
+def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daemon, tmp_path, monkeypatch):
     """With the daemon stopped (SIGSTOP) before a request with a 96-token prefix in L2 arrives, its
     lookup goes out and is waited for once, lookup_wait_s (0.1 s here), then no more: three steps
     each give the decoding request a token while it stays WAITING, the first of them after one
@@ -295,18 +296,26 @@ def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daem
         decoding = setup.start_decoding()
         stop_process(daemon.proc.pid)
         restored = setup.engine.add_request(setup.prompt, 6)
-        waits = []
+        waits = []                      # (step, timeout_s, the reply in) of every lookup's wait
+        real_wait = PendingLookup.wait
+        step = 0
+
+        def recorded_wait(lookup, timeout_s):
+            in_time = real_wait(lookup, timeout_s)
+            waits.append((step, timeout_s, in_time))
+            return in_time
+
+        monkeypatch.setattr(PendingLookup, "wait", recorded_wait)
+        first_lookup = None
         for step in range(3):
             tokens_before = len(decoding.output_token_ids)
-            started = time.monotonic()
             setup.engine.step()
-            if step == 0:
-                real_wait = restored.lookup.wait
-                assert time.monotonic() - started >= 0.1, f"seed {seed}: the first step did not wait for the reply"
-                restored.lookup.wait = lambda timeout_s: (waits.append(timeout_s), real_wait(timeout_s))[1]
+            first_lookup = first_lookup or restored.lookup
+            assert restored.lookup is first_lookup, f"seed {seed}: the lookup was sent again"
             assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
-        assert restored.state is RequestState.WAITING and restored.lookup is not None, f"seed {seed}"
-        assert waits == [], f"seed {seed}: a later step waited for the reply again: {waits}"
+        assert restored.state is RequestState.WAITING and first_lookup is not None, f"seed {seed}"
+        assert waits == [(0, 0.1, False)], f"seed {seed}: not one wait of lookup_wait_s, in the first step: {waits}"
+        monkeypatch.undo()
         os.kill(daemon.proc.pid, signal.SIGCONT)
         run_to_idle(setup.engine, timeout_s=30)
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"

@@ -161,3 +161,34 @@ def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
             assert_idle_and_sound(client)
     finally:
         process.cleanup()
+
+
+def test_wait_for_a_reply_that_cannot_come_returns_at_once(rng):
+    """A match in flight when the daemon is SIGKILLed: once the client knows the session is gone,
+    wait(60) returns True at once (well before its bound) and result() raises DaemonDown, rather
+    than the wait sitting out its timeout for a reply that cannot come."""
+    import signal
+    import time
+
+    from engine_client.client import ConnectionState, DaemonDown
+    from tests.integration.daemon_proc import DaemonProcess, stop_process
+
+    process = DaemonProcess().start()
+    try:
+        with connect(process.socket_path, timeout_s=5.0, client_name="gone") as client:
+            client.attach(GEOMETRY)
+            tokens = back_up(client, rng, 2)
+            stop_process(process.proc.pid)
+            pending = client.match_async(tokens)
+            process.stop(signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while client.state is not ConnectionState.DOWN:
+                assert time.monotonic() < deadline, "the client never saw the daemon go"
+                time.sleep(0.01)
+            started = time.monotonic()
+            assert pending.wait(60.0)
+            assert time.monotonic() - started < 30, "the wait sat out its bound"
+            with pytest.raises(DaemonDown):
+                pending.result()
+    finally:
+        process.cleanup()

@@ -63,10 +63,12 @@ def test_scheduler_session_attaches_and_reattaches_without_a_lookup():
 
 
 @pytest.mark.parametrize("extra", [{"lookup_timeout_s": 0}, {"reply_timeout_s": "5"}, {"lookup_wait_s": -0.001},
-                                   {"lookup_wait_s": 1.0}, {"client_timeout_s": -1.0}])
+                                   {"lookup_wait_s": 1.0}, {"client_timeout_s": -1.0}, {"lookup_timeout_s": True},
+                                   {"lookup_wait_s": False}])
 def test_a_bad_timing_in_kv_connector_extra_config_is_refused_with_its_name(extra):
     """Each timing key of kv_connector_extra_config must be a positive number (lookup_wait_s: at
     least 0, below lookup_timeout_s); a bad one is refused, naming the key."""
     (name,) = extra
     with pytest.raises(ValueError, match=name):
         VLLMConnectorConfig.from_extra(extra)
+    assert VLLMConnectorConfig.from_extra({"lookup_timeout_s": 2, "lookup_wait_s": 0}).lookup_timeout_s == 2
