@@ -50,7 +50,7 @@ from tests.integration.test_faults import start_holder
 from tests.integration.test_fencing import STALL_S, Engine, session_names, wait_until
 from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
 from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens
-from tests.integration.timing import timed
+from bench.timing import timed
 
 PAGE = GEOMETRY.page_size
 
