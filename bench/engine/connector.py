@@ -54,8 +54,8 @@ class EngineConnector(Protocol):
         Changes nothing."""
 
     # Optional: lookup_async(token_ids, local_hit_tokens=0) -> a pending lookup with ready() (never
-    # waits), wait(timeout_s) (ready() once the reply is in, at most timeout_s later; nothing given
-    # up), result(timeout_s) (lookup's answer; 0 if not in by then), cancel() and give_up(waited_s)
+    # waits), wait(timeout_s) (optional: ready() once the reply is in, at most timeout_s later;
+    # nothing given up), result(timeout_s) (lookup's answer; 0 if not in by then), cancel() and give_up(waited_s)
     # (cancel(), counted as a lookup with no reply). KVConnector has it.
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:

@@ -252,9 +252,10 @@ class Scheduler:
             request.lookup = self.connector.lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
             request.lookup_local_hit_tokens = local_hit_tokens
             request.lookup_waited = False
-        if wait and not request.lookup_waited and self.config.lookup_wait_s > 0:
+        wait_for_reply = getattr(request.lookup, "wait", None)      # optional (bench/engine/connector.py)
+        if wait and not request.lookup_waited and self.config.lookup_wait_s > 0 and wait_for_reply is not None:
             request.lookup_waited = True
-            ready = request.lookup.wait(self.config.lookup_wait_s)
+            ready = wait_for_reply(self.config.lookup_wait_s)
         else:
             ready = request.lookup.ready()
         if not ready:
