@@ -28,11 +28,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
     them already computed)."""
     assert num_blocks * block_size <= len(token_ids), (num_blocks, len(token_ids))
     hashes = list(known[:num_blocks])
-    tokens = np.asarray(token_ids[len(hashes) * block_size: num_blocks * block_size], dtype="<i4")
+    data = np.asarray(token_ids[len(hashes) * block_size: num_blocks * block_size], dtype="<i4").tobytes()
     parent = hashes[-1] if hashes else b""
-    for i in range(num_blocks - len(hashes)):
-        parent = hashlib.blake2b(parent + tokens[i * block_size: (i + 1) * block_size].tobytes(),
-                                 digest_size=16).digest()
+    width = 4 * block_size
+    for start in range(0, len(data), width):      # (slices of one bytes object: no array per block)
+        parent = hashlib.blake2b(parent + data[start: start + width], digest_size=16).digest()
         hashes.append(parent)
     return hashes
 
