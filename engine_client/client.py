@@ -252,31 +252,18 @@ class _Channel:
             self._orphan_lease_of(frame, generation)
 
     def _receive(self, deadline: float) -> codec.Frame | None:
+        # A reply usually comes within tens of microseconds: polling for it is cheaper than
+        # sleeping in the kernel and paying a wake-up (large on virtual machines). Never past the
+        # deadline.
         if self.spin_s > 0:
-            # A reply usually comes within tens of microseconds: polling for it is cheaper than
-            # sleeping in the kernel and paying a wake-up (large on virtual machines).
-            # Each turn yields the CPU, so that ZeroMQ's I/O thread, when it shares it (connect's
-            # cpu), runs at once.
-            # (Never past the deadline.)
-            spin_until = time.perf_counter() + min(self.spin_s, max(0.0, deadline - time.monotonic()))
-            while True:
-                try:
-                    return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
-                except zmq.Again:
-                    if time.perf_counter() >= spin_until:
-                        break
-                    os.sched_yield()
+            frame = self._poll_for(min(self.spin_s, deadline - time.monotonic()))
+            if frame is not None:
+                return frame
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             return None
-        if remaining_s < 0.001:
-            # Less than the 1 ms a blocking recv can wait at least: poll without blocking till the deadline.
-            while time.monotonic() < deadline:
-                try:
-                    return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
-                except zmq.Again:
-                    os.sched_yield()
-            return None
+        if remaining_s < 0.001:         # less than the 1 ms a blocking recv waits at least
+            return self._poll_for(remaining_s)
         remaining_ms = int(remaining_s * 1000)
         if remaining_ms != self._rcvtimeo_ms:     # one blocking recv; no poll() per reply
             self.socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
@@ -285,6 +272,18 @@ class _Channel:
             return codec.decode(self.socket.recv())
         except zmq.Again:
             return None
+
+    def _poll_for(self, seconds: float) -> codec.Frame | None:
+        """A frame the socket holds or gets within seconds, polled without blocking. Each turn
+        yields the CPU, so that ZeroMQ's I/O thread, when it shares it (connect's cpu), runs at once."""
+        until = time.perf_counter() + seconds
+        while True:
+            try:
+                return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                if time.perf_counter() >= until:
+                    return None
+                os.sched_yield()
 
     def await_reply(self, request_id: int, timeout_s: float) -> bool:
         """Take in replies until request_id's has come (True) or timeout_s has passed (False); the
