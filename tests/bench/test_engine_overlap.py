@@ -6,6 +6,7 @@ lease, block, private L2 page or connector request behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -36,10 +37,11 @@ class Setup:
     """An engine on a tiny Qwen3's weights with its connector, a prefix it prefilled and saved to
     L2 (then dropped from its own cache), and the recompute of a prompt with that prefix."""
 
-    def __init__(self, daemon: DaemonProcess, tmp_path, seed: int, load_mode: str):
+    def __init__(self, daemon: DaemonProcess, tmp_path, seed: int, load_mode: str, **config):
+        """config: more of the engine's EngineConfig."""
         hf_model(seed).save_pretrained(tmp_path)
         self.engine = Engine(load_model(str(tmp_path), dtype=torch.float32, device="cpu"),
-                             EngineConfig(num_blocks=64, keep_logits=True, load_mode=load_mode))
+                             EngineConfig(num_blocks=64, keep_logits=True, load_mode=load_mode, **config))
         generator = torch.Generator().manual_seed(seed)
         self.prefix = random_prompt(generator, 100)
         self.prompt = self.prefix + random_prompt(generator, 7)
@@ -285,13 +287,10 @@ def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daem
     lookup, the daemon stopped again, gets no reply within lookup_timeout_s (0.5 s here): it is
     given up, the request is admitted and recomputes its prompt. Both get their recompute's
     tokens; every count returns to its value before."""
-    import dataclasses
-
     seed = 6300
-    setup = Setup(daemon, tmp_path, seed, "async")
-    scheduler = setup.engine.scheduler
     # lookup_timeout_s: the first request's reply is never given up, however slow the steps are
-    scheduler.config = dataclasses.replace(scheduler.config, lookup_timeout_s=60.0, lookup_wait_s=0.1)
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_timeout_s=60.0, lookup_wait_s=0.1)
+    scheduler = setup.engine.scheduler
     try:
         decoding = setup.start_decoding()
         stop_process(daemon.proc.pid)
@@ -348,12 +347,8 @@ def test_the_step_that_sends_a_lookup_admits_its_request_once_the_reply_comes_wi
     its lookup waits for the reply (lookup_wait_s, 60 s here: far more than a running daemon takes)
     and admits it, the decoding request getting its token in that step too. It loads the prefix,
     both get their recompute's tokens, and every count returns to its value before."""
-    import dataclasses
-
     seed = 6350
-    setup = Setup(daemon, tmp_path, seed, "async")
-    scheduler = setup.engine.scheduler
-    scheduler.config = dataclasses.replace(scheduler.config, lookup_wait_s=60.0, lookup_timeout_s=120.0)
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=60.0, lookup_timeout_s=120.0)
     try:
         decoding = setup.start_decoding()
         restored = setup.engine.add_request(setup.prompt, 6)

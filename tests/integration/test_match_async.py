@@ -4,12 +4,16 @@ answer, and no lease left behind by a match that is given up."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
-from engine_client.client import DaemonUnavailable, connect
+from engine_client.client import ConnectionState, DaemonDown, DaemonUnavailable, connect
 from proto.messages import KVGeometry
+from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 GEOMETRY = KVGeometry("async-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
 
@@ -137,11 +141,6 @@ def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
     """A match sent to a stopped daemon (SIGSTOP; a patient one, whose session outlasts the stop):
     wait(0.05) is False and the match is still pending; resumed, wait() is True once the reply is
     in, and result() is that reply (the prefix's hit), its lease then released; no lease is left."""
-    import os
-    import signal
-
-    from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
-
     process = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     try:
         with connect(process.socket_path, timeout_s=5.0, client_name="wait") as client:
@@ -163,32 +162,20 @@ def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
         process.cleanup()
 
 
-def test_wait_for_a_reply_that_cannot_come_returns_at_once(rng):
+def test_wait_for_a_reply_that_cannot_come_returns_at_once(daemon, client, rng):
     """A match in flight when the daemon is SIGKILLed: once the client knows the session is gone,
     wait(60) returns True at once (well before its bound) and result() raises DaemonDown, rather
     than the wait sitting out its timeout for a reply that cannot come."""
-    import signal
-    import time
-
-    from engine_client.client import ConnectionState, DaemonDown
-    from tests.integration.daemon_proc import DaemonProcess, stop_process
-
-    process = DaemonProcess().start()
-    try:
-        with connect(process.socket_path, timeout_s=5.0, client_name="gone") as client:
-            client.attach(GEOMETRY)
-            tokens = back_up(client, rng, 2)
-            stop_process(process.proc.pid)
-            pending = client.match_async(tokens)
-            process.stop(signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while client.state is not ConnectionState.DOWN:
-                assert time.monotonic() < deadline, "the client never saw the daemon go"
-                time.sleep(0.01)
-            started = time.monotonic()
-            assert pending.wait(60.0)
-            assert time.monotonic() - started < 30, "the wait sat out its bound"
-            with pytest.raises(DaemonDown):
-                pending.result()
-    finally:
-        process.cleanup()
+    tokens = back_up(client, rng, 2)
+    stop_process(daemon.proc.pid)
+    pending = client.match_async(tokens)
+    daemon.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while client.state is not ConnectionState.DOWN:
+        assert time.monotonic() < deadline, "the client never saw the daemon go"
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert pending.wait(60.0)
+    assert time.monotonic() - started < 30, "the wait sat out its bound"
+    with pytest.raises(DaemonDown):
+        pending.result()
