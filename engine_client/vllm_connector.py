@@ -104,12 +104,14 @@ class VLLMConnectorConfig:
         return cls(**extra)
 
     def __post_init__(self) -> None:
+        def number(value) -> bool:          # (a bool is an int to Python, not a timing to a user)
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
         for name in ("lookup_timeout_s", "reply_timeout_s", "retry_interval_s", "client_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not number(value) or not value > 0:
                 raise ValueError(f"kvcached kv_connector_extra_config {name} must be a positive number, got {value!r}")
-        if isinstance(self.lookup_wait_s, bool) or not isinstance(self.lookup_wait_s, (int, float)) \
-                or not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
+        if not number(self.lookup_wait_s) or not 0 <= self.lookup_wait_s < self.lookup_timeout_s:
             raise ValueError(f"kvcached kv_connector_extra_config lookup_wait_s must be >= 0 and below "
                              f"lookup_timeout_s ({self.lookup_timeout_s}), got {self.lookup_wait_s!r}")
 
