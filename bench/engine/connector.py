@@ -5,9 +5,10 @@ the engine recomputes whatever its own prefix cache lacks.
 The engine's side, per request (``scheduler.py``):
 
   admission   n = lookup(tokens, local_hit_tokens=hit): the prefix to hold, by the connector's
-              decision (restore beats recompute); with lookup_async (optional), sent and
-              waited for briefly (lookup_wait_s, for the request next in line): the request is
-              admitted in the step that finds its reply in -> allocate blocks ->
+              decision (restore beats recompute); with lookup_async (optional), sent, and
+              the request admitted once its reply is in: while the GPU runs a step's batch, or
+              at the next step (waited for briefly, lookup_wait_s, for the request next in line,
+              when that step has nothing else to run) -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
               (its failed blocks are recomputed); a released id frees the blocks held for it;

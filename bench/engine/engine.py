@@ -128,16 +128,20 @@ class Engine:
     def _tokens(self, logits: torch.Tensor) -> list[int]:
         """The step's greedy tokens, once the GPU is done with it. Meanwhile the connector's
         replies come in and the copies they allow are queued (their host work hidden under the
-        GPU's), and loads done are seen a step sooner; while a load waits for its match's reply
-        (sent this step), the host polls for it until the GPU is done, so that its copies start
-        within this step rather than the next."""
+        GPU's), waiting requests whose lookup replies are in are admitted (their loads go out),
+        and loads done are seen a step sooner; while a load waits for its match's reply or a
+        request for its lookup's, the host polls for them until the GPU is done, so that the copies
+        start within this step rather than the next."""
         token_ids = logits.argmax(-1)
-        self.scheduler.poll_connector()
-        if self.device.type == "cuda" and self.scheduler.loads_matching():
+        scheduler = self.scheduler
+        scheduler.poll_connector()
+        scheduler.admit_during_step()
+        if self.device.type == "cuda" and (scheduler.loads_matching() or scheduler.lookups_unanswered()):
             computed = torch.cuda.Event()
             computed.record()
-            while not computed.query() and self.scheduler.loads_matching():
-                self.scheduler.poll_connector()
+            while not computed.query() and (scheduler.loads_matching() or scheduler.lookups_unanswered()):
+                scheduler.poll_connector()
+                scheduler.admit_during_step()
         return token_ids.tolist()
 
     def close(self, timeout_s: float = 30.0) -> None:

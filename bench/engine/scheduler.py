@@ -3,7 +3,10 @@
 Each step: the connector's finished loads and released blocks come in; waiting requests are
 admitted in arrival order while blocks and seats last; then either a prefill batch (chunks of
 PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
-decode batch of every DECODE request. A LOADING request waits for its load without holding up
+decode batch of every DECODE request. While the GPU runs that batch, the engine admits the waiting
+requests whose lookup replies come in meanwhile (``admit_during_step``): their loads go out in the
+GPU's shadow. The host waits for a lookup's reply (``lookup_wait_s``) only in a step with nothing
+else to run, so that no other request's batch is ever held up by it. A LOADING request waits for its load without holding up
 the others (``load_mode`` "blocking": the host waits for it at admission). When a decode step
 lacks a block, the latest admitted request is preempted (its blocks freed, recomputed later).
 
@@ -78,7 +81,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.poll_connector()
-        self._admit()
+        self._admit(may_wait=not any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running))
         if self.config.load_mode == "blocking":
             self._wait_for_loads()
         budget = self.config.max_prefill_tokens
@@ -168,7 +171,21 @@ class Scheduler:
 
     # ---- admission ----------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def admit_during_step(self) -> None:
+        """While the GPU runs the step's batch: admit the waiting requests whose lookup replies are
+        in (no wait), so that their loads' matches go out, and their copies are queued, before the
+        next step rather than in it."""
+        if self.waiting and self.connector is not None and self._lookups_async():
+            self._admit(may_wait=False)
+
+    def lookups_unanswered(self) -> bool:
+        """Whether a waiting request that a seat could take has a lookup out with no reply in yet."""
+        return any(r.lookup is not None and not r.lookup.ready()
+                   for r in itertools.islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
+
+    def _admit(self, may_wait: bool = True) -> None:
+        """``may_wait``: the host may wait (``lookup_wait_s``) for the reply of the request next in
+        line: only when this step has nothing else to run (its wait would hold no batch up)."""
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -176,12 +193,12 @@ class Scheduler:
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._allocate_for(request):
+            if not self._allocate_for(request, may_wait):
                 break
             self.waiting.popleft()
             self.running.append(request)
 
-    def _allocate_for(self, request: Request) -> bool:
+    def _allocate_for(self, request: Request, may_wait: bool = True) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
         is not in), blocks for the rest, and the connector's load beyond the hit."""
         num_tokens = len(request.token_ids)
@@ -192,7 +209,7 @@ class Scheduler:
         looked_up = None
         if self.connector is not None and self._lookups_async():
             # The host waits for the reply only where the request could be admitted now.
-            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=can_allocate)
+            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=can_allocate and may_wait)
             if looked_up is None:
                 return False
         if not can_allocate:
@@ -289,7 +306,7 @@ class Scheduler:
                 logger.debug("request %s: %d blocks not loaded (%s), recomputed", request.request_id,
                              len(result.failed_block_ids), result.reason)
             load = request.load
-            load.done(result.num_tokens, result.reason, now_s)
+            load.done(result.num_tokens, result.reason, now_s, getattr(result, "transfer_s", 0.0))
             if load.voided:
                 logger.debug("request %s: its load was voided (%s) after its copies were queued",
                              request.request_id, result.reason)

@@ -82,9 +82,9 @@ class Setup:
 
 
 def step_until_admitted(setup: Setup, request, decoding) -> None:
-    """Step until the request is admitted: its lookup goes out in one step and is waited for at
-    most lookup_wait_s; the step that finds the reply in admits it. The decoding request gets a
-    token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
+    """Step until the request is admitted: its lookup goes out in one step (no wait: the step has a
+    decode batch to run); the step that finds the reply in, during its batch or at its start,
+    admits it. The decoding request gets a token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
     same number of steps however slowly the daemon answers (the decoding request must not run out
     of tokens before the steps that follow)."""
     deadline = time.monotonic() + 10
@@ -141,7 +141,7 @@ def stop_before_the_match(setup: Setup, daemon: DaemonProcess, resume_after_s: f
 def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tokens(daemon, tmp_path, load_mode):
     """While a request decodes, another with a 96-token prefix in L2 is admitted, the daemon stopped
     (SIGSTOP) just before its match goes out. "layerwise", "async": the steps until it is admitted
-    (its lookup waited for at most lookup_wait_s) and four more run decode batches, the last four with its load
+    (its lookup's reply taken in) and four more run decode batches, the last four with its load
     MATCHING; then the daemon is resumed. "blocking":
     that step waits for the load on the host (the daemon resumed 0.3 s later) and prefills the
     request, with no decode token. "layerwise":
@@ -278,21 +278,19 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
         process.cleanup()
 
 
-def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daemon, tmp_path, monkeypatch):
-    """With the daemon stopped (SIGSTOP) before a request with a 96-token prefix in L2 arrives, its
-    lookup goes out and is waited for once, lookup_wait_s (0.1 s here), then no more: three steps
-    each give the decoding request a token while it stays WAITING, the first of them after one
-    wait for the reply with that bound, the others with none. Resumed, the reply is taken in and
-    the prefix loaded. A second request's
-    lookup, the daemon stopped again, gets no reply within lookup_timeout_s (0.5 s here): it is
-    given up, the request is admitted and recomputes its prompt. Both get their recompute's
-    tokens; every count returns to its value before."""
+def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswered(daemon, tmp_path, monkeypatch):
+    """With nothing else running and the daemon stopped (SIGSTOP) before a request with a 96-token
+    prefix in L2 arrives, its lookup goes out and is waited for once, lookup_wait_s (0.1 s here),
+    then no more: of three steps, the first waits once with that bound, the others not at all,
+    and the request stays WAITING on its one lookup. Resumed, the reply is taken in and the prefix
+    loaded. A second request's lookup, the daemon stopped again, gets no reply within
+    lookup_timeout_s (0.5 s here): it is given up, the request is admitted and recomputes its
+    prompt. Both get their recompute's tokens; every count returns to its value before."""
     seed = 6300
     # lookup_timeout_s: the first request's reply is never given up, however slow the steps are
     setup = Setup(daemon, tmp_path, seed, "async", lookup_timeout_s=60.0, lookup_wait_s=0.1)
     scheduler = setup.engine.scheduler
     try:
-        decoding = setup.start_decoding()
         stop_process(daemon.proc.pid)
         restored = setup.engine.add_request(setup.prompt, 6)
         waits = []                      # (step, timeout_s, the reply in) of every lookup's wait
@@ -307,11 +305,9 @@ def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daem
         monkeypatch.setattr(PendingLookup, "wait", recorded_wait)
         first_lookup = None
         for step in range(3):
-            tokens_before = len(decoding.output_token_ids)
             setup.engine.step()
             first_lookup = first_lookup or restored.lookup
             assert restored.lookup is first_lookup, f"seed {seed}: the lookup was sent again"
-            assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
         assert restored.state is RequestState.WAITING and first_lookup is not None, f"seed {seed}"
         assert waits == [(0, 0.1, False)], f"seed {seed}: not one wait of lookup_wait_s, in the first step: {waits}"
         monkeypatch.undo()
@@ -342,20 +338,40 @@ def test_a_lookup_is_waited_for_once_briefly_and_one_unanswered_is_given_up(daem
         setup.close()
 
 
-def test_the_step_that_sends_a_lookup_admits_its_request_once_the_reply_comes_within_lookup_wait_s(daemon, tmp_path):
-    """While a request decodes, another with a 96-token prefix in L2 arrives: the step that sends
-    its lookup waits for the reply (lookup_wait_s, 60 s here: far more than a running daemon takes)
-    and admits it, the decoding request getting its token in that step too. It loads the prefix,
-    both get their recompute's tokens, and every count returns to its value before."""
+def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_during_one(daemon, tmp_path, monkeypatch):
+    """While a request decodes, another with a 96-token prefix in L2 arrives (lookup_wait_s 60 s
+    here: a wait would show). The step that sends its lookup does not wait for the reply: its
+    decode batch runs (the forward made to last until the reply is in, as a GPU step outlasts a
+    round trip), and the request is admitted during that step, its load sent, with no wait at all.
+    It loads the prefix, both get their recompute's tokens, every count returns to its value
+    before."""
     seed = 6350
     setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=60.0, lookup_timeout_s=120.0)
     try:
         decoding = setup.start_decoding()
+        waits = []
+        real_wait = PendingLookup.wait
+        monkeypatch.setattr(PendingLookup, "wait", lambda lookup, timeout_s: waits.append(timeout_s)
+                            or real_wait(lookup, timeout_s))
         restored = setup.engine.add_request(setup.prompt, 6)
+        real_decode = setup.engine._run_decode
+
+        def decode_until_the_reply_is_in(requests):
+            logits = real_decode(requests)
+            deadline = time.monotonic() + 10
+            while restored.lookup is not None and not restored.lookup.ready():
+                assert time.monotonic() < deadline, "the lookup's reply never came"
+                time.sleep(0.001)
+            return logits
+
+        monkeypatch.setattr(setup.engine, "_run_decode", decode_until_the_reply_is_in)
         tokens_before = len(decoding.output_token_ids)
         setup.engine.step()
-        assert restored.state is not RequestState.WAITING, f"seed {seed}: not admitted in the step of its lookup"
         assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
+        assert waits == [], f"seed {seed}: the host waited for the lookup: {waits}"
+        assert restored.state is RequestState.LOADING and restored.load is not None, \
+            f"seed {seed}: not admitted during the step of its lookup ({restored.state})"
+        monkeypatch.undo()
         counts = settled_counts(setup)
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
         assert_same_output(restored, setup.recompute, seed)
