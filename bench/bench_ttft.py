@@ -32,7 +32,8 @@ is the engine's recompute TTFT over it (target <= 1.3).
 Each restore row also says where its samples' TTFT went (``phases_ms``, per timed request, from
 the request's ``PendingLoad``): ``to_load`` (arrival to its load: admission and the lookup's round
 trip), ``to_copies`` (load to its copies queued: the match's round trip), ``copies`` (queued to
-the load seen done), ``to_token`` (done to the first token: the prefill not under the load).
+the load seen done), ``to_token`` (done to the first token: the prefill not under the load), and
+``device_copies`` (the device time of the load's copies, from their start on the load lane).
 
     python -m bench.bench_ttft                                    # H200: bench/results/h200/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
@@ -472,7 +473,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     engine, args = point.engine, run.args
     connector = engine.connector
     warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
-    phases: dict[str, list[float]] = {"to_load": [], "to_copies": [], "copies": [], "to_token": []}
+    phases: dict[str, list[float]] = {"to_load": [], "to_copies": [], "copies": [], "to_token": [], "device_copies": []}
 
     def force(token_ids, num_tokens: int) -> None:
         if tier != "peer":
@@ -558,12 +559,15 @@ def ttft_phases(request) -> dict[str, float]:
     """Where a restored request's TTFT went (ms), from its PendingLoad's times: to_load (arrival to
     load(): admission, the lookup's round trip), to_copies (load() to its copies queued: the match's
     round trip and the step that took the reply in), copies (queued to the load seen done), to_token
-    (done to the first token: the prefill's part not under the load). Empty without a load."""
+    (done to the first token: the prefill's part not under the load); and device_copies, the
+    device time of the load's copies (the connector's LoadResult.transfer_s: from the copies'
+    start on the load lane to their end), beside the host's view. Empty without a load."""
     load = request.load
     if load is None or load.queued_s is None or load.done_s is None or request.first_token_s is None:
         return {}
     return {"to_load": (load.started_s - request.arrival_s) * 1e3, "to_copies": (load.queued_s - load.started_s) * 1e3,
-            "copies": (load.done_s - load.queued_s) * 1e3, "to_token": (request.first_token_s - load.done_s) * 1e3}
+            "copies": (load.done_s - load.queued_s) * 1e3, "to_token": (request.first_token_s - load.done_s) * 1e3,
+            "device_copies": load.transfer_s * 1e3}
 
 
 def lookup_choice(before: dict[str, int], after: dict[str, int]) -> str:

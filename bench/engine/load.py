@@ -46,6 +46,7 @@ class PendingLoad:
     voided: bool = False               # DONE with fewer tokens than IN_FLIGHT promised
     queued_s: float | None = None
     done_s: float | None = None
+    transfer_s: float = 0.0            # DONE: the device time of its copies (the connector's, if it says)
 
     @property
     def pending(self) -> bool:
@@ -55,11 +56,11 @@ class PendingLoad:
         self._move_to(LoadState.IN_FLIGHT)
         self.num_tokens, self.queued_s = num_tokens, now_s
 
-    def done(self, num_tokens: int, reason: str | None, now_s: float) -> None:
+    def done(self, num_tokens: int, reason: str | None, now_s: float, transfer_s: float = 0.0) -> None:
         was_in_flight = self.state is LoadState.IN_FLIGHT
         self._move_to(LoadState.DONE)
         self.voided = was_in_flight and num_tokens < self.num_tokens
-        self.num_tokens, self.reason, self.done_s = num_tokens, reason, now_s
+        self.num_tokens, self.reason, self.done_s, self.transfer_s = num_tokens, reason, now_s, transfer_s
 
     def cancel(self) -> None:
         self._move_to(LoadState.CANCELLED)
