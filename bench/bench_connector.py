@@ -379,17 +379,38 @@ def main() -> None:
     if args.quick:
         peer_token_counts = token_counts
     rows: list[dict] = []
-    for name, (num_layers, num_kv_heads) in geometries.items():
+    started = time.monotonic()
+    name = args.name or (None if args.quick else "connector")
+    summary_tokens = 1000 if not args.quick else args.min_tokens      # the targets hold at >= 1,000 tokens
+
+    def write(complete: bool) -> str:
+        """The result file with the rows so far (after every case: a run cut short keeps them)."""
+        return write_result(name, {
+            "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
+            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer",
+            "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
+            "complete": complete, "targets": TARGETS, "summary_min_tokens": summary_tokens,
+            "summary": summarize(rows, summary_tokens), "tiers": tiers,
+            "peer_target": {"tokens": PEER_TARGET_TOKENS, "transfer_ms": PEER_TARGET_MS, "faster_than_l2": True},
+            "peer_summary": summarize_peer(rows), "rows": rows,
+        }, machine=args.machine)
+
+    for geometry, (num_layers, num_kv_heads) in geometries.items():
         if "l2" in tiers:
             for layout in args.layouts.split(","):
-                rows += run_case(name, num_layers, num_kv_heads, layout, token_counts, args, device)
+                rows += run_case(geometry, num_layers, num_kv_heads, layout, token_counts, args, device)
+                print(f"{geometry} l2 {layout}: done, {time.monotonic() - started:.0f} s", flush=True)
+                if name:
+                    write(False)
         if "peer" in tiers:
-            rows += run_peer_case(name, num_layers, num_kv_heads, peer_token_counts, args, device)
+            rows += run_peer_case(geometry, num_layers, num_kv_heads, peer_token_counts, args, device)
+            print(f"{geometry} peer: done, {time.monotonic() - started:.0f} s", flush=True)
+            if name:
+                write(False)
     if "l2" in tiers:
         print_table([r for r in rows if "ratio" in r], COLUMNS)
     if "peer" in tiers:
         print_table([r for r in rows if "raw_copy_ms" in r], PEER_COLUMNS)
-    summary_tokens = 1000 if not args.quick else args.min_tokens      # the targets hold at >= 1,000 tokens
     summary = summarize(rows, summary_tokens)
     if summary:
         print_table(summary, ["geometry", "layout", "direction", "requests", "median_ratio", "worst_ratio",
@@ -398,18 +419,8 @@ def main() -> None:
     if peer_summary:
         print_table(peer_summary, ["geometry", "requests", "peer_ms_at_3500", "peer_transfer_ms_at_3500",
                                    "median_speedup_vs_l2", "worst_speedup_vs_l2", "meets_target"])
-    name = args.name or (None if args.quick else "connector")
     if name:
-        path = write_result(name, {
-            "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
-            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer",
-            "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
-            "targets": TARGETS, "summary_min_tokens": summary_tokens, "summary": summary, "tiers": tiers,
-            "peer_target": {"tokens": PEER_TARGET_TOKENS, "transfer_ms": PEER_TARGET_MS, "faster_than_l2": True},
-            "peer_summary": peer_summary, "rows": rows,
-        }, machine=args.machine)
-        print(f"wrote {path}")
-
+        print(f"wrote {write(True)}")
 
 if __name__ == "__main__":
     main()

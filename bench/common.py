@@ -78,7 +78,7 @@ def _fmt(value: Any) -> str:
 
 
 def git_commit() -> str | None:
-    """The commit the code ran at, "+dirty" when the work tree differs from it. Outside a git
+    """The commit the code ran at, "+dirty" when the work tree (but for bench/results) differs from it. Outside a git
     checkout, or in a copy of the tree on another machine, $KVCACHED_BENCH_COMMIT names it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.environ.get("KVCACHED_BENCH_COMMIT"):
@@ -88,7 +88,9 @@ def git_commit() -> str | None:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        # Result files written by earlier runs of the same tree are not a change of the code.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)bench/results"], cwd=root,
                                capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

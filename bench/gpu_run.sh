@@ -9,7 +9,8 @@
 #
 # Stages (default: all of them, in this order, as far as the time goes):
 #   tests      the GPU tests (pytest -m gpu)                            -> gpu_tests.log
-#   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json
+#   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json (rows so far
+#              after each case)
 #   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
 #   stress     bench_stress: batches 1 and 4, policies always and cost  -> stress.json
 #   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
@@ -70,7 +71,7 @@ if want tests; then
     else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu tests; fi
 fi
 if want connector; then
-    stage connector 85 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)
+    stage connector 200 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)
     keep connector
 fi
 if want overlap; then
