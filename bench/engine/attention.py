@@ -4,8 +4,9 @@ kv_heads, head_dim]`` (K then V), a request's tokens in the blocks of its block 
 - ``store_kv``: the step's new K/V into their slots (``block * block_size + offset``).
 - ``prefill_attention``: torch SDPA per request over its new tokens; with a cached prefix, over
   prefix + new tokens with the causal diagonal at the bottom right (flash / memory-efficient
-  kernels on CUDA, the math kernel on CPU); a few new tokens over a cached prefix go to the
-  paged decode kernel instead, one query per new token (``PAGED_PREFILL_MAX_ROWS``).
+  kernels on CUDA, the math kernel on CPU); a few new tokens over a cached prefix (the suffix
+  after a restore, ``PAGED_PREFILL_MAX_ROWS``) go to ``paged_prefill_attention`` instead: one
+  Triton launch per layer reading the prefix's blocks in place, causal over the new rows.
 - ``paged_decode_attention``: one query token per request read straight from the blocks (a
   Triton kernel; on CPU tensors under the Triton interpreter, for tests), and
   ``paged_decode_attention_torch``, the reference, which copies each request's context out dense.
@@ -32,16 +33,15 @@ class PrefillSeq(NamedTuple):
     num_new_tokens: int
     num_cached_tokens: int
     block_table: torch.Tensor | None   # int32 [blocks of the request] on the KV device (None: no cached prefix)
-    row_context_lens: torch.Tensor | None = None   # int32 [num_new_tokens]: c + 1, ..., c + n (paged rows)
+    paged: bool = False                # attention through paged_prefill_attention (else SDPA on a dense copy)
 
 
-# A prefill of few new tokens over a short cached prefix reads the prefix through the block table
-# as one decode query per new token (``paged_decode_attention``: one launch per layer, where
-# copying the prefix out dense for SDPA takes about ten). Each query reads the whole prefix, so
-# this pays only while new tokens x context tokens is small: measured on the H200 (Qwen3-8B, 32
-# new tokens), 11 ms against 17 ms of prefill over 350 cached tokens, 15-17 against 14 over 3,500.
+# A prefill of few new tokens over a cached prefix (a restored request's suffix) reads the prefix
+# through the block table in one launch per layer (``paged_prefill_attention``), where copying the
+# prefix out dense for SDPA takes several launches and a copy of the whole context per layer: a
+# forward of a few tokens is bound by the host's launches (bench/engine/graphs.py). Each program
+# of the kernel reads the whole prefix for its rows, so it pays for few new rows only.
 PAGED_PREFILL_MAX_ROWS = 64
-PAGED_PREFILL_MAX_WORK = 32 * 1024          # new tokens x context tokens
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -72,10 +72,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         if seq.num_cached_tokens == 0:
             out[rows] = _sdpa(q[rows], k[rows], v[rows], 0, scale)
             continue
-        if seq.row_context_lens is not None:
-            # Row i is a query at position c + i over the c + i + 1 tokens up to it: causal.
-            tables = seq.block_table[None].expand(seq.num_new_tokens, -1)
-            attn = paged_decode_attention(q[rows], kv_cache, tables, seq.row_context_lens, scale)
+        if seq.paged:
+            attn = paged_prefill_attention(q[rows], kv_cache, seq.block_table, seq.num_cached_tokens, scale)
             if len(seqs) == 1:
                 return attn
             out[rows] = attn
@@ -119,6 +117,28 @@ def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_
 
 
 @triton.jit
+def _online_softmax_tile(q, k_ptrs, stride_kv, valid, seen, scale, m, l, acc, IEEE: tl.constexpr):
+    """One tile of keys into the running softmax (m, l, acc) of the query rows q: K at k_ptrs
+    (V stride_kv further), tokens loaded where ``valid``, scores kept where ``seen`` [rows, tile]."""
+    k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+    v = tl.load(k_ptrs + stride_kv, mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(seen, s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, kv_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale,
                          stride_qb, stride_qh, stride_kv, stride_block, stride_token, stride_head,
                          stride_ob, stride_oh, stride_table,
@@ -143,23 +163,8 @@ def _paged_decode_kernel(q_ptr, kv_ptr, out_ptr, block_tables_ptr, context_lens_
         valid = tokens < num_tokens
         blocks = tl.load(block_tables_ptr + seq * stride_table + tokens // BLOCK_SIZE, mask=valid, other=0)
         rows = blocks.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_token + kv_head * stride_head
-        k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = _online_softmax_tile(q, kv_ptr + rows[:, None] + offs_d[None, :], stride_kv, valid,
+                                         valid[None, :], scale, m, l, acc, IEEE)
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=offs_g[:, None] < GROUP)
@@ -170,22 +175,27 @@ def _kernel_for(device: torch.device):
     TRITON_INTERPRET=1 before triton is imported (the tests start a process so)."""
     if device.type == "cuda":
         return _paged_decode_kernel
+    return _interpreted(_paged_decode_kernel, device)
+
+
+def _interpreted(kernel, device: torch.device):
+    """kernel on CPU, where it runs only under the Triton interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    if device.type != "cpu" or not isinstance(_paged_decode_kernel, InterpretedFunction):
-        raise ValueError(f"the paged decode kernel runs on cuda, or on cpu with TRITON_INTERPRET=1 set before "
+    if device.type != "cpu" or not isinstance(kernel, InterpretedFunction):
+        raise ValueError(f"the paged attention kernels run on cuda, or on cpu with TRITON_INTERPRET=1 set before "
                          f"triton is imported; not on {device} here")
-    return _paged_decode_kernel
+    return kernel
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, tile_tokens: int = 64) -> torch.Tensor:
-    """Same contract as ``paged_decode_attention_torch``; reads the blocks in place."""
+def _check_paged(q: torch.Tensor, kv_cache: torch.Tensor, tile_tokens: int) -> tuple[int, int, int]:
+    """What both paged kernels need of q [rows, Hq, D] and kv_cache [2, N, P, Hkv, D]; returns
+    (block size P, KV heads, head dim)."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, N, P, H, D], got {tuple(kv_cache.shape)}")
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q must be [B, Hq, {head_dim}] with Hq a multiple of {num_kv_heads}, got {tuple(q.shape)}")
+        raise ValueError(f"q must be [rows, Hq, {head_dim}] with Hq a multiple of {num_kv_heads}, got {tuple(q.shape)}")
     if q.dtype != kv_cache.dtype or q.device != kv_cache.device:
         raise ValueError(f"q ({q.dtype}, {q.device}) and kv_cache ({kv_cache.dtype}, {kv_cache.device}) differ")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
@@ -194,6 +204,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if tile_tokens < 16 or tile_tokens & (tile_tokens - 1):
         raise ValueError(f"tile_tokens must be a power of two >= 16, got {tile_tokens}")
+    return block_size, num_kv_heads, head_dim
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, tile_tokens: int = 64) -> torch.Tensor:
+    """Same contract as ``paged_decode_attention_torch``; reads the blocks in place."""
+    block_size, num_kv_heads, head_dim = _check_paged(q, kv_cache, tile_tokens)
     batch = q.shape[0]
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch \
             or block_tables.stride(1) != 1:
@@ -212,5 +229,76 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE=tile_tokens, IEEE=q.dtype == torch.float32)
+    return out
+
+
+# ---- prefill over a cached prefix ----------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_cached", "num_new"])
+def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, block_table_ptr, num_cached, num_new, scale,
+                          stride_qt, stride_qh, stride_kv, stride_block, stride_token, stride_head,
+                          stride_ot, stride_oh,
+                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (BLOCK_M new rows, KV head): its rows x the GROUP query heads sharing the KV
+    # head as one [BLOCK_M * GROUP_PAD, HEAD_DIM] query tile; online softmax over the context up to
+    # its last row, TILE tokens at a time through the block table; row i (position num_cached + i)
+    # sees the tokens up to its own (causal). The ints are not specialised on: no compile per size.
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    rows = block * BLOCK_M + offs_r // GROUP_PAD
+    group = offs_r % GROUP_PAD
+    valid_rows = (rows < num_new) & (group < GROUP)
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=valid_rows[:, None], other=0.0)
+    positions = num_cached + rows
+    end = num_cached + tl.minimum(num_new, (block + 1) * BLOCK_M)     # the last row's tokens
+    m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile_start in range(0, end, TILE):
+        tokens = tile_start + offs_t
+        valid = tokens < end
+        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
+        kv_rows = blocks.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_token + kv_head * stride_head
+        seen = valid[None, :] & (tokens[None, :] <= positions[:, None])   # token 0 is seen by every row
+        m, l, acc = _online_softmax_tile(q, kv_ptr + kv_rows[:, None] + offs_d[None, :], stride_kv, valid, seen,
+                                         scale, m, l, acc, IEEE)
+    out = acc / l[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid_rows[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            num_cached_tokens: int, scale: float, tile_tokens: int = 64) -> torch.Tensor:
+    """Causal attention of one request's n new rows q [n, Hq, D] (positions [c, c + n), their K/V
+    already stored) over its c cached tokens and themselves, read from the blocks in place
+    (block_table int32 [M], covering c + n tokens). Returns [n, Hq, D]."""
+    block_size, num_kv_heads, head_dim = _check_paged(q, kv_cache, tile_tokens)
+    num_new = q.shape[0]
+    if num_cached_tokens < 0:
+        raise ValueError(f"num_cached_tokens must be >= 0, got {num_cached_tokens}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 1 or block_table.stride(0) != 1 \
+            or block_table.device != q.device or block_table.shape[0] * block_size < num_cached_tokens + num_new:
+        raise ValueError(f"block_table must be int32 [M >= {-(-(num_cached_tokens + num_new) // block_size)}] with "
+                         f"unit stride on q's device, got {block_table.dtype} {tuple(block_table.shape)}")
+    out = torch.empty_like(q)
+    if num_new == 0:
+        return out
+    group = q.shape[1] // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, 64 // group_pad)          # a query tile of at least 64 rows (heads x new rows)
+    kernel = _paged_prefill_kernel if q.device.type == "cuda" else _interpreted(_paged_prefill_kernel, q.device)
+    kernel[(triton.cdiv(num_new, block_m), num_kv_heads)](
+        q, kv_cache, out, block_table, num_cached_tokens, num_new, scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TILE=tile_tokens, IEEE=q.dtype == torch.float32)
     return out

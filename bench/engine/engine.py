@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PAGED_PREFILL_MAX_WORK, PrefillSeq
+from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PrefillSeq
 from bench.engine.block_manager import block_hashes
 from bench.engine.config import EngineConfig
 from bench.engine.connector import EngineConnector
@@ -193,14 +193,11 @@ class Engine:
             positions.append(token_positions)
             slots.append(block_ids[token_positions // self.block_size] * self.block_size
                          + token_positions % self.block_size)
-            block_table = row_lens = None
+            block_table = None
             if first:
                 block_table = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
-                if self.decode_backend == "triton" and num_tokens <= PAGED_PREFILL_MAX_ROWS \
-                        and num_tokens * (first + num_tokens) <= PAGED_PREFILL_MAX_WORK:
-                    row_lens = torch.from_numpy(np.arange(first + 1, first + num_tokens + 1, dtype=np.int32)
-                                                ).to(self.device)
-            seqs.append(PrefillSeq(start, num_tokens, first, block_table, row_lens))
+            paged = bool(first) and self.decode_backend == "triton" and num_tokens <= PAGED_PREFILL_MAX_ROWS
+            seqs.append(PrefillSeq(start, num_tokens, first, block_table, paged))
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)
