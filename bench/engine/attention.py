@@ -128,8 +128,11 @@ def _online_softmax_tile(q, k_ptrs, stride_kv, valid, seen, scale, m, l, acc, IE
         s = tl.dot(q, tl.trans(k))
     s = tl.where(seen, s * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
+    # A row that has seen no token yet (a split of the context before its position) keeps m -inf
+    # and sums of 0: exp of -inf - -inf would be NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -236,18 +239,23 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 # ---- prefill over a cached prefix ----------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_cached", "num_new"])
-def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, block_table_ptr, num_cached, num_new, scale,
-                          stride_qt, stride_qh, stride_kv, stride_block, stride_token, stride_head,
+@triton.jit(do_not_specialize=["num_cached", "num_new", "split_tokens"])
+def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, m_ptr, l_ptr, block_table_ptr, num_cached, num_new, split_tokens,
+                          scale, stride_qt, stride_qh, stride_kv, stride_block, stride_token, stride_head,
                           stride_ot, stride_oh,
-                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
-    # One program per (BLOCK_M new rows, KV head): its rows x the GROUP query heads sharing the KV
-    # head as one [BLOCK_M * GROUP_PAD, HEAD_DIM] query tile; online softmax over the context up to
-    # its last row, TILE tokens at a time through the block table; row i (position num_cached + i)
-    # sees the tokens up to its own (causal). The ints are not specialised on: no compile per size.
+                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          TILE: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (BLOCK_M new rows, KV head, split of the context): its rows x the GROUP query
+    # heads sharing the KV head as one [BLOCK_M * GROUP_PAD, HEAD_DIM] query tile; online softmax
+    # over its split_tokens of the context (up to its last row's), TILE tokens at a time through
+    # the block table; row i (position num_cached + i) sees the tokens up to its own (causal).
+    # PARTIAL (more than one split): the unnormalised sums and their max and sum go to out_ptr
+    # [splits, n, Hq, D] (fp32), m_ptr and l_ptr [splits, n, Hq], for _combine_splits_kernel.
+    # The ints are not specialised on: nothing compiles per size.
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, TILE)
@@ -258,11 +266,12 @@ def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, block_table_ptr, num_cached, n
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=valid_rows[:, None], other=0.0)
     positions = num_cached + rows
-    end = num_cached + tl.minimum(num_new, (block + 1) * BLOCK_M)     # the last row's tokens
+    start = split * split_tokens
+    end = tl.minimum(num_cached + tl.minimum(num_new, (block + 1) * BLOCK_M), start + split_tokens)
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
-    for tile_start in range(0, end, TILE):
+    for tile_start in range(start, end, TILE):
         tokens = tile_start + offs_t
         valid = tokens < end
         blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
@@ -270,35 +279,92 @@ def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, block_table_ptr, num_cached, n
         seen = valid[None, :] & (tokens[None, :] <= positions[:, None])   # token 0 is seen by every row
         m, l, acc = _online_softmax_tile(q, kv_ptr + kv_rows[:, None] + offs_d[None, :], stride_kv, valid, seen,
                                          scale, m, l, acc, IEEE)
-    out = acc / l[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid_rows[:, None])
+    if PARTIAL:
+        # A split a row sees nothing of: m -inf, l and acc 0 (the combine weighs it 0).
+        at = (split * num_new + rows) * NUM_HEADS + heads
+        tl.store(m_ptr + at, m, mask=valid_rows)
+        tl.store(l_ptr + at, l, mask=valid_rows)
+        tl.store(out_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=valid_rows[:, None])
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=valid_rows[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_new"])
+def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, num_new, stride_ot, stride_oh,
+                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One program per (new row, query head): the splits' partial sums rescaled to their common max.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # (the split's max and sum broadcast over the head dim: every value here is a [HEAD_DIM] vector)
+    m_max = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+    for split in range(0, num_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (split * num_new + row) * NUM_HEADS + head + offs_d * 0))
+    l_sum = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for split in range(0, num_splits):
+        at = (split * num_new + row) * NUM_HEADS + head
+        weight = tl.exp(tl.load(m_ptr + at + offs_d * 0) - m_max)
+        l_sum += weight * tl.load(l_ptr + at + offs_d * 0)
+        acc += weight * tl.load(acc_ptr + at * HEAD_DIM + offs_d)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, (acc / l_sum).to(out_ptr.dtype.element_ty))
+
+
+# The context is split so that a forward's few rows still keep the GPU's SMs busy: at least this
+# many programs over (row blocks, KV heads, splits), each split at least PREFILL_SPLIT_MIN_TOKENS.
+PREFILL_TARGET_PROGRAMS = 256
+PREFILL_SPLIT_MIN_TOKENS = 256
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                            num_cached_tokens: int, scale: float, tile_tokens: int = 64) -> torch.Tensor:
+                            num_cached_tokens: int, scale: float, tile_tokens: int = 64,
+                            num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of one request's n new rows q [n, Hq, D] (positions [c, c + n), their K/V
     already stored) over its c cached tokens and themselves, read from the blocks in place
-    (block_table int32 [M], covering c + n tokens). Returns [n, Hq, D]."""
+    (block_table int32 [M], covering c + n tokens). Returns [n, Hq, D]. The context goes in
+    ``num_splits`` parts (default: enough for PREFILL_TARGET_PROGRAMS programs), each a program
+    of its own, then one launch combines them."""
     block_size, num_kv_heads, head_dim = _check_paged(q, kv_cache, tile_tokens)
-    num_new = q.shape[0]
+    num_new, num_heads = q.shape[0], q.shape[1]
     if num_cached_tokens < 0:
         raise ValueError(f"num_cached_tokens must be >= 0, got {num_cached_tokens}")
+    num_tokens = num_cached_tokens + num_new
     if block_table.dtype != torch.int32 or block_table.dim() != 1 or block_table.stride(0) != 1 \
-            or block_table.device != q.device or block_table.shape[0] * block_size < num_cached_tokens + num_new:
-        raise ValueError(f"block_table must be int32 [M >= {-(-(num_cached_tokens + num_new) // block_size)}] with "
+            or block_table.device != q.device or block_table.shape[0] * block_size < num_tokens:
+        raise ValueError(f"block_table must be int32 [M >= {-(-num_tokens // block_size)}] with "
                          f"unit stride on q's device, got {block_table.dtype} {tuple(block_table.shape)}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
     if num_new == 0:
         return out
-    group = q.shape[1] // num_kv_heads
+    group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = max(1, 64 // group_pad)          # a query tile of at least 64 rows (heads x new rows)
+    num_blocks = triton.cdiv(num_new, block_m)
+    if num_splits is None:
+        num_splits = max(1, min(triton.cdiv(PREFILL_TARGET_PROGRAMS, num_blocks * num_kv_heads),
+                                num_tokens // PREFILL_SPLIT_MIN_TOKENS))
+    split_tokens = triton.cdiv(triton.cdiv(num_tokens, num_splits), tile_tokens) * tile_tokens
+    num_splits = triton.cdiv(num_tokens, split_tokens)
+    partial = num_splits > 1
+    if partial:
+        sums = torch.empty(num_splits, num_new, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        maxes = torch.empty(num_splits, num_new, num_heads, dtype=torch.float32, device=q.device)
+        totals = torch.empty_like(maxes)
+    else:
+        sums = out
+        maxes = totals = out                   # not read
     kernel = _paged_prefill_kernel if q.device.type == "cuda" else _interpreted(_paged_prefill_kernel, q.device)
-    kernel[(triton.cdiv(num_new, block_m), num_kv_heads)](
-        q, kv_cache, out, block_table, num_cached_tokens, num_new, scale,
+    kernel[(num_blocks, num_kv_heads, num_splits)](
+        q, kv_cache, sums, maxes, totals, block_table, num_cached_tokens, num_new, split_tokens, scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE=tile_tokens, IEEE=q.dtype == torch.float32)
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=tile_tokens, PARTIAL=partial, IEEE=q.dtype == torch.float32)
+    if partial:
+        combine = _combine_splits_kernel if q.device.type == "cuda" else _interpreted(_combine_splits_kernel, q.device)
+        combine[(num_new, num_heads)](sums, maxes, totals, out, num_splits, num_new, out.stride(0), out.stride(1),
+                                      NUM_HEADS=num_heads, HEAD_DIM=head_dim)
     return out

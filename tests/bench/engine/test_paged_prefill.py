@@ -41,9 +41,10 @@ def reference(q, kv_cache, block_table, num_cached):
     return torch.einsum("hnt,thd->nhd", scores.softmax(-1), v)
 
 
-def prefill_case(seed: int, case, dtype: torch.dtype, device: str):
+def prefill_case(seed: int, case, dtype: torch.dtype, device: str, num_splits: int | None = None):
     """Random q and KV, the request's blocks scattered over the cache in random order, q a slice of
-    a wider tensor (the batch's rows); returns (kernel output, reference output)."""
+    a wider tensor (the batch's rows), the context in num_splits parts (None: the default); returns
+    (kernel output, reference output)."""
     num_heads, num_kv_heads, head_dim, block_size, num_cached, num_new = case
     generator = torch.Generator().manual_seed(seed)
     num_request_blocks = -(-(num_cached + num_new) // block_size)
@@ -54,25 +55,33 @@ def prefill_case(seed: int, case, dtype: torch.dtype, device: str):
     kv_cache, batch_q = kv_cache.to(dtype), batch_q.to(dtype)      # the reference of the rounded inputs
     expected = reference(batch_q[3: 3 + num_new], kv_cache, block_table, num_cached)
     kv_cache, batch_q, block_table = kv_cache.to(device), batch_q.to(device), block_table.to(device)
-    out = paged_prefill_attention(batch_q[3: 3 + num_new], kv_cache, block_table, num_cached, head_dim ** -0.5)
+    out = paged_prefill_attention(batch_q[3: 3 + num_new], kv_cache, block_table, num_cached, head_dim ** -0.5,
+                                  num_splits=num_splits)
     return out.cpu().double(), expected
+
+
+# The context in one part, in the default number, and in more parts than some row blocks see tokens of.
+SPLITS = [1, None, 7]
 
 
 def test_the_kernel_matches_a_dense_causal_reference_under_the_triton_interpreter():
     """Under the Triton interpreter (fp32), the kernel's output equals the dense causal
-    reference's within 1e-5 for every case."""
+    reference's within 1e-5 for every case, with the context in one part, in the default number
+    of parts, and in 7 (splits that some rows see nothing of)."""
     differences = run_interpreted("""
         import json
         import torch
-        from tests.bench.engine.test_paged_prefill import CASES, prefill_case
+        from tests.bench.engine.test_paged_prefill import CASES, SPLITS, prefill_case
         differences = []
         for seed, case in enumerate(CASES):
-            out, ref = prefill_case(3400 + seed, case, torch.float32, "cpu")
-            differences.append((out - ref).abs().max().item())
+            for splits in SPLITS:
+                out, ref = prefill_case(3400 + seed, case, torch.float32, "cpu", splits)
+                differences.append((out - ref).abs().max().item())
         print(json.dumps({"differences": differences}))
     """)["differences"]
-    for seed, (case, difference) in enumerate(zip(CASES, differences)):
-        assert difference < 1e-5, f"seed {3400 + seed}, case {case}: differs by {difference}"
+    runs = [(seed, case, splits) for seed, case in enumerate(CASES) for splits in SPLITS]
+    for (seed, case, splits), difference in zip(runs, differences, strict=True):
+        assert difference < 1e-5, f"seed {3400 + seed}, case {case}, {splits} splits: differs by {difference}"
 
 
 def test_a_block_table_too_short_for_the_rows_is_refused():
@@ -85,10 +94,12 @@ def test_a_block_table_too_short_for_the_rows_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_compiled_kernel_matches_the_reference_on_cuda(dtype):
-    """On CUDA the compiled kernel equals the reference: within 1e-5 in fp32 (IEEE dots), within
-    bf16 rounding (3e-2) in bf16."""
+    """On CUDA the compiled kernel equals the reference, in each number of parts: within 1e-5 in
+    fp32 (IEEE dots), within bf16 rounding (3e-2) in bf16."""
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for seed, case in enumerate(CASES):
-        out, ref = prefill_case(3500 + seed, case, dtype, "cuda")
-        difference = (out - ref).abs().max().item()
-        assert difference < tolerance, f"seed {3500 + seed}, case {case}, {dtype}: differs by {difference}"
+        for splits in SPLITS:
+            out, ref = prefill_case(3500 + seed, case, dtype, "cuda", splits)
+            difference = (out - ref).abs().max().item()
+            assert difference < tolerance, f"seed {3500 + seed}, case {case}, {splits} splits, {dtype}: " \
+                                           f"differs by {difference}"
