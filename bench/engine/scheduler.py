@@ -178,14 +178,33 @@ class Scheduler:
         if self.waiting and self.connector is not None and self._lookups_async():
             self._admit(may_wait=False)
 
+    def _hashes_being_computed(self) -> frozenset[bytes]:
+        """The hashes of the full prompt blocks that running requests are prefilling and have not
+        yet put in the prefix cache."""
+        hashes: set[bytes] = set()
+        for request in self.running:
+            if request.state is not RequestState.PREFILL:
+                continue
+            num_full_blocks = len(request.token_ids) // self.block_size
+            if num_full_blocks > request.num_registered_blocks:
+                request.block_hashes = block_hashes(request.token_array(), self.block_size, num_full_blocks,
+                                                    request.block_hashes)
+                hashes.update(request.block_hashes[request.num_registered_blocks: num_full_blocks])
+        return frozenset(hashes)
+
     def lookups_unanswered(self) -> bool:
-        """Whether a waiting request that a seat could take has a lookup out with no reply in yet."""
-        return any(r.lookup is not None and not r.lookup.ready()
-                   for r in itertools.islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
+        """Whether the request next in line, with a seat to take, has a lookup out with no reply in
+        yet (admission goes in order: while it waits, no request behind it is admitted)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs \
+            and self.waiting[0].lookup is not None and not self.waiting[0].lookup.ready()
 
     def _admit(self, may_wait: bool = True) -> None:
         """``may_wait``: the host may wait (``lookup_wait_s``) for the reply of the request next in
-        line: only when this step has nothing else to run (its wait would hold no batch up)."""
+        line: only while this step has nothing else to run (its wait would hold no batch up; a
+        request admitted to prefill here ends that). A request whose next block past its own hit
+        is one a running request is prefilling waits (and those behind it) until that block is in
+        the prefix cache: admitted now, it would compute or load the block again."""
+        deferred = self._hashes_being_computed()
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -193,17 +212,24 @@ class Scheduler:
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._allocate_for(request, may_wait):
+            if not self._allocate_for(request, may_wait, deferred):
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if request.state is RequestState.PREFILL:
+                may_wait = False
+                deferred = self._hashes_being_computed()
 
-    def _allocate_for(self, request: Request, may_wait: bool = True) -> bool:
+    def _allocate_for(self, request: Request, may_wait: bool = True, deferred: frozenset[bytes] = frozenset()) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
-        is not in), blocks for the rest, and the connector's load beyond the hit."""
+        is not in), blocks for the rest, and the connector's load beyond the hit. False, too, while
+        its next block past the hit is among ``deferred`` (being computed)."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
+        if deferred and len(hit_block_ids) < len(request.block_hashes) \
+                and request.block_hashes[len(hit_block_ids)] in deferred:
+            return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         can_allocate = self.blocks.can_allocate(num_new_blocks, hit_block_ids)
         looked_up = None

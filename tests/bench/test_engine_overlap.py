@@ -105,6 +105,16 @@ def run_request_alone(engine: Engine, prompt, max_new_tokens: int):
     return request
 
 
+def recompute_without_the_connector(setup: Setup, prompts, max_new_tokens: int) -> list:
+    """Each prompt alone with the connector taken out, so that nothing of it is saved to L2."""
+    connector = setup.engine.scheduler.connector
+    setup.engine.attach_connector(None)
+    try:
+        return [run_request_alone(setup.engine, p, max_new_tokens) for p in prompts]
+    finally:
+        setup.engine.attach_connector(connector)
+
+
 def assert_same_output(request, reference, seed):
     assert request.output_token_ids == reference.output_token_ids, f"seed {seed}"
     difference = (torch.stack(request.logits) - torch.stack(reference.logits)).abs().max().item()
@@ -339,12 +349,13 @@ def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswe
 
 
 def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_during_one(daemon, tmp_path, monkeypatch):
-    """While a request decodes, another with a 96-token prefix in L2 arrives (lookup_wait_s 60 s
-    here: a wait would show). The step that sends its lookup does not wait for the reply: its
-    decode batch runs (the forward made to last until the reply is in, as a GPU step outlasts a
-    round trip), and the request is admitted during that step, its load sent, with no wait at all.
-    It loads the prefix, both get their recompute's tokens, every count returns to its value
-    before."""
+    """While a request decodes, another with a 96-token prefix in L2 arrives, the daemon stopped
+    (SIGSTOP; lookup_wait_s 60 s here: a wait would show). The step that sends its lookup does not
+    wait for the reply: the request is still WAITING when the step's schedule is done, its decode
+    batch runs (the forward made to resume the daemon and last until the reply is in, as a GPU step
+    outlasts a round trip), and the request is admitted during that step, its load sent, with no
+    wait at all. It loads the prefix, both get their recompute's tokens, every count returns to its
+    value before."""
     seed = 6350
     setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=60.0, lookup_timeout_s=120.0)
     try:
@@ -353,20 +364,31 @@ def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_durin
         real_wait = PendingLookup.wait
         monkeypatch.setattr(PendingLookup, "wait", lambda lookup, timeout_s: waits.append(timeout_s)
                             or real_wait(lookup, timeout_s))
+        stop_process(daemon.proc.pid)
         restored = setup.engine.add_request(setup.prompt, 6)
-        real_decode = setup.engine._run_decode
+        scheduler, engine = setup.engine.scheduler, setup.engine
+        real_schedule, real_decode = scheduler.schedule, engine._run_decode
+        states_after_schedule = []
 
-        def decode_until_the_reply_is_in(requests):
+        def schedule():
+            plan = real_schedule()
+            states_after_schedule.append(restored.state)
+            return plan
+
+        def decode_with_the_reply_coming_in(requests):
             logits = real_decode(requests)
+            os.kill(daemon.proc.pid, signal.SIGCONT)
             deadline = time.monotonic() + 10
-            while restored.lookup is not None and not restored.lookup.ready():
+            while not restored.lookup.ready():
                 assert time.monotonic() < deadline, "the lookup's reply never came"
                 time.sleep(0.001)
             return logits
 
-        monkeypatch.setattr(setup.engine, "_run_decode", decode_until_the_reply_is_in)
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+        monkeypatch.setattr(engine, "_run_decode", decode_with_the_reply_coming_in)
         tokens_before = len(decoding.output_token_ids)
-        setup.engine.step()
+        engine.step()
+        assert states_after_schedule == [RequestState.WAITING], f"seed {seed}: {states_after_schedule}"
         assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
         assert waits == [], f"seed {seed}: the host waited for the lookup: {waits}"
         assert restored.state is RequestState.LOADING and restored.load is not None, \
@@ -376,6 +398,85 @@ def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_durin
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
         assert_same_output(restored, setup.recompute, seed)
         assert_same_output(decoding, setup.decoding_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
+        setup.close()
+
+
+def test_a_request_sharing_the_prefix_a_prefill_computes_is_admitted_after_it_with_its_blocks(
+        daemon, tmp_path, monkeypatch):
+    """A fresh 64-token prefix (nothing of it in L2) is prefilled by request A in chunks of 32
+    tokens; after the first, request B arrives, the same prefix and another suffix, and its
+    lookup's reply comes in during the step of A's second chunk (the forward made to last until
+    then). B is not admitted in that step, where its own hit would be the first chunk's 2 blocks
+    and miss the 2 A is computing: the next step admits it with all 4 from the prefix cache, shared
+    with A, not computed again. Both get their recompute's tokens; every count returns to its value
+    before."""
+    seed = 6370
+    setup = Setup(daemon, tmp_path, seed, "async", max_prefill_tokens=32)
+    try:
+        generator = torch.Generator().manual_seed(seed + 1)
+        prefix = random_prompt(generator, 64)
+        prompt_a, prompt_b = prefix + random_prompt(generator, 1), prefix + random_prompt(generator, 5)
+        (recompute_b,) = recompute_without_the_connector(setup, [prompt_b], 3)
+        engine = setup.engine
+        first = engine.add_request(prompt_a, 3)
+        real_prefill = engine._run_prefill
+        second = None
+
+        def prefill_with_the_reply_coming_in(chunks):
+            logits = real_prefill(chunks)
+            if second is not None and second.lookup is not None and any(c.request is first for c in chunks):
+                deadline = time.monotonic() + 10
+                while not second.lookup.ready():
+                    assert time.monotonic() < deadline, "the lookup's reply never came"
+                    time.sleep(0.001)
+            return logits
+
+        monkeypatch.setattr(engine, "_run_prefill", prefill_with_the_reply_coming_in)
+        while first.num_computed_tokens < 32:
+            engine.step()
+        assert first.state is RequestState.PREFILL and first.num_computed_tokens == 32, f"seed {seed}"
+        second = engine.add_request(prompt_b, 3)
+        engine.step()                     # A's second chunk; B's lookup sent, its reply in during the step
+        assert first.num_computed_tokens == 64, f"seed {seed}: {first.num_computed_tokens}"
+        assert second.state is RequestState.WAITING, f"seed {seed}: admitted before A's blocks were cached"
+        engine.step()
+        assert second.state is not RequestState.WAITING, f"seed {seed}"
+        assert second.num_cached_tokens == 64 and second.block_ids[:4] == first.block_ids[:4], \
+            f"seed {seed}: cached {second.num_cached_tokens}"
+        monkeypatch.undo()
+        counts = settled_counts(setup)
+        assert second.num_prefilled_tokens == len(prompt_b) - 64, f"seed {seed}"
+        assert_same_output(second, recompute_b, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        setup.close()
+
+
+def test_an_idle_step_waits_for_one_lookup_at_most_once_a_request_is_admitted_to_prefill(daemon, tmp_path,
+                                                                                        monkeypatch):
+    """Two fresh requests (nothing of them in L2) arrive at an idle engine together: the step
+    waits for the first one's reply (lookup_wait_s) and admits it to prefill; it then has a batch
+    to run, so it waits for no other reply. Both get their recompute's tokens."""
+    seed = 6380
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=0.5)
+    try:
+        generator = torch.Generator().manual_seed(seed + 1)
+        prompts = [random_prompt(generator, 40), random_prompt(generator, 40)]
+        recomputes = recompute_without_the_connector(setup, prompts, 3)
+        waited = []
+        real_wait = PendingLookup.wait
+        monkeypatch.setattr(PendingLookup, "wait", lambda lookup, timeout_s: waited.append(lookup)
+                            or real_wait(lookup, timeout_s))
+        requests = [setup.engine.add_request(p, 3) for p in prompts]
+        setup.engine.step()
+        assert len(waited) == 1 and requests[0].lookup is None, f"seed {seed}: {len(waited)} waits"
+        monkeypatch.undo()
+        counts = settled_counts(setup)
+        for request, recompute in zip(requests, recomputes):
+            assert_same_output(request, recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
         setup.close()
