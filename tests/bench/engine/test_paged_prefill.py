@@ -11,11 +11,12 @@ from bench.engine.attention import paged_prefill_attention
 from tests.bench.engine.test_paged_decode import run_interpreted
 
 # (query heads, KV heads, head dim, block size, cached tokens, new rows): GQA groups of 4 (the
-# Qwen3 shapes) and 3 (padded), MQA and MHA; no prefix, a prefix of one token, of exactly a block,
-# of a block and one, spanning many tiles; one new row, rows within one program and across several
-# (a group of 4 takes 16 rows a program), a block size that is no power of two.
+# Qwen3 shapes) and 3 (padded), MQA and MHA; no prefix (few rows, many), a prefix of one token, of
+# exactly a block, of a block and one, spanning many tiles; one new row, rows within one program
+# and across several (a group of 4 takes 16 rows a program), a block size that is no power of two.
 CASES = [
     (8, 2, 16, 16, 0, 5),
+    (8, 2, 16, 16, 0, 40),
     (8, 2, 16, 16, 1, 1),
     (12, 4, 32, 16, 16, 17),
     (6, 2, 16, 5, 17, 40),
@@ -41,7 +42,8 @@ def reference(q, kv_cache, block_table, num_cached):
     return torch.einsum("hnt,thd->nhd", scores.softmax(-1), v)
 
 
-def prefill_case(seed: int, case, dtype: torch.dtype, device: str, num_splits: int | None = None):
+def prefill_case(seed: int, case, dtype: torch.dtype, device: str, num_splits: int | None = None,
+                 tile_tokens: int = 64):
     """Random q and KV, the request's blocks scattered over the cache in random order, q a slice of
     a wider tensor (the batch's rows), the context in num_splits parts (None: the default); returns
     (kernel output, reference output)."""
@@ -56,32 +58,34 @@ def prefill_case(seed: int, case, dtype: torch.dtype, device: str, num_splits: i
     expected = reference(batch_q[3: 3 + num_new], kv_cache, block_table, num_cached)
     kv_cache, batch_q, block_table = kv_cache.to(device), batch_q.to(device), block_table.to(device)
     out = paged_prefill_attention(batch_q[3: 3 + num_new], kv_cache, block_table, num_cached, head_dim ** -0.5,
-                                  num_splits=num_splits)
+                                  tile_tokens=tile_tokens, num_splits=num_splits)
     return out.cpu().double(), expected
 
 
-# The context in one part, in the default number, and in more parts than some row blocks see tokens of.
-SPLITS = [1, None, 7]
+# (parts of the context, tokens per tile): one part, the default number, and more parts than some
+# row blocks see tokens of; with 16-token tiles as well, so that short contexts (padded groups, no
+# prefix) go in several parts too (a part is a whole number of tiles).
+SPLITS = [(1, 64), (None, 64), (7, 64), (7, 16)]
 
 
 def test_the_kernel_matches_a_dense_causal_reference_under_the_triton_interpreter():
     """Under the Triton interpreter (fp32), the kernel's output equals the dense causal
     reference's within 1e-5 for every case, with the context in one part, in the default number
-    of parts, and in 7 (splits that some rows see nothing of)."""
+    of parts, and in 7 (splits that some rows see nothing of), the last also with 16-token tiles."""
     differences = run_interpreted("""
         import json
         import torch
         from tests.bench.engine.test_paged_prefill import CASES, SPLITS, prefill_case
         differences = []
         for seed, case in enumerate(CASES):
-            for splits in SPLITS:
-                out, ref = prefill_case(3400 + seed, case, torch.float32, "cpu", splits)
+            for splits, tile in SPLITS:
+                out, ref = prefill_case(3400 + seed, case, torch.float32, "cpu", splits, tile)
                 differences.append((out - ref).abs().max().item())
         print(json.dumps({"differences": differences}))
     """)["differences"]
-    runs = [(seed, case, splits) for seed, case in enumerate(CASES) for splits in SPLITS]
+    runs = [(seed, case, split) for seed, case in enumerate(CASES) for split in SPLITS]
     for (seed, case, splits), difference in zip(runs, differences, strict=True):
-        assert difference < 1e-5, f"seed {3400 + seed}, case {case}, {splits} splits: differs by {difference}"
+        assert difference < 1e-5, f"seed {3400 + seed}, case {case}, (splits, tile) {splits}: differs by {difference}"
 
 
 def test_a_block_table_too_short_for_the_rows_is_refused():
@@ -98,8 +102,8 @@ def test_the_compiled_kernel_matches_the_reference_on_cuda(dtype):
     fp32 (IEEE dots), within bf16 rounding (3e-2) in bf16."""
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for seed, case in enumerate(CASES):
-        for splits in SPLITS:
-            out, ref = prefill_case(3500 + seed, case, dtype, "cuda", splits)
+        for splits, tile in SPLITS:
+            out, ref = prefill_case(3500 + seed, case, dtype, "cuda", splits, tile)
             difference = (out - ref).abs().max().item()
-            assert difference < tolerance, f"seed {3500 + seed}, case {case}, {splits} splits, {dtype}: " \
+            assert difference < tolerance, f"seed {3500 + seed}, case {case}, {splits} splits, tile {tile}, {dtype}: " \
                                            f"differs by {difference}"
