@@ -92,8 +92,9 @@ class Workload:
         return [self.fresh(self.prefixes[j % len(self.prefixes)]) for j in range(self.num_requests)]
 
 
-def make_engine(model, blocks: int, max_num_seqs: int) -> Engine:
-    return Engine(model, EngineConfig(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs))
+def make_engine(model, blocks: int, max_num_seqs: int, keep_logits: bool = False) -> Engine:
+    return Engine(model, EngineConfig(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                                      keep_logits=keep_logits))
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], batch: int, timeout_s: float = 600.0):
@@ -121,7 +122,9 @@ class Reference:
     prefix from that engine's own cache, the very KV that L2 holds (``own_cache``)."""
 
     def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args):
-        self.recompute_engine = make_engine(model, workload.blocks_per_request, 1)
+        # Both references keep their first token's logits (for mismatch_margins), as they ran.
+        self.recompute_engine = make_engine(model, workload.blocks_per_request, 1, keep_logits=True)
+        self.logits: dict[str, list[torch.Tensor]] = {"recompute": [], "own_cache": []}    # of the last prompts
         self.workload = workload
         self.cache_engine = self.saved_kv = None
         if daemon is None:
@@ -132,7 +135,7 @@ class Reference:
         num_cases = len([t for t in args.tiers.split(",") if t != "none"]) * len(args.policies.split(",")) \
             * len(args.batches.split(","))
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
-                                        + 4 * workload.num_requests * num_cases + 64, 1)
+                                        + 4 * workload.num_requests * num_cases + 64, 1, keep_logits=True)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-reference")
         control = TierControl(daemon, connector.geometry)
@@ -152,53 +155,51 @@ class Reference:
             detach_kvcached(self.cache_engine)     # nothing more is saved from here on
 
     def recompute(self, prompts) -> list[int]:
-        tokens = []
+        tokens, self.logits["recompute"], self.logits["own_cache"] = [], [], []     # a case's prompts
         for prompt in prompts:
             self.recompute_engine.reset_prefix_cache()
-            tokens.append(run_request(self.recompute_engine, prompt, 1).output_token_ids[0])
+            request = run_request(self.recompute_engine, prompt, 1)
+            tokens.append(request.output_token_ids[0])
+            self.logits["recompute"].append(request.logits[0].float())
         return tokens
 
     def mismatch_margins(self, prompts, tokens: list[int], restored: list[bool], references: list[int]) -> list[dict]:
-        """For each prompt whose token differs from its reference's: both references again, alone,
-        their logits kept; ``margin``: how far the reference's token's logit is above that of the
-        token the timed run chose (None if the reference's token is not its argmax again); ``noise_floor``: the largest logit difference between the two
-        references of the prompt (the prefix from the engine's own cache, and a full prefill: both
-        exact computations, apart by bf16 rounding alone). A margin within the noise floor is a
-        near tie that rounding moves (a batch of other rows in the GEMMs, another chunking);
-        one beyond it is a wrong result. Without the own-cache engine (tier none) no floor: None."""
+        """For each prompt whose token differs from its reference's, from both references' logits as
+        they ran (``recompute``, ``own_cache``, for these prompts): ``margin``, how far the
+        reference's token's logit is above that of the token the timed run chose; ``noise_floor``,
+        the largest logit difference between the prompt's two references (the prefix from the
+        engine's own cache, and a full prefill: both exact computations, apart by bf16 rounding
+        alone). A margin within the noise floor is a near tie that rounding moves (a batch of other
+        rows in the GEMMs, another chunking); one beyond it is a wrong result. This judges the token
+        chosen, not the timed run's logits (not kept: a copy per request would be in the timing): a
+        wrong computation that still lands on a near-tied token passes. Without the own-cache
+        reference (tier none alone) there is no floor, and where the logits' argmax is not the
+        reference's token they are not its logits: margin None (counted beyond the noise)."""
+        full_logits, own_logits = self.logits["recompute"], self.logits["own_cache"]
+        have_floor = len(full_logits) == len(own_logits) == len(prompts)
         margins = []
         for i, (token, reference) in enumerate(zip(tokens, references, strict=True)):
             if token == reference:
                 continue
             entry = {"request": i, "restored": restored[i], "reference_token": reference, "token": token,
                      "margin": None, "noise_floor": None}
-            if self.cache_engine is not None:
-                self.recompute_engine.reset_prefix_cache()
-                full = self._logits(self.recompute_engine, prompts[i])
-                own = self._logits(self.cache_engine, prompts[i])
+            if have_floor:
+                full, own = full_logits[i], own_logits[i]
                 chosen = own if restored[i] else full
-                if int(chosen.argmax()) == reference:        # else the reference did not come out again
+                if int(chosen.argmax()) == reference:       # else these logits are not the reference's
                     entry["margin"] = round(float(chosen[reference] - chosen[token]), 6)
                 entry["noise_floor"] = round(float((own - full).abs().max()), 6)
             margins.append(entry)
         return margins
 
-    @staticmethod
-    def _logits(engine: Engine, prompt) -> torch.Tensor:
-        config = engine.config
-        engine.config = dataclasses.replace(config, keep_logits=True)
-        try:
-            return run_request(engine, prompt, 1).logits[0].float()
-        finally:
-            engine.config = config
-
     def own_cache(self, prompts) -> list[int]:
-        tokens = []
+        tokens, self.logits["own_cache"] = [], []
         for prompt in prompts:
             request = run_request(self.cache_engine, prompt, 1)
             if request.num_cached_tokens < self.workload.restorable_tokens:
                 raise RuntimeError(f"the own-cache reference hit only {request.num_cached_tokens} tokens")
             tokens.append(request.output_token_ids[0])
+            self.logits["own_cache"].append(request.logits[0].float())
         return tokens
 
 
