@@ -7,6 +7,10 @@
 #   bash bench/gpu_run.sh engines
 #   bash bench/gpu_run.sh --quick [STAGES]    (the same steps on tiny shapes, e.g. on a CPU machine)
 #
+# The result files record the commit of the tree (bench/common.py, git_commit). A copy of the tree
+# on another machine may carry git metadata older than its files: there, run it with
+# KVCACHED_BENCH_COMMIT set to the commit it was copied at (env.txt says which one was recorded).
+#
 # Stages (default: all of them, in this order, as far as the time goes):
 #   tests      the GPU tests (pytest -m gpu)                            -> gpu_tests.log
 #   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json (rows so far
@@ -50,7 +54,8 @@ trap 'rm -rf "$L3_DIR"; [[ -n $QUICK ]] && rm -rf "$RESULTS"' EXIT
 
 { nvidia-smi; python3 -c 'import torch, triton, transformers, zmq; print("torch", torch.__version__, "cuda",
   torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__)'
-  df -h /var/tmp /dev/shm; nproc; free -g; } >"$OUT/env.txt" 2>&1
+  df -h /var/tmp /dev/shm; nproc; free -g
+  python3 -c 'from bench.common import git_commit; print("results record commit", git_commit())'; } >"$OUT/env.txt" 2>&1
 
 left_s() { echo $((END_S - SECONDS)); }
 
