@@ -173,16 +173,11 @@ def _paged_decode_kernel(q_ptr, kv_ptr, out_ptr, block_tables_ptr, context_lens_
              out.to(out_ptr.dtype.element_ty), mask=offs_g[:, None] < GROUP)
 
 
-def _kernel_for(device: torch.device):
+def _kernel_for(kernel, device: torch.device):
     """The compiled kernel on CUDA. On CPU the Triton interpreter runs it, which takes
     TRITON_INTERPRET=1 before triton is imported (the tests start a process so)."""
     if device.type == "cuda":
-        return _paged_decode_kernel
-    return _interpreted(_paged_decode_kernel, device)
-
-
-def _interpreted(kernel, device: torch.device):
-    """kernel on CPU, where it runs only under the Triton interpreter."""
+        return kernel
     from triton.runtime.interpreter import InterpretedFunction
 
     if device.type != "cpu" or not isinstance(kernel, InterpretedFunction):
@@ -227,7 +222,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if batch == 0:
         return out
     group = q.shape[1] // num_kv_heads
-    _kernel_for(q.device)[(batch, num_kv_heads)](
+    _kernel_for(_paged_decode_kernel, q.device)[(batch, num_kv_heads)](
         q, kv_cache, out, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
@@ -356,15 +351,14 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     else:
         sums = out
         maxes = totals = out                   # not read
-    kernel = _paged_prefill_kernel if q.device.type == "cuda" else _interpreted(_paged_prefill_kernel, q.device)
-    kernel[(num_blocks, num_kv_heads, num_splits)](
+    _kernel_for(_paged_prefill_kernel, q.device)[(num_blocks, num_kv_heads, num_splits)](
         q, kv_cache, sums, maxes, totals, block_table, num_cached_tokens, num_new, split_tokens, scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=tile_tokens, PARTIAL=partial, IEEE=q.dtype == torch.float32)
     if partial:
-        combine = _combine_splits_kernel if q.device.type == "cuda" else _interpreted(_combine_splits_kernel, q.device)
-        combine[(num_new, num_heads)](sums, maxes, totals, out, num_splits, num_new, out.stride(0), out.stride(1),
-                                      NUM_HEADS=num_heads, HEAD_DIM=head_dim)
+        _kernel_for(_combine_splits_kernel, q.device)[(num_new, num_heads)](
+            sums, maxes, totals, out, num_splits, num_new, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim)
     return out

@@ -136,10 +136,10 @@ class Engine:
         scheduler = self.scheduler
         scheduler.poll_connector()
         scheduler.admit_during_step()
-        if self.device.type == "cuda" and (scheduler.loads_matching() or scheduler.lookups_unanswered()):
+        if self.device.type == "cuda" and scheduler.awaiting_replies():
             computed = torch.cuda.Event()
             computed.record()
-            while not computed.query() and (scheduler.loads_matching() or scheduler.lookups_unanswered()):
+            while not computed.query() and scheduler.awaiting_replies():
                 scheduler.poll_connector()
                 scheduler.admit_during_step()
         return token_ids.tolist()

@@ -81,7 +81,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.poll_connector()
-        self._admit(may_wait=not any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running))
+        self._admit()
         if self.config.load_mode == "blocking":
             self._wait_for_loads()
         budget = self.config.max_prefill_tokens
@@ -185,12 +185,25 @@ class Scheduler:
         for request in self.running:
             if request.state is not RequestState.PREFILL:
                 continue
-            num_full_blocks = len(request.token_ids) // self.block_size
-            if num_full_blocks > request.num_registered_blocks:
-                request.block_hashes = block_hashes(request.token_array(), self.block_size, num_full_blocks,
-                                                    request.block_hashes)
-                hashes.update(request.block_hashes[request.num_registered_blocks: num_full_blocks])
+            hashes.update(self._hashes(request, len(request.token_ids) // self.block_size)[
+                request.num_registered_blocks:])
         return frozenset(hashes)
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The hashes of the request's first num_blocks full blocks (``request.block_hashes``
+        extended as far as that, never cut: tokens are only ever appended)."""
+        if len(request.block_hashes) < num_blocks:
+            request.block_hashes = block_hashes(request.token_array(), self.block_size, num_blocks,
+                                                request.block_hashes)
+        return request.block_hashes[:num_blocks]
+
+    def _has_batch(self) -> bool:
+        """Whether a running request has work for this step's batch (a prefill or a decode)."""
+        return any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running)
+
+    def awaiting_replies(self) -> bool:
+        """Whether a load waits for its match's reply, or the request next in line for its lookup's."""
+        return self.loads_matching() or self.lookups_unanswered()
 
     def lookups_unanswered(self) -> bool:
         """Whether the request next in line, with a seat to take, has a lookup out with no reply in
@@ -200,11 +213,10 @@ class Scheduler:
 
     def _admit(self, may_wait: bool = True) -> None:
         """``may_wait``: the host may wait (``lookup_wait_s``) for the reply of the request next in
-        line: only while this step has nothing else to run (its wait would hold no batch up; a
-        request admitted to prefill here ends that). A request whose next block past its own hit
-        is one a running request is prefilling waits (and those behind it) until that block is in
-        the prefix cache: admitted now, it would compute or load the block again."""
-        deferred = self._hashes_being_computed()
+        line, while this step has nothing else to run (its wait would hold no batch up; a request
+        admitted to prefill here ends that). A request whose next block past its own hit is one a
+        running request is prefilling waits (and those behind it) until that block is in the
+        prefix cache: admitted now, it would compute or load the block again."""
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -212,13 +224,10 @@ class Scheduler:
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._allocate_for(request, may_wait, deferred):
+            if not self._allocate_for(request, may_wait and not self._has_batch(), self._hashes_being_computed()):
                 break
             self.waiting.popleft()
             self.running.append(request)
-            if request.state is RequestState.PREFILL:
-                may_wait = False
-                deferred = self._hashes_being_computed()
 
     def _allocate_for(self, request: Request, may_wait: bool = True, deferred: frozenset[bytes] = frozenset()) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
@@ -227,8 +236,8 @@ class Scheduler:
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
-        if deferred and len(hit_block_ids) < len(request.block_hashes) \
-                and request.block_hashes[len(hit_block_ids)] in deferred:
+        if len(hit_block_ids) < num_reusable_blocks and \
+                self._hashes(request, num_reusable_blocks)[len(hit_block_ids)] in deferred:
             return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         can_allocate = self.blocks.can_allocate(num_new_blocks, hit_block_ids)
@@ -267,10 +276,7 @@ class Scheduler:
     def _own_hit(self, request: Request) -> list[int]:
         """The prefix cache's blocks for the request's leading reusable blocks (all but the one
         holding its last token, which is always computed); its block hashes brought up to date."""
-        num_reusable_blocks = (len(request.token_ids) - 1) // self.block_size
-        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_reusable_blocks,
-                                            request.block_hashes)
-        return self.blocks.match(request.block_hashes)
+        return self.blocks.match(self._hashes(request, (len(request.token_ids) - 1) // self.block_size))
 
     def _lookups_async(self) -> bool:
         """Whether admission sends lookups without waiting for their replies (but for the bounded
@@ -361,10 +367,9 @@ class Scheduler:
         num_full_blocks = request.num_computed_tokens // self.block_size
         if num_full_blocks <= request.num_registered_blocks:
             return
-        request.block_hashes = block_hashes(request.token_array(), self.block_size, num_full_blocks,
-                                            request.block_hashes)
+        hashes = self._hashes(request, num_full_blocks)
         for i in range(request.num_registered_blocks, num_full_blocks):
-            self.blocks.register(request.block_ids[i], request.block_hashes[i])
+            self.blocks.register(request.block_ids[i], hashes[i])
         request.num_registered_blocks = num_full_blocks
         blocks_cached = getattr(self.connector, "blocks_cached", None)
         if blocks_cached is not None:       # written by the work queued so far (this step's forward)
