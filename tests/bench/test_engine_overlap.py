@@ -98,6 +98,14 @@ def step_until_admitted(setup: Setup, request, decoding) -> None:
         assert time.monotonic() < deadline, "the request was never admitted"
 
 
+def wait_until_ready(pending, message: str) -> None:
+    """Until a reply (a lookup's, a match's) is in the client's hands, at most 10 s."""
+    deadline = time.monotonic() + 10
+    while not pending.ready():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.001)
+
+
 def run_request_alone(engine: Engine, prompt, max_new_tokens: int):
     engine.reset_prefix_cache()
     (request,) = engine.generate([prompt], max_new_tokens)
@@ -186,10 +194,7 @@ def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tok
             # The reply in the client's socket before the next step, whose first poll takes it in:
             # "layerwise" then prefills in that step with the load still in flight.
             match = setup.connector._requests[restored.connector_id].match
-            deadline = time.monotonic() + 10
-            while not match.ready():
-                assert time.monotonic() < deadline, "no reply from the resumed daemon"
-                time.sleep(0.001)
+            wait_until_ready(match, "no reply from the resumed daemon")
         counts = settled_counts(setup)
         assert restored.load.state is LoadState.DONE and restored.num_loaded_tokens == 96, f"seed {seed}"
         assert restored.num_prefilled_tokens == len(setup.prompt) - 96, f"seed {seed}: loaded tokens recomputed"
@@ -378,10 +383,7 @@ def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_durin
         def decode_with_the_reply_coming_in(requests):
             logits = real_decode(requests)
             os.kill(daemon.proc.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 10
-            while not restored.lookup.ready():
-                assert time.monotonic() < deadline, "the lookup's reply never came"
-                time.sleep(0.001)
+            wait_until_ready(restored.lookup, "the lookup's reply never came")
             return logits
 
         monkeypatch.setattr(scheduler, "schedule", schedule)
@@ -428,10 +430,7 @@ def test_a_request_sharing_the_prefix_a_prefill_computes_is_admitted_after_it_wi
         def prefill_with_the_reply_coming_in(chunks):
             logits = real_prefill(chunks)
             if second is not None and second.lookup is not None and any(c.request is first for c in chunks):
-                deadline = time.monotonic() + 10
-                while not second.lookup.ready():
-                    assert time.monotonic() < deadline, "the lookup's reply never came"
-                    time.sleep(0.001)
+                wait_until_ready(second.lookup, "the lookup's reply never came")
             return logits
 
         monkeypatch.setattr(engine, "_run_prefill", prefill_with_the_reply_coming_in)
