@@ -55,8 +55,11 @@ class Scheduler:
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
-        # Prompts prefilled this step (the request, its tokens then), saved once sampled.
+        # Prompts prefilled this step whose chunk read a load IN_FLIGHT (the request, its tokens
+        # then): saved once their first tokens are out (``save_due``). The others are saved while
+        # the GPU runs the forward (``save_prefilled``), those of this step in ``saved_early``.
         self.saves_due: list[tuple[Request, int]] = []
+        self.saved_early: set[int] = set()
 
     @property
     def connector(self) -> EngineConnector | None:
@@ -121,19 +124,39 @@ class Scheduler:
             request.num_prefilled_tokens += num_tokens
             self._register_blocks(request)
             if ends_prompt:
-                if self.connector is not None and len(request.token_ids) >= self.block_size:
+                if self._saves(request) and request.request_id not in self.saved_early:
                     self.saves_due.append((request, len(request.token_ids)))
                 sampled.append(request)
+        self.saved_early.clear()
         return sampled
 
+    def save_prefilled(self, chunks: list[PrefillChunk]) -> None:
+        """With the chunks' prefill queued on the GPU, not yet done: queue the saves of the prompts
+        they end that ``prefill_done`` takes as they are (no load IN_FLIGHT, whose result could
+        void the chunk), so that a save's host work goes in the GPU's shadow rather than after
+        the request's first token. The connector reads the blocks after the work queued so far on
+        the engine's stream (this forward)."""
+        for request, num_tokens, first_token in chunks:
+            if first_token + num_tokens == len(request.token_ids) and self._saves(request) \
+                    and request.num_computed_tokens == first_token \
+                    and (request.load is None or request.load.state is not LoadState.IN_FLIGHT):
+                self.saved_early.add(request.request_id)
+                self._save(request, len(request.token_ids))
+
+    def _saves(self, request: Request) -> bool:
+        """Whether the request's prompt, once prefilled, is saved (a connector, a full block)."""
+        return self.connector is not None and len(request.token_ids) >= self.block_size
+
+    def _save(self, request: Request, num_tokens: int) -> None:
+        self.connector.save(request.connector_id, request.token_array(num_tokens),
+                            request.block_ids[: num_tokens // self.block_size], 0)
+
     def save_due(self, request: Request | None = None) -> None:
-        """Queue the saves of the prompts prefilled this step (after their first tokens are out:
-        a save's host work is not the user's wait), or of ``request``'s alone (before it ends)."""
+        """Queue the saves left due by ``prefill_done`` (after their first tokens are out: a save's
+        host work is not the user's wait), or ``request``'s alone (before it ends)."""
         for due in [d for d in self.saves_due if request is None or d[0] is request]:
             self.saves_due.remove(due)
-            due_request, num_tokens = due
-            self.connector.save(due_request.connector_id, due_request.token_array(num_tokens),
-                                due_request.block_ids[: num_tokens // self.block_size], 0)
+            self._save(*due)
 
     def loads_matching(self) -> bool:
         """Whether a load waits for its match's reply (its copies not queued yet)."""

@@ -324,3 +324,40 @@ def test_prefill_times_go_to_the_connector_but_not_those_on_loaded_tokens(tmp_pa
         assert connector.layer_waits and connector.prefill_samples == [], f"seed {seed}: {connector.prefill_samples}"
     else:
         assert not connector.layer_waits and connector.prefill_samples == [], f"seed {seed}: {connector.prefill_samples}"
+
+
+def test_a_prompt_is_saved_while_its_forward_runs_but_one_on_a_load_in_flight_after_its_token(tmp_path):
+    """A prompt prefilled on nothing pending is saved before the host takes the forward's tokens
+    (its host work under the GPU's); one whose forward read a load IN_FLIGHT ("layerwise") only
+    once its first token is out (its chunk stands only once the load's result is in). Either way
+    the saved pages restore the tokens and logits of a cold run."""
+    seed = 2700
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="layerwise")
+    connector = connected(engine, latency_polls=2)
+    generator = torch.Generator().manual_seed(seed)
+    prompt, longer = random_prompt(generator, 70), None
+    cold = cold_run(engine, prompt, 4)
+    events: list[tuple[str, object]] = []
+    save, tokens = connector.save, engine._tokens
+    connector.save = lambda request_id, *args: (events.append(("save", request_id)), save(request_id, *args))[1]
+    engine._tokens = lambda logits: (events.append(("tokens", None)), tokens(logits))[1]
+
+    first = engine.add_request(prompt, 1)
+    run_until(engine, lambda: first.state is RequestState.FINISHED, "finished")
+    assert events == [("save", first.connector_id), ("tokens", None)], f"seed {seed}: {events}"
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+
+    longer = prompt + random_prompt(generator, 20)          # its first 64 tokens are saved
+    events.clear()
+    restored = engine.add_request(longer, 1)
+    run_until(engine, lambda: restored.state is RequestState.FINISHED, "finished")
+    assert restored.load is not None and restored.load.queued_s is not None, f"seed {seed}"
+    assert events == [("tokens", None), ("save", restored.connector_id)], f"seed {seed}: {events}"
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+
+    (again,) = engine.generate([prompt], 4)
+    assert again.num_loaded_tokens == 64, f"seed {seed}"
+    assert_same_output(again, cold, seed)
+    assert_all_blocks_back(engine, seed)
