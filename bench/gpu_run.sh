@@ -12,7 +12,7 @@
 # KVCACHED_BENCH_COMMIT set to the commit it was copied at (env.txt says which one was recorded).
 #
 # Stages (default: all of them, in this order, as far as the time goes):
-#   tests      the GPU tests (pytest -m gpu)                            -> gpu_tests.log
+#   tests      the GPU tests (pytest -m gpu; GPU_TESTS: which paths)     -> gpu_tests.log
 #   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json (rows so far
 #              after each case)
 #   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
@@ -73,7 +73,7 @@ keep() { cp "$RESULTS/$1.json" "$OUT/" 2>/dev/null; }
 
 if want tests; then
     if [[ -n $QUICK ]]; then stage gpu_tests 110 python3 -m pytest -q -m gpu tests/bench/engine
-    else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu tests; fi
+    else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests}; fi
 fi
 if want connector; then
     stage connector 200 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)

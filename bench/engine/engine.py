@@ -66,11 +66,15 @@ class Engine:
 
     def add_request(self, token_ids: Sequence[int], max_new_tokens: int = 1,
                     stop_token_ids: Iterable[int] = ()) -> Request:
-        token_ids = [int(t) for t in token_ids]
-        if not token_ids or max_new_tokens < 1:
-            raise ValueError("a request needs at least one token and max_new_tokens >= 1")
-        if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
+        arrival_s = time.perf_counter()
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or not tokens.size or max_new_tokens < 1:
+            raise ValueError("a request needs at least one token (a flat sequence) and max_new_tokens >= 1")
+        if tokens.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.model.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
+        token_ids = tokens.tolist()
         num_tokens = len(token_ids) + max_new_tokens
         if num_tokens > self.model.config.max_position_embeddings:
             raise ValueError(f"{num_tokens} tokens exceed max_position_embeddings "
@@ -78,7 +82,7 @@ class Engine:
         if -(-num_tokens // self.block_size) > self.config.num_blocks:
             raise ValueError(f"{num_tokens} tokens need more than the {self.config.num_blocks} KV blocks")
         request = Request(next(self._next_request_id), token_ids, len(token_ids), max_new_tokens,
-                          frozenset(stop_token_ids), time.perf_counter())
+                          frozenset(stop_token_ids), arrival_s, _token_array=tokens.astype(np.int32))
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         return request
@@ -143,17 +147,19 @@ class Engine:
         """The step's greedy tokens, once the GPU is done with it. Meanwhile the connector's
         replies come in and the copies they allow are queued (their host work hidden under the
         GPU's), waiting requests whose lookup replies are in are admitted (their loads go out),
-        and loads done are seen a step sooner; while a load waits for its match's reply or a
-        request for its lookup's, the host polls for them until the GPU is done, so that the copies
-        start within this step rather than the next."""
+        and loads done are seen a step sooner. The host polls until the GPU is done, so that what
+        a reply allows (a load's copies, a save's) is queued within this step rather than at the
+        start of the next (where it would hold up that step's batch); first it hashes the running
+        requests' prompt blocks that admission left unhashed."""
         token_ids = logits.argmax(-1)
         scheduler = self.scheduler
         scheduler.poll_connector()
         scheduler.admit_during_step()
-        if self.device.type == "cuda" and scheduler.awaiting_replies():
+        if self.device.type == "cuda" and scheduler.connector is not None:
             computed = torch.cuda.Event()
             computed.record()
-            while not computed.query() and scheduler.awaiting_replies():
+            scheduler.hash_ahead()
+            while not computed.query():
                 scheduler.poll_connector()
                 scheduler.admit_during_step()
         return token_ids.tolist()

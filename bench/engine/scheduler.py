@@ -32,6 +32,8 @@ from bench.engine.request import Request, RequestState
 
 logger = logging.getLogger(__name__)
 
+HASH_AHEAD_BLOCKS = 16       # a request's own hit is looked for with at least this many block hashes
+
 
 class PrefillChunk(NamedTuple):
     request: Request
@@ -260,7 +262,7 @@ class Scheduler:
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
         if len(hit_block_ids) < num_reusable_blocks and \
-                self._hashes(request, num_reusable_blocks)[len(hit_block_ids)] in deferred:
+                self._hashes(request, len(hit_block_ids) + 1)[len(hit_block_ids)] in deferred:
             return False
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         can_allocate = self.blocks.can_allocate(num_new_blocks, hit_block_ids)
@@ -298,8 +300,24 @@ class Scheduler:
 
     def _own_hit(self, request: Request) -> list[int]:
         """The prefix cache's blocks for the request's leading reusable blocks (all but the one
-        holding its last token, which is always computed); its block hashes brought up to date."""
-        return self.blocks.match(self._hashes(request, (len(request.token_ids) - 1) // self.block_size))
+        holding its last token, which is always computed). Its block hashes are computed as far as
+        the hit goes and a little beyond (HASH_AHEAD_BLOCKS at least, doubling while all hit): a
+        long prompt's lookup goes out without waiting for the hashes of blocks nobody holds (the
+        rest come in ``hash_ahead``, while the GPU runs, or where they are needed)."""
+        num_reusable_blocks = (len(request.token_ids) - 1) // self.block_size
+        num_hashed = min(num_reusable_blocks, max(len(request.block_hashes), HASH_AHEAD_BLOCKS))
+        while True:
+            hit_block_ids = self.blocks.match(self._hashes(request, num_hashed))
+            if len(hit_block_ids) < num_hashed or num_hashed == num_reusable_blocks:
+                return hit_block_ids
+            num_hashed = min(num_reusable_blocks, 2 * num_hashed)
+
+    def hash_ahead(self) -> None:
+        """The hashes of every running request's full prompt blocks (registration and the check of
+        blocks being computed take them): host work for while the GPU runs."""
+        for request in self.running:
+            if request.state is not RequestState.DECODE:
+                self._hashes(request, len(request.token_ids) // self.block_size)
 
     def _lookups_async(self) -> bool:
         """Whether admission sends lookups without waiting for their replies (but for the bounded

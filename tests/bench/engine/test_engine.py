@@ -108,7 +108,7 @@ def test_preempted_requests_get_the_tokens_they_get_alone(tmp_path):
 
 def test_stop_tokens_and_limits(tmp_path):
     """A stop token ends a request (kept as its last token); requests too long for the KV blocks
-    or the positions are refused when added."""
+    or the positions, or without valid token ids, are refused when added."""
     seed = 1400
     engine = engine_on(hf_model(seed), tmp_path, num_blocks=8)
     prompt = random_prompt(torch.Generator().manual_seed(seed), 20)
@@ -124,3 +124,39 @@ def test_stop_tokens_and_limits(tmp_path):
         engine.add_request(prompt, 8 * 16)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.add_request(prompt, 1024)
+    vocab_size = engine.model.config.vocab_size
+    for bad, message in (([], "at least one token"), ([[1, 2]], "flat"), ([1.0, 2.0], "integers"),
+                         ([1, vocab_size], r"\[0, "), ([-1, 2], r"\[0, ")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(bad, 1)
+    assert not engine.has_unfinished()
+
+
+def test_a_long_prefix_cache_hit_is_found_whole_and_a_miss_hashes_few_blocks(tmp_path):
+    """Block size 2: a prompt of 100 blocks shares its first 70 with one cached, far past the
+    first batch of hashes (HASH_AHEAD_BLOCKS, doubled while all hit): the whole 70-block hit is
+    reused, with the tokens of a cold run. A prompt whose first block nobody holds is admitted
+    with no more than HASH_AHEAD_BLOCKS of its blocks hashed; registration hashes the rest."""
+    from bench.engine.scheduler import HASH_AHEAD_BLOCKS
+
+    seed = 1150
+    engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, block_size=2, num_blocks=256)
+    generator = torch.Generator().manual_seed(seed)
+    cached = random_prompt(generator, 200)
+    sharing = cached[:140] + random_prompt(generator, 60)
+    cold = solo_run(engine, sharing, 4)
+    engine.generate([cached], 1)
+    (warm,) = engine.generate([sharing], 4)
+    assert warm.num_cached_tokens == 140, f"seed {seed}: {warm.num_cached_tokens}"
+    assert warm.output_token_ids == cold.output_token_ids, f"seed {seed}"
+    difference = (torch.stack(warm.logits) - torch.stack(cold.logits)).abs().max().item()
+    assert difference < LOGITS_ATOL, f"seed {seed}: logits differ by {difference}"
+
+    fresh = engine.add_request(random_prompt(generator, 200), 1)
+    engine.scheduler.schedule()
+    assert fresh.state is RequestState.PREFILL and len(fresh.block_hashes) <= HASH_AHEAD_BLOCKS, \
+        f"seed {seed}: {len(fresh.block_hashes)} hashed"
+    while engine.has_unfinished():
+        engine.step()
+    assert fresh.num_registered_blocks == 100 and len(fresh.block_hashes) >= 100, f"seed {seed}"
+    assert engine.cached_block_ids(fresh.token_ids[:200]) != [], f"seed {seed}"
