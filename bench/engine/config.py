@@ -96,9 +96,9 @@ class EngineConfig:
     load_mode: str = "layerwise"       # how a request waits for the connector's load of its prefix (LOAD_MODES)
     load_timeout_s: float = 60.0       # "blocking": the longest the host waits for the loads of a step
     lookup_timeout_s: float = 5.0      # a connector lookup unanswered this long is given up (recomputed)
-    lookup_wait_s: float = 0.002       # in a step with nothing else to run, the host waits this long,
-                                       # once, for the reply to the lookup of the request next in line
-                                       # (then it is admitted in this step, not a step later); 0: never
+    lookup_wait_s: float = 0.002       # in a step with nothing else to run, the host waits at most this
+                                       # long in all for the lookup replies of the requests it admits
+                                       # (then they share this step's batch, not a later one); 0: never
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:

@@ -5,8 +5,8 @@ admitted in arrival order while blocks and seats last; then either a prefill bat
 PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
 decode batch of every DECODE request. While the GPU runs that batch, the engine admits the waiting
 requests whose lookup replies come in meanwhile (``admit_during_step``): their loads go out in the
-GPU's shadow. The host waits for a lookup's reply (``lookup_wait_s``) only in a step with nothing
-else to run, so that no other request's batch is ever held up by it. A LOADING request waits for its load without holding up
+GPU's shadow. The host waits for lookup replies (``lookup_wait_s`` in all) only in a step with
+nothing else to run, so that no other request's batch is ever held up by it. A LOADING request waits for its load without holding up
 the others (``load_mode`` "blocking": the host waits for it at admission). When a decode step
 lacks a block, the latest admitted request is preempted (its blocks freed, recomputed later).
 
@@ -237,11 +237,15 @@ class Scheduler:
             and self.waiting[0].lookup is not None and not self.waiting[0].lookup.ready()
 
     def _admit(self, may_wait: bool = True) -> None:
-        """``may_wait``: the host may wait (``lookup_wait_s``) for the reply of the request next in
-        line, while this step has nothing else to run (its wait would hold no batch up; a request
-        admitted to prefill here ends that). A request whose next block past its own hit is one a
-        running request is prefilling waits (and those behind it) until that block is in the
-        prefix cache: admitted now, it would compute or load the block again."""
+        """``may_wait``: in a step that had nothing to run, the host may wait for the lookup
+        replies of the requests it admits, ``lookup_wait_s`` at most in all (a round trip takes a
+        fraction of that, and the lookups of a burst go out together, so their replies come
+        together): the requests of a burst then share the step's batch, where admitting the first
+        alone would run it in a forward of its own and the others a step later. A request whose
+        next block past its own hit is one a running request is prefilling waits (and those behind
+        it) until that block is in the prefix cache: admitted now, it would compute or load the
+        block again."""
+        wait_until = time.monotonic() + self.config.lookup_wait_s if may_wait and not self._has_batch() else None
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -249,15 +253,17 @@ class Scheduler:
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._allocate_for(request, may_wait and not self._has_batch(), self._hashes_being_computed()):
+            wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
+            if not self._allocate_for(request, wait_s, self._hashes_being_computed()):
                 break
             self.waiting.popleft()
             self.running.append(request)
 
-    def _allocate_for(self, request: Request, may_wait: bool = True, deferred: frozenset[bytes] = frozenset()) -> bool:
+    def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset()) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
-        is not in), blocks for the rest, and the connector's load beyond the hit. False, too, while
-        its next block past the hit is among ``deferred`` (being computed)."""
+        is not in, after a wait of at most wait_s), blocks for the rest, and the connector's load
+        beyond the hit. False, too, while its next block past the hit is among ``deferred`` (being
+        computed)."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
@@ -269,7 +275,7 @@ class Scheduler:
         looked_up = None
         if self.connector is not None and self._lookups_async():
             # The host waits for the reply only where the request could be admitted now.
-            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait=can_allocate and may_wait)
+            looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait_s if can_allocate else 0.0)
             if looked_up is None:
                 return False
         if not can_allocate:
@@ -325,11 +331,11 @@ class Scheduler:
         without it, the host waits at admission, once blocks are there for the request)."""
         return getattr(self.connector, "lookup_async", None) is not None and self.config.load_mode != "blocking"
 
-    def _looked_up(self, request: Request, local_hit_tokens: int, wait: bool = False) -> int | None:
+    def _looked_up(self, request: Request, local_hit_tokens: int, wait_s: float = 0.0) -> int | None:
         """The connector's lookup of the request: the leading tokens to hold, or None while its
         reply is not in. Sent once (again only if the engine's own hit changed meanwhile). With
-        ``wait`` (the request next in line), the host waits for the reply once, at most
-        ``lookup_wait_s`` (a round trip takes a fraction of a millisecond; without the wait the
+        ``wait_s`` > 0 (a request an idle step may admit), the host waits for the reply, once, at
+        most that long (a round trip takes a fraction of a millisecond; without the wait the
         request would be admitted a whole step later); beyond that the step goes on, and a later
         one takes the reply. A reply not in within ``lookup_timeout_s`` of the first send is given
         up (0: recomputed)."""
@@ -343,9 +349,9 @@ class Scheduler:
             request.lookup_local_hit_tokens = local_hit_tokens
             request.lookup_waited = False
         wait_for_reply = getattr(request.lookup, "wait", None)      # optional (bench/engine/connector.py)
-        if wait and not request.lookup_waited and self.config.lookup_wait_s > 0 and wait_for_reply is not None:
+        if wait_s > 0 and not request.lookup_waited and wait_for_reply is not None:
             request.lookup_waited = True
-            ready = wait_for_reply(self.config.lookup_wait_s)
+            ready = wait_for_reply(wait_s)
         else:
             ready = request.lookup.ready()
         if not ready:

@@ -324,7 +324,8 @@ def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswe
             first_lookup = first_lookup or restored.lookup
             assert restored.lookup is first_lookup, f"seed {seed}: the lookup was sent again"
         assert restored.state is RequestState.WAITING and first_lookup is not None, f"seed {seed}"
-        assert waits == [(0, 0.1, False)], f"seed {seed}: not one wait of lookup_wait_s, in the first step: {waits}"
+        assert len(waits) == 1 and waits[0][0] == 0 and 0 < waits[0][1] <= 0.1 and not waits[0][2], \
+            f"seed {seed}: not one wait of at most lookup_wait_s, in the first step: {waits}"
         monkeypatch.undo()
         os.kill(daemon.proc.pid, signal.SIGCONT)
         run_to_idle(setup.engine, timeout_s=30)
@@ -454,30 +455,57 @@ def test_a_request_sharing_the_prefix_a_prefill_computes_is_admitted_after_it_wi
         setup.close()
 
 
-def test_an_idle_step_waits_for_one_lookup_at_most_once_a_request_is_admitted_to_prefill(daemon, tmp_path,
-                                                                                        monkeypatch):
+def test_an_idle_step_waits_for_a_burst_of_lookups_in_one_bound_and_prefills_them_together(daemon, tmp_path,
+                                                                                            monkeypatch):
     """Two fresh requests (nothing of them in L2) arrive at an idle engine together: the step
-    waits for the first one's reply (lookup_wait_s) and admits it to prefill; it then has a batch
-    to run, so it waits for no other reply. Both get their recompute's tokens."""
+    waits for both replies (their lookups went out together), lookup_wait_s at most in all, and
+    prefills both in its one forward (each has its first token after that step). With the daemon
+    stopped (SIGSTOP), a burst of two waits lookup_wait_s in all, not once per request, and admits
+    neither. Every request gets its recompute's tokens; every count returns to its value before."""
     seed = 6380
-    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=0.5)
+    wait_bound_s = 0.3
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=wait_bound_s)
     try:
         generator = torch.Generator().manual_seed(seed + 1)
-        prompts = [random_prompt(generator, 40), random_prompt(generator, 40)]
+        prompts = [random_prompt(generator, 40) for _ in range(4)]
         recomputes = recompute_without_the_connector(setup, prompts, 3)
-        waited = []
+        waits = []                          # (timeout_s, seconds waited, the reply in) of every lookup's wait
         real_wait = PendingLookup.wait
-        monkeypatch.setattr(PendingLookup, "wait", lambda lookup, timeout_s: waited.append(lookup)
-                            or real_wait(lookup, timeout_s))
-        requests = [setup.engine.add_request(p, 3) for p in prompts]
+
+        def recorded_wait(lookup, timeout_s):
+            started = time.monotonic()
+            in_time = real_wait(lookup, timeout_s)
+            waits.append((timeout_s, time.monotonic() - started, in_time))
+            return in_time
+
+        def share_one_bound(waits) -> bool:
+            """Each wait's timeout is what the bound leaves after the waits before it."""
+            return all(0 < timeout_s <= wait_bound_s - sum(w[1] for w in waits[:i]) + 1e-9
+                       for i, (timeout_s, _, _) in enumerate(waits))
+
+        monkeypatch.setattr(PendingLookup, "wait", recorded_wait)
+        together = [setup.engine.add_request(p, 3) for p in prompts[:2]]
         setup.engine.step()
-        assert len(waited) == 1 and requests[0].lookup is None, f"seed {seed}: {len(waited)} waits"
+        assert [len(r.output_token_ids) for r in together] == [1, 1], \
+            f"seed {seed}: not prefilled in one step: {[r.state for r in together]}, waits {waits}"
+        assert 1 <= len(waits) <= 2 and share_one_bound(waits), f"seed {seed}: {waits}"
+
+        run_to_idle(setup.engine, timeout_s=30)
+        waits.clear()
+        stop_process(daemon.proc.pid)
+        stalled = [setup.engine.add_request(p, 3) for p in prompts[2:]]
+        setup.engine.step()
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert all(r.state is RequestState.WAITING for r in stalled), f"seed {seed}"
+        assert waits and not any(in_time for _, _, in_time in waits), f"seed {seed}: {waits}"
+        assert share_one_bound(waits), f"seed {seed}: more than one bound: {waits}"
         monkeypatch.undo()
         counts = settled_counts(setup)
-        for request, recompute in zip(requests, recomputes):
+        for request, recompute in zip(together + stalled, recomputes):
             assert_same_output(request, recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
         setup.close()
 
 
