@@ -7,8 +7,8 @@ The engine's side, per request (``scheduler.py``):
   admission   n = lookup(tokens, local_hit_tokens=hit): the prefix to hold, by the connector's
               decision (restore beats recompute); with lookup_async (optional), sent, and
               the request admitted once its reply is in: while the GPU runs a step's batch, or
-              at the next step (waited for briefly, lookup_wait_s, for the request next in line,
-              when that step has nothing else to run) -> allocate blocks ->
+              at the next step (waited for briefly, lookup_wait_s in all, when that step had
+              nothing else to run) -> allocate blocks ->
               load(cid, tokens, the blocks of [hit, n), n - hit, start_token=hit)  (LOADING)
   each step   finished(): a LoadResult admits its request to prefill with the tokens it loaded
               (its failed blocks are recomputed); a released id frees the blocks held for it;
@@ -16,7 +16,7 @@ The engine's side, per request (``scheduler.py``):
               of layer i first calls wait_for_layer_load(i, None, [cid]); after that prefill the
               LoadResult confirms what it read, or voids it (the prefill is redone)
   prefill     report_prefill(tokens computed, seconds) after each prefill forward;
-              save(cid, tokens, every full block, 0) once the prompt's KV is written
+              save(cid, tokens, every full block, 0) once the prompt's prefill is queued
   the end     request_finished(cid) when it finishes, is aborted or preempted: True keeps its
               blocks until finished().released names cid
 

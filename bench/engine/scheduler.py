@@ -138,6 +138,7 @@ class Scheduler:
         void the chunk), so that a save's host work goes in the GPU's shadow rather than after
         the request's first token. The connector reads the blocks after the work queued so far on
         the engine's stream (this forward)."""
+        self.saved_early.clear()
         for request, num_tokens, first_token in chunks:
             if first_token + num_tokens == len(request.token_ids) and self._saves(request) \
                     and request.num_computed_tokens == first_token \
@@ -159,10 +160,6 @@ class Scheduler:
         for due in [d for d in self.saves_due if request is None or d[0] is request]:
             self.saves_due.remove(due)
             self._save(*due)
-
-    def loads_matching(self) -> bool:
-        """Whether a load waits for its match's reply (its copies not queued yet)."""
-        return any(r.load is not None and r.load.state is LoadState.MATCHING for r in self.running)
 
     def decode_done(self, requests: list[Request]) -> None:
         for request in requests:
@@ -225,16 +222,6 @@ class Scheduler:
     def _has_batch(self) -> bool:
         """Whether a running request has work for this step's batch (a prefill or a decode)."""
         return any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running)
-
-    def awaiting_replies(self) -> bool:
-        """Whether a load waits for its match's reply, or the request next in line for its lookup's."""
-        return self.loads_matching() or self.lookups_unanswered()
-
-    def lookups_unanswered(self) -> bool:
-        """Whether the request next in line, with a seat to take, has a lookup out with no reply in
-        yet (admission goes in order: while it waits, no request behind it is admitted)."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs \
-            and self.waiting[0].lookup is not None and not self.waiting[0].lookup.ready()
 
     def _admit(self, may_wait: bool = True) -> None:
         """``may_wait``: in a step that had nothing to run, the host may wait for the lookup

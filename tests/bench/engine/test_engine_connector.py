@@ -330,7 +330,8 @@ def test_a_prompt_is_saved_while_its_forward_runs_but_one_on_a_load_in_flight_af
     """A prompt prefilled on nothing pending is saved before the host takes the forward's tokens
     (its host work under the GPU's); one whose forward read a load IN_FLIGHT ("layerwise") only
     once its first token is out (its chunk stands only once the load's result is in). Either way
-    the saved pages restore the tokens and logits of a cold run."""
+    the saved pages restore the tokens and logits of a cold run (the early save's 64 tokens, and
+    with the late one's page 80)."""
     seed = 2700
     engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="layerwise")
     connector = connected(engine, latency_polls=2)
@@ -360,4 +361,10 @@ def test_a_prompt_is_saved_while_its_forward_runs_but_one_on_a_load_in_flight_af
     (again,) = engine.generate([prompt], 4)
     assert again.num_loaded_tokens == 64, f"seed {seed}"
     assert_same_output(again, cold, seed)
+    run_to_idle(engine)
+    engine.reset_prefix_cache()
+    cold_longer = cold_run(engine, longer, 4)
+    (longer_again,) = engine.generate([longer], 4)          # 80 tokens: the late save's page too
+    assert longer_again.num_loaded_tokens == 80, f"seed {seed}: {longer_again.num_loaded_tokens}"
+    assert_same_output(longer_again, cold_longer, seed)
     assert_all_blocks_back(engine, seed)
