@@ -238,13 +238,18 @@ class Scheduler:
             # round trip for a burst), the engine's own hit of each as it is now.
             for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
+        deferred = None             # the blocks being computed: they change only with a PREFILL admission
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
-            if not self._allocate_for(request, wait_s, self._hashes_being_computed()):
+            if deferred is None:
+                deferred = self._hashes_being_computed()
+            if not self._allocate_for(request, wait_s, deferred):
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if request.state is RequestState.PREFILL:
+                deferred = None
 
     def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset()) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
