@@ -21,6 +21,10 @@ lookup's ``decision()`` has the chosen source and the predicted costs); the conn
 model: each transfer's time (CUDA events; no host wait) and the engine's prefill times
 (``report_prefill``) go to the daemon with the periodic report.
 
+An engine whose scheduler holds the connector may instead ``begin(rid, token_ids, hit)``: a
+lookup that is the request's match (the decision, the lease and the reservation in one round trip),
+so that its ``load`` queues the copies at the call, a round trip sooner.
+
 One lease per request. The request's first load or save sends one match with a reservation
 (``MATCH(reserve_backup)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
 for the pages the daemon lacks (what saves write). The replies of a step's matches are collected by
@@ -210,6 +214,65 @@ class PendingLookup:
         return self._decision
 
 
+class BegunLookup:
+    """``KVConnector.begin``'s lookup: the request's match, read as a lookup (``PendingLookup``'s
+    calls); its decision is the match reply's."""
+
+    def __init__(self, connector: "KVConnector", request: "_Request"):
+        self._connector = connector
+        self._request = request
+        self._cancelled = False
+        self._counted = False
+
+    def ready(self) -> bool:
+        request = self._request
+        if request.match is not None:
+            self._connector._take_reply(request)
+        return request.match is None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most timeout_s for the reply; True once it is in (or the match failed)."""
+        request = self._request
+        if request.match is not None:
+            try:
+                request.match.wait(timeout_s)
+            except (DaemonUnavailable, RuntimeError):
+                pass
+        return self.ready()
+
+    def result(self, timeout_s: float | None = None) -> int:
+        return self.decision(timeout_s).num_tokens
+
+    def decision(self, timeout_s: float | None = None) -> RestoreDecision:
+        request = self._request
+        if request.match is not None and not self._cancelled:
+            self._connector._take_reply(request, self._connector.config.reply_timeout_s if timeout_s is None
+                                        else timeout_s)
+        if self._cancelled or request.failure is not None or request.decision is None:
+            return RestoreDecision("", 0, {}, {})
+        if not self._counted:
+            self._counted = True
+            counters = self._connector.counters
+            counters[f"lookup_choice_{request.decision.choice}"] += 1
+            counters["lookup_hit_tokens"] += request.decision.num_tokens
+        return request.decision
+
+    def cancel(self) -> None:
+        """Give the request up: it ends (its lease once the reply is in); result() is 0 from now on."""
+        if not self._cancelled:
+            self._cancelled = True
+            request = self._request
+            if self._connector._requests.get(request.request_id) is request:    # not ended by the engine
+                self._connector.request_finished(request.request_id)
+
+    def give_up(self, waited_s: float) -> None:
+        """cancel() a match whose reply did not come in time, counted (lookup_failures_no_reply)."""
+        if not self._cancelled and self._request.match is not None:
+            self._connector.lookups._failed("lookup_failures_no_reply",
+                                            DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
+        self.cancel()
+
+
 class PrefixLookup:
     """Side-effect-free lookups of a namespace (or of its whole tensor-parallel group): no lease,
     no lock, no LRU update. Usable alone by a scheduler process that holds no KV tensors (attach a
@@ -314,6 +377,7 @@ class _Request:
     finished: bool = False
     hold_blocks: bool = False           # request_finished returned True, and finished() has not released it
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
+    decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -418,6 +482,26 @@ class KVConnector:
         """Send a lookup now, collect it later (``ready()``, ``result()``, ``decision()``): a step's
         lookups in one round trip."""
         return self.lookups.lookup_async(token_ids, local_hit_tokens)
+
+    @property
+    def can_begin(self) -> bool:
+        """Whether ``begin`` may stand for a lookup: one rank (a lookup of a TP group takes the
+        least hit over its ranks; a match is one rank's) whose matches ask the cost model."""
+        return self.geometry.tp_size == 1 and self.config.promote_l3
+
+    def begin(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray,
+              local_hit_tokens: int = 0) -> "BegunLookup":
+        """A lookup that is the request's match: the daemon's decision in the one round trip a
+        lookup takes, with the lease on the L2 hit and the reservation for the request's saves.
+        Its ``load`` (and ``save``) then send nothing: the copies are queued at the call. An engine
+        that decides where a request's tokens come from in its own scheduler process (vLLM) looks
+        up instead; this is for one whose scheduler holds the connector (``can_begin``). A request
+        given up (``cancel``, or no reply in time: ``give_up``) ends like ``request_finished``."""
+        if not self.can_begin:
+            raise RuntimeError("begin needs one rank (tp_size 1) and promote_l3")
+        self.counters["lookups"] += 1
+        return BegunLookup(self, self._request(request_id, token_ids, promote_l3=True,
+                                               local_hit_tokens=local_hit_tokens))
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
@@ -653,6 +737,8 @@ class KVConnector:
             request.peer_plan = self._peer_plan(reply)
         self.counters["matches"] += 1
         self.counters["promoted_tokens"] += reply.promoted_tokens
+        if reply.choice:
+            request.decision = RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
         if self.config.save and len(request.reserved) < lacking:     # skipped, by cause, at save
             self.counters["reservation_short_pages"] += lacking - len(request.reserved)

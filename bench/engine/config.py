@@ -99,6 +99,8 @@ class EngineConfig:
     lookup_wait_s: float = 0.002       # in a step with nothing else to run, the host waits at most this
                                        # long in all for the lookup replies of the requests it admits
                                        # (then they share this step's batch, not a later one); 0: never
+    begin_lookups: bool = True         # where the connector can (can_begin), a request's lookup is its
+                                       # match (connector.begin): its load needs no round trip of its own
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.max_prefill_tokens < 1:

@@ -62,6 +62,7 @@ class Request:
     lookup_local_hit_tokens: int = 0       # the engine's own hit that lookup was sent with
     lookup_sent_s: float = 0.0             # time.monotonic() when it was sent
     lookup_waited: bool = False            # the host waited (lookup_wait_s) for that lookup's reply
+    lookup_begun: bool = False             # that lookup is the request's match (connector.begin)
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None

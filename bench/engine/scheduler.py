@@ -87,6 +87,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.poll_connector()
         self._admit()
+        if any(r.state is RequestState.LOADING for r in self.running):
+            self.poll_connector()       # a load queued at its admission (its match was in) prefills now
         if self.config.load_mode == "blocking":
             self._wait_for_loads()
         budget = self.config.max_prefill_tokens
@@ -332,14 +334,14 @@ class Scheduler:
         one takes the reply. A reply not in within ``lookup_timeout_s`` of the first send is given
         up (0: recomputed)."""
         pending = request.lookup
-        if pending is None or request.lookup_local_hit_tokens != local_hit_tokens:
-            if pending is None or pending.ready():
+        if pending is None:
+            request.lookup_sent_s = time.monotonic()
+            request.lookup = self._lookup_async(request, local_hit_tokens)
+        elif request.lookup_local_hit_tokens != local_hit_tokens and not request.lookup_begun:
+            if pending.ready():
                 request.lookup_sent_s = time.monotonic()    # a resend while one is out keeps its time
-            if pending is not None:
-                pending.cancel()
-            request.lookup = self.connector.lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
-            request.lookup_local_hit_tokens = local_hit_tokens
-            request.lookup_waited = False
+            pending.cancel()
+            request.lookup = self._lookup_async(request, local_hit_tokens)
         wait_for_reply = getattr(request.lookup, "wait", None)      # optional (bench/engine/connector.py)
         if wait_s > 0 and not request.lookup_waited and wait_for_reply is not None:
             request.lookup_waited = True
@@ -352,6 +354,18 @@ class Scheduler:
                 return None
             request.lookup.give_up(waited_s)
         return request.lookup.result()
+
+    def _lookup_async(self, request: Request, local_hit_tokens: int):
+        """The request's lookup, sent. Where the connector can (``can_begin``), the lookup is the
+        request's match (``begin``): its load and save then need no round trip of their own. Such
+        a lookup is not sent again when the engine's own hit grows: its lease covers the hit
+        beyond it all the same."""
+        request.lookup_local_hit_tokens = local_hit_tokens
+        request.lookup_waited = False
+        request.lookup_begun = self.config.begin_lookups and bool(getattr(self.connector, "can_begin", False))
+        if request.lookup_begun:
+            return self.connector.begin(request.connector_id, request.token_array(), local_hit_tokens)
+        return self.connector.lookup_async(request.token_array(), local_hit_tokens=local_hit_tokens)
 
     def poll_connector(self) -> None:
         """The connector's news: loads queued (IN_FLIGHT; "layerwise": the request may prefill),

@@ -52,7 +52,7 @@ from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDi
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from proto.replies import AttachInfo, DetachReply, PeerListReply, PeerRegisterReply, to_wire
+from proto.replies import AttachInfo, DetachReply, MatchReply, PeerListReply, PeerRegisterReply, to_wire
 from proto.schema import Attach, BackupCommit, EngineReport, Match, PeerPublish, PeerRegister, Release, SessionRequest
 
 logger = logging.getLogger(__name__)
@@ -484,19 +484,25 @@ class Server:
         if not request.lock:
             reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
                                       request.local_hit_tokens, request.policy, request.promote_l3)
-            if self.storage is not None and request.promote_l3 and not request.tp_group:
-                # Planned once the answer is: the promotion (if the model asks for one) runs on the
-                # loop, and no request waits for it.
-                move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
-                if move is not None:
-                    self._spawn_threadsafe(self._run_move(move))
+            if request.promote_l3 and not request.tp_group:
+                self._promote_in_background(request, reply)
             return to_wire(reply)
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                    promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
                                    policy=request.policy)
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
+        if request.promote_l3:          # a match that decided (an engine's begun lookup) declines alike
+            self._promote_in_background(request, outcome)
         return to_wire(outcome)
+
+    def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
+        """Planned once the answer is: the promotion (if the model asks for one) runs on the loop,
+        and no request waits for it."""
+        if self.storage is not None:
+            move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
+            if move is not None:
+                self._spawn_threadsafe(self._run_move(move))
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""

@@ -17,7 +17,7 @@ import torch
 
 from bench.engine import Engine, EngineConfig, RequestState, load_model
 from bench.engine.load import LoadState
-from engine_client.connector import PendingLookup
+from engine_client.connector import BegunLookup, PendingLookup
 from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
 from tests.bench.engine.reference import hf_model, random_prompt
 from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
@@ -143,7 +143,9 @@ def settled_counts(setup: Setup, timeout_s: float = 20.0) -> dict:
 
 def stop_before_the_match(setup: Setup, daemon: DaemonProcess, resume_after_s: float | None = None) -> None:
     """SIGSTOP the daemon just before each load's match goes out: the load stays MATCHING until
-    the daemon is resumed (``resume_after_s``: by a timer started once the daemon is stopped)."""
+    the daemon is resumed (``resume_after_s``: by a timer started once the daemon is stopped).
+    The engine's lookups are lookups here (``begin_lookups=False``): a begun lookup would have
+    sent the match already."""
     real_load = setup.connector.load
 
     def load_with_the_daemon_stopped(*args, **kwargs):
@@ -168,7 +170,7 @@ def test_a_prefix_restored_while_another_request_decodes_gives_the_recompute_tok
     their recompute's tokens; every count (engine blocks, held blocks, connector requests, leases,
     private L2 pages) returns to its value before, and the daemon's integrity holds."""
     seed = 6100
-    setup = Setup(daemon, tmp_path, seed, load_mode)
+    setup = Setup(daemon, tmp_path, seed, load_mode, begin_lookups=False)
     waits = []
     real_wait = setup.connector.wait_for_layer_load
     setup.connector.wait_for_layer_load = lambda layer, stream=None, request_ids=None: (
@@ -219,7 +221,7 @@ def test_a_load_pending_at_abort_or_close_leaks_nothing(daemon, tmp_path, load_m
     connector. Either way no lease, private L2 page, block or connector request is left, and the
     daemon's integrity holds."""
     seed = 6200 + (how == "close")
-    setup = Setup(daemon, tmp_path, seed, load_mode)
+    setup = Setup(daemon, tmp_path, seed, load_mode, begin_lookups=False)
     stop_before_the_match(setup, daemon)
     try:
         decoding = setup.start_decoding()
@@ -265,7 +267,7 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
     process = DaemonProcess(l2_size="64MiB").start()
     setup = None
     try:
-        setup = Setup(process, tmp_path, seed, "async")
+        setup = Setup(process, tmp_path, seed, "async", begin_lookups=False)     # the match goes out at load
         real_load = setup.connector.load
 
         def load_with_the_daemon_killed(*args, **kwargs):
@@ -293,23 +295,27 @@ def test_a_load_pending_when_the_daemon_dies_is_recomputed_and_leaks_nothing(tmp
         process.cleanup()
 
 
-def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswered(daemon, tmp_path, monkeypatch):
+@pytest.mark.parametrize("begun", [False, True], ids=["lookup", "begun"])
+def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswered(daemon, tmp_path, monkeypatch,
+                                                                                    begun):
     """With nothing else running and the daemon stopped (SIGSTOP) before a request with a 96-token
     prefix in L2 arrives, its lookup goes out and is waited for once, lookup_wait_s (0.1 s here),
     then no more: of three steps, the first waits once with that bound, the others not at all,
     and the request stays WAITING on its one lookup. Resumed, the reply is taken in and the prefix
     loaded. A second request's lookup, the daemon stopped again, gets no reply within
     lookup_timeout_s (0.5 s here): it is given up, the request is admitted and recomputes its
-    prompt. Both get their recompute's tokens; every count returns to its value before."""
+    prompt. Both get their recompute's tokens; every count returns to its value before. Alike
+    whether the lookup is a lookup or the request's match (``begun``)."""
     seed = 6300
     # lookup_timeout_s: the first request's reply is never given up, however slow the steps are
-    setup = Setup(daemon, tmp_path, seed, "async", lookup_timeout_s=60.0, lookup_wait_s=0.1)
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_timeout_s=60.0, lookup_wait_s=0.1, begin_lookups=begun)
+    lookup_class = BegunLookup if begun else PendingLookup
     scheduler = setup.engine.scheduler
     try:
         stop_process(daemon.proc.pid)
         restored = setup.engine.add_request(setup.prompt, 6)
         waits = []                      # (step, timeout_s, the reply in) of every lookup's wait
-        real_wait = PendingLookup.wait
+        real_wait = lookup_class.wait
         step = 0
 
         def recorded_wait(lookup, timeout_s):
@@ -317,7 +323,7 @@ def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswe
             waits.append((step, timeout_s, in_time))
             return in_time
 
-        monkeypatch.setattr(PendingLookup, "wait", recorded_wait)
+        monkeypatch.setattr(lookup_class, "wait", recorded_wait)
         first_lookup = None
         for step in range(3):
             setup.engine.step()
@@ -455,22 +461,25 @@ def test_a_request_sharing_the_prefix_a_prefill_computes_is_admitted_after_it_wi
         setup.close()
 
 
+@pytest.mark.parametrize("begun", [False, True], ids=["lookup", "begun"])
 def test_an_idle_step_waits_for_a_burst_of_lookups_in_one_bound_and_prefills_them_together(daemon, tmp_path,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, begun):
     """Two fresh requests (nothing of them in L2) arrive at an idle engine together: the step
     waits for both replies (their lookups went out together; the second wait gets what the first
     left of the bound), lookup_wait_s at most in all, and prefills both in its one forward (each
     has its first token after that step). With the daemon stopped (SIGSTOP), a burst of two waits
-    lookup_wait_s at most and admits neither. Every request gets its recompute's tokens; every count returns to its value before."""
+    lookup_wait_s at most and admits neither. Every request gets its recompute's tokens; every count
+    returns to its value before. Alike whether the lookups are lookups or the requests' matches."""
     seed = 6380
     wait_bound_s = 1.0
-    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=wait_bound_s)
+    setup = Setup(daemon, tmp_path, seed, "async", lookup_wait_s=wait_bound_s, begin_lookups=begun)
+    lookup_class = BegunLookup if begun else PendingLookup
     try:
         generator = torch.Generator().manual_seed(seed + 1)
         prompts = [random_prompt(generator, 40) for _ in range(4)]
         recomputes = recompute_without_the_connector(setup, prompts, 3)
         waits = []                          # (timeout_s, seconds waited, the reply in) of every lookup's wait
-        real_wait = PendingLookup.wait
+        real_wait = lookup_class.wait
 
         def recorded_wait(lookup, timeout_s):
             started = time.monotonic()
@@ -483,7 +492,7 @@ def test_an_idle_step_waits_for_a_burst_of_lookups_in_one_bound_and_prefills_the
             return all(0 < timeout_s <= wait_bound_s - sum(w[1] for w in waits[:i]) + 1e-9
                        for i, (timeout_s, _, _) in enumerate(waits))
 
-        monkeypatch.setattr(PendingLookup, "wait", recorded_wait)
+        monkeypatch.setattr(lookup_class, "wait", recorded_wait)
         together = [setup.engine.add_request(p, 3) for p in prompts[:2]]
         setup.engine.step()
         assert [len(r.output_token_ids) for r in together] == [1, 1], \

@@ -478,3 +478,79 @@ def test_a_wait_for_the_layer_of_a_request_takes_its_reply_and_queues_only_its_l
         if engine is not None:
             engine.close()
         daemon.cleanup()
+
+
+def leases_of(daemon, name: str) -> int:
+    with connect(daemon.socket_path) as client:
+        return next(s["leases"] for s in client.status()["sessions"] if s["client_name"] == name)
+
+
+def test_begin_is_the_requests_match_so_its_load_and_save_send_none(daemon):
+    """``begin`` answers like a lookup (the decision: the L2 hit) and is the request's one match:
+    the load that follows queues its copies at the call (no reply to wait for), the save writes
+    the reserved pages, and the daemon saw one match. The loaded blocks hold A's bytes bit for bit;
+    the saved pages are found by A, and hold B's bytes."""
+    rng = np.random.default_rng(SEED + 40)
+    a, b = Engine(daemon.socket_path, "layer", seed=SEED + 40), Engine(daemon.socket_path, "layer", seed=SEED + 41)
+    try:
+        prefix = random_tokens(rng, 5 * P)
+        prompt = np.concatenate([prefix, random_tokens(rng, 3 * P + 4)])
+        source = rng.permutation(N)[:5]
+        a.connector.save("a", prefix, source)
+        a.connector.request_finished("a")
+        a.settle()
+
+        assert b.connector.can_begin
+        begun = b.connector.begin("r", prompt, 0)
+        assert begun.wait(5.0)
+        decision = begun.decision()
+        assert (decision.choice, decision.num_tokens) == ("l2", 5 * P), decision
+        assert begun.result() == 5 * P
+        blocks = rng.permutation(N)[:8]
+        b.connector.load("r", prompt, blocks[:5], 5 * P)
+        assert b.connector.stats()["load_pages_queued"] == 5, b.connector.stats()    # at the call
+        b.poll_until(lambda: b.loads, "the load")
+        assert untimed(b.loads) == [LoadResult("r", 5 * P, [], None)], b.loads
+        for src, dst in zip(source, blocks[:5]):
+            assert torch.equal(b.block(dst), a.block(src)), (SEED + 40, src, dst)
+        b.connector.save("r", prompt, blocks[5:], start_token=5 * P)
+        b.connector.request_finished("r")
+        b.settle()
+        stats = b.connector.stats()
+        assert (stats["matches"], stats["committed_pages"], stats["lookup_choice_l2"]) == (1, 3, 1), stats
+
+        assert a.connector.lookup(prompt) == 8 * P
+        a_blocks = np.setdiff1d(np.arange(N), source)[:8]
+        a.connector.load("b", prompt, a_blocks, 8 * P)
+        a.poll_until(lambda: a.loads, "A's load")
+        for src, dst in zip(blocks, a_blocks):
+            assert torch.equal(a.block(dst), b.block(src)), (SEED + 40, src, dst)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_begun_request_given_up_ends_and_its_lease_goes(daemon):
+    """A begun request cancelled before its reply came, and one whose decision was taken but that
+    the engine then gave up, both end: no request stays open, the daemon holds no lease of the
+    session, and their decisions read as recompute (0 tokens)."""
+    rng = np.random.default_rng(SEED + 42)
+    a, b = Engine(daemon.socket_path, "layer", seed=SEED + 42), Engine(daemon.socket_path, "layer", seed=SEED + 43)
+    try:
+        prefix = random_tokens(rng, 4 * P)
+        a.connector.save("a", prefix, rng.permutation(N)[:4])
+        a.connector.request_finished("a")
+        a.settle()
+
+        early = b.connector.begin("early", prefix, 0)
+        early.cancel()                               # its reply not taken yet
+        late = b.connector.begin("late", np.concatenate([prefix, random_tokens(rng, P)]), 0)
+        assert late.wait(5.0) and late.result() == 4 * P
+        late.cancel()
+        assert (early.result(), late.result()) == (0, 0)
+        b.poll_until(lambda: b.connector.num_open_requests == 0, "the begun requests to end")
+        b.connector.flush()
+        assert leases_of(daemon, "layer-%d" % (SEED + 43)) == 0
+    finally:
+        a.close()
+        b.close()

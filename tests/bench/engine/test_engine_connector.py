@@ -241,10 +241,11 @@ def test_blocking_runs_nothing_else_while_a_load_is_pending(tmp_path):
 
 
 def test_a_layerwise_prefill_runs_on_a_load_in_flight_waiting_for_each_layer(tmp_path):
-    """load_mode "layerwise": the step after admission prefills the request while its load is
-    IN_FLIGHT, its attention of each layer waiting first for that layer of the load (the fake lands
-    a layer's bytes only then, garbage before); its result comes in after the forward, and the
-    request gets the tokens and logits of a cold run."""
+    """load_mode "layerwise": the step that admits the request (its load reported queued by the
+    connector's next poll, which the step takes right after admission) prefills it while the load
+    is IN_FLIGHT, its attention of each layer waiting first for that layer of the load (the fake
+    lands a layer's bytes only then, garbage before); its result comes in after the forward, and
+    the request gets the tokens and logits of a cold run."""
     seed = 2600
     engine = engine_on(hf_model(seed), tmp_path, keep_logits=True, load_mode="layerwise")
     connector = connected(engine, latency_polls=2)
@@ -255,10 +256,8 @@ def test_a_layerwise_prefill_runs_on_a_load_in_flight_waiting_for_each_layer(tmp
     engine.reset_prefix_cache()
 
     request = engine.add_request(prompt, 4)
-    engine.step()                                   # admitted, the load MATCHING
-    assert request.state is RequestState.LOADING and request.load.state is LoadState.MATCHING
     connector.layer_waits.clear()
-    engine.step()                                   # queued -> prefilled on it -> confirmed
+    engine.step()                                   # admitted -> queued -> prefilled on it -> confirmed
     cid = request.connector_id
     assert connector.layer_waits == [(0, (cid,)), (1, (cid,))], f"seed {seed}: {connector.layer_waits}"
     assert request.load.state is LoadState.DONE and len(request.output_token_ids) == 1, f"seed {seed}"
