@@ -87,7 +87,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.poll_connector()
         self._admit()
-        if any(r.state is RequestState.LOADING for r in self.running):
+        if self.config.load_mode == "layerwise" and any(r.state is RequestState.LOADING for r in self.running):
             self.poll_connector()       # a load queued at its admission (its match was in) prefills now
         if self.config.load_mode == "blocking":
             self._wait_for_loads()

@@ -135,3 +135,40 @@ def test_a_prefix_only_l3_holds_is_promoted_and_restored_bit_for_bit(daemon, tmp
     finally:
         control.close()
         detach_kvcached(engine)
+
+
+@pytest.mark.gpu
+def test_a_prompts_save_starts_on_the_gpu_after_its_first_tokens_copy_to_the_host(daemon, tmp_path):
+    """On CUDA a prompt's save is queued while its prefill runs, but its copies (a gather, then a
+    DMA to the host) start only after the step's tokens were copied to the host: a save's DMA
+    queued first would hold the tokens' copy up behind it. The saved pages are then found in L2."""
+    seed = 5300
+    engine = make_engine(seed, tmp_path, "cuda", torch.bfloat16)
+    prompt = random_prompt(torch.Generator().manual_seed(seed), 100)
+    attach_kvcached(engine, daemon.socket_path, model_id=MODEL_ID, client_name="order")
+    control = TierControl(daemon, engine.connector.geometry)
+    tokens_copied, saves = [], []
+    real_launch, real_save = engine._launch_tokens, engine.connector.transfer.save
+
+    def launch_tokens(logits):
+        launched = real_launch(logits)
+        tokens_copied.append(torch.cuda.Event(enable_timing=True))
+        tokens_copied[-1].record()           # on the engine's stream, right after the tokens' copy
+        return launched
+
+    def save(*args, **kwargs):
+        saves.append(real_save(*args, **kwargs))
+        return saves[-1]
+
+    engine._launch_tokens = launch_tokens
+    engine.connector.transfer.save = save
+    try:
+        request = run_request(engine, prompt, 1)
+        settle(engine, control)
+        assert len(request.output_token_ids) == 1 and len(saves) == 1 and tokens_copied, f"seed {seed}"
+        assert tokens_copied[0].elapsed_time(saves[0].start_event) >= 0, \
+            f"seed {seed}: the save's copies started before the tokens were copied"
+        assert control.hits(prompt)["l2"] == 96, f"seed {seed}"
+    finally:
+        control.close()
+        detach_kvcached(engine)
