@@ -170,5 +170,7 @@ def test_a_prompts_save_starts_on_the_gpu_after_its_first_tokens_copy_to_the_hos
             f"seed {seed}: the save's copies started before the tokens were copied"
         assert control.hits(prompt)["l2"] == 96, f"seed {seed}"
     finally:
+        del engine.connector.transfer.save      # the wrapper held the transfer (and its pool view)
+        saves.clear()
         control.close()
         detach_kvcached(engine)
