@@ -170,7 +170,9 @@ def test_a_prompts_save_starts_on_the_gpu_after_its_first_tokens_copy_to_the_hos
             f"seed {seed}: the save's copies started before the tokens were copied"
         assert control.hits(prompt)["l2"] == 96, f"seed {seed}"
     finally:
-        del engine.connector.transfer.save      # the wrapper held the transfer (and its pool view)
+        # The wrapper, and this frame's bound method, hold the transfer (and its view of the pool).
+        del engine.connector.transfer.save
+        real_save = None
         saves.clear()
         control.close()
         detach_kvcached(engine)
