@@ -509,6 +509,7 @@ class PeerSharing:
                 self._opened.append(peer)
 
     def _take_list(self, reply: PeerListReply) -> None:
+        self.counters["peer_lists_taken"] += 1
         for entry in reply.peers:
             peer_id = entry.get("peer_id") if isinstance(entry, dict) else None
             if type(peer_id) is not int or peer_id in self._peers or peer_id in self._open_failed:

@@ -44,7 +44,9 @@ class Engine:
         # the connector's copies and scatters (default priority) both wait for SMs, the batch goes
         # first, and a restore slows the other requests' steps less.
         self.stream = None
+        self._host_tokens = None            # a step's greedy tokens on their way to the host (CUDA)
         if self.device.type == "cuda":
+            self._host_tokens = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
             self.stream = torch.cuda.Stream(self.device, priority=-(1 << 10))   # the highest there is
             self.stream.wait_stream(torch.cuda.current_stream(self.device))     # kv_caches, the graphs
         self.scheduler = Scheduler(config)
@@ -152,7 +154,7 @@ class Engine:
         token_ids = logits.argmax(-1)
         if self.device.type != "cuda":
             return token_ids, None
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host = self._host_tokens[: token_ids.shape[0]]     # the last step's tokens are read already
         host.copy_(token_ids, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()

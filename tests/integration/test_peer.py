@@ -255,8 +255,11 @@ def test_an_owner_registered_after_the_reader_is_found_by_its_first_candidate(da
     offers it; the reader then lists and opens it): a later restore copies from it, bit for bit."""
     reader = Reader(daemon.socket_path)
     try:
-        wait_until(lambda: reader.connector.peer.epochs_path is not None, "the reader's registration",
-                   reader.connector.poll)
+        # Registered, and its first list (asked for at registration) taken: it names no owner, so
+        # the owner started next can only be learnt of from a match.
+        wait_until(lambda: reader.connector.peer.epochs_path is not None
+                   and reader.connector.stats().get("peer_lists_taken", 0) >= 1,
+                   "the reader's registration and first peer list", reader.connector.poll)
         owner = owners(daemon.socket_path, seed, "hold")
         tokens = prefixes(seed)[1]
         blocks = [9, 8, 7, 6, 5]
