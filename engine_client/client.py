@@ -757,22 +757,27 @@ class KVCacheClient:
 
     def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
                     promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
-                    policy: str = "") -> PendingMatch:
+                    policy: str = "", begun: bool = False) -> PendingMatch:
         """Send a match now and collect its reply later (``result()``), so that the round trip
         overlaps the engine's own work (the connector sends a step's matches together).
         Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
         ``generation``: the session it is for (DaemonDown at once if that one has ended).
         With promote_l3 the daemon's cost model decides, under ``policy`` ("": the daemon's) and for
-        the tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 holds."""
+        the tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 holds.
+        ``begun``: the match stands for the request's lookup (an L3 hit it declines may be promoted
+        in the background, as after a lookup)."""
         session_id, generation = self._session(generation, live=True)
-        request_id = self._channel.begin(MsgKind.MATCH, {
+        body = {
             "session_id": session_id,
             "token_ids": token_bytes(token_ids),
             "reserve_backup": reserve_backup,
             "promote_l3": promote_l3,
             "local_hit_tokens": local_hit_tokens,
             "policy": policy,
-        })
+        }
+        if begun:
+            body["begun"] = True
+        request_id = self._channel.begin(MsgKind.MATCH, body)
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False,

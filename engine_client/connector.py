@@ -248,6 +248,8 @@ class BegunLookup:
         if request.match is not None and not self._cancelled:
             self._connector._take_reply(request, self._connector.config.reply_timeout_s if timeout_s is None
                                         else timeout_s)
+        if request.failure is not None and not self._cancelled:
+            self.cancel()           # ended: a later save opens a request (and a match) of its own
         if self._cancelled or request.failure is not None or request.decision is None:
             return RestoreDecision("", 0, {}, {})
         if not self._counted:
@@ -262,6 +264,9 @@ class BegunLookup:
         if not self._cancelled:
             self._cancelled = True
             request = self._request
+            if request.match is not None:       # given up, not failed: a late reply's lease is
+                request.match.cancel()          # released by the client
+                request.match, request.failure = None, "given_up"
             if self._connector._requests.get(request.request_id) is request:    # not ended by the engine
                 self._connector.request_finished(request.request_id)
 
@@ -501,7 +506,7 @@ class KVConnector:
             raise RuntimeError("begin needs one rank (tp_size 1) and promote_l3")
         self.counters["lookups"] += 1
         return BegunLookup(self, self._request(request_id, token_ids, promote_l3=True,
-                                               local_hit_tokens=local_hit_tokens))
+                                               local_hit_tokens=local_hit_tokens, begun=True))
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
@@ -690,7 +695,8 @@ class KVConnector:
 
     # ---- the request's state machine ------------------------------------------------------------
 
-    def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0) -> _Request:
+    def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0,
+                 begun: bool = False) -> _Request:
         request = self._requests.get(request_id)
         if request is not None:
             return request
@@ -703,7 +709,7 @@ class KVConnector:
             # the lease, if any, is that session's.
             request.match = self.client.match_async(tokens, reserve_backup=self.config.save, promote_l3=promote_l3,
                                                     generation=self._generation, local_hit_tokens=local_hit_tokens,
-                                                    policy=self.config.policy)
+                                                    policy=self.config.policy, begun=begun)
         except DaemonUnavailable as exc:
             self._match_failed(request, exc)
         self._requests[request_id] = request

@@ -128,6 +128,9 @@ class Match:
     local_hit_tokens: int = 0
     # The restore policy for this request, one of RESTORE_POLICIES ("": the daemon's).
     policy: str = ""
+    # With lock=True: the match stands for the request's lookup (the connector's ``begin``): an L3
+    # hit its decision declines may be promoted in the background, as after a lookup.
+    begun: bool = False
 
     @classmethod
     def parse(cls, body: dict) -> "Match":
@@ -140,6 +143,7 @@ class Match:
             tp_group=_bool(body, "tp_group", False),
             local_hit_tokens=_int(body, "local_hit_tokens", 0, MAX_TOKENS_PER_REQUEST, default=0),
             policy=_str(body, "policy", 16, ""),
+            begun=_bool(body, "begun", False),
         )
         if request.policy and request.policy not in RESTORE_POLICIES:
             raise _bad(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {preview(request.policy)}")

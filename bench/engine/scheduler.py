@@ -241,14 +241,20 @@ class Scheduler:
             for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         deferred = None             # the blocks being computed: they change only with a PREFILL admission
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:
                 deferred = self._hashes_being_computed()
             if not self._allocate_for(request, wait_s, deferred):
+                if request.lookup_begun and request.lookup is not None and not request.lookup.ready():
+                    # Its match has no reply yet (it may wait on a promotion from L3, which a
+                    # lookup's reply would not): the requests behind it are admitted meanwhile.
+                    index += 1
+                    continue
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(request)
             if request.state is RequestState.PREFILL:
                 deferred = None

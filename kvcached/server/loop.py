@@ -492,7 +492,7 @@ class Server:
                                    policy=request.policy)
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
-        if request.promote_l3:          # a match that decided (an engine's begun lookup) declines alike
+        if request.begun and request.promote_l3:    # it stands for a lookup: declines alike
             self._promote_in_background(request, outcome)
         return to_wire(outcome)
 

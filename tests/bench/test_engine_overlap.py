@@ -549,3 +549,37 @@ def test_the_lookups_of_a_burst_of_requests_go_out_in_one_step(daemon, tmp_path)
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)      # a no-op if it runs
         setup.close()
+
+
+def test_a_begun_lookup_not_in_does_not_hold_up_the_requests_behind_it(daemon, tmp_path, monkeypatch):
+    """A begun lookup is the request's match, whose reply may wait on a promotion from L3. While
+    the first waiting request's reply is not in (held back here: the test keeps its lookup
+    not ready), the fresh request behind it is admitted and gets its first token; once the reply
+    is let in, the first is admitted and loads its 96-token prefix. Both get their recompute's
+    tokens; every count returns to its value before."""
+    seed = 6400
+    setup = Setup(daemon, tmp_path, seed, "async")
+    try:
+        generator = torch.Generator().manual_seed(seed + 1)
+        fresh_prompt = random_prompt(generator, 40)
+        (fresh_recompute,) = recompute_without_the_connector(setup, [fresh_prompt], 3)
+        held = setup.engine.add_request(setup.prompt, 6)
+        behind = setup.engine.add_request(fresh_prompt, 3)
+        let_in = False
+        real_ready = BegunLookup.ready
+        monkeypatch.setattr(BegunLookup, "ready", lambda lookup: (let_in or lookup._request.request_id
+                                                                  != held.connector_id) and real_ready(lookup))
+        deadline = time.monotonic() + 10
+        while not behind.output_token_ids:
+            setup.engine.step()
+            assert time.monotonic() < deadline, f"seed {seed}: the request behind was not admitted"
+        assert held.state is RequestState.WAITING and held.lookup is not None, f"seed {seed}: {held.state}"
+        let_in = True
+        run_to_idle(setup.engine, timeout_s=30)
+        counts = settled_counts(setup)
+        assert held.num_loaded_tokens == 96, f"seed {seed}: {held.num_loaded_tokens}"
+        assert_same_output(held, setup.recompute, seed)
+        assert_same_output(behind, fresh_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        setup.close()
