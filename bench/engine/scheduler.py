@@ -368,6 +368,8 @@ class Scheduler:
         beyond it all the same."""
         request.lookup_local_hit_tokens = local_hit_tokens
         request.lookup_waited = False
+        # A begun lookup holds a lease and an L2 reservation while the request waits: lookups go out
+        # only for the requests a seat could take (``_admit``), so at most max_num_seqs of them.
         request.lookup_begun = self.config.begin_lookups and bool(getattr(self.connector, "can_begin", False))
         if request.lookup_begun:
             return self.connector.begin(request.connector_id, request.token_array(), local_hit_tokens)

@@ -499,10 +499,14 @@ class Server:
     def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
         """Planned once the answer is: the promotion (if the model asks for one) runs on the loop,
         and no request waits for it."""
-        if self.storage is not None:
+        if self.storage is None:
+            return
+        try:
             move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
             if move is not None:
                 self._spawn_threadsafe(self._run_move(move))
+        except Exception:           # the reply (and a match's lease) must still reach the engine
+            logger.exception("a background promotion could not be started")
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
