@@ -86,8 +86,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.poll_connector()
-        self._admit()
-        if self.config.load_mode == "layerwise" and any(r.state is RequestState.LOADING for r in self.running):
+        if self._admit() and self.config.load_mode == "layerwise":
             self.poll_connector()       # a load queued at its admission (its match was in) prefills now
         if self.config.load_mode == "blocking":
             self._wait_for_loads()
@@ -225,8 +224,9 @@ class Scheduler:
         """Whether a running request has work for this step's batch (a prefill or a decode)."""
         return any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running)
 
-    def _admit(self, may_wait: bool = True) -> None:
-        """``may_wait``: in a step that had nothing to run, the host may wait for the lookup
+    def _admit(self, may_wait: bool = True) -> bool:
+        """Admit waiting requests in order while seats and blocks last; True if one of them went
+        LOADING. ``may_wait``: in a step that had nothing to run, the host may wait for the lookup
         replies of the requests it admits, ``lookup_wait_s`` at most in all (a round trip takes a
         fraction of that, and the lookups of a burst go out together, so their replies come
         together): the requests of a burst then share the step's batch, where admitting the first
@@ -241,7 +241,7 @@ class Scheduler:
             for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         deferred = None             # the blocks being computed: they change only with a PREFILL admission
-        index = 0
+        index, loading = 0, False
         while index < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[index]
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
@@ -258,6 +258,8 @@ class Scheduler:
             self.running.append(request)
             if request.state is RequestState.PREFILL:
                 deferred = None
+            loading = loading or request.state is RequestState.LOADING
+        return loading
 
     def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset()) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
