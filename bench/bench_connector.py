@@ -3,13 +3,21 @@
 A seeded stream of requests (default 50) whose prefix lengths are drawn between 200 and 8,000
 tokens, no length twice. For each geometry (Qwen3-8B, Qwen3-32B, an 80-layer 2-KV-head one; bf16,
 16-token pages) and each L2 layout a daemon is started and one engine registers per-layer KV
-tensors ``[2, N, 16, H, 128]`` (vLLM's GPU layout) with a ``KVConnector``. Per request, on the
-product path, wall clock on the engine's thread:
+tensors ``[2, N, 16, H, 128]`` (vLLM's GPU layout) with a ``KVConnector``. Each request takes
+the reference engine's path: ``begin`` when it is admitted (its lookup, which is its match: the
+decision, the lease on the hit, the reservation for its saves, in one round trip), then, once the
+engine has its blocks, the load or the save. Per request, wall clock on the engine's thread:
 
-    save  save(fresh tokens, source blocks) + request_finished -> poll() until its lease ended
-          (match with reservation, gather, DMAs, completion seen, commit sent)
-    load  load(same tokens, other blocks) -> finished() until its LoadResult (match locking the
-          hit, DMAs, scatter, completion seen); then request_finished
+    lookup_ms  begin(tokens) -> its reply taken (one round trip; an engine sends it anyway, to
+               know what is cached; nothing more is sent for the load or the save)
+    save       save(fresh tokens, source blocks) + request_finished -> poll() until its lease
+               ended (gather, DMAs, completion seen, commit sent)
+    load       load(same tokens, other blocks) -> finished() until its LoadResult (DMAs, scatter,
+               completion seen); then request_finished
+
+``ms_with_lookup`` is the two together. ``--via load`` times the other way an engine may take (a
+lookup without a lease, then a load or save that sends the match itself): there ``ms`` includes
+the match's round trip and ``lookup_ms`` is 0.
 
 and right after each, in the same loop, a raw copy of the same byte count between a device buffer
 and a cudaHostAlloc'd buffer (torch copy_ non_blocking, then synchronize): ``raw_dma_ms``.
@@ -68,7 +76,8 @@ GEOMETRIES = {                    # name -> (layers, KV heads per rank)
 QUICK_GEOMETRIES = {"quick-4-layers": (4, 2), "quick-12-layers-1-kv-head": (12, 1)}
 TARGETS = {"contiguous": {"median": 0.85, "worst": 0.7}, "fragmented": {"median": 0.7}}
 ARENA_ALIGN_BYTES = 2 << 20
-COLUMNS = ["geometry", "tier", "layout", "direction", "tokens", "ms", "raw_dma_ms", "ratio", "first_of_size", "l2_runs"]
+COLUMNS = ["geometry", "tier", "layout", "direction", "tokens", "lookup_ms", "ms", "raw_dma_ms", "ratio", "first_of_size",
+           "l2_runs"]
 PEER_COLUMNS = ["geometry", "tier", "tokens", "ms", "transfer_ms", "raw_copy_ms", "raw_dma_ms", "speedup_vs_l2",
                 "first_of_size"]
 PEER_TARGET_TOKENS, PEER_TARGET_MS = 3500, 1.0
@@ -174,9 +183,10 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
 
             synchronize(device)
             committed = connector.stats().get("committed_pages", 0)
+            save_lookup_ms = begin(connector, f"s{index}", tokens, 0, args.via)
             started = time.perf_counter()
-            connector.save(request, tokens, source)
-            connector.request_finished(request)
+            connector.save(f"s{index}", tokens, source)
+            connector.request_finished(f"s{index}")
             spin(lambda: connector.poll() or not connector.num_open_requests, "the save")
             save_ms = (time.perf_counter() - started) * 1e3
             raw_save_ms = raw.ms("save", num_bytes)
@@ -185,6 +195,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
 
             synchronize(device)
             loads = []
+            load_lookup_ms = begin(connector, request, tokens, num_pages * PAGE_SIZE, args.via)
             started = time.perf_counter()
             connector.load(request, tokens, destination, num_pages * PAGE_SIZE)
             spin(lambda: loads.extend(connector.finished().loads) or loads, "the load")
@@ -197,9 +208,11 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
             for tensor in tensors:
                 if not torch.equal(tensor[:, destination].view(torch.int16), tensor[:, source].view(torch.int16)):
                     raise AssertionError(f"{name} {layout} {num_tokens} tokens: a loaded block differs (seed {args.seed})")
-            for direction, ms, raw_ms in (("save", save_ms, raw_save_ms), ("load", load_ms, raw_load_ms)):
+            for direction, ms, raw_ms, lookup_ms in (("save", save_ms, raw_save_ms, save_lookup_ms),
+                                                     ("load", load_ms, raw_load_ms, load_lookup_ms)):
                 rows.append({"geometry": name, "tier": "l2", "direction": direction, "layout": layout, "tokens": num_tokens,
                              "ms": round(ms, 4), "raw_dma_ms": round(raw_ms, 4), "ratio": round(raw_ms / ms, 4),
+                             "lookup_ms": round(lookup_ms, 4), "ms_with_lookup": round(ms + lookup_ms, 4),
                              "first_of_size": first_of_size, "pages": num_pages, "l2_runs": l2_runs})
         spin(lambda: connector.poll() or not connector.num_open_requests, "the last lease to end")
         with connect(daemon.socket_path) as client:
@@ -219,6 +232,22 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
             holder.close()
         daemon.cleanup()
     return rows
+
+
+def begin(connector: KVConnector, request, tokens, expect_tokens: int, via: str) -> float:
+    """The request's lookup as the reference engine sends it (``begin``: its match), waited for:
+    ms from the call to its reply taken. The daemon must decide to restore expect_tokens (policy
+    always: all that L2 holds). 0 with via 'load' (the load or save sends the match)."""
+    if via == "load":
+        return 0.0
+    started = time.perf_counter()
+    lookup = connector.begin(request, tokens)
+    spin(lookup.ready, "the lookup's reply")
+    ms = (time.perf_counter() - started) * 1e3
+    decision = lookup.decision(0)
+    if decision.num_tokens != expect_tokens:
+        raise AssertionError(f"{request}: the lookup decided {decision} where L2 holds {expect_tokens} tokens")
+    return ms
 
 
 def save_and_wait(connector: KVConnector, request, tokens, blocks) -> None:
@@ -351,6 +380,9 @@ def main() -> None:
     parser.add_argument("--layouts", default="contiguous,fragmented")
     parser.add_argument("--tiers", default="l2", help="of l2 (save and load through L2, per layout) and peer "
                         "(a load out of another engine's GPU memory against L2's, in one loop)")
+    parser.add_argument("--via", choices=("begin", "load"), default="begin",
+                        help="begin: the lookup is the match (the reference engine's path); load: the load or "
+                             "save sends the match (an engine whose scheduler only looks up)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--workspace-mib", type=int, default=256, help="packed device buffer per direction")
     parser.add_argument("--seed", type=int, default=11)
@@ -387,7 +419,7 @@ def main() -> None:
         """The result file with the rows so far (after every case: a run cut short keeps them)."""
         return write_result(name, {
             "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
-            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer",
+            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer", "via": args.via,
             "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
             "complete": complete, "targets": TARGETS, "summary_min_tokens": summary_tokens,
             "summary": summarize(rows, summary_tokens), "tiers": tiers,

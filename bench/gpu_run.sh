@@ -76,7 +76,8 @@ if want tests; then
     else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests}; fi
 fi
 if want connector; then
-    stage connector 200 python3 -m bench.bench_connector --tiers l2,peer --requests 20 $(name connector)
+    stage connector 420 python3 -m bench.bench_connector --tiers ${CONNECTOR_TIERS:-l2,peer} \
+        --requests ${CONNECTOR_REQUESTS:-50} $(name connector)
     keep connector
 fi
 if want overlap; then
