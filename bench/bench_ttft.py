@@ -473,6 +473,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     engine, args = point.engine, run.args
     connector = engine.connector
     warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
+    load_paths: list[str] = []
     phases: dict[str, list[float]] = {"to_load": [], "to_copies": [], "copies": [], "to_token": [], "device_copies": []}
 
     def force(token_ids, num_tokens: int) -> None:
@@ -504,6 +505,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
         from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
         if i >= 2 * args.warmup:
             choices.append(lookup_choice(before, after))
+            load_paths.append(counted("load_path_", before, after))
             for phase, ms in ttft_phases(request).items():
                 phases[phase].append(ms)
         if request.num_loaded_tokens:
@@ -545,6 +547,7 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
            "tier_forced": cache_hits == 0 and forced,
            "integrity_ok": integrity == "ok", "integrity": integrity,
            "loaded_tokens": loaded, "promoted_tokens": promoted, "peer_tokens": from_peer, "choices": choices,
+           "load_paths": load_paths,
            "engine_cache_hit_tokens": cache_hits,
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
@@ -572,9 +575,14 @@ def ttft_phases(request) -> dict[str, float]:
 
 def lookup_choice(before: dict[str, int], after: dict[str, int]) -> str:
     """What the connector's lookups chose between two snapshots of its counters (one request)."""
-    chosen = [name.removeprefix("lookup_choice_") for name in after
-              if name.startswith("lookup_choice_") and after[name] > before.get(name, 0)]
-    return "+".join(sorted(chosen)) or "none"
+    return counted("lookup_choice_", before, after)
+
+
+def counted(prefix: str, before: dict[str, int], after: dict[str, int]) -> str:
+    """The counters named prefix + X that grew between two snapshots of the connector's: the Xs."""
+    grew = [name.removeprefix(prefix) for name in after
+            if name.startswith(prefix) and after[name] > before.get(name, 0)]
+    return "+".join(sorted(grew)) or "none"
 
 
 # ---- policy cost ---------------------------------------------------------------------------------------
@@ -629,6 +637,7 @@ def policy_row(cost: dict, restore: dict, recompute: dict, cost_model: dict) -> 
             "choice": choice, "within_5pct": cost["ttft_ms"] <= POLICY_TARGET * faster_ms,
             "faster": "restore" if restore["ttft_ms"] <= recompute["ttft_ms"] else "recompute",
             "choices": choices, "cost_loaded_tokens": cost["loaded_tokens"],
+            "load_paths": {"cost": cost["load_paths"], "always": restore["load_paths"]},
             "cost_samples_ms": cost["samples_ms"], "restore_samples_ms": restore["samples_ms"],
             "recompute_samples_ms": recompute["samples_ms"],
             "kv_equal": cost["kv_equal"] and restore["kv_equal"],

@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="350,3500")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--policy", default="always", choices=("always", "cost"),
+                        help="the connector's restore policy (the L2 tier is forced either way)")
     parser.add_argument("--quick", action="store_true", help="the tiny shape on CPU")
     args = parser.parse_args()
     if args.quick:
@@ -107,7 +109,8 @@ def main() -> None:
             point = make_point(model, args.model, num_tokens, args.seed)
             engine = point.engine
             connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
-                                        model_revision=f"random-seed-{args.seed}", client_name="trace")
+                                        model_revision=f"random-seed-{args.seed}", client_name="trace",
+                                        policy=args.policy)
             control = TierControl(daemon, connector.geometry)
             try:
                 save_prefixes(point, control)
@@ -118,6 +121,7 @@ def main() -> None:
                     timeline.wrap(connector, name, f"connector.{name}")
                 timeline.wrap(connector.client, "match_async", "client.match_async")
                 timeline.wrap(connector.transfer, "load", "transfer.load (queue)")
+                timeline.wrap(connector.transfer, "_load_whole", "transfer.load, whole")
                 timeline.wrap(engine.scheduler, "_allocate_for", "scheduler.admit (hashes, lookup, load)")
                 for i in range(args.repeats):
                     trace(engine, point, control, timeline, profile=False)

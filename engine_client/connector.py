@@ -690,6 +690,7 @@ class KVConnector:
 
     def stats(self) -> dict[str, int]:
         counters = self.counters + self.lookups.counters
+        counters.update({f"load_path_{path}": n for path, n in self.transfer.load_paths.items()})
         counters["requests_open"] = self.num_open_requests
         return dict(sorted(counters.items()))
 

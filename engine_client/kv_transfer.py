@@ -222,6 +222,9 @@ class KVTransfer:
         self.layout = layout
         self.device = layout.device
         self.table = SegmentTable(layout)
+        # Loads by the path they took: layered, whole (asked so, or too many ids), or whole because
+        # the L2 pages lay in more than LAYERWISE_MAX_RUNS runs (a layered load asked for).
+        self.load_paths: collections.Counter[str] = collections.Counter()
         # A layered load goes in LOAD_GROUPS groups of consecutive layers (or one per layer, for
         # fewer layers), the last group's layers one by one (what a prefill still computes after the
         # load's last DMA is then one layer, not a group): each group's segments in page order (its
@@ -303,9 +306,13 @@ class KVTransfer:
         # the ring keeps for one load (blocks named twice): whole.
         chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
                   for first in range(0, len(block_ids), lane.chunk_pages)]
-        if not layered or not chunks or len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS or \
-                len(block_ids) + _ID_ALIGN * len(chunks) > lane.max_load_ids:
+        if layered and chunks and len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
+            self.load_paths["whole_many_runs"] += 1
             return self._load_whole(lane, host_page_ids, block_ids, after)
+        if not layered or not chunks or len(block_ids) + _ID_ALIGN * len(chunks) > lane.max_load_ids:
+            self.load_paths["whole"] += 1
+            return self._load_whole(lane, host_page_ids, block_ids, after)
+        self.load_paths["layered"] += 1
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
         started = time.perf_counter()
@@ -579,4 +586,5 @@ class KVTransfer:
     def report(self) -> dict[str, Any]:
         return {"backends": dict(self.backend_by_direction), "workspace_pages": self.workspace_pages,
                 "word_bytes": self.table.word_bytes, "segments": self.table.num_segments,
-                "id_host_waits": sum(l.ids.host_waits for l in self.lanes.values() if l.ids is not None)}
+                "id_host_waits": sum(l.ids.host_waits for l in self.lanes.values() if l.ids is not None),
+                "load_paths": dict(sorted(self.load_paths.items()))}

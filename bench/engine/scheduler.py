@@ -77,6 +77,12 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        # Its lookup goes out on arrival where a seat could take it (the bound of ``_admit``'s
+        # lookups): the round trip runs while the engine ends its step, or while an idle engine's
+        # caller gets to the next one, not from that step's admission on.
+        if self.connector is not None and self._lookups_async() and \
+                len(self.waiting) <= self.config.max_num_seqs - len(self.running):
+            self._looked_up(request, len(self._own_hit(request)) * self.block_size)
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or blocks the connector still holds."""
@@ -242,7 +248,9 @@ class Scheduler:
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         deferred = None             # the blocks being computed: they change only with a PREFILL admission
         index, loading = 0, False
-        while index < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+        # Only the requests a seat could take (the first ones, as many as seats are free) are tried:
+        # going past one whose begun lookup is not in never sends the lookup of one beyond them.
+        while index < min(len(self.waiting), self.config.max_num_seqs - len(self.running)):
             request = self.waiting[index]
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:

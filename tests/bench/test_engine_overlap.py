@@ -520,20 +520,27 @@ def test_an_idle_step_waits_for_a_burst_of_lookups_in_one_bound_and_prefills_the
         setup.close()
 
 
-def test_the_lookups_of_a_burst_of_requests_go_out_in_one_step(daemon, tmp_path):
-    """Three requests arrive together, the daemon stopped (SIGSTOP): the first step sends the
-    lookup of each (not of the first alone, which would admit a burst one request per step), and
-    none is admitted while no reply is in. Resumed, the step that takes the replies in admits all
-    three; each loads the 96-token prefix and gets the recompute's tokens, and every count returns
-    to its value before."""
+def test_the_lookups_of_a_burst_of_requests_go_out_on_arrival_as_far_as_the_seats_go(daemon, tmp_path):
+    """Four requests arrive together at an engine of three seats, the daemon stopped (SIGSTOP):
+    each of the first three sends its lookup as it is added (its round trip then runs before the
+    step that admits it), the fourth, which no seat could take yet, none. No step admits any
+    while no reply is in, nor sends the fourth's. Resumed, the step that takes the replies in
+    admits the three; each loads the 96-token prefix and gets the recompute's tokens, and every
+    count returns to its value before."""
     seed = 6400
-    setup = Setup(daemon, tmp_path, seed, "async")
+    setup = Setup(daemon, tmp_path, seed, "async", max_num_seqs=3)
     try:
         stop_process(daemon.proc.pid)
-        burst = [setup.engine.add_request(setup.prompt, 6) for _ in range(3)]
-        setup.engine.step()
-        assert all(r.state is RequestState.WAITING and r.lookup is not None for r in burst), f"seed {seed}"
+        burst = []
+        for _ in range(4):
+            burst.append(setup.engine.add_request(setup.prompt, 6))
+            assert (burst[-1].lookup is not None) == (len(burst) <= 3), f"seed {seed}: request {len(burst)}"
+        burst, behind = burst[:3], burst[3]
         sent = [r.lookup for r in burst]
+        setup.engine.step()
+        assert all(r.state is RequestState.WAITING for r in burst), f"seed {seed}"
+        assert [r.lookup for r in burst] == sent and behind.lookup is None, f"seed {seed}"
+        setup.engine.abort(behind.request_id)
         os.kill(daemon.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while not all(lookup.ready() for lookup in sent):
