@@ -240,7 +240,13 @@ class Scheduler:
         next block past its own hit is one a running request is prefilling waits (and those behind
         it) until that block is in the prefix cache: admitted now, it would compute or load the
         block again."""
-        wait_until = time.monotonic() + self.config.lookup_wait_s if may_wait and not self._has_batch() else None
+        has_batch = self._has_batch()
+        wait_until = time.monotonic() + self.config.lookup_wait_s if may_wait and not has_batch else None
+        # At a step's start with a batch to run, a request that would load is left for the admission
+        # while the GPU runs that batch (``admit_during_step``, with asynchronous lookups): its blocks'
+        # allocation and its copies' queueing then take the host in the GPU's shadow, not ahead of
+        # the batch's launch.
+        defer_loads = may_wait and has_batch and self._lookups_async()
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -255,7 +261,7 @@ class Scheduler:
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:
                 deferred = self._hashes_being_computed()
-            if not self._allocate_for(request, wait_s, deferred):
+            if not self._allocate_for(request, wait_s, deferred, defer_loads):
                 if request.lookup_begun and request.lookup is not None and not request.lookup.ready():
                     # Its match has no reply yet (it may wait on a promotion from L3, which a
                     # lookup's reply would not): the requests behind it are admitted meanwhile.
@@ -269,11 +275,12 @@ class Scheduler:
             loading = loading or request.state is RequestState.LOADING
         return loading
 
-    def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset()) -> bool:
+    def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset(),
+                      defer_loads: bool = False) -> bool:
         """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
         is not in, after a wait of at most wait_s), blocks for the rest, and the connector's load
         beyond the hit. False, too, while its next block past the hit is among ``deferred`` (being
-        computed)."""
+        computed), and with ``defer_loads`` where it would load."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
@@ -293,6 +300,8 @@ class Scheduler:
         if self.connector is not None and looked_up is None:      # the host waits for the reply
             looked_up = self.connector.lookup(request.token_array(),
                                               local_hit_tokens=len(hit_block_ids) * self.block_size)
+        if defer_loads and self._external_tokens(looked_up, num_reusable_blocks) > len(hit_block_ids) * self.block_size:
+            return False
         request.lookup = None
         self.blocks.acquire(hit_block_ids)
         request.block_ids = hit_block_ids + self.blocks.allocate(num_new_blocks)
@@ -301,8 +310,7 @@ class Scheduler:
         request.num_loaded_tokens = 0
         request.load = None
         if self.connector is not None:
-            num_external = min(looked_up, num_reusable_blocks * self.block_size)
-            num_external -= num_external % self.block_size
+            num_external = self._external_tokens(looked_up, num_reusable_blocks)
             if num_external > request.num_computed_tokens:
                 start = request.num_computed_tokens
                 request.load = PendingLoad(request.connector_id, start, num_external - start, time.perf_counter())
@@ -313,6 +321,14 @@ class Scheduler:
                 return True
         request.move_to(RequestState.PREFILL)
         return True
+
+    def _external_tokens(self, looked_up: int | None, num_reusable_blocks: int) -> int:
+        """Of the connector's answer, the leading tokens a load may fill: whole blocks, short of
+        the block holding the prompt's last token (computed)."""
+        if looked_up is None:
+            return 0
+        num_external = min(looked_up, num_reusable_blocks * self.block_size)
+        return num_external - num_external % self.block_size
 
     def _own_hit(self, request: Request) -> list[int]:
         """The prefix cache's blocks for the request's leading reusable blocks (all but the one

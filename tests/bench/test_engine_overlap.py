@@ -413,6 +413,58 @@ def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_durin
         setup.close()
 
 
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+@pytest.mark.parametrize("begun", [False, True], ids=["lookup", "begun"])
+def test_a_load_whose_reply_is_in_at_a_decode_step_start_is_queued_after_that_steps_forward(
+        daemon, tmp_path, monkeypatch, load_mode, begun):
+    """While a request decodes, another with a 96-token prefix in L2 arrives, and its lookup's reply
+    is in before the next step starts. That step's schedule leaves it WAITING and runs the decode
+    batch; the request is admitted while the batch's forward runs: its load (allocation, the
+    copies' queueing) comes after the forward's launch, not ahead of it. It loads the prefix, both
+    get their recompute's tokens, every count returns to its value before."""
+    seed = 6360
+    setup = Setup(daemon, tmp_path, seed, load_mode, begin_lookups=begun)
+    try:
+        decoding = setup.start_decoding()
+        engine, scheduler, connector = setup.engine, setup.engine.scheduler, setup.connector
+        restored = engine.add_request(setup.prompt, 6)
+        assert restored.lookup is not None and isinstance(restored.lookup, BegunLookup) == begun, f"seed {seed}"
+        wait_until_ready(restored.lookup, "the lookup's reply never came")
+        order, states_after_schedule = [], []
+        real_schedule, real_decode, real_load = scheduler.schedule, engine._run_decode, connector.load
+
+        def schedule():
+            plan = real_schedule()
+            states_after_schedule.append(restored.state)
+            return plan
+
+        def decode(requests):
+            order.append("decode")
+            return real_decode(requests)
+
+        def load(*args, **kwargs):
+            order.append("load")
+            return real_load(*args, **kwargs)
+
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+        monkeypatch.setattr(engine, "_run_decode", decode)
+        monkeypatch.setattr(connector, "load", load)
+        tokens_before = len(decoding.output_token_ids)
+        engine.step()
+        assert states_after_schedule == [RequestState.WAITING], f"seed {seed}: {states_after_schedule}"
+        assert len(decoding.output_token_ids) == tokens_before + 1, f"seed {seed}: decode held up"
+        assert order == ["decode", "load"], f"seed {seed}: {order}"
+        assert restored.state is RequestState.LOADING, f"seed {seed}: {restored.state}"
+        monkeypatch.undo()
+        counts = settled_counts(setup)
+        assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
+        assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(decoding, setup.decoding_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        setup.close()
+
+
 def test_a_request_sharing_the_prefix_a_prefill_computes_is_admitted_after_it_with_its_blocks(
         daemon, tmp_path, monkeypatch):
     """A fresh 64-token prefix (nothing of it in L2) is prefilled by request A in chunks of 32
