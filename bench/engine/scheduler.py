@@ -1,7 +1,9 @@
 """Continuous batching with a prefix cache and a connector hook; no tensors here.
 
 Each step: the connector's finished loads and released blocks come in; waiting requests are
-admitted in arrival order while blocks and seats last; then either a prefill batch (chunks of
+admitted in arrival order while blocks and seats last (but for one whose begun lookup has no reply
+yet, or, at a step's start with a decode batch to run, one that would load: those behind it go
+first); then either a prefill batch (chunks of
 PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
 decode batch of every DECODE request. While the GPU runs that batch, the engine admits the waiting
 requests whose lookup replies come in meanwhile (``admit_during_step``): their loads go out in the
@@ -57,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
+        self._load_deferred = False        # _allocate_for's last False: its load was left for later
         # Prompts prefilled this step whose chunk read a load IN_FLIGHT (the request, its tokens
         # then): saved once their first tokens are out (``save_due``). The others are saved while
         # the GPU runs the forward (``save_prefilled``), those of this step in ``saved_early``.
@@ -226,6 +229,12 @@ class Scheduler:
                                                 request.block_hashes)
         return request.block_hashes[:num_blocks]
 
+    def _decode_batch_only(self) -> bool:
+        """Whether this step's batch, as admission finds it, is a decode batch: requests decode,
+        none prefills."""
+        states = {r.state for r in self.running}
+        return RequestState.DECODE in states and RequestState.PREFILL not in states
+
     def _has_batch(self) -> bool:
         """Whether a running request has work for this step's batch (a prefill or a decode)."""
         return any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running)
@@ -242,11 +251,12 @@ class Scheduler:
         block again."""
         has_batch = self._has_batch()
         wait_until = time.monotonic() + self.config.lookup_wait_s if may_wait and not has_batch else None
-        # At a step's start with a batch to run, a request that would load is left for the admission
-        # while the GPU runs that batch (``admit_during_step``, with asynchronous lookups): its blocks'
-        # allocation and its copies' queueing then take the host in the GPU's shadow, not ahead of
-        # the batch's launch.
-        defer_loads = may_wait and has_batch and self._lookups_async()
+        # At a step's start with a decode batch to run, a request that would load is left for the
+        # admission while the GPU runs that batch (``admit_during_step``, with asynchronous lookups):
+        # its blocks' allocation and its copies' queueing then take the host in the GPU's shadow, not
+        # ahead of the batch's launch. Where a prefill batch runs instead, it is admitted now, to
+        # join that batch (its layers' loads waited for on the GPU, ``layerwise``).
+        defer_loads = may_wait and self._lookups_async() and self._decode_batch_only()
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
@@ -261,10 +271,13 @@ class Scheduler:
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:
                 deferred = self._hashes_being_computed()
+            self._load_deferred = False
             if not self._allocate_for(request, wait_s, deferred, defer_loads):
-                if request.lookup_begun and request.lookup is not None and not request.lookup.ready():
-                    # Its match has no reply yet (it may wait on a promotion from L3, which a
-                    # lookup's reply would not): the requests behind it are admitted meanwhile.
+                if self._load_deferred or \
+                        request.lookup_begun and request.lookup is not None and not request.lookup.ready():
+                    # Its load is left for the admission while the GPU runs the batch, or its match
+                    # has no reply yet (it may wait on a promotion from L3, which a lookup's reply
+                    # would not): the requests behind it are admitted meanwhile.
                     index += 1
                     continue
                 break
@@ -301,6 +314,7 @@ class Scheduler:
             looked_up = self.connector.lookup(request.token_array(),
                                               local_hit_tokens=len(hit_block_ids) * self.block_size)
         if defer_loads and self._external_tokens(looked_up, num_reusable_blocks) > len(hit_block_ids) * self.block_size:
+            self._load_deferred = True
             return False
         request.lookup = None
         self.blocks.acquire(hit_block_ids)

@@ -82,9 +82,9 @@ class Setup:
 
 
 def step_until_admitted(setup: Setup, request, decoding) -> None:
-    """Step until the request is admitted: its lookup goes out in one step (no wait: the step has a
-    decode batch to run); the step that finds the reply in, during its batch or at its start,
-    admits it. The decoding request gets a token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
+    """Step until the request is admitted: its lookup went out on arrival (a step with a decode
+    batch to run does not wait for it); the step that finds the reply in admits it while its batch
+    runs (a load is not admitted at a step's start while a decode batch is to run; another request is). The decoding request gets a token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
     same number of steps however slowly the daemon answers (the decoding request must not run out
     of tokens before the steps that follow)."""
     deadline = time.monotonic() + 10
@@ -362,8 +362,8 @@ def test_an_idle_engine_waits_once_briefly_for_a_lookup_and_gives_up_one_unanswe
 
 def test_a_lookup_never_holds_up_a_decode_step_and_its_request_is_admitted_during_one(daemon, tmp_path, monkeypatch):
     """While a request decodes, another with a 96-token prefix in L2 arrives, the daemon stopped
-    (SIGSTOP; lookup_wait_s 60 s here: a wait would show). The step that sends its lookup does not
-    wait for the reply: the request is still WAITING when the step's schedule is done, its decode
+    (SIGSTOP; lookup_wait_s 60 s here: a wait would show). The step after its lookup went out (on
+    arrival) does not wait for the reply: the request is still WAITING when the step's schedule is done, its decode
     batch runs (the forward made to resume the daemon and last until the reply is in, as a GPU step
     outlasts a round trip), and the request is admitted during that step, its load sent, with no
     wait at all. It loads the prefix, both get their recompute's tokens, every count returns to its
@@ -459,6 +459,47 @@ def test_a_load_whose_reply_is_in_at_a_decode_step_start_is_queued_after_that_st
         counts = settled_counts(setup)
         assert restored.num_loaded_tokens == 96, f"seed {seed}: {restored.num_loaded_tokens}"
         assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(decoding, setup.decoding_recompute, seed)
+        assert counts == setup.start_counts, f"seed {seed}"
+    finally:
+        setup.close()
+
+
+def test_a_request_behind_a_load_left_for_the_batch_is_admitted_at_the_step_start(daemon, tmp_path, monkeypatch):
+    """While a request decodes, one with a 96-token prefix in L2 arrives, then a fresh one (nothing
+    cached), both replies in before the next step. The step's schedule leaves the first WAITING
+    (its load goes out while the GPU runs the batch) and admits the fresh one behind it, whose
+    prefill is that step's batch; by the step's end the first is LOADING. Each gets its
+    recompute's tokens, every count returns to its value before."""
+    seed = 6365
+    setup = Setup(daemon, tmp_path, seed, "async")
+    try:
+        fresh_prompt = random_prompt(torch.Generator().manual_seed(seed + 1), 40)
+        (fresh_recompute,) = recompute_without_the_connector(setup, [fresh_prompt], 3)
+        decoding = setup.start_decoding()
+        engine, scheduler = setup.engine, setup.engine.scheduler
+        restored = engine.add_request(setup.prompt, 6)
+        fresh = engine.add_request(fresh_prompt, 3)
+        for request in (restored, fresh):
+            wait_until_ready(request.lookup, "a lookup's reply never came")
+        states_after_schedule = []
+        real_schedule = scheduler.schedule
+
+        def schedule():
+            plan = real_schedule()
+            states_after_schedule.append((restored.state, fresh.state))
+            return plan
+
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+        engine.step()
+        assert states_after_schedule == [(RequestState.WAITING, RequestState.PREFILL)], \
+            f"seed {seed}: {states_after_schedule}"
+        assert restored.state is RequestState.LOADING, f"seed {seed}: {restored.state}"
+        monkeypatch.undo()
+        counts = settled_counts(setup)
+        assert restored.num_loaded_tokens == 96 and fresh.num_loaded_tokens == 0, f"seed {seed}"
+        assert_same_output(restored, setup.recompute, seed)
+        assert_same_output(fresh, fresh_recompute, seed)
         assert_same_output(decoding, setup.decoding_recompute, seed)
         assert counts == setup.start_counts, f"seed {seed}"
     finally:
