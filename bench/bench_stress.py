@@ -38,6 +38,14 @@ against the same engines without kvcached (``bench/stress_engines.py``; rows wit
     python -m bench.bench_stress                     # H200: bench/results/h200/stress.json
     python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # 8 Qwen3-4B engines
     python -m bench.bench_stress --quick             # CPU smoke run, tiny shape, no result file
+    python -m bench.bench_stress --tiers none,l3-cold --policies cost --pin --name stress_pinned
+
+``--pin`` runs the cases on the low-latency wiring of deploy/README.md: the daemon's socket thread
+and its ZeroMQ I/O thread on one CPU, busy-polling 20 ms after each request (``--socket-cpu``,
+``--spin-us``); the engine's thread and its client's ZeroMQ I/O thread on another (``connect``'s
+``cpu``), busy-polling up to 2 ms for a reply. A round trip then needs no sleeping thread woken:
+after an idle gap, a wake-up is most of a lookup's wait. Each row's ``admission_wait_p50_ms``
+(arrival to admission: the lookup's wait, where there is one) shows it.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import os
 import time
 import traceback
 
@@ -61,8 +70,10 @@ from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached,
 BLOCK_SIZE = 16
 STRESS_TIERS = ("none", "l2", "l3-cold")
 POLICIES = ("always", "cost")
+PIN_DAEMON_SPIN_US = 20_000     # --pin: the daemon busy-polls this long after each request
+PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
-COLUMNS = ["model", "tier", "policy", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms", "ttft_p95_ms",
+COLUMNS = ["model", "tier", "policy", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms", "admission_wait_p50_ms", "ttft_p95_ms",
            "ttft_p99_ms", "restored_requests", "mismatches", "mismatches_beyond_noise", "kv_mismatches",
            "engine_cache_hit_tokens"]
 
@@ -90,6 +101,46 @@ class Workload:
     def prompts(self) -> list[list[int]]:
         """Request j: prefix j % 8 and a new suffix."""
         return [self.fresh(self.prefixes[j % len(self.prefixes)]) for j in range(self.num_requests)]
+
+
+class Wiring:
+    """Where the timed engine's thread and the daemons' socket threads run: as the OS places them,
+    or (``--pin``) the low-latency wiring: the daemon's socket thread on one CPU, the engine's
+    thread and its client's ZeroMQ I/O thread on another, both busy-polling (module docstring)."""
+
+    def __init__(self, pin: bool):
+        self.cpus = sorted(os.sched_getaffinity(0))
+        if pin and len(self.cpus) < 3:
+            raise SystemExit(f"--pin needs 3 CPUs or more, this process may use {self.cpus}")
+        self.pin = pin
+        self.daemon_cpu, self.engine_cpu = (self.cpus[-1], self.cpus[-2]) if pin else (None, None)
+
+    def daemon_args(self) -> tuple[str, ...]:
+        if not self.pin:
+            return ()
+        return ("--socket-cpu", str(self.daemon_cpu), "--spin-us", str(PIN_DAEMON_SPIN_US))
+
+    def connect_args(self) -> dict:
+        return {"cpu": self.engine_cpu, "spin_s": PIN_CLIENT_SPIN_S} if self.pin else {}
+
+    @contextlib.contextmanager
+    def engine_thread(self):
+        """The calling (engine) thread on its CPU meanwhile (daemons are started outside: a child
+        inherits its parent thread's CPUs)."""
+        if not self.pin:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {self.engine_cpu})
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+    def describe(self) -> dict:
+        return {"pinned": self.pin, "daemon_socket_cpu": self.daemon_cpu, "engine_cpu": self.engine_cpu,
+                "daemon_spin_us": PIN_DAEMON_SPIN_US if self.pin else None,
+                "client_spin_s": PIN_CLIENT_SPIN_S if self.pin else None}
 
 
 def make_engine(model, blocks: int, max_num_seqs: int, keep_logits: bool = False) -> Engine:
@@ -224,7 +275,7 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
     l2_pages = max(2 * per_request, int(1.5 * batch * per_request)) + 8
     l3_pages = 2 * (len(workload.prefixes) * per_request + 2 * (args.requests + 32)) + 64
     with KVDaemon(l2_pages * bytes_per_page, l3_pages * bytes_per_page, o_direct=True, l3_dir=args.l3_dir,
-                  extra_args=("--session-share", "1")) as daemon:
+                  extra_args=("--session-share", "1") + args.wiring.daemon_args()) as daemon:
         seeder = reference.cache_engine
         connector = attach_kvcached(seeder, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-seed-l3")
@@ -251,19 +302,22 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch
     if daemon is not None:
         connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}",
-                                    client_name=f"stress-{tier}-{policy}-b{batch}", policy=policy)
+                                    client_name=f"stress-{tier}-{policy}-b{batch}", policy=policy,
+                                    **args.wiring.connect_args())
         control = TierControl(daemon, connector.geometry)
     try:
         if tier == "l2":
             for prefix in workload.prefixes:
                 control.force("l2", prefix, workload.restorable_tokens)
-        closed_loop(engine, [workload.fresh(p) for p in workload.prefixes], batch)     # warm-up, untimed
+        with args.wiring.engine_thread():
+            closed_loop(engine, [workload.fresh(p) for p in workload.prefixes], batch)     # warm-up, untimed
         settle(engine, control)
         engine.reset_prefix_cache()              # the warm-up's last prefixes
         if tier == "l3-cold":                    # what the warm-up brought into L2 and the page cache goes
             control.evict_l2()
             control.drop_l3_page_cache()
-        done, wall_s = closed_loop(engine, prompts, batch)
+        with args.wiring.engine_thread():
+            done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
         tokens = [r.output_token_ids[0] for r in done]
         ttft_ms = [r.ttft_s * 1e3 for r in done]
@@ -276,6 +330,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch
                "req_per_s": round(len(done) / wall_s, 3), "speedup": None, "wall_s": round(wall_s, 4),
                "ttft_p50_ms": round(percentile(ttft_ms, 50), 3), "ttft_p95_ms": round(percentile(ttft_ms, 95), 3),
                "ttft_p99_ms": round(percentile(ttft_ms, 99), 3),
+               "admission_wait_p50_ms": round(percentile([(r.admitted_s - r.arrival_s) * 1e3 for r in done], 50), 3),
                "restored_requests": sum(restored),
                "mismatches": sum(a != b for a, b in zip(tokens, references, strict=True)),
                "reference": "a restored request: alone, the prefix from the engine's own cache (the KV the "
@@ -333,7 +388,7 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * BLOCK_SIZE
             pages = 2 * len(workload.prefixes) * workload.blocks_per_request + 2 * (args.requests + 32) + 64
             l2_bytes = max(pages * bytes_per_page, 8 << 20)
-            daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir)
+            daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir, extra_args=args.wiring.daemon_args())
         reference = Reference(model, workload, daemon, args)
         cases = [(tier, policy) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
         for batch in batches:
@@ -395,7 +450,9 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="result file (bench/results/<machine>/<name>.json); "
                                                      "default stress, none with --quick")
     parser.add_argument("--machine", default=None)
+    parser.add_argument("--pin", action="store_true", help="the low-latency wiring (module docstring)")
     args = parser.parse_args()
+    args.wiring = Wiring(args.pin)
     requested = args.tiers.split(",")
     if set(requested) - set(STRESS_TIERS):
         raise SystemExit(f"--tiers: of {STRESS_TIERS}")
@@ -433,6 +490,7 @@ def main() -> None:
         if args.name:
             paths[:] = [write_result(args.name, {
                 "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": args.seed,
+                "wiring": args.wiring.describe(),
                 "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
                              "suffix_tokens": args.suffix_tokens, "requests": args.requests, "output_tokens": 1,
                              "batches": batches, "tiers": tiers, "policies": policies},

@@ -88,13 +88,14 @@ class KVDaemon:
 
 def attach_kvcached(engine: Engine, socket_path: str, *, model_id: str, model_revision: str = "",
                     client_name: str = "engine", config: ConnectorConfig | None = None,
-                    policy: str = "always") -> KVConnector:
+                    policy: str = "always", **connect_args) -> KVConnector:
     """Register the engine's KV tensors with a connector of its own (its own session) and plug it
     in; the engine must be idle. ``policy``: the connector's restore policy (without ``config``):
-    "always" forces every hit to be restored, "cost" leaves it to the daemon's cost model."""
+    "always" forces every hit to be restored, "cost" leaves it to the daemon's cost model.
+    ``connect_args``: more of ``connect``'s (``cpu``, ``spin_s``)."""
     model_config = engine.model.config
     connector = KVConnector.register(
-        connect(socket_path, timeout_s=60.0, client_name=client_name), engine.kv_caches, "layer",
+        connect(socket_path, timeout_s=60.0, client_name=client_name, **connect_args), engine.kv_caches, "layer",
         model_id=model_id, model_revision=model_revision, page_size=engine.block_size,
         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
         # Layered loads only where the engine prefills while a load is in flight.

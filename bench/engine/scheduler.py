@@ -317,6 +317,7 @@ class Scheduler:
             self._load_deferred = True
             return False
         request.lookup = None
+        request.admitted_s = time.perf_counter()
         self.blocks.acquire(hit_block_ids)
         request.block_ids = hit_block_ids + self.blocks.allocate(num_new_blocks)
         request.num_cached_tokens = request.num_computed_tokens = len(hit_block_ids) * self.block_size
