@@ -10,6 +10,7 @@ sides sleeping at once (spin 0), and an idle gap before each request, as between
 GPU waits, where a sleeping process must be woken (the baseline gets the same gap).
 
     python -m bench.bench_rpc [--iterations 5000] [--prefixes 10000]
+    python -m bench.bench_rpc --gap-ms 12 --name rpc_gap12     # the gap of a batch-1 request in bench_stress
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=2.0)
     parser.add_argument("--prefixes", type=int, default=10_000)
     parser.add_argument("--machine", default=None)
+    parser.add_argument("--name", default="rpc", help="result file (bench/results/<machine>/<name>.json)")
     args = parser.parse_args()
 
     configs = [("default", DEFAULT_DAEMON_SPIN_US, DEFAULT_SPIN_S), ("no_spin", 0, 0.0)]
@@ -174,7 +176,7 @@ def main() -> None:
     print_table(variants, ["config", "gap_ms", "tokens", "p50_us", "p99_us", "baseline_p50_us", "baseline_p99_us",
                            "ratio_p50"])
     print(f"heartbeat round trip p50 {heartbeat_p50:.1f} us (default config)")
-    path = write_result("rpc", {
+    path = write_result(args.name, {
         "target": "p50_us <= 1.5 * baseline_p50_us (rows: default config, no idle gap)",
         "prefixes_in_tree": args.prefixes, "tree_nodes": nodes, "iterations": args.iterations,
         "rows": rows, "variants": variants, "heartbeat_p50_us": heartbeat_p50, "raw_samples_us": raw,
