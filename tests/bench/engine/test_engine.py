@@ -160,3 +160,20 @@ def test_a_long_prefix_cache_hit_is_found_whole_and_a_miss_hashes_few_blocks(tmp
         engine.step()
     assert fresh.num_registered_blocks == 100 and len(fresh.block_hashes) >= 100, f"seed {seed}"
     assert engine.cached_block_ids(fresh.token_ids[:200]) != [], f"seed {seed}"
+
+
+def test_a_request_left_waiting_for_a_seat_is_timed_from_its_admission(tmp_path):
+    """admitted_s is set when a request leaves WAITING, not before: with one seat, the second of
+    two requests is admitted only once the first has finished, between its arrival and its first
+    token."""
+    seed = 1600
+    engine = engine_on(hf_model(seed), tmp_path, max_num_seqs=1)
+    generator = torch.Generator().manual_seed(seed)
+    first, second = (engine.add_request(random_prompt(generator, 24), 2) for _ in range(2))
+    assert first.admitted_s is None and second.admitted_s is None
+    engine.step()
+    assert first.admitted_s is not None and first.arrival_s <= first.admitted_s <= first.first_token_s
+    assert second.state is RequestState.WAITING and second.admitted_s is None, f"seed {seed}"
+    while engine.has_unfinished():
+        engine.step()
+    assert first.finish_s <= second.admitted_s <= second.first_token_s, f"seed {seed}"
