@@ -84,7 +84,7 @@ class Scheduler:
         # lookups): the round trip runs while the engine ends its step, or while an idle engine's
         # caller gets to the next one, not from that step's admission on.
         if self.connector is not None and self._lookups_async() and \
-                len(self.waiting) <= self.config.max_num_seqs - len(self.running):
+                len(self.waiting) <= self._free_seats():
             self._looked_up(request, len(self._own_hit(request)) * self.block_size)
 
     def has_unfinished(self) -> bool:
@@ -235,6 +235,10 @@ class Scheduler:
         states = {r.state for r in self.running}
         return RequestState.DECODE in states and RequestState.PREFILL not in states
 
+    def _free_seats(self) -> int:
+        """How many more requests may be admitted now (``max_num_seqs`` less those running)."""
+        return self.config.max_num_seqs - len(self.running)
+
     def _has_batch(self) -> bool:
         """Whether a running request has work for this step's batch (a prefill or a decode)."""
         return any(r.state in (RequestState.PREFILL, RequestState.DECODE) for r in self.running)
@@ -260,13 +264,13 @@ class Scheduler:
         if self._lookups_async():
             # The lookups of every waiting request that a seat could take go out together (one
             # round trip for a burst), the engine's own hit of each as it is now.
-            for request in itertools.islice(self.waiting, self.config.max_num_seqs - len(self.running)):
+            for request in itertools.islice(self.waiting, self._free_seats()):
                 self._looked_up(request, len(self._own_hit(request)) * self.block_size)
         deferred = None             # the blocks being computed: they change only with a PREFILL admission
         index, loading = 0, False
         # Only the requests a seat could take (the first ones, as many as seats are free) are tried:
         # going past one whose begun lookup is not in never sends the lookup of one beyond them.
-        while index < min(len(self.waiting), self.config.max_num_seqs - len(self.running)):
+        while index < min(len(self.waiting), self._free_seats()):
             request = self.waiting[index]
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:
