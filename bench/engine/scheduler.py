@@ -21,6 +21,7 @@ nothing registered or saved; it runs again) unless the result confirms what the 
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import logging
 import time
@@ -35,6 +36,13 @@ from bench.engine.request import Request, RequestState
 logger = logging.getLogger(__name__)
 
 HASH_AHEAD_BLOCKS = 16       # a request's own hit is looked for with at least this many block hashes
+
+
+class Admission(enum.Enum):
+    """What ``Scheduler._allocate_for`` did with a waiting request."""
+    ADMITTED = "admitted"            # blocks allocated: LOADING, or PREFILL
+    NOT_YET = "not yet"              # still WAITING: no reply yet, no blocks, or its next block being computed
+    LOAD_LEFT = "load left"          # still WAITING: it would load, left for the admission in the batch's shadow
 
 
 class PrefillChunk(NamedTuple):
@@ -59,7 +67,6 @@ class Scheduler:
         self.running: list[Request] = []             # LOADING, PREFILL and DECODE, in admission order
         self.held_block_ids: dict[Hashable, list[int]] = {}    # connector id -> blocks it still touches
         self.num_preemptions = 0
-        self._load_deferred = False        # _allocate_for's last False: its load was left for later
         # Prompts prefilled this step whose chunk read a load IN_FLIGHT (the request, its tokens
         # then): saved once their first tokens are out (``save_due``). The others are saved while
         # the GPU runs the forward (``save_prefilled``), those of this step in ``saved_early``.
@@ -275,9 +282,9 @@ class Scheduler:
             wait_s = 0.0 if wait_until is None else wait_until - time.monotonic()
             if deferred is None:
                 deferred = self._hashes_being_computed()
-            self._load_deferred = False
-            if not self._allocate_for(request, wait_s, deferred, defer_loads):
-                if self._load_deferred or \
+            admission = self._allocate_for(request, wait_s, deferred, defer_loads)
+            if admission is not Admission.ADMITTED:
+                if admission is Admission.LOAD_LEFT or \
                         request.lookup_begun and request.lookup is not None and not request.lookup.ready():
                     # Its load is left for the admission while the GPU runs the batch, or its match
                     # has no reply yet (it may wait on a promotion from L3, which a lookup's reply
@@ -293,17 +300,17 @@ class Scheduler:
         return loading
 
     def _allocate_for(self, request: Request, wait_s: float = 0.0, deferred: frozenset[bytes] = frozenset(),
-                      defer_loads: bool = False) -> bool:
-        """The prefix cache's hit, the connector's decision beyond it (False while its lookup's reply
-        is not in, after a wait of at most wait_s), blocks for the rest, and the connector's load
-        beyond the hit. False, too, while its next block past the hit is among ``deferred`` (being
-        computed), and with ``defer_loads`` where it would load."""
+                      defer_loads: bool = False) -> Admission:
+        """The prefix cache's hit, the connector's decision beyond it (NOT_YET while its lookup's
+        reply is not in, after a wait of at most wait_s), blocks for the rest, and the connector's
+        load beyond the hit. NOT_YET, too, while its next block past the hit is among ``deferred``
+        (being computed); LOAD_LEFT with ``defer_loads`` where it would load."""
         num_tokens = len(request.token_ids)
         num_reusable_blocks = (num_tokens - 1) // self.block_size    # at least one token is computed
         hit_block_ids = self._own_hit(request)
         if len(hit_block_ids) < num_reusable_blocks and \
                 self._hashes(request, len(hit_block_ids) + 1)[len(hit_block_ids)] in deferred:
-            return False
+            return Admission.NOT_YET
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit_block_ids)
         can_allocate = self.blocks.can_allocate(num_new_blocks, hit_block_ids)
         looked_up = None
@@ -311,15 +318,14 @@ class Scheduler:
             # The host waits for the reply only where the request could be admitted now.
             looked_up = self._looked_up(request, len(hit_block_ids) * self.block_size, wait_s if can_allocate else 0.0)
             if looked_up is None:
-                return False
+                return Admission.NOT_YET
         if not can_allocate:
-            return False
+            return Admission.NOT_YET
         if self.connector is not None and looked_up is None:      # the host waits for the reply
             looked_up = self.connector.lookup(request.token_array(),
                                               local_hit_tokens=len(hit_block_ids) * self.block_size)
         if defer_loads and self._external_tokens(looked_up, num_reusable_blocks) > len(hit_block_ids) * self.block_size:
-            self._load_deferred = True
-            return False
+            return Admission.LOAD_LEFT
         request.lookup = None
         request.admitted_s = time.perf_counter()
         self.blocks.acquire(hit_block_ids)
@@ -337,9 +343,9 @@ class Scheduler:
                                     request.block_ids[start // self.block_size: num_external // self.block_size],
                                     num_external - start, start)
                 request.move_to(RequestState.LOADING)
-                return True
+                return Admission.ADMITTED
         request.move_to(RequestState.PREFILL)
-        return True
+        return Admission.ADMITTED
 
     def _external_tokens(self, looked_up: int | None, num_reusable_blocks: int) -> int:
         """Of the connector's answer, the leading tokens a load may fill: whole blocks, short of
