@@ -3,14 +3,14 @@
 Each step: the connector's finished loads and released blocks come in; waiting requests are
 admitted in arrival order while blocks and seats last (but for one whose begun lookup has no reply
 yet, or, at a step's start with a decode batch to run, one that would load: those behind it go
-first); then either a prefill batch (chunks of
-PREFILL requests up to ``max_prefill_tokens``) or, when no request has anything to prefill, a
-decode batch of every DECODE request. While the GPU runs that batch, the engine admits the waiting
-requests whose lookup replies come in meanwhile (``admit_during_step``): their loads go out in the
-GPU's shadow. The host waits for lookup replies (``lookup_wait_s`` in all) only in a step with
-nothing else to run, so that no other request's batch is ever held up by it. A LOADING request waits for its load without holding up
-the others (``load_mode`` "blocking": the host waits for it at admission). When a decode step
-lacks a block, the latest admitted request is preempted (its blocks freed, recomputed later).
+first); then either a prefill batch (chunks of PREFILL requests up to ``max_prefill_tokens``) or,
+when no request has anything to prefill, a decode batch of every DECODE request. While the GPU runs
+that batch, the engine admits the waiting requests whose lookup replies come in meanwhile
+(``admit_during_step``): their loads go out in the GPU's shadow. The host waits for lookup replies
+(``lookup_wait_s`` in all) only in a step with nothing else to run, so that no other request's
+batch is ever held up by it. A LOADING request waits for its load without holding up the others
+(``load_mode`` "blocking": the host waits for it at admission). When a decode step lacks a block,
+the latest admitted request is preempted (its blocks freed, recomputed later).
 
 A request's load (``bench/engine/load.py``) is published (its blocks in the prefix cache, saved)
 only once DONE. With ``load_mode`` "layerwise" a request's prefill may run while its load is

@@ -84,9 +84,11 @@ class Setup:
 def step_until_admitted(setup: Setup, request, decoding) -> None:
     """Step until the request is admitted: its lookup went out on arrival (a step with a decode
     batch to run does not wait for it); the step that finds the reply in admits it while its batch
-    runs (a load is not admitted at a step's start while a decode batch is to run; another request is). The decoding request gets a token in every step meanwhile. Between steps the test waits for the lookup's reply, so that admission takes the
-    same number of steps however slowly the daemon answers (the decoding request must not run out
-    of tokens before the steps that follow)."""
+    runs (a load is not admitted at a step's start while a decode batch is to run; another request
+    is). The decoding request gets a token in every step meanwhile. Between steps the test waits
+    for the lookup's reply, so that admission takes the same number of steps however slowly the
+    daemon answers (the decoding request must not run out of tokens before the steps that
+    follow)."""
     deadline = time.monotonic() + 10
     while request.state is RequestState.WAITING:
         tokens_before = len(decoding.output_token_ids)
