@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import inspect
@@ -95,6 +96,9 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._socket_thread: threading.Thread | None = None
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        # Socket thread: what a handler leaves for after its reply is sent (``_handle``), such as
+        # planning a background promotion: it does not change the reply, so no engine waits for it.
+        self._after_reply: list[Callable[[], None]] = []
         self._stopping = False
         self._reap_requested = False
         self.watcher: PidWatcher | None = None
@@ -222,6 +226,15 @@ class Server:
                     self._send(frames[0], MsgKind.ERROR, 0, codec.error_body(ErrorCode.BAD_FRAME, message))
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
+        try:
+            if self._answer(identity, payload):
+                for work in self._after_reply:
+                    work()
+        finally:
+            self._after_reply.clear()       # a refused request's: it was not answered as they expect
+
+    def _answer(self, identity: bytes, payload: bytes) -> bool:
+        """Handle one request and send its reply (or its error); False for an error."""
         request_id = 0
         try:
             frame = codec.decode(payload, self.config.max_frame_bytes)
@@ -237,6 +250,7 @@ class Server:
                 self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
             elif reply is not None:           # None: a request that asked for no success reply
                 self._send(identity, MsgKind.REPLY, request_id, reply)
+            return True
         except ProtocolError as exc:
             if request_id == 0:
                 request_id = codec.peek_request_id(payload)
@@ -247,6 +261,7 @@ class Server:
             self.state.metrics.add("errors_internal")
             self._send(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        return False
 
     def _note_peer(self, identity: bytes, frame: codec.Frame, reply: Any) -> None:
         """Remember which socket served a live session (a request of it was handled), so that a
@@ -485,7 +500,7 @@ class Server:
             reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
                                       request.local_hit_tokens, request.policy, request.promote_l3)
             if request.promote_l3 and not request.tp_group:
-                self._promote_in_background(request, reply)
+                self._after_reply.append(functools.partial(self._promote_in_background, request, reply))
             return to_wire(reply)
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                    promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
@@ -493,12 +508,12 @@ class Server:
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
         if request.begun and request.promote_l3:    # it stands for a lookup: declines alike
-            self._promote_in_background(request, outcome)
+            self._after_reply.append(functools.partial(self._promote_in_background, request, outcome))
         return to_wire(outcome)
 
     def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
-        """Planned once the answer is: the promotion (if the model asks for one) runs on the loop,
-        and no request waits for it."""
+        """Planned once the answer is sent (``_after_reply``): the promotion (if the model asks for
+        one) runs on the loop, and no request waits for it, nor for its planning."""
         if self.storage is None:
             return
         try:
