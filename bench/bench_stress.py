@@ -75,8 +75,8 @@ PIN_DAEMON_SPIN_US = 20_000      # --pin: the daemon busy-polls this long after 
 PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
 COLUMNS = ["model", "tier", "policy", "engines", "batch", "req_per_s", "speedup", "ttft_p50_ms",
-           "admission_wait_p50_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "mismatches",
-           "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
+           "admission_wait_p50_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests",
+           "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 
 
 class Workload:

@@ -229,7 +229,11 @@ class Server:
         try:
             if self._answer(identity, payload):
                 for work in self._after_reply:
-                    work()
+                    try:
+                        work()
+                    except Exception:       # our bug: the reply is out; the socket thread serves on
+                        logger.exception("work after a reply failed")
+                        self.state.metrics.add("errors_internal")
         finally:
             self._after_reply.clear()       # a refused request's: it was not answered as they expect
 
@@ -516,12 +520,9 @@ class Server:
         one) runs on the loop, and no request waits for it, nor for its planning."""
         if self.storage is None:
             return
-        try:
-            move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
-            if move is not None:
-                self._spawn_threadsafe(self._run_move(move))
-        except Exception:           # the reply (and a match's lease) must still reach the engine
-            logger.exception("a background promotion could not be started")
+        move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
+        if move is not None:
+            self._spawn_threadsafe(self._run_move(move))
 
     async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
         """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""

@@ -89,3 +89,23 @@ def test_a_refused_request_leaves_no_work_for_after_the_next_reply(wired, rng):
     handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b"", "lock": False})
     assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
     assert ran == [session_id]
+
+
+def test_work_after_a_reply_that_fails_is_counted_and_the_next_request_is_served(wired, rng):
+    """Work left for after a reply raises: the reply is out already, the failure is counted as an
+    internal error, and the next request is answered as usual."""
+    server, dealer, session_id = wired
+    match = server._handlers[MsgKind.MATCH]
+
+    def leaves_failing_work(body):
+        server._after_reply.append(lambda: 1 / 0)
+        return match(body)
+
+    server._handlers[MsgKind.MATCH] = leaves_failing_work
+    handle_next(server, dealer, 1, {"session_id": session_id, "token_ids": b"", "lock": False})
+    assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
+    assert server.state.metrics.counters["errors_internal"] == 1
+    server._handlers[MsgKind.MATCH] = match
+    handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b"", "lock": False})
+    assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
+    assert server.state.metrics.counters["errors_internal"] == 1
