@@ -68,22 +68,33 @@ def test_bench_ttft_quick_policy_cost_writes_a_policy_row_per_tier(tmp_path):
 
 
 def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_path):
-    """8 requests at batch 1 and 2: tier none, and l2 and l3-cold under policies always and cost,
+    """8 requests at batch 1 and 2, two rounds of every case: tier none, and l2 and l3-cold under policies always and cost,
     a row each with its req/s and TTFT percentiles, no engine cache hit, no token mismatch (each
     request against the reference of the path it took), the daemons' integrity ok; under always
     every request loads its whole prefix (l2: its KV bit for bit; l3-cold: every one promoted from
-    L3, none found in L2). Two engine processes sharing 4 prefixes: with kvcached, one loads
+    L3, none found in L2); the summary's cold-L3 target per batch is the least of its rounds'
+    speed-ups, each over its own round's tier none. Two engine processes sharing 4 prefixes: with kvcached, one loads
     prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
-    result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2")
+    result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2",
+                       "--repeats", "2")
     engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
     assert engines["none"]["cross_engine_hit_tokens"] == 0 and engines["l2"]["cross_engine_hit_tokens"] > 0, engines
     assert engines["l2"]["mismatches"] == 0 and engines["l2"]["integrity"] == "ok", engines
     assert engines["l2"]["requests"] == engines["none"]["requests"] == 2 * 4 * 2, engines
-    rows = {(row["tier"], row["policy"], row["batch"]): row for row in result["rows"] if row["engines"] == 1}
-    assert sorted(rows) == sorted([("none", None, b) for b in (1, 2)] + [
-        (tier, policy, b) for tier in ("l2", "l3-cold") for policy in ("always", "cost") for b in (1, 2)]), result
-    assert not result["errors"] and len(result["summary"]) == 2, result
-    for (tier, policy, _), row in rows.items():
+    rows = {(row["tier"], row["policy"], row["batch"], row["repeat"]): row
+            for row in result["rows"] if row["engines"] == 1}
+    assert sorted(rows) == sorted([("none", None, b, r) for b in (1, 2) for r in (0, 1)] + [
+        (tier, policy, b, r) for tier in ("l2", "l3-cold") for policy in ("always", "cost") for b in (1, 2)
+        for r in (0, 1)]), result
+    assert not result["errors"], result
+    # The target per batch, over both rounds: each round's speed-up over that round's own tier none.
+    assert [entry["target"].split(":")[0] for entry in result["summary"]] == ["batch 1", "batch 2"], result
+    for entry, batch in zip(result["summary"], (1, 2)):
+        speedups = [round(rows["l3-cold", "cost", batch, r]["req_per_s"] / rows["none", None, batch, r]["req_per_s"], 3)
+                    for r in (0, 1)]
+        assert entry["speedups"] == speedups and entry["value"] == min(speedups), (entry, speedups)
+        assert entry["met"] == (min(speedups) >= 0.97), entry
+    for (tier, policy, _, _), row in rows.items():
         assert row["requests"] == 8 and row["req_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
         assert row["mismatches"] == 0 and row["engine_cache_hit_tokens"] == 0, row
         if tier != "none":
