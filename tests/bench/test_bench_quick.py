@@ -68,13 +68,14 @@ def test_bench_ttft_quick_policy_cost_writes_a_policy_row_per_tier(tmp_path):
 
 
 def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_path):
-    """8 requests at batch 1 and 2, two rounds of every case: tier none, and l2 and l3-cold under policies always and cost,
-    a row each with its req/s and TTFT percentiles, no engine cache hit, no token mismatch (each
-    request against the reference of the path it took), the daemons' integrity ok; under always
-    every request loads its whole prefix (l2: its KV bit for bit; l3-cold: every one promoted from
-    L3, none found in L2); the summary's cold-L3 target per batch is the least of its rounds'
-    speed-ups, each over its own round's tier none. Two engine processes sharing 4 prefixes: with kvcached, one loads
-    prefixes the other prefilled (cross-engine hits), with the same tokens as without."""
+    """8 requests at batch 1 and 2, two rounds of every case: tier none, and l2 and l3-cold under
+    policies always and cost, a row each with its req/s and TTFT percentiles, no engine cache hit,
+    no token mismatch (each request against the reference of the path it took), the daemons'
+    integrity ok; under always every request loads its whole prefix (l2: its KV bit for bit;
+    l3-cold: every one promoted from L3, none found in L2); the summary's cold-L3 target per batch
+    is the least of its rounds' speed-ups, each over its own round's tier none. Two engine
+    processes sharing 4 prefixes: with kvcached, one loads prefixes the other prefilled
+    (cross-engine hits), with the same tokens as without."""
     result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2",
                        "--repeats", "2")
     engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
