@@ -51,6 +51,11 @@ and its ZeroMQ I/O thread on one CPU, busy-polling 20 ms after each request (``-
 after an idle gap, a wake-up is most of a lookup's wait. Each row's ``admission_wait_p50_ms``
 (arrival to admission: the lookup's wait, where there is one) shows it, and
 ``admission_to_token_p50_ms`` the rest of the TTFT (the prefill, and whatever slows it).
+
+``--saves-off`` adds, in each round, the l3-cold case under cost with the connector's saves off
+(``saves`` False: no L2 reservation, no save's copy, no commit, no write-through to L3): what the
+lookup alone costs. Its req/s against the row with saves shows what the backups cost the engine
+(the issue: write-through must never sit on an engine's critical path). Not in the summary.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, wr
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.stress_engines import Spec, run_engines
 from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
+from engine_client.connector import ConnectorConfig
 
 BLOCK_SIZE = 16
 STRESS_TIERS = ("none", "l2", "l3-cold")
@@ -79,7 +85,7 @@ POLICIES = ("always", "cost")
 PIN_DAEMON_SPIN_US = 20_000      # --pin: the daemon busy-polls this long after each request
 PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
-COLUMNS = ["model", "tier", "policy", "engines", "batch", "repeat", "req_per_s", "speedup", "ttft_p50_ms",
+COLUMNS = ["model", "tier", "policy", "saves", "engines", "batch", "repeat", "req_per_s", "speedup", "ttft_p50_ms",
            "admission_wait_p50_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 
@@ -189,8 +195,8 @@ class Reference:
         # Room for every prefix and the suffix blocks of every prompt of every case it is the
         # reference of (each tier with a connector, policy and batch: prompts of its own), so that
         # nothing of a prefix is evicted.
-        num_cases = len([t for t in args.tiers.split(",") if t != "none"]) * len(args.policies.split(",")) \
-            * len(args.batches.split(",")) * args.repeats
+        num_cases = (len([t for t in args.tiers.split(",") if t != "none"]) * len(args.policies.split(","))
+                     + args.saves_off) * len(args.batches.split(",")) * args.repeats
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
                                         + 4 * workload.num_requests * num_cases + 64, 1, keep_logits=True)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
@@ -260,13 +266,13 @@ class Reference:
         return tokens
 
 
-def run_case(model, workload: Workload, prompts, tier: str, policy: str, batch: int, daemon: KVDaemon | None,
-             reference: Reference, expected: dict[str, list[int]], args) -> dict:
+def run_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, batch: int,
+             daemon: KVDaemon | None, reference: Reference, expected: dict[str, list[int]], args) -> dict:
     if tier == "l3-cold":
         with cold_l3_daemon(model, workload, reference, batch, args) as cold:
-            return timed_case(model, workload, prompts, tier, policy, batch, cold, expected, args, reference)
-    return timed_case(model, workload, prompts, tier, policy, batch, daemon if tier == "l2" else None, expected,
-                      args, reference)
+            return timed_case(model, workload, prompts, tier, policy, saves, batch, cold, expected, args, reference)
+    return timed_case(model, workload, prompts, tier, policy, saves, batch, daemon if tier == "l2" else None,
+                      expected, args, reference)
 
 
 @contextlib.contextmanager
@@ -299,8 +305,8 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
         yield daemon
 
 
-def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch: int, daemon: KVDaemon | None,
-               expected: dict[str, list[int]], args, reference: Reference | None = None) -> dict:
+def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, batch: int,
+               daemon: KVDaemon | None, expected: dict[str, list[int]], args, reference: Reference | None = None) -> dict:
     # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
     # one admitted, whose prefix (batch < the 8 prefixes of the rotation further on) is another.
     engine = make_engine(model, batch * workload.blocks_per_request, batch)
@@ -308,7 +314,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch
     if daemon is not None:
         connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}",
-                                    client_name=f"stress-{tier}-{policy}-b{batch}", policy=policy,
+                                    client_name=f"stress-{tier}-{policy}-b{batch}",
+                                    config=ConnectorConfig(policy=policy, save=saves),
                                     **args.wiring.connect_args())
         control = TierControl(daemon, connector.geometry)
     try:
@@ -331,7 +338,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, batch
         restored = [r.num_loaded_tokens == workload.restorable_tokens for r in done]
         references = [expected["own_cache"][i] if was_restored else expected["recompute"][i]
                       for i, was_restored in enumerate(restored)]
-        row = {"model": args.model, "tier": tier, "policy": policy if daemon is not None else None, "engines": 1,
+        row = {"model": args.model, "tier": tier, "policy": policy if daemon is not None else None,
+               "saves": saves if daemon is not None else None, "engines": 1,
                "batch": batch, "requests": len(done),
                "req_per_s": round(len(done) / wall_s, 3), "speedup": None, "wall_s": round(wall_s, 4),
                "ttft_p50_ms": round(percentile(ttft_ms, 50), 3), "ttft_p95_ms": round(percentile(ttft_ms, 95), 3),
@@ -398,12 +406,14 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             l2_bytes = max(pages * bytes_per_page, 8 << 20)
             daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir, extra_args=args.wiring.daemon_args())
         reference = Reference(model, workload, daemon, args)
-        cases = [(tier, policy) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
+        cases = [(tier, policy, True) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
+        if args.saves_off:
+            cases.append(("l3-cold", "cost", False))
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
         # of its own repetition, measured just before it (the runs of one case vary by a few %).
         for batch, repeat in itertools.product(batches, range(args.repeats)):
             baseline = None
-            for tier, policy in cases:
+            for tier, policy, saves in cases:
                 try:
                     # Prompts of the case's own: an earlier case's saves (a prompt's suffix pages) in
                     # the shared daemon would serve more than the prefix, which neither reference is.
@@ -411,10 +421,11 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
                     expected = {"recompute": reference.recompute(prompts)}
                     if tier != "none":
                         expected["own_cache"] = reference.own_cache(prompts)
-                    row = run_case(model, workload, prompts, tier, policy, batch, daemon, reference, expected, args)
+                    row = run_case(model, workload, prompts, tier, policy, saves, batch, daemon, reference, expected,
+                                   args)
                     row["repeat"] = repeat
                 except Exception as exc:        # recorded; the other cases go on
-                    fail(f"{tier} {policy} batch {batch}", exc)
+                    fail(f"{tier} {policy}{'' if saves else ' saves off'} batch {batch}", exc)
                     continue
                 baseline = baseline or (row if tier == "none" else None)
                 if baseline is not None:
@@ -439,7 +450,7 @@ def cold_l3_summary(rows: list[dict]) -> list[dict]:
     summary = []
     for batch in sorted({r["batch"] for r in rows}):
         speedups = [r["speedup"] for r in rows if r["tier"] == "l3-cold" and r.get("policy") == "cost"
-                    and r["engines"] == 1 and r["batch"] == batch]
+                    and r.get("saves") and r["engines"] == 1 and r["batch"] == batch]
         if speedups:
             measured = [s for s in speedups if s is not None]
             summary.append({"target": f"batch {batch}: cold L3, policy cost, req/s >= {COLD_L3_TARGET} x "
@@ -476,6 +487,8 @@ def main() -> None:
                                                      "default stress, none with --quick")
     parser.add_argument("--machine", default=None)
     parser.add_argument("--pin", action="store_true", help="the low-latency wiring (module docstring)")
+    parser.add_argument("--saves-off", action="store_true", help="also l3-cold under cost with the connector's "
+                        "saves off (module docstring)")
     args = parser.parse_args()
     args.wiring = Wiring(args.pin)
     requested = args.tiers.split(",")

@@ -73,20 +73,29 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
     no token mismatch (each request against the reference of the path it took), the daemons'
     integrity ok; under always every request loads its whole prefix (l2: its KV bit for bit;
     l3-cold: every one promoted from L3, none found in L2); the summary's cold-L3 target per batch
-    is the least of its rounds' speed-ups, each over its own round's tier none. Two engine
+    is the least of its rounds' speed-ups, each over its own round's tier none (not counting the
+    l3-cold rows with the connector's saves off, which save and commit nothing). Two engine
     processes sharing 4 prefixes: with kvcached, one loads prefixes the other prefilled
     (cross-engine hits), with the same tokens as without."""
     result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2",
-                       "--repeats", "2")
+                       "--repeats", "2", "--saves-off")
     engines = {row["tier"]: row for row in result["rows"] if row["engines"] == 2}
     assert engines["none"]["cross_engine_hit_tokens"] == 0 and engines["l2"]["cross_engine_hit_tokens"] > 0, engines
     assert engines["l2"]["mismatches"] == 0 and engines["l2"]["integrity"] == "ok", engines
     assert engines["l2"]["requests"] == engines["none"]["requests"] == 2 * 4 * 2, engines
+    saves_off = [row for row in result["rows"] if row["engines"] == 1 and row["saves"] is False]
+    assert sorted((row["tier"], row["policy"], row["batch"], row["repeat"]) for row in saves_off) == sorted(
+        ("l3-cold", "cost", b, r) for b in (1, 2) for r in (0, 1)), result
+    for row in saves_off:       # no reservation, so nothing saved or committed: every page skipped as such
+        assert row["mismatches"] == 0 and row["integrity"] == "ok", row
+        assert "committed_pages" not in row["connector"], row
+        assert row["connector"]["save_skipped_pages"] == row["connector"]["save_skipped_pages_saving_off"] > 0, row
     rows = {(row["tier"], row["policy"], row["batch"], row["repeat"]): row
-            for row in result["rows"] if row["engines"] == 1}
+            for row in result["rows"] if row["engines"] == 1 and row["saves"] is not False}
     assert sorted(rows) == sorted([("none", None, b, r) for b in (1, 2) for r in (0, 1)] + [
         (tier, policy, b, r) for tier in ("l2", "l3-cold") for policy in ("always", "cost") for b in (1, 2)
         for r in (0, 1)]), result
+    assert all(rows["l3-cold", "cost", b, r]["connector"]["committed_pages"] > 0 for b in (1, 2) for r in (0, 1))
     assert not result["errors"], result
     # The target per batch, over both rounds: each round's speed-up over that round's own tier none.
     assert [entry["target"].split(":")[0] for entry in result["summary"]] == ["batch 1", "batch 2"], result
