@@ -538,6 +538,7 @@ def main() -> None:
                              "repeats": args.repeats},
                 "engines_workload": dataclasses.asdict(spec) if args.engines else None,
                 "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors,
+                "checks_failed": checks_failed(rows),
                 "summary": cold_l3_summary(rows), "rows": rows},
                 machine=args.machine)]
 
@@ -562,14 +563,20 @@ def main() -> None:
     summary = cold_l3_summary(rows)
     if summary:
         print_table(summary, ["target", "value", "median", "speedups", "met"])
-    failures = [f"{r['tier']} engines {r['engines']} batch {r['batch']}: {what}" for r in rows for what, bad in (
-        ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
-        ("incomplete loads", r.get("loads_complete") is False and not cold_batched(r)),
-        ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0 and not cold_batched(r)),
-        ("mismatches", r["engines"] > 1 and r["mismatches"] != 0),
-        ("mismatches beyond the noise floor", bool(r.get("mismatches_beyond_noise")))) if bad] + errors
+    failures = checks_failed(rows) + errors
     if failures:
         raise SystemExit(f"checks failed: {failures}")
+
+
+def checks_failed(rows: list[dict]) -> list[str]:
+    """Each row's failed checks, named by its case and round."""
+    return [f"{r['tier']} {r.get('policy')} engines {r['engines']} batch {r['batch']} round {r.get('repeat')}: {what}"
+            for r in rows for what, bad in (
+                ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
+                ("incomplete loads", r.get("loads_complete") is False and not cold_batched(r)),
+                ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0 and not cold_batched(r)),
+                ("mismatches", r["engines"] > 1 and r["mismatches"] != 0),
+                ("mismatches beyond the noise floor", bool(r.get("mismatches_beyond_noise")))) if bad]
 
 
 if __name__ == "__main__":

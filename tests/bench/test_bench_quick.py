@@ -96,7 +96,7 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
         (tier, policy, b, r) for tier in ("l2", "l3-cold") for policy in ("always", "cost") for b in (1, 2)
         for r in (0, 1)]), result
     assert all(rows["l3-cold", "cost", b, r]["connector"]["committed_pages"] > 0 for b in (1, 2) for r in (0, 1))
-    assert not result["errors"], result
+    assert not result["errors"] and result["checks_failed"] == [], result
     # The target per batch, over both rounds: each round's speed-up over that round's own tier none.
     assert [entry["target"].split(":")[0] for entry in result["summary"]] == ["batch 1", "batch 2"], result
     for entry, batch in zip(result["summary"], (1, 2)):
