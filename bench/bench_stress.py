@@ -407,7 +407,7 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir, extra_args=args.wiring.daemon_args())
         reference = Reference(model, workload, daemon, args)
         cases = [(tier, policy, True) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
-        if args.saves_off:
+        if args.saves_off and "l3-cold" in tiers:
             cases.append(("l3-cold", "cost", False))
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
         # of its own repetition, measured just before it (the runs of one case vary by a few %).
