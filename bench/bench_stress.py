@@ -4,7 +4,12 @@
 output token; each case (tier, policy, batch size) has its own 80 suffixes, so no case restores
 what an earlier one saved beyond a prefix. A batch of b keeps
 b requests in the engine (closed loop: one finishes, the next enters). The engine's block pool
-holds b requests, so its own GPU cache never still holds a prefix when it comes round again.
+holds b requests, so at batch 1 its own GPU cache never still holds a prefix when it comes round
+again. At batch > 1 requests may finish out of order (one whose load took longer finishes after
+requests admitted after it): its blocks, released late, are the last the next admissions evict,
+and the request of the same prefix 8 later may find the prefix's first blocks still there. It
+takes them from its own cache and loads the rest (``engine_cache_hit_tokens``): a whole prefix
+without a recompute, counted as restored.
 Tiers:
 
   none     no connector: every request prefills its prefix
@@ -335,7 +340,9 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         tokens = [r.output_token_ids[0] for r in done]
         ttft_ms = [r.ttft_s * 1e3 for r in done]
         # Each request is checked against the reference of the path it took: restored (own cache) or not.
-        restored = [r.num_loaded_tokens == workload.restorable_tokens for r in done]
+        # A whole prefix without a recompute: loaded, or (batch > 1, module docstring) the first of it
+        # from the engine's own cache, which holds what an earlier request loaded of it, and the rest loaded.
+        restored = [r.num_cached_tokens + r.num_loaded_tokens == workload.restorable_tokens for r in done]
         references = [expected["own_cache"][i] if was_restored else expected["recompute"][i]
                       for i, was_restored in enumerate(restored)]
         row = {"model": args.model, "tier": tier, "policy": policy if daemon is not None else None,
@@ -574,7 +581,7 @@ def checks_failed(rows: list[dict]) -> list[str]:
             for r in rows for what, bad in (
                 ("kv_mismatches", bool(r["kv_mismatches"])), ("integrity", r.get("integrity", "ok") != "ok"),
                 ("incomplete loads", r.get("loads_complete") is False and not cold_batched(r)),
-                ("engine cache hits", r["engines"] == 1 and r["engine_cache_hit_tokens"] != 0 and not cold_batched(r)),
+                ("engine cache hits", r["engines"] == 1 and r["batch"] == 1 and r["engine_cache_hit_tokens"] != 0),
                 ("mismatches", r["engines"] > 1 and r["mismatches"] != 0),
                 ("mismatches beyond the noise floor", bool(r.get("mismatches_beyond_noise")))) if bad]
 
