@@ -311,7 +311,8 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
 
 
 def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, batch: int,
-               daemon: KVDaemon | None, expected: dict[str, list[int]], args, reference: Reference | None = None) -> dict:
+               daemon: KVDaemon | None, expected: dict[str, list[int]], args,
+               reference: Reference | None = None) -> dict:
     # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
     # one admitted, whose prefix (batch < the 8 prefixes of the rotation further on) is another.
     engine = make_engine(model, batch * workload.blocks_per_request, batch)
