@@ -98,21 +98,29 @@ class PageAllocator:
 
     def free(self, page_ids: Iterable[int]) -> None:
         """Return pages; ValueError (and nothing changed) on out-of-range, repeated or already-free ids."""
-        ids = [operator.index(page_id) for page_id in page_ids]
-        for page_id in ids:
-            if not 0 <= page_id < self._num_pages:
-                raise ValueError(f"page id {page_id} out of range [0, {self._num_pages})")
-        if len(set(ids)) != len(ids):
-            raise ValueError("page ids repeated in one free() call")
-        for page_id in ids:
-            if self._is_free(page_id):
-                raise ValueError(f"page id {page_id} is already free")
-        ids.sort()
+        ids = sorted(map(operator.index, page_ids))
+        num_ids = len(ids)
+        if not num_ids:
+            return
+        if ids[0] < 0 or ids[-1] >= self._num_pages:
+            bad = ids[0] if ids[0] < 0 else ids[-1]
+            raise ValueError(f"page id {bad} out of range [0, {self._num_pages})")
+        # Runs of consecutive ids, each checked against the free runs with one search (evicted
+        # pages come in a few runs: no per-page search).
+        runs: list[tuple[int, int]] = []
         run_start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[i - 1] + 1:
-                self._free_run(ids[run_start], i - run_start)
+        for i in range(1, num_ids + 1):
+            if i < num_ids and ids[i] == ids[i - 1]:
+                raise ValueError("page ids repeated in one free() call")
+            if i == num_ids or ids[i] != ids[i - 1] + 1:
+                start, end = ids[run_start], ids[i - 1] + 1
+                free_page = self._first_free_in(start, end)
+                if free_page is not None:
+                    raise ValueError(f"page id {free_page} is already free")
+                runs.append((start, end - start))
                 run_start = i
+        for start, length in runs:
+            self._free_run(start, length)
 
     def take(self, page_ids: Iterable[int]) -> None:
         """Allocate exactly these ids (a rebuild that knows which pages hold data); ValueError,
@@ -197,6 +205,22 @@ class PageAllocator:
             raise IntegrityError("length index disagrees with the runs")
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _first_free_in(self, start: int, end: int) -> int | None:
+        """The lowest free page id in [start, end), or None."""
+        index = bisect.bisect_right(self._run_starts, end - 1) - 1
+        if index < 0:
+            return None
+        # The last free run starting before end: if it does not reach start, no earlier one does.
+        run_start = self._run_starts[index]
+        if run_start + self._start_to_length[run_start] <= start:
+            return None
+        while index > 0:        # an earlier run may reach into [start, end) too: the lowest wins
+            previous = self._run_starts[index - 1]
+            if previous + self._start_to_length[previous] <= start:
+                break
+            index -= 1
+        return max(start, self._run_starts[index])
 
     def _is_free(self, page_id: int) -> bool:
         index = bisect.bisect_right(self._run_starts, page_id) - 1

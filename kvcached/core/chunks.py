@@ -49,6 +49,8 @@ class ChunkMap:
         return [chunk for chunk, holder in enumerate(self.owner) if holder == owner]
 
     def free_chunks(self) -> list[int]:
+        if None not in self.owner:      # the usual case once the pool is handed out: a C-level scan
+            return []
         return [chunk for chunk, holder in enumerate(self.owner) if holder is None]
 
     def chunks_of_page(self, page: int, bytes_per_page: int) -> range:

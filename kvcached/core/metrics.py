@@ -53,7 +53,10 @@ class Metrics:
         """Count under ``name``; with ``model``, under that model too (the total stays the sum)."""
         self.counters[name] += value
         if model is not None:
-            self.model_counters.setdefault(model, collections.Counter())[name] += value
+            counters = self.model_counters.get(model)
+            if counters is None:
+                counters = self.model_counters[model] = collections.Counter()
+            counters[name] += value
 
     def observe(self, name: str, seconds: float) -> None:
         histogram = self.histograms.get(name)

@@ -89,7 +89,8 @@ def test_free_merges_neighbours_back_into_one_run(rng):
     assert allocator.allocate(500) == list(range(500))
 
 
-@pytest.mark.parametrize("bad_ids", [[7, 500], [-1], [8, 8], [7, 30]])
+@pytest.mark.parametrize("bad_ids", [[7, 500], [-1], [8, 8], [7, 30], [28, 29, 30, 31], [38, 39, 40, 41],
+                                     [32, 33], list(range(25, 45)), [1, 2, 35], [41, 40, 39]])
 def test_bad_free_is_rejected_and_changes_nothing(bad_ids):
     """free() raises ValueError on out-of-range, repeated or already-free ids and frees nothing."""
     allocator = _with_free_runs(500, [(30, 10)])
@@ -99,6 +100,17 @@ def test_bad_free_is_rejected_and_changes_nothing(bad_ids):
     assert allocator.free_page_ids() == before
     assert allocator.num_free == 10
     allocator.check_integrity()
+
+
+def test_free_names_the_lowest_page_already_free():
+    """A run of ids that overlaps free runs is refused naming its lowest free page, whichever
+    free runs it spans."""
+    allocator = _with_free_runs(500, [(30, 10), (45, 5)])
+    for ids, first_free in [(range(20, 60), 30), (range(41, 60), 45), (range(35, 47), 35), (range(48, 52), 48)]:
+        with pytest.raises(ValueError, match=f"page id {first_free} is already free"):
+            allocator.free(list(ids))
+        assert allocator.num_free == 15
+        allocator.check_integrity()
 
 
 def test_double_free_is_rejected():
