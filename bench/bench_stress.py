@@ -54,8 +54,10 @@ and its ZeroMQ I/O thread on one CPU, busy-polling 20 ms after each request (``-
 ``--spin-us``); the engine's thread and its client's ZeroMQ I/O thread on another (``connect``'s
 ``cpu``), busy-polling up to 2 ms for a reply. A round trip then needs no sleeping thread woken:
 after an idle gap, a wake-up is most of a lookup's wait. Each row's ``admission_wait_p50_ms``
-(arrival to admission: the lookup's wait, where there is one) shows it, and
-``admission_to_token_p50_ms`` the rest of the TTFT (the prefill, and whatever slows it).
+(arrival to admission: the lookup's wait, where there is one) shows it, ``daemon_match_mean_ms``
+the daemon's part of it (its handling of the timed requests' matches, from its status: the rest
+of the wait is the engine's and the transport's), and ``admission_to_token_p50_ms`` the rest of
+the TTFT (the prefill, and whatever slows it).
 
 ``--saves-off`` adds, in each round, the l3-cold case under cost with the connector's saves off
 (``saves`` False: no L2 reservation, no save's copy, no commit, no write-through to L3): what the
@@ -91,7 +93,7 @@ PIN_DAEMON_SPIN_US = 20_000      # --pin: the daemon busy-polls this long after 
 PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
 COLUMNS = ["model", "tier", "policy", "saves", "engines", "batch", "repeat", "req_per_s", "speedup", "ttft_p50_ms",
-           "admission_wait_p50_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests",
+           "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 
 
@@ -335,8 +337,10 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         if tier == "l3-cold":                    # what the warm-up brought into L2 and the page cache goes
             control.evict_l2()
             control.drop_l3_page_cache()
+        match_before = control.match_seconds() if control is not None else None
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
+        match_after = control.match_seconds() if control is not None else None
         settle(engine, control)
         tokens = [r.output_token_ids[0] for r in done]
         ttft_ms = [r.ttft_s * 1e3 for r in done]
@@ -355,6 +359,9 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                "admission_wait_p50_ms": round(percentile([(r.admitted_s - r.arrival_s) * 1e3 for r in done], 50), 3),
                "admission_to_token_p50_ms": round(percentile([(r.first_token_s - r.admitted_s) * 1e3 for r in done],
                                                              50), 3),
+               # The daemon's share of the admission wait: its handling of the timed requests' matches.
+               "daemon_match_mean_ms": None if control is None or match_after[1] == match_before[1] else
+               round((match_after[0] - match_before[0]) / (match_after[1] - match_before[1]) * 1e3, 3),
                "restored_requests": sum(restored),
                "mismatches": sum(a != b for a, b in zip(tokens, references, strict=True)),
                "reference": "a restored request: alone, the prefix from the engine's own cache (the KV the "

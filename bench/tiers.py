@@ -241,6 +241,12 @@ class TierControl:
     def integrity(self) -> str:
         return self.client.status(check_integrity=True)["integrity"]
 
+    def match_seconds(self) -> tuple[float, int]:
+        """The daemon's handling time of MATCH requests so far, as its status shows it: (total
+        seconds, count), every session's (status "histograms", request_seconds_match)."""
+        histogram = self.client.status()["histograms"].get("request_seconds_match", {"sum": 0.0, "count": 0})
+        return histogram["sum"], histogram["count"]
+
     def cost_model(self) -> dict:
         """The daemon's cost model as its status shows it (per engine and direction, decisions)."""
         return self.client.status()["cost_model"]

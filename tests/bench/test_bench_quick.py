@@ -71,8 +71,9 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
     """8 requests at batch 1 and 2, two rounds of every case: tier none, and l2 and l3-cold under
     policies always and cost, a row each with its req/s and TTFT percentiles, no engine cache hit,
     no token mismatch (each request against the reference of the path it took), the daemons'
-    integrity ok; under always every request loads its whole prefix (l2: its KV bit for bit;
-    l3-cold: every one promoted from L3, none found in L2); the summary's cold-L3 target per batch
+    integrity ok, a daemon handling time per match where there is a daemon; under always every
+    request loads its whole prefix (l2: its KV bit for bit; l3-cold: every one promoted from L3,
+    none found in L2); the summary's cold-L3 target per batch
     is the least of its rounds' speed-ups, each over its own round's tier none (not counting the
     l3-cold rows with the connector's saves off, which save and commit nothing). Two engine
     processes sharing 4 prefixes: with kvcached, one loads prefixes the other prefilled
@@ -109,6 +110,9 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
         assert row["mismatches"] == 0 and row["engine_cache_hit_tokens"] == 0, row
         if tier != "none":
             assert row["integrity"] == "ok", row
+        # The daemon's handling of the timed matches: a time per match, only where there is a daemon.
+        assert (row["daemon_match_mean_ms"] is None) == (tier == "none"), row
+        assert tier == "none" or 0 < row["daemon_match_mean_ms"] < row["ttft_p99_ms"], row
         if policy == "always":
             assert row["loads_complete"] and row["loaded_tokens"] == 8 * 48, row
         if (tier, policy) == ("l2", "always"):
