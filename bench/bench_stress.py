@@ -191,7 +191,7 @@ class Reference:
     engine has saved the prefixes to L2 (the KV its prefill wrote for each: ``saved_kv``), the
     prefix from that engine's own cache, the very KV that L2 holds (``own_cache``)."""
 
-    def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args):
+    def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args, num_cases: int = 0):
         # Both references keep their first token's logits (for mismatch_margins), as they ran.
         self.recompute_engine = make_engine(model, workload.blocks_per_request, 1, keep_logits=True)
         self.logits: dict[str, list[torch.Tensor]] = {"recompute": [], "own_cache": []}    # of the last prompts
@@ -199,11 +199,9 @@ class Reference:
         self.cache_engine = self.saved_kv = None
         if daemon is None:
             return
-        # Room for every prefix and the suffix blocks of every prompt of every case it is the
-        # reference of (each tier with a connector, policy and batch: prompts of its own), so that
-        # nothing of a prefix is evicted.
-        num_cases = (len([t for t in args.tiers.split(",") if t != "none"]) * len(args.policies.split(","))
-                     + args.saves_off) * len(args.batches.split(",")) * args.repeats
+        # Room for every prefix and the suffix blocks of every prompt of the num_cases runs it is
+        # the reference of (each with a connector: prompts of its own), so that nothing of a
+        # prefix is evicted.
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
                                         + 4 * workload.num_requests * num_cases + 64, 1, keep_logits=True)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
@@ -420,10 +418,11 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             pages = 2 * len(workload.prefixes) * workload.blocks_per_request + 2 * (args.requests + 32) + 64
             l2_bytes = max(pages * bytes_per_page, 8 << 20)
             daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir, extra_args=args.wiring.daemon_args())
-        reference = Reference(model, workload, daemon, args)
         cases = [(tier, policy, True) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
         if args.saves_off and "l3-cold" in tiers:
             cases.append(("l3-cold", "cost", False))
+        reference = Reference(model, workload, daemon, args,
+                              num_cases=sum(tier != "none" for tier, _, _ in cases) * len(batches) * args.repeats)
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
         # of its own repetition, measured just before it (the runs of one case vary by a few %).
         for batch, repeat in itertools.product(batches, range(args.repeats)):
