@@ -901,6 +901,9 @@ class DaemonState:
                              f"no free {destination.label} page for a {'write-through' if destination is Tier.L3 else 'promotion'}")
             return None
         count = len(private_page_ids)
+        if count < end_page - start_page:       # cut short for want of room (callers cut to the allowance)
+            self.metrics.add(f"{'h2s' if destination is Tier.L3 else 's2h'}_pages_cut_no_space",
+                             end_page - start_page - count)
         page_size = namespace.geometry.page_size
         move = TierMove(
             op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=source,

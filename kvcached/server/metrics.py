@@ -71,6 +71,9 @@ DAEMON_COUNTERS = (
           reason="promotion_failed"),
     _rule("(h2s|s2h)_pages_published", "kvcached_io_published_pages", "Pages an L3 write (h2s) or promotion "
           "(s2h) added to its tier", ("direction",)),
+    _rule("(h2s|s2h)_pages_cut_no_space", "kvcached_io_pages_cut", "Pages an L3 write (h2s) or promotion (s2h) "
+          "left out for want of room in the tier it copies to (the pages before them were copied)",
+          ("direction",)),
     _rule("(h2s|s2h)_bytes", "kvcached_io_bytes", "Bytes moved between L2 and the L3 file", ("direction",)),
     _rule("(h2s|s2h)_extents", "kvcached_io_extents", "File extents (coalesced I/Os) of L3 moves",
           ("direction",)),

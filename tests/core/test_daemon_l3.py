@@ -167,12 +167,37 @@ def test_a_promotion_reserves_no_more_than_the_sessions_allowance(state, rng):
     state.finish_move(promotion, ok=True)
     state.check_integrity()
     assert l2_l3_hits(state, session.session_id, prefix) == (3, 8)
+    assert state.metrics.counters["s2h_pages_cut_no_space"] == 0      # cut to the cap, not for room
     more = reserve(3)                                  # the cap is reached now
     outcome = state.match(session.session_id, prefix, promote_l3=True)
     assert not isinstance(outcome, TierMove) and outcome.hit_tokens["l2"] == 3 * PAGE
     state.release(session.session_id, outcome.lease_id)
     for reservation in (ahead, more):
         state.release(session.session_id, reservation.lease_id)
+    state.check_integrity()
+
+
+def test_a_promotion_cut_for_want_of_l2_room_is_counted(state, rng):
+    """With most of L2 reserved by other sessions, a promotion takes the pages left, publishes
+    those, and counts the pages it could not take (s2h_pages_cut_no_space): the engine loads what
+    was promoted and recomputes the rest."""
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = only_in_l3(state, session.session_id, rng, num_pages=8)
+    held = []
+    for num_pages in (namespace.num_pages // 2, namespace.num_pages // 2 - 5):     # 11 of 16 pages
+        other, _ = state.attach(GEOMETRY, pid=1)
+        pages = rng.integers(0, 50_000, size=num_pages * PAGE, dtype=np.int32).tobytes()
+        reply = state.match(other.session_id, pages, reserve_backup=True, promote_l3=False)
+        assert len(reply.backup_page_ids) == num_pages
+        held.append((other.session_id, reply.lease_id))
+    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    assert isinstance(promotion, TierMove) and len(promotion.private_page_ids) == 5
+    assert state.metrics.counters["s2h_pages_cut_no_space"] == 3
+    state.finish_move(promotion, ok=True)
+    state.check_integrity()
+    assert l2_l3_hits(state, session.session_id, prefix) == (5, 8)
+    for other_id, lease_id in held:
+        state.release(other_id, lease_id)
     state.check_integrity()
 
 
