@@ -92,6 +92,11 @@ POLICIES = ("always", "cost")
 PIN_DAEMON_SPIN_US = 20_000      # --pin: the daemon busy-polls this long after each request
 PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
+# The daemon's counters a row reports (their change over the timed run): its MATCH handling, its
+# promotions and their reads (published, cut for want of room, failed, checksum mismatches), and
+# the room its L2 had (reservations cut or failed, evictions).
+DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
+                 "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "engines", "batch", "repeat", "req_per_s", "speedup", "ttft_p50_ms",
            "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
@@ -335,11 +340,15 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         if tier == "l3-cold":                    # what the warm-up brought into L2 and the page cache goes
             control.evict_l2()
             control.drop_l3_page_cache()
-        match_before = control.match_seconds() if control is not None else None
+        counts_before = control.counts() if control is not None else None
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
-        match_after = control.match_seconds() if control is not None else None
         settle(engine, control)
+        # What the timed run cost the daemon: its MATCH handling (the wait it is part of), and its
+        # counts of what a load or a save depends on (promotions, their reads, room in L2).
+        daemon_counts = None if control is None else \
+            {name: value - counts_before.get(name, 0) for name, value in control.counts().items()
+             if name.startswith(DAEMON_COUNTS) and value != counts_before.get(name, 0)}
         tokens = [r.output_token_ids[0] for r in done]
         ttft_ms = [r.ttft_s * 1e3 for r in done]
         # Each request is checked against the reference of the path it took: restored (own cache) or not.
@@ -358,8 +367,9 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                "admission_to_token_p50_ms": round(percentile([(r.first_token_s - r.admitted_s) * 1e3 for r in done],
                                                              50), 3),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
-               "daemon_match_mean_ms": None if control is None or match_after[1] == match_before[1] else
-               round((match_after[0] - match_before[0]) / (match_after[1] - match_before[1]) * 1e3, 3),
+               "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
+               round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
+               "daemon_counts": daemon_counts,
                "restored_requests": sum(restored),
                "mismatches": sum(a != b for a, b in zip(tokens, references, strict=True)),
                "reference": "a restored request: alone, the prefix from the engine's own cache (the KV the "

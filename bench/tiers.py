@@ -241,11 +241,13 @@ class TierControl:
     def integrity(self) -> str:
         return self.client.status(check_integrity=True)["integrity"]
 
-    def match_seconds(self) -> tuple[float, int]:
-        """The daemon's handling time of MATCH requests so far, as its status shows it: (total
-        seconds, count), every session's (status "histograms", request_seconds_match)."""
-        histogram = self.client.status()["histograms"].get("request_seconds_match", {"sum": 0.0, "count": 0})
-        return histogram["sum"], histogram["count"]
+    def counts(self) -> dict[str, float]:
+        """The daemon's counters so far (status "metrics"), with its handling of MATCH requests as
+        ``match_seconds`` and ``match_count`` (status "histograms", request_seconds_match): every
+        session's. Two of them around a run give what the run cost the daemon."""
+        status = self.client.status()
+        histogram = status["histograms"].get("request_seconds_match", {"sum": 0.0, "count": 0})
+        return {**status["metrics"], "match_seconds": histogram["sum"], "match_count": histogram["count"]}
 
     def cost_model(self) -> dict:
         """The daemon's cost model as its status shows it (per engine and direction, decisions)."""
