@@ -893,17 +893,16 @@ class DaemonState:
                  if node is not None]
         for node, tier in locks:
             namespace.tree.lock(node, tier)
+        direction, what = ("h2s", "write-through") if destination is Tier.L3 else ("s2h", "promotion")
         private_page_ids = self._reserve(namespace, destination, end_page - start_page)
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
-            self._count_skip(f"{'h2s' if destination is Tier.L3 else 's2h'}_no_space",
-                             f"no free {destination.label} page for a {'write-through' if destination is Tier.L3 else 'promotion'}")
+            self._count_skip(f"{direction}_no_space", f"no free {destination.label} page for a {what}")
             return None
         count = len(private_page_ids)
         if count < end_page - start_page:       # cut short for want of room (callers cut to the allowance)
-            self.metrics.add(f"{'h2s' if destination is Tier.L3 else 's2h'}_pages_cut_no_space",
-                             end_page - start_page - count)
+            self.metrics.add(f"{direction}_pages_cut_no_space", end_page - start_page - count)
         page_size = namespace.geometry.page_size
         move = TierMove(
             op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=source,
