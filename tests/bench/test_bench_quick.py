@@ -73,9 +73,9 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
     no token mismatch (each request against the reference of the path it took), the daemons'
     integrity ok, a daemon handling time per match where there is a daemon; under always every
     request loads its whole prefix (l2: its KV bit for bit; l3-cold: every one promoted from L3,
-    none found in L2); the summary's cold-L3 target per batch
-    is the least of its rounds' speed-ups, each over its own round's tier none (not counting the
-    l3-cold rows with the connector's saves off, which save and commit nothing). Two engine
+    none found in L2); the summary's cold-L3 target per batch is the least of its rounds'
+    speed-ups, each over its own round's tier none (not counting the l3-cold rows with the
+    connector's saves off, which save and commit nothing). Two engine
     processes sharing 4 prefixes: with kvcached, one loads prefixes the other prefilled
     (cross-engine hits), with the same tokens as without."""
     result = run_quick("bench.bench_stress", tmp_path, "--requests", "8", "--batches", "1,2", "--engines", "2",
