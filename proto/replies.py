@@ -32,6 +32,9 @@ class AttachInfo(NamedTuple):
     protocol_version: int
     pid_watched: bool = False          # the daemon sees this process exit: the session lives session_grace_s unseen
     session_grace_s: float = 0.0
+    # The admission hints file (proto.hints) and the namespace's slot in it ("": none published).
+    hints_path: str = ""
+    hints_offset_bytes: int = 0
 
 
 class DetachReply(NamedTuple):

@@ -131,6 +131,9 @@ class Match:
     # With lock=True: the match stands for the request's lookup (the connector's ``begin``): an L3
     # hit its decision declines may be promoted in the background, as after a lookup.
     begun: bool = False
+    # With lock=True: the engine admitted the request on a predicted decline (proto.hints) and
+    # recomputes what lies beyond its own hit whatever the reply says; nothing is promoted.
+    recompute: bool = False
 
     @classmethod
     def parse(cls, body: dict) -> "Match":
@@ -144,11 +147,14 @@ class Match:
             local_hit_tokens=_int(body, "local_hit_tokens", 0, MAX_TOKENS_PER_REQUEST, default=0),
             policy=_str(body, "policy", 16, ""),
             begun=_bool(body, "begun", False),
+            recompute=_bool(body, "recompute", False),
         )
         if request.policy and request.policy not in RESTORE_POLICIES:
             raise _bad(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {preview(request.policy)}")
         if not request.lock and request.reserve_backup:
             raise _bad("a lookup (lock=false) reserves nothing: reserve_backup must be false")
+        if request.recompute and not request.lock:
+            raise _bad("recompute is for matches (lock=true): a lookup restores nothing")
         if request.tp_group and request.lock:
             raise _bad("tp_group is for lookups (lock=false); each rank locks its own shard")
         return request

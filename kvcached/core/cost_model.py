@@ -230,6 +230,19 @@ class CostModel:
             engine.policy_skips[where][decision.longest] += 1
         return decision
 
+    def l3_min_tokens(self, engine_id: int, bytes_per_token: int) -> int | None:
+        """A bound below which no L3 restore can win for this engine: for fewer tokens beyond its
+        own hit than this, ``decide`` (policy cost) declines every L3 hit of a prefix L2 holds
+        none of (the read then covers at least those tokens). None: it wins at no length."""
+        engine = self.engine(engine_id)
+        reader, mover = self.storage["s2h"], engine.h2d
+        margin = self.priors.margin
+        # benefit(n) <= n * per_token - margin * (fixed + n * slope): below 0 at n = 0, linear in n
+        gain_per_token = engine.prefill.slope_s - margin * (reader.slope_s + mover.slope_s) * bytes_per_token
+        if gain_per_token <= 0:
+            return None
+        return int(margin * (reader.fixed_s + mover.fixed_s) / gain_per_token)     # one short of the least winner
+
     def later_restore_wins(self, engine_id: int, bytes_per_token: int, num_tokens: int) -> bool:
         """Whether a later request holding none of these tokens would restore them from L2 rather
         than recompute them (what a background promotion to L2 is for)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -29,6 +30,7 @@ import numpy as np
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
+from kvcached.core.hints import AdmissionHints
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
@@ -38,6 +40,8 @@ from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree
 from proto.errors import ErrorCode, ProtocolError
+from proto import hints
+from proto.hints import NEVER
 from proto.messages import KVGeometry
 from proto.replies import CommitReply, MatchReply
 from proto.schema import PeerPublish, PeerRegister
@@ -88,6 +92,7 @@ class Namespace:
     # Pages it may use now per tier: those of the chunks it owns (chunks.py).
     capacity: dict[Tier, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(Tier, 0))
     pressure: dict[Tier, Pressure] = dataclasses.field(default_factory=lambda: {t: Pressure() for t in Tier})
+    hints_slot: int = -1                           # its slot of the admission hints
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
@@ -114,7 +119,7 @@ class DaemonState:
                  session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
                  l3_index_sink: Callable[[IndexChange], None] | None = None,
                  peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None,
-                 session_share: float = MAX_SESSION_RESERVED_SHARE):
+                 session_share: float = MAX_SESSION_RESERVED_SHARE, hints: AdmissionHints | None = None):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -125,7 +130,9 @@ class DaemonState:
         temporary. ``peer_end_sink``: called with each peer registration that ends (its session
         ended), so that the I/O layer closes its epoch file. ``cost_model``: decides which restores are
         taken (default: policy cost, the default priors). ``session_share``: the most of L2 one
-        session reserves at a time (MAX_SESSION_RESERVED_SHARE)."""
+        session reserves at a time (MAX_SESSION_RESERVED_SHARE). ``hints``: where the admission
+        hints are published (``proto.hints``; the I/O layer maps them from a file engines read),
+        one slot per namespace."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         if not 0 < session_share <= 1:
@@ -160,6 +167,10 @@ class DaemonState:
         self._peer_end_sink = peer_end_sink
         self.cost = cost_model if cost_model is not None else CostModel()
         self._background_move_ids: dict[int, int] = {}      # namespace id -> its background promotion
+        self.hints = hints if hints is not None else AdmissionHints(max_namespaces)
+        if self.hints.num_slots < max_namespaces:
+            raise ValueError(f"the admission hints have {self.hints.num_slots} slots for {max_namespaces} namespaces")
+        self.hints.set_policy(self.cost.policy)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -230,14 +241,19 @@ class DaemonState:
         num_slots = (min(l3_chunks.space_bytes // bytes_per_page, MAX_PAGES_PER_TIER)
                      if l3_chunks is not None and bytes_per_page <= l3_chunks.chunk_bytes else 0)
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
+        namespace_id = next(self._namespace_ids)
+        hints_slot = self.hints.assign(namespace_id)
         namespace = Namespace(
-            namespace_id=next(self._namespace_ids),
+            namespace_id=namespace_id,
             geometry=geometry,
             num_pages=num_pages,
-            tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock),
+            tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock,
+                            on_l2_root=functools.partial(self.hints.l2_root, hints_slot)),
             l2_allocator=PageAllocator(num_pages, all_free=False),
             l3_allocator=PageAllocator(num_slots, all_free=False) if num_slots else None,
+            hints_slot=hints_slot,
         )
+        self.publish_cost_hints(namespace)
         self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
         if num_slots:
@@ -260,6 +276,7 @@ class DaemonState:
         victim = min(idle, key=lambda ns: ns.idle_since)
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
+        self.hints.release(victim.hints_slot)
         self.cost.forget_engine(victim.namespace_id)
         for tier, chunks in self.chunks.items():
             for chunk in chunks.owned_by(victim.namespace_id):
@@ -293,6 +310,18 @@ class DaemonState:
         for direction, size, seconds in cost_samples:
             if not self.cost.add_engine_sample(session.namespace_id, direction, size, seconds):
                 self.cost.counters["samples_ignored_total"] += 1
+        if cost_samples:
+            self.publish_cost_hints(self.namespaces[session.namespace_id])
+
+    def publish_cost_hints(self, namespace: Namespace | None = None) -> None:
+        """Publish the least L3 restore that could win (``proto.hints``) for a namespace whose
+        model changed (None: every namespace, after a storage sample)."""
+        for ns in self.namespaces.values() if namespace is None else (namespace,):
+            if ns.l3_allocator is None:
+                least = NEVER
+            else:
+                least = self.cost.l3_min_tokens(ns.namespace_id, ns.geometry.bytes_per_token)
+            self.hints.set_l3_min_tokens(ns.hints_slot, NEVER if least is None else least)
 
     def detach(self, session_id: int) -> int:
         """End a session and reclaim its leases; returns how many leases were reclaimed. The engine
@@ -392,7 +421,7 @@ class DaemonState:
 
     def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
               promote_l3: bool = False, promoted_tokens: int = 0, local_hit_tokens: int = 0,
-              policy: str = "", decision: Decision | None = None) -> MatchReply | TierMove:
+              policy: str = "", decision: Decision | None = None, recompute: bool = False) -> MatchReply | TierMove:
         """The hit per tier, a lease on the L2 hit and, with reserve_backup, private L2 pages for
         the pages the daemon lacks.
 
@@ -400,7 +429,11 @@ class DaemonState:
         own ``local_hit_tokens``) whether the pages only L3 holds are worth restoring; if so, returns
         instead the S2H move that must run first (planned from the same tree walk, the decision in
         ``move.decision``); the caller runs it, finishes it, then matches again without promote_l3,
-        with that decision. The reply carries the decision."""
+        with that decision. The reply carries the decision.
+
+        With recompute, the engine admitted the request on a predicted decline (``proto.hints``)
+        and recomputes what lies beyond its own hit whatever the reply says: nothing is promoted;
+        the decision the model would have taken is counted under "predicted" and replied."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
@@ -412,11 +445,13 @@ class DaemonState:
         result = namespace.tree.match(token_ids)
         allowed = self._reservable_pages(session, namespace)
         peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
-        if decision is None and (promote_l3 or peer_block_ids):
+        if decision is None and (promote_l3 or peer_block_ids or recompute):
             decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, local_hit_tokens,
-                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0) if promote_l3
-                                        else 0, policy, where="match", peer_tokens=len(peer_block_ids) * page_size)
-            if decision.choice == "l3" and allowed > 0:
+                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0)
+                                        if promote_l3 or recompute else 0, policy,
+                                        where="predicted" if recompute else "match",
+                                        peer_tokens=len(peer_block_ids) * page_size)
+            if decision.choice == "l3" and allowed > 0 and not recompute:
                 start_page = result.hit_tokens[Tier.L2] // page_size
                 move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
                                        min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
@@ -803,6 +838,7 @@ class DaemonState:
         export = self.peers.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
                                 session.process_start_time)
         self.metrics.add("peer_registrations")
+        self._publish_peers(session.namespace_id)
         logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
                     request.transport, request.device_id, request.num_blocks)
         return export
@@ -822,8 +858,15 @@ class DaemonState:
         if namespace is not None:
             self.metrics.add("peer_blocks_forgotten", namespace.tree.peer_drop(export.peer_id))
         self.metrics.add("peer_registrations_ended")
+        self._publish_peers(export.namespace_id)
         if notify and self._peer_end_sink is not None:
             self._peer_end_sink(export)
+
+    def _publish_peers(self, namespace_id: int) -> None:
+        namespace = self.namespaces.get(namespace_id)
+        if namespace is not None:
+            self.hints.set_peers(namespace.hints_slot, sum(export.namespace_id == namespace_id
+                                                           for export in self.peers.by_session.values()))
 
     def peer_publish(self, session_id: int, request: PeerPublish) -> None:
         """What entered and left the session's GPU cache: removals first, then each run."""
@@ -1138,6 +1181,17 @@ class DaemonState:
 
     def _check_namespace(self, namespace: Namespace) -> None:
         owned_by_tier = namespace.tree.check_integrity()
+        head = self.hints.head(namespace.hints_slot)
+        if head["tag"] != namespace.namespace_id + 1:
+            raise IntegrityError(f"namespace {namespace.namespace_id}: its hints slot {namespace.hints_slot} is "
+                                 f"tagged {head['tag']}")
+        expected_roots = np.zeros(self.hints.num_buckets, dtype=np.int64)
+        for key, child in namespace.tree.root.children.items():
+            if child.is_resident(Tier.L2):
+                expected_roots[hints.bucket(key, self.hints.num_buckets)] += 1
+        if not np.array_equal(expected_roots, self.hints.l2_roots(namespace.hints_slot)):
+            raise IntegrityError(f"namespace {namespace.namespace_id}: the published first pages in L2 differ from "
+                                 "the tree's")
         expected_refs: dict[Tier, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         nodes_by_id = {}
         private_by_tier: dict[Tier, list[int]] = collections.defaultdict(list)

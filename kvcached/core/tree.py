@@ -101,7 +101,10 @@ class PeerHit(NamedTuple):
 
 class PrefixTree:
     def __init__(self, page_size: int, tiers: Sequence[Tier] = (Tier.L2, Tier.L3),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_l2_root: Callable[[bytes, int], None] | None = None):
+        """``on_l2_root(first page, +1 or -1)``: called as a path's first page enters or leaves L2
+        (what ``kvcached.core.hints`` publishes: a request with no such first page has no L2 hit)."""
         page_size = operator.index(page_size)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -112,6 +115,7 @@ class PrefixTree:
         self.tiers = tiers
         self._clock = clock
         self._page_bytes = page_size * _TOKEN_BYTES
+        self._on_l2_root = on_l2_root
         self._root = TreeNode(None, b"", 0, tiers, clock())
         for tier in tiers:
             self._root.page_ids[tier] = []    # the root holds no pages but counts as resident
@@ -348,6 +352,8 @@ class PrefixTree:
             node.page_ids[tier] = None
             parent = node.parent
             parent.num_resident_children[tier] -= 1
+            if parent is self._root:
+                self._l2_root_changed(node, tier, -1)
             self._remove_if_empty(node)
             if parent is not self._root:
                 self._push_if_evictable(parent, tier)
@@ -432,6 +438,8 @@ class PrefixTree:
             self._owned_page_ids[tier].difference_update(current.page_ids[tier])
             current.page_ids[tier] = None
             current.parent.num_resident_children[tier] -= 1
+            if current.parent is self._root:
+                self._l2_root_changed(current, tier, -1)
             cleared.append(current)
             stack.extend(current.children.values())
         parent = target.parent
@@ -733,6 +741,12 @@ class PrefixTree:
         node.page_ids[tier] = page_ids
         self._owned_page_ids[tier].update(page_ids)
         node.parent.num_resident_children[tier] += 1
+        if node.parent is self._root:
+            self._l2_root_changed(node, tier, 1)
+
+    def _l2_root_changed(self, node: TreeNode, tier: Tier, delta: int) -> None:
+        if tier is Tier.L2 and self._on_l2_root is not None:
+            self._on_l2_root(node.key[:self._page_bytes], delta)
 
     def _remove_if_empty(self, node: TreeNode) -> None:
         """Drop node, then its emptied ancestors, while they hold nothing in any tier. A node

@@ -39,6 +39,7 @@ import zmq
 from kvcached.config import DaemonConfig
 from kvcached.core.cost_model import CostModel
 from kvcached.core.daemon import DaemonState
+from kvcached.core.hints import AdmissionHints
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
@@ -49,8 +50,8 @@ from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
 from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
-                                 epoch_file_prefix, segment_name)
-from proto import codec
+                                 epoch_file_prefix, hints_file_name, segment_name)
+from proto import codec, hints
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
 from proto.replies import AttachInfo, DetachReply, MatchReply, PeerListReply, PeerRegisterReply, to_wire
@@ -78,8 +79,9 @@ class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
                  executor: IoExecutor | None = None, index: L3IndexStore | None = None,
-                 epoch_files: EpochFiles | None = None):
+                 epoch_files: EpochFiles | None = None, hints_path: str = ""):
         self.config = config
+        self.hints_path = hints_path
         self.state = state
         self.socket = socket
         self.segment = segment
@@ -382,7 +384,8 @@ class Server:
                 metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
                 # What a request waiting for such a move would wait: queueing, the file I/O, the hand-back.
-                self.state.cost.add_storage_sample(direction, result.num_bytes, end_to_end_s)
+                if self.state.cost.add_storage_sample(direction, result.num_bytes, end_to_end_s) and direction == "s2h":
+                    self.state.publish_cost_hints()
                 metrics.observe(f"{direction}_service_seconds", result.seconds)
                 metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
@@ -488,6 +491,8 @@ class Server:
             protocol_version=PROTOCOL_VERSION,
             pid_watched=pidfd is not None,
             session_grace_s=self.config.session_grace_s,
+            hints_path=self.hints_path,
+            hints_offset_bytes=self.state.hints.offset(namespace.hints_slot) if self.hints_path else 0,
         ))
 
     def _detach(self, body: dict) -> dict[str, Any]:
@@ -508,10 +513,10 @@ class Server:
             return to_wire(reply)
         outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                    promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
-                                   policy=request.policy)
+                                   policy=request.policy, recompute=request.recompute)
         if isinstance(outcome, TierMove):
             return self._match_after_promotion(request, outcome)
-        if request.begun and request.promote_l3:    # it stands for a lookup: declines alike
+        if request.begun and (request.promote_l3 or request.recompute):    # it stands for a lookup: declines alike
             self._after_reply.append(functools.partial(self._promote_in_background, request, outcome))
         return to_wire(outcome)
 
@@ -689,6 +694,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(segment.close)
         epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
         resources.callback(epoch_files.close_all)
+        hints_file = SharedSegment.create(config.shm_dir, hints_file_name(config.socket_path),
+                                          hints.file_bytes(config.max_namespaces), what="admission hints file")
+        resources.callback(hints_file.close)
         if storage is not None:
             executor = IoExecutor(config.io_threads)
             resources.callback(executor.shutdown)      # closed before the index, the segment and the file
@@ -700,9 +708,11 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 l3_index_sink=index.submit if index else None,
                                 peer_end_sink=lambda export: epoch_files.close(export.peer_id),
                                 cost_model=CostModel(config.cost_priors, config.restore_policy),
-                                session_share=config.session_share)
+                                session_share=config.session_share,
+                                hints=AdmissionHints(config.max_namespaces, hints_file.mapping))
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        resources.callback(state.hints.close)          # its views go before the file's mapping
         if index is not None:
             state.restore_l3(saved_l3, storage.kept_content_bytes)
             index.start()
@@ -723,7 +733,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(directory.remove_socket)
         directory.socket_bound()
 
-        server = Server(config, state, socket, segment, storage, executor, index, epoch_files)
+        server = Server(config, state, socket, segment, storage, executor, index, epoch_files, hints_file.path)
         resources.callback(server.close_wake_sockets)
         if listener is not None:
             server.http_address = listener.address

@@ -40,6 +40,11 @@ def segment_name(socket_path: str) -> str:
     return f"kvcached-{os.getuid()}-{digest}.l2"
 
 
+def hints_file_name(socket_path: str) -> str:
+    """The admission hints file (``proto.hints``): ``<segment name>.hints``."""
+    return segment_name(socket_path) + ".hints"
+
+
 def epoch_file_prefix(socket_path: str) -> str:
     """The names of a daemon's peer epoch files start so: ``<segment name>.peer-``."""
     return segment_name(socket_path) + ".peer-"
@@ -211,9 +216,10 @@ class SharedSegment:
 
     @classmethod
     def create(cls, shm_dir: str, name: str, size_bytes: int,
-               progress: Callable[[int, int], None] | None = None) -> "SharedSegment":
+               progress: Callable[[int, int], None] | None = None, what: str = "L2 segment") -> "SharedSegment":
         """``progress(done_bytes, size_bytes)`` is called as the segment is allocated and populated,
-        after each POPULATE_STEP_BYTES."""
+        after each POPULATE_STEP_BYTES. ``what``: the file's name in messages (the admission hints
+        file is made the same way)."""
         path = os.path.join(shm_dir, name)
         try:
             info = os.lstat(path)
@@ -224,15 +230,15 @@ class SharedSegment:
             # Anything else (a symlink, another user's file) was not made by us and stays. In the
             # sticky shared-memory directory nobody else can replace our file before the unlink.
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise StartupError(f"{path} is {file_kind(info.st_mode)} of {user_label(info.st_uid)}, not an L2 "
-                                   "segment this daemon left behind; kvcached does not remove it: remove it "
-                                   "yourself, or choose another --socket (the segment is named after it)")
-            logger.warning("removing stale L2 segment %s left by a daemon that did not exit cleanly", path)
+                raise StartupError(f"{path} is {file_kind(info.st_mode)} of {user_label(info.st_uid)}, not an {what} "
+                                   "this daemon left behind; kvcached does not remove it: remove it "
+                                   "yourself, or choose another --socket (the file is named after it)")
+            logger.warning("removing stale %s %s left by a daemon that did not exit cleanly", what, path)
             os.unlink(path)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise StartupError(f"cannot create L2 segment {path}: {exc.strerror}") from None
+            raise StartupError(f"cannot create {what} {path}: {exc.strerror}") from None
         mapping = None
         started = time.perf_counter()
         try:
@@ -247,7 +253,7 @@ class SharedSegment:
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                         raise StartupError(
-                            f"{shm_dir} has no room for an L2 pool of {size_bytes} bytes; "
+                            f"{shm_dir} has no room for an {what} of {size_bytes} bytes; "
                             "choose a smaller --l2-size or enlarge the shared-memory filesystem") from None
                     raise
                 _touch_pages(mapping, offset, length)
@@ -259,7 +265,7 @@ class SharedSegment:
             _unlink_if_same(path, os.fstat(fd))
             os.close(fd)
             raise
-        logger.info("L2 segment %s: %d bytes populated in %.2f s", path, size_bytes, time.perf_counter() - started)
+        logger.info("%s %s: %d bytes populated in %.2f s", what, path, size_bytes, time.perf_counter() - started)
         return cls(path, size_bytes, fd, mapping)
 
     def close(self) -> None:

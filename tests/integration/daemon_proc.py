@@ -121,10 +121,11 @@ class DaemonProcess:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
         # A daemon killed on purpose leaves its segment behind; do not leak it into /dev/shm.
-        from kvcached.server.shm import epoch_file_prefix, segment_name
+        from kvcached.server.shm import epoch_file_prefix, hints_file_name, segment_name
 
         prefix = epoch_file_prefix(self.socket_path)
-        for name in [segment_name(self.socket_path)] + [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]:
+        for name in [segment_name(self.socket_path), hints_file_name(self.socket_path)] + \
+                [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]:
             try:
                 os.unlink(os.path.join("/dev/shm", name))
             except FileNotFoundError:

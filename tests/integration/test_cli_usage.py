@@ -19,7 +19,7 @@ import time
 import pytest
 
 import kvcached
-from kvcached.server.shm import segment_name
+from kvcached.server.shm import hints_file_name, segment_name
 from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
 CLI = [sys.executable, "-m", "kvcached.cli"]
@@ -37,8 +37,9 @@ def socket_dir():
     path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join("/dev/shm", segment_name(os.path.join(path, "kvcached.sock"))))
+    for name in (segment_name, hints_file_name):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name(os.path.join(path, "kvcached.sock"))))
 
 
 def test_version_prints_the_package_version():

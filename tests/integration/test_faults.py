@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine_client.client import DaemonUnavailable, connect
-from kvcached.server.shm import segment_name
+from kvcached.server.shm import hints_file_name, segment_name
 from proto.messages import KVGeometry
 from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
@@ -114,16 +114,18 @@ def test_connect_without_daemon_is_a_clear_error(tmp_path):
 
 
 def test_sigterm_removes_segment_socket_and_lock():
-    """SIGTERM (and SIGINT) shut the daemon down cleanly: exit 0, segment, socket and lock file gone."""
+    """SIGTERM (and SIGINT) shut the daemon down cleanly: exit 0, segment, admission hints file,
+    socket and lock file gone."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         daemon = DaemonProcess().start()
         segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        hints = os.path.join("/dev/shm", hints_file_name(daemon.socket_path))
         try:
-            assert os.path.exists(segment)
-            assert os.stat(segment).st_mode & 0o777 == 0o600
+            for path in (segment, hints):
+                assert os.path.exists(path) and os.stat(path).st_mode & 0o777 == 0o600, path
             assert os.stat(daemon.socket_dir).st_mode & 0o777 == 0o700
             assert daemon.stop(sig) == 0, daemon.log()
-            assert not os.path.exists(segment)
+            assert not os.path.exists(segment) and not os.path.exists(hints)
             assert not os.path.exists(daemon.socket_path)
             assert not os.path.exists(daemon.socket_path + ".lock")
         finally:
@@ -190,6 +192,7 @@ def test_startup_failure_after_the_server_exists_does_not_hang(tmp_path):
     assert outcome == ["readiness check failed"]
     assert not os.path.exists(config.socket_path)
     assert not os.path.exists(os.path.join("/dev/shm", segment_name(config.socket_path)))
+    assert not os.path.exists(os.path.join("/dev/shm", hints_file_name(config.socket_path)))
     os.rmdir(os.path.dirname(config.socket_path))      # empty: the daemon removed what it made
 
 

@@ -221,14 +221,18 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
             f"seed {seed}: restored KV differs"
         engine.finish(plan)
 
-        # Only the new segment is mapped or held open by the engine.
+        # Only the new segment and the new daemon's admission hints file (named after the segment)
+        # are mapped or held open by the engine.
+        current_inodes = {segment: new_inode, segment + ".hints": os.stat(segment + ".hints").st_ino}
         with open("/proc/self/maps") as maps:
             mapped = [line.split() for line in maps if segment in line]
-        assert mapped and all(int(fields[4]) == new_inode and fields[-1] == segment for fields in mapped), mapped
+        assert mapped and all(current_inodes.get(fields[-1]) == int(fields[4]) for fields in mapped), mapped
+        assert {fields[-1] for fields in mapped} == set(current_inodes), mapped
         held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                 if os.path.islink(f"/proc/self/fd/{fd}")]
-        assert not [path for path in held if path.startswith(segment) and path != segment], held
-        assert sorted(n for n in os.listdir("/dev/shm") if n == os.path.basename(segment)) == [os.path.basename(segment)]
+        assert not [path for path in held if path.startswith(segment) and path not in current_inodes], held
+        assert sorted(n for n in os.listdir("/dev/shm") if n.startswith(os.path.basename(segment))) == \
+            [os.path.basename(segment), os.path.basename(segment) + ".hints"]
 
         # The request prepared before the outage: finished in L1 only.
         untouched = engine.host_pool.pages[stale.backup_page_ids].clone()

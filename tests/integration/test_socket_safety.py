@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from engine_client.client import connect
-from kvcached.server.shm import segment_name
+from kvcached.server.shm import hints_file_name, segment_name
 from proto.messages import KVGeometry
 from proto.paths import MAX_SOCKET_PATH_BYTES, UntrustedSocket
 from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
@@ -170,21 +170,24 @@ def test_a_file_or_symlink_at_the_socket_path_is_refused_not_removed(scratch, rn
     victim.assert_untouched()
 
 
-def test_a_file_planted_at_the_segment_name_is_refused_and_untouched(scratch, rng):
+@pytest.mark.parametrize("name_of, what", [(segment_name, "L2 segment"), (hints_file_name, "admission hints file")])
+def test_a_file_planted_at_a_shared_memory_name_is_refused_and_untouched(scratch, rng, name_of, what):
     """/dev/shm is shared by every user: a symlink (or, as root, another user's file) at the L2 segment's
-    name makes the daemon refuse, and neither it nor its target is changed or removed."""
+    name, or at the admission hints file's, makes the daemon refuse, and neither it nor its target is
+    changed or removed; the daemon leaves neither name behind."""
     socket_path = os.path.join(scratch(), "kvcached.sock")
-    planted = os.path.join("/dev/shm", segment_name(socket_path))
+    planted = os.path.join("/dev/shm", name_of(socket_path))
+    other = os.path.join("/dev/shm", (hints_file_name if name_of is segment_name else segment_name)(socket_path))
     victim = make_victim(scratch(), "precious", rng)
     try:
         os.symlink(victim.path, planted)
         output = serve_refused(socket_path)
-        assert "is a symlink" in output and "not an L2 segment this daemon left behind" in output
-        assert os.readlink(planted) == victim.path
+        assert "is a symlink" in output and f"not an {what} this daemon left behind" in output
+        assert os.readlink(planted) == victim.path and not os.path.exists(other)
         victim.assert_untouched()
         if IS_ROOT:
             os.unlink(planted)
-            theirs = make_victim("/dev/shm", segment_name(socket_path), rng)
+            theirs = make_victim("/dev/shm", name_of(socket_path), rng)
             os.chown(planted, OTHER_UID, OTHER_UID)
             output = serve_refused(socket_path)
             assert f"of uid {OTHER_UID}" in output
