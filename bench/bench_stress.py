@@ -63,6 +63,11 @@ the TTFT (the prefill, and whatever slows it).
 (``saves`` False: no L2 reservation, no save's copy, no commit, no write-through to L3): what the
 lookup alone costs. Its req/s against the row with saves shows what the backups cost the engine
 (the issue: write-through must never sit on an engine's critical path). Not in the summary.
+
+``--predict-off`` adds, in each round, the l3-cold case under cost with the connector's
+``predict`` False: every begun lookup waits for the daemon's reply before the request is admitted,
+where by default the admission hints (``proto.hints``) let a predicted decline start its prefill
+at once. Its req/s against the default row is what the prediction gains. Not in the summary.
 """
 
 from __future__ import annotations
@@ -276,13 +281,14 @@ class Reference:
         return tokens
 
 
-def run_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, batch: int,
+def run_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, predict: bool, batch: int,
              daemon: KVDaemon | None, reference: Reference, expected: dict[str, list[int]], args) -> dict:
     if tier == "l3-cold":
         with cold_l3_daemon(model, workload, reference, batch, args) as cold:
-            return timed_case(model, workload, prompts, tier, policy, saves, batch, cold, expected, args, reference)
-    return timed_case(model, workload, prompts, tier, policy, saves, batch, daemon if tier == "l2" else None,
-                      expected, args, reference)
+            return timed_case(model, workload, prompts, tier, policy, saves, predict, batch, cold, expected, args,
+                              reference)
+    return timed_case(model, workload, prompts, tier, policy, saves, predict, batch,
+                      daemon if tier == "l2" else None, expected, args, reference)
 
 
 @contextlib.contextmanager
@@ -315,7 +321,7 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
         yield daemon
 
 
-def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, batch: int,
+def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, predict: bool, batch: int,
                daemon: KVDaemon | None, expected: dict[str, list[int]], args,
                reference: Reference | None = None) -> dict:
     # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
@@ -326,7 +332,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}",
                                     client_name=f"stress-{tier}-{policy}-b{batch}",
-                                    config=ConnectorConfig(policy=policy, save=saves),
+                                    config=ConnectorConfig(policy=policy, save=saves, predict=predict),
                                     **args.wiring.connect_args())
         control = TierControl(daemon, connector.geometry)
     try:
@@ -358,7 +364,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         references = [expected["own_cache"][i] if was_restored else expected["recompute"][i]
                       for i, was_restored in enumerate(restored)]
         row = {"model": args.model, "tier": tier, "policy": policy if daemon is not None else None,
-               "saves": saves if daemon is not None else None, "engines": 1,
+               "saves": saves if daemon is not None else None,
+               "predict": predict if daemon is not None else None, "engines": 1,
                "batch": batch, "requests": len(done),
                "req_per_s": round(len(done) / wall_s, 3), "speedup": None, "wall_s": round(wall_s, 4),
                "ttft_p50_ms": round(percentile(ttft_ms, 50), 3), "ttft_p95_ms": round(percentile(ttft_ms, 95), 3),
@@ -392,7 +399,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                                            for prefix, kv in zip(workload.prefixes, reference.saved_kv))
             row["integrity"] = control.integrity()
             row["connector"] = {k: v for k, v in engine.connector.stats().items()
-                                if k.startswith(("load", "save_skipped", "committed", "lookup_choice", "promoted"))}
+                                if k.startswith(("load", "save_skipped", "committed", "lookup_choice", "promoted",
+                                                 "lookups_predicted", "prediction"))}
             if policy == "cost":
                 engine.connector.flush_report()          # its last timings, handled before the status
                 engine.connector.flush()
@@ -428,16 +436,18 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             pages = 2 * len(workload.prefixes) * workload.blocks_per_request + 2 * (args.requests + 32) + 64
             l2_bytes = max(pages * bytes_per_page, 8 << 20)
             daemon = KVDaemon(l2_bytes, 2 * l2_bytes, l3_dir=args.l3_dir, extra_args=args.wiring.daemon_args())
-        cases = [(tier, policy, True) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
+        cases = [(tier, policy, True, True) for tier in tiers for policy in (policies if tier != "none" else ["-"])]
         if args.saves_off and "l3-cold" in tiers:
-            cases.append(("l3-cold", "cost", False))
+            cases.append(("l3-cold", "cost", False, True))
+        if args.predict_off and "l3-cold" in tiers:
+            cases.append(("l3-cold", "cost", True, False))
         reference = Reference(model, workload, daemon, args,
-                              num_cases=sum(tier != "none" for tier, _, _ in cases) * len(batches) * args.repeats)
+                              num_cases=sum(tier != "none" for tier, *_ in cases) * len(batches) * args.repeats)
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
         # of its own repetition, measured just before it (the runs of one case vary by a few %).
         for batch, repeat in itertools.product(batches, range(args.repeats)):
             baseline = None
-            for tier, policy, saves in cases:
+            for tier, policy, saves, predict in cases:
                 try:
                     # Prompts of the case's own: an earlier case's saves (a prompt's suffix pages) in
                     # the shared daemon would serve more than the prefix, which neither reference is.
@@ -445,11 +455,12 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
                     expected = {"recompute": reference.recompute(prompts)}
                     if tier != "none":
                         expected["own_cache"] = reference.own_cache(prompts)
-                    row = run_case(model, workload, prompts, tier, policy, saves, batch, daemon, reference, expected,
-                                   args)
+                    row = run_case(model, workload, prompts, tier, policy, saves, predict, batch, daemon, reference,
+                                   expected, args)
                     row["repeat"] = repeat
                 except Exception as exc:        # recorded; the other cases go on
-                    fail(f"{tier} {policy}{'' if saves else ' saves off'} batch {batch}", exc)
+                    fail(f"{tier} {policy}{'' if saves else ' saves off'}{'' if predict else ' predict off'} "
+                         f"batch {batch}", exc)
                     continue
                 baseline = baseline or (row if tier == "none" else None)
                 if baseline is not None:
@@ -474,7 +485,7 @@ def cold_l3_summary(rows: list[dict]) -> list[dict]:
     summary = []
     for batch in sorted({r["batch"] for r in rows}):
         speedups = [r["speedup"] for r in rows if r["tier"] == "l3-cold" and r.get("policy") == "cost"
-                    and r.get("saves") and r["engines"] == 1 and r["batch"] == batch]
+                    and r.get("saves") and r.get("predict") and r["engines"] == 1 and r["batch"] == batch]
         if speedups:
             measured = [s for s in speedups if s is not None]
             summary.append({"target": f"batch {batch}: cold L3, policy cost, req/s >= {COLD_L3_TARGET} x "
@@ -511,6 +522,8 @@ def main() -> None:
                                                      "default stress, none with --quick")
     parser.add_argument("--machine", default=None)
     parser.add_argument("--pin", action="store_true", help="the low-latency wiring (module docstring)")
+    parser.add_argument("--predict-off", action="store_true", help="also l3-cold under cost with the connector's "
+                        "predictions off: every lookup waits for its reply (module docstring)")
     parser.add_argument("--saves-off", action="store_true", help="also l3-cold under cost with the connector's "
                         "saves off (module docstring)")
     args = parser.parse_args()

@@ -757,7 +757,7 @@ class KVCacheClient:
 
     def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
                     promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
-                    policy: str = "", begun: bool = False) -> PendingMatch:
+                    policy: str = "", begun: bool = False, recompute: bool = False) -> PendingMatch:
         """Send a match now and collect its reply later (``result()``), so that the round trip
         overlaps the engine's own work (the connector sends a step's matches together).
         Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
@@ -765,7 +765,9 @@ class KVCacheClient:
         With promote_l3 the daemon's cost model decides, under ``policy`` ("": the daemon's) and for
         the tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 holds.
         ``begun``: the match stands for the request's lookup (an L3 hit it declines may be promoted
-        in the background, as after a lookup)."""
+        in the background, as after a lookup). ``recompute``: the engine recomputes what lies beyond
+        its own hit whatever the reply says (it predicted a decline, ``proto.hints``): nothing is
+        promoted for it."""
         session_id, generation = self._session(generation, live=True)
         body = {
             "session_id": session_id,
@@ -777,6 +779,8 @@ class KVCacheClient:
         }
         if begun:
             body["begun"] = True
+        if recompute:
+            body["recompute"] = True
         request_id = self._channel.begin(MsgKind.MATCH, body)
         return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
 

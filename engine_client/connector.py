@@ -23,7 +23,12 @@ model: each transfer's time (CUDA events; no host wait) and the engine's prefill
 
 An engine whose scheduler holds the connector may instead ``begin(rid, token_ids, hit)``: a
 lookup that is the request's match (the decision, the lease and the reservation in one round trip),
-so that its ``load`` queues the copies at the call, a round trip sooner.
+so that its ``load`` queues the copies at the call, a round trip sooner. Where the daemon's
+admission hints (``proto.hints``, read from shared memory) show that it would decline every
+restore of the request (no L2 hit, no peer, no L3 hit long enough to win), ``begin``'s lookup is
+ready at once with "recompute": the engine admits the request with no round trip, and the match
+(sent all the same, ``recompute``) brings its reservation while the forward runs. A stale hint
+costs at most a restore not taken, never a wrong byte: loads only ever read under a lease.
 
 One lease per request. The request's first load or save sends one match with a reservation
 (``MATCH(reserve_backup)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
@@ -86,6 +91,7 @@ from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share
 from engine_client.shared_pool import SharedHostPool
 from proto.errors import ErrorCode
 from proto.messages import KVGeometry
+from proto.hints import HintsView
 from proto.replies import AttachInfo
 
 logger = logging.getLogger(__name__)
@@ -112,6 +118,9 @@ class ConnectorConfig:
     # decision chooses another engine's GPU cache (asynchronous loads only; one tensor-parallel
     # rank only).
     peer: bool = False
+    # ``begin`` answers "recompute" at once where the daemon's admission hints show it would
+    # decline every restore (no round trip before the request's prefill); False: always wait.
+    predict: bool = True
 
 
 class LoadResult(NamedTuple):
@@ -218,22 +227,24 @@ class BegunLookup:
     """``KVConnector.begin``'s lookup: the request's match, read as a lookup (``PendingLookup``'s
     calls); its decision is the match reply's."""
 
-    def __init__(self, connector: "KVConnector", request: "_Request"):
+    def __init__(self, connector: "KVConnector", request: "_Request", local_hit_tokens: int = 0):
         self._connector = connector
         self._request = request
         self._cancelled = False
         self._counted = False
+        self._local_hit_tokens = local_hit_tokens
 
     def ready(self) -> bool:
         request = self._request
         if request.match is not None:
             self._connector._take_reply(request)
-        return request.match is None
+        return request.match is None or request.predicted
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait at most timeout_s for the reply; True once it is in (or the match failed)."""
+        """Wait at most timeout_s for the reply; True once it is in (or the match failed, or the
+        decline was predicted: the decision needs no reply)."""
         request = self._request
-        if request.match is not None:
+        if request.match is not None and not request.predicted:
             try:
                 request.match.wait(timeout_s)
             except (DaemonUnavailable, RuntimeError):
@@ -245,6 +256,13 @@ class BegunLookup:
 
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
         request = self._request
+        if request.predicted:
+            if not self._cancelled and request.match is not None:
+                self._connector._take_reply(request)        # if it is in; never waited for
+            if not self._counted:
+                self._counted = True
+                self._connector.counters["lookup_choice_recompute"] += 1
+            return RestoreDecision("recompute", self._local_hit_tokens, {}, {})
         if request.match is not None and not self._cancelled:
             self._connector._take_reply(request, self._connector.config.reply_timeout_s if timeout_s is None
                                         else timeout_s)
@@ -383,6 +401,7 @@ class _Request:
     hold_blocks: bool = False           # request_finished returned True, and finished() has not released it
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
     decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
+    predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -438,6 +457,7 @@ class KVConnector:
         # the view's end still registered with CUDA, and a later mapping at its address not pinned.
         self._ended_pools: list[SharedHostPool] = []
         self._remap_threads: list[threading.Thread] = []
+        self._hints: HintsView | None = self._open_hints(self._session)
         client.add_reattach_listener(self._on_reattach)
         self._report(force=True)
 
@@ -505,8 +525,24 @@ class KVConnector:
         if not self.can_begin:
             raise RuntimeError("begin needs one rank (tp_size 1) and promote_l3")
         self.counters["lookups"] += 1
-        return BegunLookup(self, self._request(request_id, token_ids, promote_l3=True,
-                                               local_hit_tokens=local_hit_tokens, begun=True))
+        predicted = request_id not in self._requests and self._predicts_recompute(token_ids, local_hit_tokens)
+        if predicted:
+            self.counters["lookups_predicted_recompute"] += 1
+        request = self._request(request_id, token_ids, promote_l3=not predicted, local_hit_tokens=local_hit_tokens,
+                                begun=True, recompute=predicted)
+        return BegunLookup(self, request, local_hit_tokens // self.page_size * self.page_size)
+
+    def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
+        """Whether the admission hints show that the daemon would decline every restore of these
+        tokens beyond the engine's own hit (``proto.hints.HintsView.predicts_recompute``)."""
+        hints = self._hints
+        if hints is None or not self.config.predict:
+            return False
+        tokens = self._tokens(token_ids)
+        num_tokens = len(tokens) // self.page_size * self.page_size
+        beyond = num_tokens - min(local_hit_tokens, num_tokens) // self.page_size * self.page_size
+        return hints.predicts_recompute(tokens[:self.page_size].tobytes(), beyond, self.config.promote_l3,
+                                        self.config.policy, peer_registered=self.peer is not None)
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
@@ -697,20 +733,21 @@ class KVConnector:
     # ---- the request's state machine ------------------------------------------------------------
 
     def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0,
-                 begun: bool = False) -> _Request:
+                 begun: bool = False, recompute: bool = False) -> _Request:
         request = self._requests.get(request_id)
         if request is not None:
             return request
         tokens = self._tokens(token_ids)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
         self._follow_session()
-        request = _Request(request_id, tokens, None, time.monotonic(), session_id=self._session.session_id)
+        request = _Request(request_id, tokens, None, time.monotonic(), session_id=self._session.session_id,
+                           predicted=recompute)
         try:
             # Sent for the session of the mapped pool (DaemonDown at once if that one has ended):
             # the lease, if any, is that session's.
             request.match = self.client.match_async(tokens, reserve_backup=self.config.save, promote_l3=promote_l3,
                                                     generation=self._generation, local_hit_tokens=local_hit_tokens,
-                                                    policy=self.config.policy, begun=begun)
+                                                    policy=self.config.policy, begun=begun, recompute=recompute)
         except DaemonUnavailable as exc:
             self._match_failed(request, exc)
         self._requests[request_id] = request
@@ -746,6 +783,8 @@ class KVConnector:
         self.counters["promoted_tokens"] += reply.promoted_tokens
         if reply.choice:
             request.decision = RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
+            if request.predicted and reply.choice not in ("recompute", "engine"):
+                self.counters["prediction_misses"] += 1     # a restore the model would have taken, declined
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
         if self.config.save and len(request.reserved) < lacking:     # skipped, by cause, at save
             self.counters["reservation_short_pages"] += lacking - len(request.reserved)
@@ -1124,6 +1163,9 @@ class KVConnector:
         old = self.host_pool
         self.transfer.use_host_pool(pool)
         self.host_pool, self._generation, self._session = pool, generation, info
+        if self._hints is not None:
+            self._hints.close()
+        self._hints = self._open_hints(info)
         try:
             old.close()
         except RuntimeError as exc:     # a view of it still lives: closed by a poll once it is gone
@@ -1131,6 +1173,18 @@ class KVConnector:
             self._ended_pools.append(old)
         logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
         self._report(force=True)
+
+    def _open_hints(self, info: AttachInfo) -> HintsView | None:
+        """The session's admission hints (None: the daemon publishes none, or they cannot be read:
+        every begun lookup then waits for its reply)."""
+        if not info.hints_path:
+            return None
+        try:
+            return HintsView.open(info.hints_path, info.hints_offset_bytes, info.namespace_id)
+        except (OSError, ValueError) as exc:
+            self._warn_once("hints_unreadable", f"the daemon's admission hints cannot be read ({exc}); "
+                            "every lookup waits for its reply")
+            return None
 
     def _close_ended_pools(self) -> None:
         still_viewed = []
@@ -1183,6 +1237,9 @@ class KVConnector:
                     self.peer.close()
                     self.peer = None
                 del self.transfer
+                if self._hints is not None:
+                    self._hints.close()
+                    self._hints = None
                 self.host_pool.close()
                 if next_pool is not None:
                     next_pool[2].close()

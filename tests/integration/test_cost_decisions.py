@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import textwrap
 import time
 
 import numpy as np
+import torch
 
 from bench.tiers import TierControl
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig
 from kvcached.server.status import render_table
-from tests.integration.daemon_proc import DaemonProcess, child_env
+from tests.integration.daemon_proc import DaemonProcess, child_env, stop_process
 from tests.integration.test_connector import P, Engine, random_tokens
 
 L3_READ_DELAY_S = 0.5
@@ -165,3 +167,70 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
         daemon.cleanup()
         os.remove(os.path.join(site_dir, "sitecustomize.py"))
         os.rmdir(site_dir)
+
+
+def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_reserves(rng):
+    """An engine whose prefills cost next to nothing (it reports so): no L3 restore can win, so for
+    a prefix L2 lacks, its begun lookup answers recompute at once, with the daemon stopped
+    (SIGSTOP: no reply could have come); under always one waits. Once the daemon runs again, the
+    predicted match's reply brings the reservation: the saved prefix is in L2, and another engine
+    loads it bit for bit. The same prefix, in L2 now, is not predicted (its lookup waits for the
+    reply). Status counts the prediction under "predicted", and the integrity check (the published
+    first pages against the tree) holds."""
+    daemon = DaemonProcess(l2_size="8MiB").start()
+    engines, control = [], None
+    try:
+        cost, always = engine_of(daemon, 31, "cost"), engine_of(daemon, 32, "always")
+        engines += [cost, always]
+        for num_tokens in rng.integers(16, 4096, size=8).tolist():
+            cost.connector.report_prefill(num_tokens, num_tokens * 1e-9)
+        cost.connector.flush_report()
+        cost.connector.flush()                  # the model, and what it publishes, moved
+        control = TierControl(daemon, cost.connector.geometry)
+        prefix = random_tokens(rng, 6 * P)
+        stop_process(daemon.proc.pid)
+        try:
+            predicted = cost.connector.begin("a", prefix)
+            assert predicted.ready() and predicted.decision()[:2] == ("recompute", 0)
+            waiting = always.connector.begin("w", prefix)
+            assert not waiting.ready()
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert cost.connector.stats()["lookups_predicted_recompute"] == 1
+        cost.connector.save("a", prefix, list(range(6)))
+        cost.connector.request_finished("a")
+        cost.settle()
+        assert cost.connector.stats().get("prediction_misses", 0) == 0
+        waiting.decision()
+        waiting.cancel()
+        always.settle()
+        assert control.hits(prefix)["l2"] == 6 * P
+
+        always.connector.load("c", prefix, list(range(10, 16)), 6 * P)
+        always.poll_until(lambda: always.loads, "the load")
+        assert always.loads[0].ok and always.loads[0].num_tokens == 6 * P, always.loads
+        for page in range(6):
+            assert torch.equal(always.block(10 + page), cost.block(page)), f"page {page}"
+        always.connector.request_finished("c")
+        always.settle()
+
+        stop_process(daemon.proc.pid)
+        try:
+            again = cost.connector.begin("d", prefix)
+            assert not again.ready()            # L2 holds its first page: the reply decides
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert again.decision().choice == "recompute"       # the model declines L2 too, at that prefill cost
+        again.cancel()
+        cost.settle()
+        (engine,) = cost_model(daemon)["engines"]            # check_integrity=True
+        # nothing held the prefix when the predicted match was handled: the model had no candidate
+        assert engine["decisions_total"]["predicted"] == {"engine": 1}, engine["decisions_total"]
+        assert engine["decisions_total"]["match"]["recompute"] >= 1, engine["decisions_total"]
+    finally:
+        if control is not None:
+            control.close()
+        for engine in engines:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
