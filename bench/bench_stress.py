@@ -102,9 +102,10 @@ COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least th
 # the room its L2 had (reservations cut or failed, evictions).
 DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
-COLUMNS = ["model", "tier", "policy", "saves", "engines", "batch", "repeat", "req_per_s", "speedup", "ttft_p50_ms",
-           "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms", "ttft_p95_ms", "ttft_p99_ms",
-           "restored_requests", "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
+COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
+           "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms", "ttft_p95_ms",
+           "ttft_p99_ms", "restored_requests", "predicted_requests", "mismatches", "mismatches_beyond_noise",
+           "kv_mismatches", "engine_cache_hit_tokens"]
 
 
 class Workload:
@@ -347,6 +348,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
             control.evict_l2()
             control.drop_l3_page_cache()
         counts_before = control.counts() if control is not None else None
+        predicted_before = predicted_requests(engine)
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
@@ -378,6 +380,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
                "daemon_counts": daemon_counts,
                "restored_requests": sum(restored),
+               # Admitted on a predicted decline (proto.hints), with no wait for the lookup's reply.
+               "predicted_requests": None if control is None else predicted_requests(engine) - predicted_before,
                "mismatches": sum(a != b for a, b in zip(tokens, references, strict=True)),
                "reference": "a restored request: alone, the prefix from the engine's own cache (the KV the "
                             "daemon holds); any other: a full prefill alone",
@@ -410,6 +414,12 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         if control is not None:
             control.close()
         detach_kvcached(engine)
+
+
+def predicted_requests(engine: Engine) -> int:
+    """The engine's lookups answered on a predicted decline so far (0 without a connector)."""
+    connector = getattr(engine, "connector", None)
+    return 0 if connector is None else connector.stats().get("lookups_predicted_recompute", 0)
 
 
 def restored_kv(engine: Engine, control: TierControl, workload: Workload, prefix: list[int]) -> torch.Tensor:

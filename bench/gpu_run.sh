@@ -16,7 +16,8 @@
 #   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json (rows so far
 #              after each case)
 #   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
-#   stress     bench_stress: batches 1 and 4, policies always and cost, 3 rounds  -> stress.json
+#   stress     bench_stress: batches 1 and 4, policies always and cost, 3 rounds, with
+#              --predict-off  -> stress.json
 #   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost: the cost model's choices       -> policy.json
@@ -85,7 +86,7 @@ if want overlap; then
     keep overlap
 fi
 if want stress; then
-    stage stress 480 python3 -m bench.bench_stress --l3-dir "$L3_DIR" $(name stress)
+    stage stress 480 python3 -m bench.bench_stress --l3-dir "$L3_DIR" --predict-off $(name stress)
     keep stress
 fi
 if want engines; then
