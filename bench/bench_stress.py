@@ -103,8 +103,8 @@ COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least th
 DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
-           "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms", "ttft_p95_ms",
-           "ttft_p99_ms", "restored_requests", "predicted_requests", "mismatches", "mismatches_beyond_noise",
+           "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
+           "prefill_span_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests", "mismatches", "mismatches_beyond_noise",
            "kv_mismatches", "engine_cache_hit_tokens"]
 
 
@@ -349,6 +349,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
             control.drop_l3_page_cache()
         counts_before = control.counts() if control is not None else None
         predicted_before = predicted_requests(engine)
+        engine.prefill_spans_s.clear()
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
@@ -375,6 +376,9 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                "admission_wait_p50_ms": round(percentile([(r.admitted_s - r.arrival_s) * 1e3 for r in done], 50), 3),
                "admission_to_token_p50_ms": round(percentile([(r.first_token_s - r.admitted_s) * 1e3 for r in done],
                                                              50), 3),
+               # The GPU's part of it: a prefill step's first launch to its tokens' copy (CUDA events).
+               "prefill_span_p50_ms": round(percentile(engine.prefill_spans_s, 50) * 1e3, 3)
+               if engine.prefill_spans_s else None,
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
                "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),

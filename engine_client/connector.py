@@ -236,9 +236,11 @@ class BegunLookup:
 
     def ready(self) -> bool:
         request = self._request
+        if request.predicted:
+            return True             # the decision needs no reply (the connector's polls take it)
         if request.match is not None:
             self._connector._take_reply(request)
-        return request.match is None or request.predicted
+        return request.match is None
 
     def wait(self, timeout_s: float) -> bool:
         """Wait at most timeout_s for the reply; True once it is in (or the match failed, or the
@@ -257,8 +259,6 @@ class BegunLookup:
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
         request = self._request
         if request.predicted:
-            if not self._cancelled and request.match is not None:
-                self._connector._take_reply(request)        # if it is in; never waited for
             if not self._counted:
                 self._counted = True
                 self._connector.counters["lookup_choice_recompute"] += 1

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from typing import Iterable, Sequence
@@ -23,6 +24,8 @@ from bench.engine.connector import EngineConnector
 from bench.engine.model import DecodeBatch, PrefillBatch, Qwen3Model
 from bench.engine.request import Request
 from bench.engine.scheduler import PrefillChunk, Scheduler
+
+MAX_PREFILL_SPANS = 10_000          # the latest prefill steps' device spans kept (prefill_spans_s)
 
 
 class Engine:
@@ -50,6 +53,9 @@ class Engine:
             self.stream = torch.cuda.Stream(self.device, priority=-(1 << 10))   # the highest there is
             self.stream.wait_stream(torch.cuda.current_stream(self.device))     # kv_caches, the graphs
         self.scheduler = Scheduler(config)
+        # Per prefill step on CUDA, the seconds from its forward's first launch to its tokens' copy
+        # done (CUDA events): the GPU's part of a prefill's time, idle gaps waiting for launches in.
+        self.prefill_spans_s: collections.deque[float] = collections.deque(maxlen=MAX_PREFILL_SPANS)
         self._next_request_id = itertools.count()
         self._requests: dict[int, Request] = {}
 
@@ -118,12 +124,15 @@ class Engine:
         prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill) \
             and all(chunk.first_token == 0 for chunk in plan.prefill)
         if plan.prefill:
+            forward_started = self._record_event()
             logits = self._run_prefill(plan.prefill)
             tokens = self._launch_tokens(logits)
             # While the GPU computes; the saves' copies go after the tokens' (a save's DMA to the
             # host queued first would hold the tokens' copy up behind it: ~1 ms per 50 MB).
             self.scheduler.save_prefilled(plan.prefill)
             token_ids = self._tokens(tokens)
+            if forward_started is not None:
+                self.prefill_spans_s.append(forward_started.elapsed_time(tokens[1]) / 1e3)
             sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
@@ -148,6 +157,14 @@ class Engine:
         self.scheduler.save_due()          # the saves left, once the first tokens are out
         return finished
 
+    def _record_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the current stream now (None on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def _launch_tokens(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Queue the step's greedy tokens and, on CUDA, their copy into pinned host memory; the
         event after it (None on CPU, where they are there on return)."""
@@ -156,9 +173,7 @@ class Engine:
             return token_ids, None
         host = self._host_tokens[: token_ids.shape[0]]     # the last step's tokens are read already
         host.copy_(token_ids, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return host, copied
+        return host, self._record_event()
 
     def _tokens(self, launched: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
         """The step's greedy tokens (``_launch_tokens``), once the GPU is done with them. Meanwhile the connector's
