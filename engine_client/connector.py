@@ -26,8 +26,10 @@ lookup that is the request's match (the decision, the lease and the reservation 
 so that its ``load`` queues the copies at the call, a round trip sooner. Where the daemon's
 admission hints (``proto.hints``, read from shared memory) show that it would decline every
 restore of the request (no L2 hit, no peer, no L3 hit long enough to win), ``begin``'s lookup is
-ready at once with "recompute": the engine admits the request with no round trip, and the match
-(sent all the same, ``recompute``) brings its reservation while the forward runs. A stale hint
+ready at once with "recompute": the engine admits the request with no round trip. Its match
+(``recompute``) is sent by the request's next connector call (its save, or a poll), which an
+engine makes once its forward is launched: the send, and the reply that brings the save's
+reservation, take the host while the GPU runs, not between admission and launch. A stale hint
 costs at most a restore not taken, never a wrong byte: loads only ever read under a lease.
 
 One lease per request. The request's first load or save sends one match with a reservation
@@ -284,7 +286,7 @@ class BegunLookup:
             request = self._request
             if request.match is not None:       # given up, not failed: a late reply's lease is
                 request.match.cancel()          # released by the client
-                request.match, request.failure = None, "given_up"
+                request.match, request.failure, request.unsent = None, "given_up", None
             if self._connector._requests.get(request.request_id) is request:    # not ended by the engine
                 self._connector.request_finished(request.request_id)
 
@@ -381,11 +383,21 @@ class _Save:
     queued: bool = False
 
 
+class _Unsent:
+    """The match of a request whose send is deferred (``_Request.unsent``): not in yet."""
+
+    def cancel(self) -> None:
+        """Nothing was sent: nothing to give up (the caller clears ``unsent``)."""
+
+
+_UNSENT = _Unsent()
+
+
 @dataclasses.dataclass(eq=False)
 class _Request:
     request_id: Hashable
     token_ids: np.ndarray               # int32, whole pages: what the lease covers
-    match: PendingMatch | None
+    match: PendingMatch | _Unsent | None
     match_sent_at: float
     failure: str | None = None          # the match failed: why (loads fail, saves skip with it)
     session_id: int | None = None
@@ -402,6 +414,7 @@ class _Request:
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
     decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
+    unsent: dict | None = None          # the match's arguments, while its send is deferred (predicted)
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -529,7 +542,7 @@ class KVConnector:
         if predicted:
             self.counters["lookups_predicted_recompute"] += 1
         request = self._request(request_id, token_ids, promote_l3=not predicted, local_hit_tokens=local_hit_tokens,
-                                begun=True, recompute=predicted)
+                                begun=True, recompute=predicted, defer=predicted)
         return BegunLookup(self, request, local_hit_tokens // self.page_size * self.page_size)
 
     def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
@@ -733,29 +746,40 @@ class KVConnector:
     # ---- the request's state machine ------------------------------------------------------------
 
     def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0,
-                 begun: bool = False, recompute: bool = False) -> _Request:
+                 begun: bool = False, recompute: bool = False, defer: bool = False) -> _Request:
+        """The open request of this id, or a new one with its match sent (``defer``: kept to be
+        sent by ``_take_reply``, the first step of any call that needs the reply)."""
         request = self._requests.get(request_id)
         if request is not None:
             return request
         tokens = self._tokens(token_ids)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
         self._follow_session()
-        request = _Request(request_id, tokens, None, time.monotonic(), session_id=self._session.session_id,
+        request = _Request(request_id, tokens, _UNSENT, time.monotonic(), session_id=self._session.session_id,
                            predicted=recompute)
-        try:
-            # Sent for the session of the mapped pool (DaemonDown at once if that one has ended):
-            # the lease, if any, is that session's.
-            request.match = self.client.match_async(tokens, reserve_backup=self.config.save, promote_l3=promote_l3,
-                                                    generation=self._generation, local_hit_tokens=local_hit_tokens,
-                                                    policy=self.config.policy, begun=begun, recompute=recompute)
-        except DaemonUnavailable as exc:
-            self._match_failed(request, exc)
+        # For the session of the mapped pool (DaemonDown at the send if that one has ended): the
+        # lease, if any, is that session's.
+        request.unsent = dict(reserve_backup=self.config.save, promote_l3=promote_l3, generation=self._generation,
+                              local_hit_tokens=local_hit_tokens, policy=self.config.policy, begun=begun,
+                              recompute=recompute)
+        if not defer:
+            self._send_match(request)
         self._requests[request_id] = request
         return request
 
+    def _send_match(self, request: _Request) -> None:
+        arguments, request.unsent = request.unsent, None
+        request.match_sent_at = time.monotonic()
+        try:
+            request.match = self.client.match_async(request.token_ids, **arguments)
+        except DaemonUnavailable as exc:
+            self._match_failed(request, exc)
+
     def _take_reply(self, request: _Request, timeout_s: float | None = None) -> None:
         """Take the match's reply if it is here (or comes within timeout_s): the lease, the hit's
-        pages, the reservation."""
+        pages, the reservation. A deferred match is sent first."""
+        if request.unsent is not None:
+            self._send_match(request)
         if request.match is None:
             return
         pending = request.match
@@ -1215,7 +1239,7 @@ class KVConnector:
                 self._finish(request)
                 if request.match is not None:
                     request.match.cancel()
-                    request.match, request.failure = None, "closing"
+                    request.match, request.failure, request.unsent = None, "closing", None
             while self.num_open_requests and time.monotonic() < deadline:
                 self.poll()
                 if self.num_open_requests:

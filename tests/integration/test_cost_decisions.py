@@ -172,8 +172,9 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
 def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_reserves(rng):
     """An engine whose prefills cost next to nothing (it reports so): no L3 restore can win, so for
     a prefix L2 lacks, its begun lookup answers recompute at once, with the daemon stopped
-    (SIGSTOP: no reply could have come); under always one waits. Once the daemon runs again, the
-    predicted match's reply brings the reservation: the saved prefix is in L2, and another engine
+    (SIGSTOP: no reply could have come); under always one waits. The predicted match is not sent
+    until the request's save (the daemon has handled every other match by then, not that one).
+    Once sent, its reply brings the reservation: the saved prefix is in L2, and another engine
     loads it bit for bit. The same prefix, in L2 now, is not predicted (its lookup waits for the
     reply). Status counts the prediction under "predicted", and the integrity check (the published
     first pages against the tree) holds."""
@@ -188,6 +189,7 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
         cost.connector.flush()                  # the model, and what it publishes, moved
         control = TierControl(daemon, cost.connector.geometry)
         prefix = random_tokens(rng, 6 * P)
+        matches_before = control.counts()["match_count"]
         stop_process(daemon.proc.pid)
         try:
             predicted = cost.connector.begin("a", prefix)
@@ -197,6 +199,10 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         assert cost.connector.stats()["lookups_predicted_recompute"] == 1
+        always.connector.poll()
+        cost.connector.flush()
+        always.connector.flush()                # both sockets' requests so far handled
+        assert control.counts()["match_count"] == matches_before + 1        # always's alone
         cost.connector.save("a", prefix, list(range(6)))
         cost.connector.request_finished("a")
         cost.settle()
