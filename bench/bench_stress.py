@@ -68,6 +68,9 @@ lookup alone costs. Its req/s against the row with saves shows what the backups 
 ``predict`` False: every begun lookup waits for the daemon's reply before the request is admitted,
 where by default the admission hints (``proto.hints``) let a predicted decline start its prefill
 at once. Its req/s against the default row is what the prediction gains. Not in the summary.
+Each row's ``predicted_requests`` counts the timed requests admitted on a prediction, and
+``prefill_span_p50_ms`` is the GPU's part of ``admission_to_token_p50_ms`` (a prefill step's first
+launch to its tokens' copy, CUDA events; None on CPU): the rest of it is host time.
 """
 
 from __future__ import annotations
