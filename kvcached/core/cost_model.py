@@ -141,7 +141,7 @@ class EngineModel:
         self.d2d = LineModel(1.0 / priors.peer_bytes_per_s)
         self.prefill = LineModel(priors.recompute_s_per_token, min_size=MIN_PREFILL_TOKENS)
         self.directions = {"h2d": self.h2d, "d2h": self.d2h, "d2d": self.d2d, "prefill": self.prefill}
-        # where ("lookup" or "match") -> choice -> count; skips: where -> tier not restored -> count
+        # where ("lookup", "match" or "predicted") -> choice -> count; skips: where -> tier not restored -> count
         self.decisions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.policy_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 

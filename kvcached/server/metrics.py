@@ -350,7 +350,8 @@ def cost_model_metrics(families: _Families, snapshot: dict[str, Any]) -> None:
     per engine (``model``, ``namespace``) and direction its line's fixed term, slope, sample count
     and mode; the storage lines (the daemon's one L3 file: ``s2h`` reads, ``h2s`` writes) with
     empty ``model`` and ``namespace``; the decisions per choice and the hits not restored per
-    source, each by ``where`` (``lookup``, ``match``); the policy; the background promotions."""
+    source, each by ``where`` (``lookup``, ``match``, ``predicted``); the policy; the background
+    promotions."""
     cost = snapshot.get("cost_model")
     if not cost:
         return
