@@ -260,7 +260,7 @@ class BegunLookup:
 
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
         request = self._request
-        if request.predicted:
+        if request.predicted and not self._cancelled:
             if not self._counted:
                 self._counted = True
                 self._connector.counters["lookup_choice_recompute"] += 1
@@ -286,13 +286,13 @@ class BegunLookup:
             request = self._request
             if request.match is not None:       # given up, not failed: a late reply's lease is
                 request.match.cancel()          # released by the client
-                request.match, request.failure, request.unsent = None, "given_up", None
+                request.match, request.failure = None, "given_up"
             if self._connector._requests.get(request.request_id) is request:    # not ended by the engine
                 self._connector.request_finished(request.request_id)
 
     def give_up(self, waited_s: float) -> None:
         """cancel() a match whose reply did not come in time, counted (lookup_failures_no_reply)."""
-        if not self._cancelled and self._request.match is not None:
+        if not self._cancelled and self._request.match is not None and not self._request.predicted:
             self._connector.lookups._failed("lookup_failures_no_reply",
                                             DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
         self.cancel()
@@ -383,14 +383,13 @@ class _Save:
     queued: bool = False
 
 
-class _Unsent:
-    """The match of a request whose send is deferred (``_Request.unsent``): not in yet."""
+class _Unsent(NamedTuple):
+    """The match of a request whose send is deferred (a predicted decline): its arguments to
+    ``match_async``, sent by ``KVConnector._take_reply``. No reply is in."""
+    arguments: dict
 
     def cancel(self) -> None:
-        """Nothing was sent: nothing to give up (the caller clears ``unsent``)."""
-
-
-_UNSENT = _Unsent()
+        """Nothing was sent: nothing to give up."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -414,7 +413,6 @@ class _Request:
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
     decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
-    unsent: dict | None = None          # the match's arguments, while its send is deferred (predicted)
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -755,30 +753,35 @@ class KVConnector:
         tokens = self._tokens(token_ids)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
         self._follow_session()
-        request = _Request(request_id, tokens, _UNSENT, time.monotonic(), session_id=self._session.session_id,
-                           predicted=recompute)
         # For the session of the mapped pool (DaemonDown at the send if that one has ended): the
         # lease, if any, is that session's.
-        request.unsent = dict(reserve_backup=self.config.save, promote_l3=promote_l3, generation=self._generation,
+        unsent = _Unsent(dict(reserve_backup=self.config.save, promote_l3=promote_l3, generation=self._generation,
                               local_hit_tokens=local_hit_tokens, policy=self.config.policy, begun=begun,
-                              recompute=recompute)
+                              recompute=recompute))
+        request = _Request(request_id, tokens, unsent, time.monotonic(), session_id=self._session.session_id,
+                           predicted=recompute)
         if not defer:
             self._send_match(request)
         self._requests[request_id] = request
         return request
 
     def _send_match(self, request: _Request) -> None:
-        arguments, request.unsent = request.unsent, None
+        unsent, request.match = request.match, None
         request.match_sent_at = time.monotonic()
         try:
-            request.match = self.client.match_async(request.token_ids, **arguments)
+            request.match = self.client.match_async(request.token_ids, **unsent.arguments)
         except DaemonUnavailable as exc:
             self._match_failed(request, exc)
+        except BaseException:
+            # Nothing was leased: the request ends as one whose match failed, its saves skipped.
+            request.failure = "send_failed"
+            self.counters["match_failures_send_failed"] += 1
+            raise
 
     def _take_reply(self, request: _Request, timeout_s: float | None = None) -> None:
         """Take the match's reply if it is here (or comes within timeout_s): the lease, the hit's
         pages, the reservation. A deferred match is sent first."""
-        if request.unsent is not None:
+        if isinstance(request.match, _Unsent):
             self._send_match(request)
         if request.match is None:
             return
@@ -1239,7 +1242,7 @@ class KVConnector:
                 self._finish(request)
                 if request.match is not None:
                     request.match.cancel()
-                    request.match, request.failure, request.unsent = None, "closing", None
+                    request.match, request.failure = None, "closing"
             while self.num_open_requests and time.monotonic() < deadline:
                 self.poll()
                 if self.num_open_requests:

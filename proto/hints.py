@@ -26,7 +26,7 @@ named after its socket) and removes it at exit. Layout, little-endian:
                     first page, so a request whose first page's bucket is 0 has no L2 hit)
 
 Every field is one aligned load or store (single-copy atomic on x86-64); the daemon is the one
-writer, from the thread that changes its prefix trees.
+writer, under the lock that every change of its prefix trees holds (``state_lock``).
 """
 
 from __future__ import annotations

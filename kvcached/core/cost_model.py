@@ -239,9 +239,8 @@ class CostModel:
         margin = self.priors.margin
         # benefit(n) <= n * per_token - margin * (fixed + n * slope): below 0 at n = 0, linear in n
         gain_per_token = engine.prefill.slope_s - margin * (reader.slope_s + mover.slope_s) * bytes_per_token
-        if gain_per_token <= 0:
-            return None
-        return int(margin * (reader.fixed_s + mover.fixed_s) / gain_per_token)     # one short of the least winner
+        bound = margin * (reader.fixed_s + mover.fixed_s) / gain_per_token if gain_per_token > 0 else math.inf
+        return int(bound) if bound < MAX_SAMPLE_SIZE else None         # one short of the least winner
 
     def later_restore_wins(self, engine_id: int, bytes_per_token: int, num_tokens: int) -> bool:
         """Whether a later request holding none of these tokens would restore them from L2 rather

@@ -80,9 +80,11 @@ def test_the_least_winning_l3_restore_bounds_the_decisions(rng):
                             storage_bytes_per_s=float(rng.uniform(0.2, 10)) * 2**30,
                             margin=float(rng.uniform(1.0, 1.5)))
         model = CostModel(priors)
-        for _ in range(int(rng.integers(0, 4))):       # fixed terms learned from samples
+        for _ in range(int(rng.integers(0, 4))):       # fixed terms and slopes learned from samples
             model.add_storage_sample("s2h", int(rng.integers(1, 1 << 24)), float(rng.uniform(0, 0.05)))
             model.add_engine_sample(0, "h2d", int(rng.integers(1, 1 << 24)), float(rng.uniform(0, 0.01)))
+            num_tokens = int(rng.integers(16, 8192))
+            model.add_engine_sample(0, "prefill", num_tokens, num_tokens * float(rng.uniform(5e-6, 200e-6)))
         bytes_per_token = int(rng.integers(1 << 10, 1 << 18))
         least = model.l3_min_tokens(0, bytes_per_token)
         local = int(rng.integers(0, 64))

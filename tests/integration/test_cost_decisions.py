@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from bench.tiers import TierControl
@@ -170,8 +171,9 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
 
 
 def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_reserves(rng):
-    """An engine whose prefills cost next to nothing (it reports so): no L3 restore can win, so for
-    a prefix L2 lacks, its begun lookup answers recompute at once, with the daemon stopped
+    """Under the priors an L3 restore of a few pages can win, so a begun lookup of a prefix L2 lacks
+    waits for its reply. An engine whose prefills cost next to nothing (it reports so): no L3
+    restore can win, so for a prefix L2 lacks, its begun lookup answers recompute at once, with the daemon stopped
     (SIGSTOP: no reply could have come); under always one waits. The predicted match is not sent
     until the request's save (the daemon has handled every other match by then, not that one).
     Once sent, its reply brings the reservation: the saved prefix is in L2, and another engine
@@ -183,6 +185,11 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
     try:
         cost, always = engine_of(daemon, 31, "cost"), engine_of(daemon, 32, "always")
         engines += [cost, always]
+        before = cost.connector.begin("before", random_tokens(rng, 6 * P))
+        assert cost.connector.stats().get("lookups_predicted_recompute", 0) == 0
+        before.decision()
+        before.cancel()
+        cost.settle()
         for num_tokens in rng.integers(16, 4096, size=8).tolist():
             cost.connector.report_prefill(num_tokens, num_tokens * 1e-9)
         cost.connector.flush_report()
@@ -239,4 +246,71 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
         for engine in engines:
             engine.close()
         daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_predicted_request_ends_cleanly_whatever_becomes_of_its_unsent_match(rng):
+    """A request admitted on a predicted decline sends its match only at its next connector call.
+    Given up before any (cancel), it sends nothing and leaves nothing open; one whose send then
+    fails with an error of the client's (injected once) raises it to the engine, and the connector
+    goes on: its polls work, the request ends with its save skipped and counted, and the next
+    predicted request saves into L2 as usual; one whose daemon is gone by then (SIGKILL) skips its
+    save as daemon_down, and ends."""
+    daemon = DaemonProcess(l2_size="8MiB").start()
+    engine, control = None, None
+    try:
+        engine = engine_of(daemon, 41, "never")      # never: every begin is a predicted decline
+        connector = engine.connector
+        control = TierControl(daemon, connector.geometry)
+        matches_before = control.counts()["match_count"]
+        given_up = connector.begin("given-up", random_tokens(rng, 4 * P))
+        assert given_up.ready() and given_up.decision().choice == "recompute"
+        given_up.cancel()
+        assert given_up.result() == 0
+        connector.poll()
+        connector.flush()
+        assert connector.num_open_requests == 0
+        assert control.counts()["match_count"] == matches_before      # nothing was sent
+
+        failing = random_tokens(rng, 4 * P)
+        connector.begin("failing", failing)
+        send = connector.client.match_async
+
+        def refuse(*args, **kwargs):
+            connector.client.match_async = send
+            raise RuntimeError("injected: the client refused the send")
+
+        connector.client.match_async = refuse
+        with pytest.raises(RuntimeError, match="injected"):
+            connector.save("failing", failing, list(range(4)))
+        connector.poll()
+        assert connector.request_finished("failing") is False
+        assert connector.num_open_requests == 0
+        assert connector.stats()["match_failures_send_failed"] == 1
+        saved = random_tokens(rng, 4 * P)
+        connector.begin("saved", saved)
+        connector.save("saved", saved, list(range(4, 8)))
+        connector.request_finished("saved")
+        engine.settle()
+        assert control.hits(saved)["l2"] == 4 * P and control.hits(failing)["l2"] == 0
+
+        orphan = random_tokens(rng, 4 * P)
+        connector.begin("orphan", orphan)
+        control.close()
+        control = None
+        daemon.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10.0          # no connector call meanwhile: it would send the match
+        while connector.client.is_attached():       # the heartbeats see the daemon gone
+            assert time.monotonic() < deadline, "the client did not see the daemon gone"
+            time.sleep(0.01)
+        connector.save("orphan", orphan, list(range(8, 12)))
+        connector.request_finished("orphan")
+        engine.poll_until(lambda: connector.num_open_requests == 0, "the orphan to end")
+        assert connector.stats()["match_failures_daemon_down"] == 1
+        assert connector.stats().get("match_failures_no_reply", 0) == 0
+    finally:
+        if control is not None:
+            control.close()
+        if engine is not None:
+            engine.close()
         daemon.cleanup()
