@@ -4,8 +4,9 @@
 output token; each case (tier, policy, batch size) has its own 80 suffixes, so no case restores
 what an earlier one saved beyond a prefix. A batch of b keeps
 b requests in the engine (closed loop: one finishes, the next enters). The engine's block pool
-holds b requests, so at batch 1 its own GPU cache never still holds a prefix when it comes round
-again. At batch > 1 requests may finish out of order (one whose load took longer finishes after
+holds b + 1 requests (one to spare: the next request need not wait for the blocks of the last one
+to be read by its save), so at batch 1 its own GPU cache never still holds a prefix when it comes
+round again. At batch > 1 requests may finish out of order (one whose load took longer finishes after
 requests admitted after it): its blocks, released late, are the last the next admissions evict,
 and the request of the same prefix 8 later may find the prefix's first blocks still there. It
 takes them from its own cache and loads the rest (``engine_cache_hit_tokens``): a whole prefix
@@ -328,9 +329,12 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
 def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves: bool, predict: bool, batch: int,
                daemon: KVDaemon | None, expected: dict[str, list[int]], args,
                reference: Reference | None = None) -> dict:
-    # Blocks for the batch in flight and no more: a finished request's blocks are taken by the next
-    # one admitted, whose prefix (batch < the 8 prefixes of the rotation further on) is another.
-    engine = make_engine(model, batch * workload.blocks_per_request, batch)
+    # Blocks for the batch in flight and one request more. Not fewer: a finished request's blocks
+    # are free only once its save has read them (the gather right after its first token), and with
+    # none to spare the next request would wait for that gather to be admitted, where an engine with
+    # blocks to spare (any real one) admits it at once. Not more: fewer than the 8 prefixes of the
+    # rotation (batch <= 6), so that a prefix is gone from the engine's own cache when it comes round.
+    engine = make_engine(model, (batch + 1) * workload.blocks_per_request, batch)
     control = None
     if daemon is not None:
         connector = attach_kvcached(engine, daemon.socket_path, model_id=args.model,
