@@ -71,7 +71,10 @@ where by default the admission hints (``proto.hints``) let a predicted decline s
 at once. Its req/s against the default row is what the prediction gains. Not in the summary.
 Each row's ``predicted_requests`` counts the timed requests admitted on a prediction, and
 ``prefill_span_p50_ms`` is the GPU's part of ``admission_to_token_p50_ms`` (a prefill step's first
-launch to its tokens' copy, CUDA events; None on CPU): the rest of it is host time.
+launch to its tokens' copy, CUDA events; None on CPU): the rest of it is host time. Beside it, the
+host's part of a prefill step: ``prefill_launch_p50_ms`` (its forward's and tokens' launches: close
+to the span where the forward is bound by its launches), ``prefill_save_call_p50_ms`` (the saves
+queued after them) and ``prefill_token_wait_p50_ms`` (polling until the tokens are in).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ import torch
 
 from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
+from bench.engine.engine import PrefillTiming
 from bench.stress_engines import Spec, run_engines
 from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
 from engine_client.connector import ConnectorConfig
@@ -108,7 +112,8 @@ DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
            "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
-           "prefill_span_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests",
+           "prefill_span_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms", "prefill_token_wait_p50_ms",
+           "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 
 
@@ -356,7 +361,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
             control.drop_l3_page_cache()
         counts_before = control.counts() if control is not None else None
         predicted_before = predicted_requests(engine)
-        engine.prefill_spans_s.clear()
+        engine.prefill_timings.clear()
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
@@ -383,9 +388,9 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                "admission_wait_p50_ms": round(percentile([(r.admitted_s - r.arrival_s) * 1e3 for r in done], 50), 3),
                "admission_to_token_p50_ms": round(percentile([(r.first_token_s - r.admitted_s) * 1e3 for r in done],
                                                              50), 3),
-               # The GPU's part of it: a prefill step's first launch to its tokens' copy (CUDA events).
-               "prefill_span_p50_ms": round(percentile(engine.prefill_spans_s, 50) * 1e3, 3)
-               if engine.prefill_spans_s else None,
+               # Where it goes, per prefill step (PrefillTiming): the GPU's span from the first launch to the
+               # tokens' copy (CUDA events), and the host's launch, saves' calls and wait for the tokens.
+               **prefill_timings_p50_ms(engine),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
                "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
@@ -425,6 +430,16 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         if control is not None:
             control.close()
         detach_kvcached(engine)
+
+
+def prefill_timings_p50_ms(engine: Engine) -> dict[str, float | None]:
+    """The medians of the engine's prefill steps' timings since they were cleared, in ms."""
+    medians = {}
+    for field in PrefillTiming._fields:
+        samples = [getattr(t, field) for t in engine.prefill_timings if getattr(t, field) is not None]
+        medians[f"prefill_{field.removesuffix('_s')}_p50_ms"] = \
+            round(percentile(samples, 50) * 1e3, 3) if samples else None
+    return medians
 
 
 def predicted_requests(engine: Engine) -> int:

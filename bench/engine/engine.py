@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +25,18 @@ from bench.engine.model import DecodeBatch, PrefillBatch, Qwen3Model
 from bench.engine.request import Request
 from bench.engine.scheduler import PrefillChunk, Scheduler
 
-MAX_PREFILL_SPANS = 10_000          # the latest prefill steps' device spans kept (prefill_spans_s)
+MAX_PREFILL_TIMINGS = 10_000        # the latest prefill steps' timings kept (prefill_timings)
+
+
+class PrefillTiming(NamedTuple):
+    """Where a prefill step's time goes, for benchmarks: host seconds to launch its forward and
+    tokens (``launch_s``), in the connector's saves queued after them (``save_call_s``), then
+    waiting for the tokens while polling (``token_wait_s``); and the GPU's span from its first
+    launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    launch_s: float
+    save_call_s: float
+    token_wait_s: float
+    span_s: float | None
 
 
 class Engine:
@@ -53,9 +64,7 @@ class Engine:
             self.stream = torch.cuda.Stream(self.device, priority=-(1 << 10))   # the highest there is
             self.stream.wait_stream(torch.cuda.current_stream(self.device))     # kv_caches, the graphs
         self.scheduler = Scheduler(config)
-        # Per prefill step on CUDA, the seconds from its forward's first launch to its tokens' copy
-        # done (CUDA events): the GPU's part of a prefill's time, idle gaps waiting for launches in.
-        self.prefill_spans_s: collections.deque[float] = collections.deque(maxlen=MAX_PREFILL_SPANS)
+        self.prefill_timings: collections.deque[PrefillTiming] = collections.deque(maxlen=MAX_PREFILL_TIMINGS)
         self._next_request_id = itertools.count()
         self._requests: dict[int, Request] = {}
 
@@ -127,12 +136,15 @@ class Engine:
             forward_started = self._record_event()
             logits = self._run_prefill(plan.prefill)
             tokens = self._launch_tokens(logits)
+            launched_s = time.perf_counter()
             # While the GPU computes; the saves' copies go after the tokens' (a save's DMA to the
             # host queued first would hold the tokens' copy up behind it: ~1 ms per 50 MB).
             self.scheduler.save_prefilled(plan.prefill)
+            saved_s = time.perf_counter()
             token_ids = self._tokens(tokens)
-            if forward_started is not None:
-                self.prefill_spans_s.append(forward_started.elapsed_time(tokens[1]) / 1e3)
+            self.prefill_timings.append(PrefillTiming(
+                launched_s - started, saved_s - launched_s, time.perf_counter() - saved_s,
+                None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
             sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
