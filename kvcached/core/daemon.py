@@ -317,10 +317,8 @@ class DaemonState:
         """Publish the least L3 restore that could win (``proto.hints``) for a namespace whose
         model changed (None: every namespace, after a storage sample)."""
         for ns in self.namespaces.values() if namespace is None else (namespace,):
-            if ns.l3_allocator is None:
-                least = NEVER
-            else:
-                least = self.cost.l3_min_tokens(ns.namespace_id, ns.geometry.bytes_per_token)
+            least = None if ns.l3_allocator is None else \
+                self.cost.l3_min_tokens(ns.namespace_id, ns.geometry.bytes_per_token)
             self.hints.set_l3_min_tokens(ns.hints_slot, NEVER if least is None else least)
 
     def detach(self, session_id: int) -> int:

@@ -352,8 +352,7 @@ class PrefixTree:
             node.page_ids[tier] = None
             parent = node.parent
             parent.num_resident_children[tier] -= 1
-            if parent is self._root:
-                self._l2_root_changed(node, tier, -1)
+            self._l2_root_changed(node, tier, -1)
             self._remove_if_empty(node)
             if parent is not self._root:
                 self._push_if_evictable(parent, tier)
@@ -438,8 +437,7 @@ class PrefixTree:
             self._owned_page_ids[tier].difference_update(current.page_ids[tier])
             current.page_ids[tier] = None
             current.parent.num_resident_children[tier] -= 1
-            if current.parent is self._root:
-                self._l2_root_changed(current, tier, -1)
+            self._l2_root_changed(current, tier, -1)
             cleared.append(current)
             stack.extend(current.children.values())
         parent = target.parent
@@ -741,11 +739,11 @@ class PrefixTree:
         node.page_ids[tier] = page_ids
         self._owned_page_ids[tier].update(page_ids)
         node.parent.num_resident_children[tier] += 1
-        if node.parent is self._root:
-            self._l2_root_changed(node, tier, 1)
+        self._l2_root_changed(node, tier, 1)
 
     def _l2_root_changed(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        if tier is Tier.L2 and self._on_l2_root is not None:
+        """Node's residency in tier changed by delta: reported where it is a path's first page in L2."""
+        if tier is Tier.L2 and node.parent is self._root and self._on_l2_root is not None:
             self._on_l2_root(node.key[:self._page_bytes], delta)
 
     def _remove_if_empty(self, node: TreeNode) -> None:
