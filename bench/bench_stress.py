@@ -112,7 +112,8 @@ DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
            "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
-           "prefill_span_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms", "prefill_token_wait_p50_ms",
+           "prefill_span_p50_ms", "prefill_schedule_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms",
+           "prefill_token_wait_p50_ms", "prefill_after_p50_ms",
            "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 
@@ -389,8 +390,10 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                "admission_to_token_p50_ms": round(percentile([(r.first_token_s - r.admitted_s) * 1e3 for r in done],
                                                              50), 3),
                # Where it goes, per prefill step (PrefillTiming): the GPU's span from the first launch to the
-               # tokens' copy (CUDA events), and the host's launch, saves' calls and wait for the tokens.
-               **prefill_timings_p50_ms(engine),
+               # tokens' copy (CUDA events), and the host's scheduling, launch, saves' calls, wait for the
+               # tokens and work after them (medians; their means, which a batch-1 cycle adds up, apart).
+               **prefill_timings_ms(engine, "p50"),
+               "prefill_mean_ms": prefill_timings_ms(engine, "mean"),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
                "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
@@ -432,14 +435,17 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         detach_kvcached(engine)
 
 
-def prefill_timings_p50_ms(engine: Engine) -> dict[str, float | None]:
-    """The medians of the engine's prefill steps' timings since they were cleared, in ms."""
-    medians = {}
+def prefill_timings_ms(engine: Engine, statistic: str) -> dict[str, float | None]:
+    """The medians ("p50") or means ("mean") of the engine's prefill steps' timings since they were
+    cleared, in ms, by field (``prefill_<field>_p50_ms``, or the field's name for means)."""
+    values = {}
     for field in PrefillTiming._fields:
         samples = [getattr(t, field) for t in engine.prefill_timings if getattr(t, field) is not None]
-        medians[f"prefill_{field.removesuffix('_s')}_p50_ms"] = \
-            round(percentile(samples, 50) * 1e3, 3) if samples else None
-    return medians
+        value = (percentile(samples, 50) if statistic == "p50" else float(np.mean(samples))) if samples else None
+        name = field.removesuffix("_s")
+        values[f"prefill_{name}_p50_ms" if statistic == "p50" else name] = \
+            None if value is None else round(value * 1e3, 3)
+    return values
 
 
 def predicted_requests(engine: Engine) -> int:

@@ -29,13 +29,17 @@ MAX_PREFILL_TIMINGS = 10_000        # the latest prefill steps' timings kept (pr
 
 
 class PrefillTiming(NamedTuple):
-    """Where a prefill step's time goes, for benchmarks: host seconds to launch its forward and
-    tokens (``launch_s``), in the connector's saves queued after them (``save_call_s``), then
-    waiting for the tokens while polling (``token_wait_s``); and the GPU's span from its first
-    launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    """Where a prefill step's time goes, for benchmarks: host seconds to schedule it (the
+    connector's news, admission: ``schedule_s``), to launch its forward and tokens (``launch_s``),
+    in the connector's saves queued after them (``save_call_s``), waiting for the tokens while
+    polling (``token_wait_s``), and from the tokens to the step's return (finishes, saves due:
+    ``after_s``); and the GPU's span from its first launch to its tokens' copy, by CUDA events
+    (``span_s``; None on CPU)."""
+    schedule_s: float
     launch_s: float
     save_call_s: float
     token_wait_s: float
+    after_s: float
     span_s: float | None
 
 
@@ -125,6 +129,7 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[Request]:
+        scheduled = time.perf_counter()
         plan = self.scheduler.schedule()
         started = time.perf_counter()
         # Recompute samples for the cost model: prefills of whole prompts alone. A prefill that waits
@@ -142,9 +147,7 @@ class Engine:
             self.scheduler.save_prefilled(plan.prefill)
             saved_s = time.perf_counter()
             token_ids = self._tokens(tokens)
-            self.prefill_timings.append(PrefillTiming(
-                launched_s - started, saved_s - launched_s, time.perf_counter() - saved_s,
-                None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
+            tokens_s = time.perf_counter()
             sampled = self.scheduler.prefill_done(plan.prefill)     # None: a dropped chunk's row
         elif plan.decode:
             logits = self._run_decode(plan.decode)
@@ -167,6 +170,11 @@ class Engine:
                 del self._requests[request.request_id]
                 finished.append(request)
         self.scheduler.save_due()          # the saves left, once the first tokens are out
+        if plan.prefill:
+            self.prefill_timings.append(PrefillTiming(
+                started - scheduled, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
+                time.perf_counter() - tokens_s,
+                None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
         return finished
 
     def _record_event(self) -> torch.cuda.Event | None:
