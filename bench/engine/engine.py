@@ -32,13 +32,16 @@ class PrefillTiming(NamedTuple):
     """Where a prefill step's time goes, for benchmarks: host seconds to schedule it (the
     connector's news, admission: ``schedule_s``), to launch its forward and tokens (``launch_s``),
     in the connector's saves queued after them (``save_call_s``), waiting for the tokens while
-    polling (``token_wait_s``), and from the tokens to the step's return (finishes, saves due:
-    ``after_s``); and the GPU's span from its first launch to its tokens' copy, by CUDA events
-    (``span_s``; None on CPU)."""
+    polling (``token_wait_s``; of it, in the connector's polls and admissions: ``poll_s``, the
+    last of them, after which the tokens were seen ready: ``last_poll_s``), and from the tokens to
+    the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first launch
+    to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
     schedule_s: float
     launch_s: float
     save_call_s: float
     token_wait_s: float
+    poll_s: float
+    last_poll_s: float
     after_s: float
     span_s: float | None
 
@@ -63,6 +66,7 @@ class Engine:
         # first, and a restore slows the other requests' steps less.
         self.stream = None
         self._host_tokens = None            # a step's greedy tokens on their way to the host (CUDA)
+        self._poll_s = self._last_poll_s = 0.0     # the last wait for tokens: its polls (PrefillTiming)
         if self.device.type == "cuda":
             self._host_tokens = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
             self.stream = torch.cuda.Stream(self.device, priority=-(1 << 10))   # the highest there is
@@ -173,7 +177,7 @@ class Engine:
         if plan.prefill:
             self.prefill_timings.append(PrefillTiming(
                 started - scheduled, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
-                time.perf_counter() - tokens_s,
+                self._poll_s, self._last_poll_s, time.perf_counter() - tokens_s,
                 None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
         return finished
 
@@ -205,14 +209,21 @@ class Engine:
         requests' prompt blocks that admission left unhashed."""
         token_ids, copied = launched
         scheduler = self.scheduler
+        started = time.perf_counter()
         scheduler.poll_connector()
         scheduler.admit_during_step()
+        polled = time.perf_counter()
+        self._poll_s = self._last_poll_s = polled - started
         if copied is not None:
             if scheduler.connector is not None:
                 scheduler.hash_ahead()
                 while not copied.query():
+                    started = time.perf_counter()
                     scheduler.poll_connector()
                     scheduler.admit_during_step()
+                    polled = time.perf_counter()
+                    self._last_poll_s = polled - started
+                    self._poll_s += self._last_poll_s
             copied.synchronize()
         return token_ids.tolist()
 
