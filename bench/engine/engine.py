@@ -29,13 +29,17 @@ MAX_PREFILL_TIMINGS = 10_000        # the latest prefill steps' timings kept (pr
 
 
 class PrefillTiming(NamedTuple):
-    """Where a prefill step's time goes, for benchmarks: host seconds to schedule it (the
+    """Where a prefill step's time goes, for benchmarks: from the last step's tokens to this
+    step's first launch, on the host (``gap_s``) and on the GPU (``gpu_gap_s``, CUDA events; None
+    on CPU or for the first step); host seconds to schedule it (the
     connector's news, admission: ``schedule_s``), to launch its forward and tokens (``launch_s``),
     in the connector's saves queued after them (``save_call_s``), waiting for the tokens while
     polling (``token_wait_s``; of it, in the connector's polls and admissions: ``poll_s``, the
     last of them, after which the tokens were seen ready: ``last_poll_s``), and from the tokens to
     the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first launch
     to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    gap_s: float | None
+    gpu_gap_s: float | None
     schedule_s: float
     launch_s: float
     save_call_s: float
@@ -67,6 +71,7 @@ class Engine:
         self.stream = None
         self._host_tokens = None            # a step's greedy tokens on their way to the host (CUDA)
         self._poll_s = self._last_poll_s = 0.0     # the last wait for tokens: its polls (PrefillTiming)
+        self._last_tokens = None            # the last step's tokens: (seen on the host, their copy's event)
         if self.device.type == "cuda":
             self._host_tokens = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
             self.stream = torch.cuda.Stream(self.device, priority=-(1 << 10))   # the highest there is
@@ -143,6 +148,8 @@ class Engine:
             and all(chunk.first_token == 0 for chunk in plan.prefill)
         if plan.prefill:
             forward_started = self._record_event()
+            forward_started_s = time.perf_counter()
+            last_s, last_event = self._last_tokens or (None, None)
             logits = self._run_prefill(plan.prefill)
             tokens = self._launch_tokens(logits)
             launched_s = time.perf_counter()
@@ -176,6 +183,8 @@ class Engine:
         self.scheduler.save_due()          # the saves left, once the first tokens are out
         if plan.prefill:
             self.prefill_timings.append(PrefillTiming(
+                None if last_s is None else forward_started_s - last_s,
+                None if last_event is None else last_event.elapsed_time(forward_started) / 1e3,
                 started - scheduled, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
                 self._poll_s, self._last_poll_s, time.perf_counter() - tokens_s,
                 None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
@@ -225,6 +234,7 @@ class Engine:
                     self._last_poll_s = polled - started
                     self._poll_s += self._last_poll_s
             copied.synchronize()
+        self._last_tokens = (time.perf_counter(), copied)
         return token_ids.tolist()
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -278,7 +288,7 @@ class Engine:
                          + token_positions % self.block_size)
             block_table = None
             if first:
-                block_table = torch.from_numpy(block_ids.astype(np.int32)).to(self.device)
+                block_table = self._to_device(block_ids.astype(np.int32))
             paged = bool(first) and self.decode_backend == "triton" and num_tokens <= PAGED_PREFILL_MAX_ROWS
             seqs.append(PrefillSeq(start, num_tokens, first, block_table, paged))
             start += num_tokens
@@ -300,10 +310,19 @@ class Engine:
             block_tables[i, : len(request.block_ids)] = request.block_ids
         slots = block_tables[np.arange(len(requests)), positions // self.block_size].astype(np.int64) \
             * self.block_size + positions % self.block_size
-        batch = DecodeBatch(torch.from_numpy(block_tables).to(self.device),
-                            torch.from_numpy((positions + 1).astype(np.int32)).to(self.device), self.decode_backend)
+        batch = DecodeBatch(self._to_device(block_tables), self._to_device((positions + 1).astype(np.int32)),
+                            self.decode_backend)
         return self.model(self._int64([[r.token_ids[-1] for r in requests]]), self._int64([positions]),
                           self.kv_caches, self._int64([slots]), batch, self._int64([np.arange(len(requests))]))
 
     def _int64(self, parts) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).to(self.device)
+        return self._to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A step's input on the device. On CUDA through pinned memory (torch's caching host
+        allocator), copied without a host wait: a copy from pageable memory makes the host wait
+        for the copy engine, which a save's DMA to L2 may hold for a millisecond."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
