@@ -113,7 +113,7 @@ DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
            "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
            "prefill_span_p50_ms", "prefill_gap_p50_ms", "prefill_gpu_gap_p50_ms", "prefill_schedule_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms",
-           "prefill_token_wait_p50_ms", "prefill_poll_p50_ms", "prefill_last_poll_p50_ms", "prefill_after_p50_ms",
+           "prefill_token_wait_p50_ms", "prefill_after_p50_ms",
            "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
 

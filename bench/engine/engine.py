@@ -31,21 +31,18 @@ MAX_PREFILL_TIMINGS = 10_000        # the latest prefill steps' timings kept (pr
 class PrefillTiming(NamedTuple):
     """Where a prefill step's time goes, for benchmarks: from the last step's tokens to this
     step's first launch, on the host (``gap_s``) and on the GPU (``gpu_gap_s``, CUDA events; None
-    on CPU or for the first step); host seconds to schedule it (the
-    connector's news, admission: ``schedule_s``), to launch its forward and tokens (``launch_s``),
-    in the connector's saves queued after them (``save_call_s``), waiting for the tokens while
-    polling (``token_wait_s``; of it, in the connector's polls and admissions: ``poll_s``, the
-    last of them, after which the tokens were seen ready: ``last_poll_s``), and from the tokens to
-    the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first launch
-    to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    on CPU or for the first step: longer than ``gap_s`` where the GPU was still busy with other
+    work, such as a save's DMA); host seconds to schedule it (the connector's news, admission:
+    ``schedule_s``), to launch its forward and tokens (``launch_s``), in the connector's saves
+    queued after them (``save_call_s``), waiting for the tokens while polling (``token_wait_s``),
+    and from the tokens to the step's return (finishes, saves due: ``after_s``); and the GPU's
+    span from its first launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
     gap_s: float | None
     gpu_gap_s: float | None
     schedule_s: float
     launch_s: float
     save_call_s: float
     token_wait_s: float
-    poll_s: float
-    last_poll_s: float
     after_s: float
     span_s: float | None
 
@@ -70,7 +67,6 @@ class Engine:
         # first, and a restore slows the other requests' steps less.
         self.stream = None
         self._host_tokens = None            # a step's greedy tokens on their way to the host (CUDA)
-        self._poll_s = self._last_poll_s = 0.0     # the last wait for tokens: its polls (PrefillTiming)
         self._last_tokens = None            # the last step's tokens: (seen on the host, their copy's event)
         if self.device.type == "cuda":
             self._host_tokens = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -186,7 +182,7 @@ class Engine:
                 None if last_s is None else forward_started_s - last_s,
                 None if last_event is None else last_event.elapsed_time(forward_started) / 1e3,
                 started - scheduled, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
-                self._poll_s, self._last_poll_s, time.perf_counter() - tokens_s,
+                time.perf_counter() - tokens_s,
                 None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
         return finished
 
@@ -218,21 +214,14 @@ class Engine:
         requests' prompt blocks that admission left unhashed."""
         token_ids, copied = launched
         scheduler = self.scheduler
-        started = time.perf_counter()
         scheduler.poll_connector()
         scheduler.admit_during_step()
-        polled = time.perf_counter()
-        self._poll_s = self._last_poll_s = polled - started
         if copied is not None:
             if scheduler.connector is not None:
                 scheduler.hash_ahead()
                 while not copied.query():
-                    started = time.perf_counter()
                     scheduler.poll_connector()
                     scheduler.admit_during_step()
-                    polled = time.perf_counter()
-                    self._last_poll_s = polled - started
-                    self._poll_s += self._last_poll_s
             copied.synchronize()
         self._last_tokens = (time.perf_counter(), copied)
         return token_ids.tolist()
@@ -321,7 +310,7 @@ class Engine:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A step's input on the device. On CUDA through pinned memory (torch's caching host
         allocator), copied without a host wait: a copy from pageable memory makes the host wait
-        for the copy engine, which a save's DMA to L2 may hold for a millisecond."""
+        for the copy engine, which a save's DMA to L2 may hold."""
         host = torch.from_numpy(array)
         if self.device.type != "cuda":
             return host
