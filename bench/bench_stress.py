@@ -306,12 +306,13 @@ def run_case(model, workload: Workload, prompts, tier: str, policy: str, saves: 
 def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, args):
     """A daemon of its own for the L3-cold tier: an O_DIRECT L3 holding every prefix (written by
     the reference's cache engine, so its KV is the own-cache reference's) and an L2 holding about
-    1.5 x batch requests (the promotions and write-throughs of a batch in flight need room), fewer
-    than the rotation's 8 prefixes (for batch <= 5). Its one engine may reserve all of L2 (the
+    1.5 x batch requests, 3 at least (the promotions and write-throughs of a batch in flight need
+    room: with 2 at batch 1 a promotion under "always" was now and then cut short by pages still
+    on their way to L3), fewer than the rotation's 8 prefixes (for batch <= 5). Its one engine may reserve all of L2 (the
     default half would cut a batch's promotions short)."""
     bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
     per_request = workload.blocks_per_request
-    l2_pages = max(2 * per_request, int(1.5 * batch * per_request)) + 8
+    l2_pages = max(3 * per_request, int(1.5 * batch * per_request)) + 8
     l3_pages = 2 * (len(workload.prefixes) * per_request + 2 * (args.requests + 32)) + 64
     with KVDaemon(l2_pages * bytes_per_page, l3_pages * bytes_per_page, o_direct=True, l3_dir=args.l3_dir,
                   extra_args=("--session-share", "1") + args.wiring.daemon_args()) as daemon:
@@ -483,6 +484,10 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
             cases.append(("l3-cold", "cost", False, True))
         if args.predict_off and "l3-cold" in tiers:
             cases.append(("l3-cold", "cost", True, False))
+        # The baseline first, the cold-L3 target's cases (policy cost, and its twins) right after it:
+        # the GPU's speed drifts by a percent or two over a round's minute, and a speed-up is over
+        # the baseline measured closest to it.
+        cases.sort(key=lambda case: (case[0] != "none", case[:2] != ("l3-cold", "cost")))
         reference = Reference(model, workload, daemon, args,
                               num_cases=sum(tier != "none" for tier, *_ in cases) * len(batches) * args.repeats)
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
