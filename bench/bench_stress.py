@@ -395,6 +395,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                # tokens and work after them (medians; their means, which a batch-1 cycle adds up, apart).
                **prefill_timings_ms(engine, "p50"),
                "prefill_mean_ms": prefill_timings_ms(engine, "mean"),
+               "prefill_steps": len(engine.prefill_timings),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
                "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
