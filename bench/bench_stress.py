@@ -112,7 +112,8 @@ DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
            "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
-           "prefill_span_p50_ms", "prefill_gap_p50_ms", "prefill_gpu_gap_p50_ms", "prefill_schedule_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms",
+           "prefill_span_p50_ms", "prefill_gap_p50_ms", "prefill_gpu_gap_p50_ms", "prefill_schedule_p50_ms",
+           "prefill_schedule_poll_p50_ms", "prefill_launch_p50_ms", "prefill_save_call_p50_ms",
            "prefill_token_wait_p50_ms", "prefill_after_p50_ms",
            "ttft_p95_ms", "ttft_p99_ms", "restored_requests", "predicted_requests",
            "mismatches", "mismatches_beyond_noise", "kv_mismatches", "engine_cache_hit_tokens"]
@@ -396,6 +397,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                **prefill_timings_ms(engine, "p50"),
                "prefill_mean_ms": prefill_timings_ms(engine, "mean"),
                "prefill_steps": len(engine.prefill_timings),
+               # A request's add_request: its validation and, with a connector, its lookup's send (or prediction).
+               "add_request_mean_ms": round(float(np.mean([(r.added_s - r.arrival_s) * 1e3 for r in done])), 3),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
                "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
                round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),

@@ -33,13 +33,15 @@ class PrefillTiming(NamedTuple):
     step's first launch, on the host (``gap_s``) and on the GPU (``gpu_gap_s``, CUDA events; None
     on CPU or for the first step: longer than ``gap_s`` where the GPU was still busy with other
     work, such as a save's DMA); host seconds to schedule it (the connector's news, admission:
-    ``schedule_s``), to launch its forward and tokens (``launch_s``), in the connector's saves
-    queued after them (``save_call_s``), waiting for the tokens while polling (``token_wait_s``),
-    and from the tokens to the step's return (finishes, saves due: ``after_s``); and the GPU's
-    span from its first launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    ``schedule_s``; of it, the connector's news at its start: ``schedule_poll_s``), to launch its
+    forward and tokens (``launch_s``), in the connector's saves queued after them
+    (``save_call_s``), waiting for the tokens while polling (``token_wait_s``), and from the tokens
+    to the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first
+    launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
     gap_s: float | None
     gpu_gap_s: float | None
     schedule_s: float
+    schedule_poll_s: float
     launch_s: float
     save_call_s: float
     token_wait_s: float
@@ -111,6 +113,7 @@ class Engine:
                           frozenset(stop_token_ids), arrival_s, _token_array=tokens.astype(np.int32))
         self._requests[request.request_id] = request
         self.scheduler.add(request)
+        request.added_s = time.perf_counter()
         return request
 
     def abort(self, request_id: int) -> bool:
@@ -181,7 +184,7 @@ class Engine:
             self.prefill_timings.append(PrefillTiming(
                 None if last_s is None else forward_started_s - last_s,
                 None if last_event is None else last_event.elapsed_time(forward_started) / 1e3,
-                started - scheduled, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
+                started - scheduled, self.scheduler.schedule_poll_s, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
                 time.perf_counter() - tokens_s,
                 None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
         return finished

@@ -64,6 +64,7 @@ class Request:
     lookup_waited: bool = False            # the host waited (lookup_wait_s) for that lookup's reply
     lookup_begun: bool = False             # that lookup is the request's match (connector.begin)
     num_preemptions: int = 0
+    added_s: float | None = None           # time.perf_counter() when add_request returned (its lookup sent)
     admitted_s: float | None = None        # time.perf_counter() at its (latest) admission
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -72,6 +72,7 @@ class Scheduler:
         # the GPU runs the forward (``save_prefilled``), those of this step in ``saved_early``.
         self.saves_due: list[tuple[Request, int]] = []
         self.saved_early: set[int] = set()
+        self.schedule_poll_s = 0.0      # the last schedule's time in poll_connector (PrefillTiming)
 
     @property
     def connector(self) -> EngineConnector | None:
@@ -101,7 +102,9 @@ class Scheduler:
     # ---- a step ----------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        started = time.perf_counter()
         self.poll_connector()
+        self.schedule_poll_s = time.perf_counter() - started    # the connector's news first (timings)
         if self._admit() and self.config.load_mode == "layerwise":
             self.poll_connector()       # a load queued at its admission (its match was in) prefills now
         if self.config.load_mode == "blocking":
