@@ -74,7 +74,13 @@ Each row's ``predicted_requests`` counts the timed requests admitted on a predic
 launch to its tokens' copy, CUDA events; None on CPU): the rest of it is host time. Beside it, the
 host's part of a prefill step: ``prefill_launch_p50_ms`` (its forward's and tokens' launches: close
 to the span where the forward is bound by its launches), ``prefill_save_call_p50_ms`` (the saves
-queued after them) and ``prefill_token_wait_p50_ms`` (polling until the tokens are in).
+queued after them) and ``prefill_token_wait_p50_ms`` (polling until the tokens are in); before
+it, the gap from the last step's tokens to its first launch on the host (``prefill_gap_p50_ms``;
+of it ``prefill_schedule_p50_ms``, the connector's news first, ``prefill_schedule_poll_p50_ms``,
+and ``add_request_mean_ms`` per request) and on the GPU (``prefill_gpu_gap_p50_ms``: longer where
+the next forward waited on the GPU, say behind a save's copies). ``prefill_mean_ms`` has the
+means of all these (a batch-1 cycle is their sum), ``prefill_steps`` how many prefill steps the
+requests took (how the batch was grouped).
 """
 
 from __future__ import annotations
@@ -309,8 +315,8 @@ def cold_l3_daemon(model, workload: Workload, reference: Reference, batch: int, 
     the reference's cache engine, so its KV is the own-cache reference's) and an L2 holding about
     1.5 x batch requests, 3 at least (the promotions and write-throughs of a batch in flight need
     room: with 2 at batch 1 a promotion under "always" was now and then cut short by pages still
-    on their way to L3), fewer than the rotation's 8 prefixes (for batch <= 5). Its one engine may reserve all of L2 (the
-    default half would cut a batch's promotions short)."""
+    on their way to L3), fewer than the rotation's 8 prefixes (for batch <= 5). Its one engine may
+    reserve all of L2 (the default half would cut a batch's promotions short)."""
     bytes_per_page = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8) * BLOCK_SIZE
     per_request = workload.blocks_per_request
     l2_pages = max(3 * per_request, int(1.5 * batch * per_request)) + 8
@@ -364,7 +370,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
             control.drop_l3_page_cache()
         counts_before = control.counts() if control is not None else None
         predicted_before = predicted_requests(engine)
-        engine.prefill_timings.clear()
+        engine.clear_prefill_timings()           # nor the gap since the warm-up's last step
         with args.wiring.engine_thread():
             done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)

@@ -125,6 +125,12 @@ class Engine:
         self.scheduler.finish(request, "abort", time.perf_counter())
         return True
 
+    def clear_prefill_timings(self) -> None:
+        """Forget the prefill steps' timings so far; the next step's gap is not timed (None), as
+        an engine's first step's."""
+        self.prefill_timings.clear()
+        self._last_tokens = None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -184,7 +190,8 @@ class Engine:
             self.prefill_timings.append(PrefillTiming(
                 None if last_s is None else forward_started_s - last_s,
                 None if last_event is None else last_event.elapsed_time(forward_started) / 1e3,
-                started - scheduled, self.scheduler.schedule_poll_s, launched_s - started, saved_s - launched_s, tokens_s - saved_s,
+                started - scheduled, self.scheduler.schedule_poll_s, launched_s - started,
+                saved_s - launched_s, tokens_s - saved_s,
                 time.perf_counter() - tokens_s,
                 None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
         return finished
