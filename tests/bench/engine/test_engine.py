@@ -177,3 +177,28 @@ def test_a_request_left_waiting_for_a_seat_is_timed_from_its_admission(tmp_path)
     while engine.has_unfinished():
         engine.step()
     assert first.finish_s <= second.admitted_s <= second.first_token_s, f"seed {seed}"
+
+
+def test_prefill_timings_cover_each_prefill_step_and_its_gap_since_the_last_tokens(tmp_path):
+    """One PrefillTiming per prefill step (none for decode steps). The gap since the last step's
+    tokens is None for the first step and after clear_prefill_timings, and otherwise runs from
+    those tokens to this step's first launch: it holds the add_request in between. The connector's
+    part of scheduling is within scheduling; on CPU nothing is timed on the GPU."""
+    seed = 1700
+    engine = engine_on(hf_model(seed), tmp_path, max_num_seqs=1)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [random_prompt(generator, 20 + 7 * i) for i in range(3)]
+    (first,) = engine.generate([prompts[0]], 3)          # one prefill step, two decode steps
+    assert len(engine.prefill_timings) == 1 and engine.prefill_timings[0].gap_s is None, f"seed {seed}"
+    second = engine.add_request(prompts[1], 1)
+    engine.step()
+    timing = engine.prefill_timings[-1]
+    assert len(engine.prefill_timings) == 2, f"seed {seed}"
+    assert timing.gap_s >= second.added_s - second.arrival_s > 0, f"seed {seed}"
+    assert first.finish_s <= second.arrival_s <= second.added_s <= second.admitted_s, f"seed {seed}"
+    assert 0 <= timing.schedule_poll_s <= timing.schedule_s and timing.span_s is None, f"seed {seed}"
+    assert timing.gpu_gap_s is None, f"seed {seed}: no GPU"
+
+    engine.clear_prefill_timings()
+    engine.generate([prompts[2]], 1)
+    assert len(engine.prefill_timings) == 1 and engine.prefill_timings[0].gap_s is None, f"seed {seed}"
