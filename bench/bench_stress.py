@@ -16,8 +16,12 @@ Tiers:
   none     no connector: every request prefills its prefix
   l2       the prefixes in L2 (saved by another engine first); each request loads its prefix
   l3-cold  the prefixes in L3 alone, cold (O_DIRECT, page cache dropped), in a daemon of their own
-           whose L2 holds fewer requests than the rotation: a prefix is gone from L2 when it comes
-           round again, and every request's new pages are written through to L3
+           whose L2 holds fewer requests than the rotation: a prefix saved to L2 is gone from it
+           when it comes round again, and its new pages are written through to L3. Under "cost",
+           once L2 is full, the daemon reserves no pages for the save of a path whose L3 hit it
+           declined and that was last used before anything L2 holds (its copy would be evicted
+           before its next use): those requests write nothing, and the prefixes L2 holds stay
+           there, restored from it when they come round (``restored_requests``)
 
 Each tier with a connector runs under each restore policy of ``--policies``: "always" (every hit
 restored: the tier forced) and "cost" (the daemon's cost model decides; its L3-cold rows are the
@@ -98,7 +102,7 @@ import traceback
 import numpy as np
 import torch
 
-from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, write_result
+from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, profiled, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.engine.engine import PrefillTiming
 from bench.stress_engines import Spec, run_engines
@@ -115,7 +119,8 @@ COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least th
 # promotions and their reads (published, cut for want of room, failed, checksum mismatches), and
 # the room its L2 had (reservations cut or failed, evictions).
 DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
-                 "reservations_capped", "backup_reserve_failures", "backup_pages_", "evicted_pages")
+                 "reservations_capped", "backup_reserve_failures", "backup_pages_", "backup_policy_skips",
+                 "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
            "ttft_p50_ms", "admission_wait_p50_ms", "daemon_match_mean_ms", "admission_to_token_p50_ms",
            "prefill_span_p50_ms", "prefill_gap_p50_ms", "prefill_gpu_gap_p50_ms", "prefill_schedule_p50_ms",
@@ -371,7 +376,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
         counts_before = control.counts() if control is not None else None
         predicted_before = predicted_requests(engine)
         engine.clear_prefill_timings()           # nor the gap since the warm-up's last step
-        with args.wiring.engine_thread():
+        with args.wiring.engine_thread(), \
+                profiled(f"stress_b{batch}_{tier}_{policy}{'' if predict else '_predict_off'}"):
             done, wall_s = closed_loop(engine, prompts, batch)
         settle(engine, control)
         # What the timed run cost the daemon: its MATCH handling (the wait it is part of), and its
@@ -608,8 +614,11 @@ def main() -> None:
     rows: list[dict] = []
     notes = ["a warm tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request); l3-cold "
              "here keeps a cold L3 by a small L2 (batch <= 5) and the page cache dropped before the timed run",
+             "l3-cold under cost: a request whose L3 hit is declined saves nothing once L2 is full and its path was "
+             "last used before anything L2 holds (connector save_skipped_pages_evicted_before_reuse); the "
+             "prefixes L2 keeps are restored from it (restored_requests), at batch 1 too",
              "l3-cold at batch > 1: some requests restore from L2, hit the engine's own cache, or find their L2 "
-             "pages evicted since their lookup (the row's connector counters say how many); at batch 1 none may"]
+             "pages evicted since their lookup (the row's connector counters say how many)"]
     if not args.engines:
         notes.append("several engine processes on one GPU: not run (--engines N)")
     paths, errors = [], []

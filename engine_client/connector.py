@@ -413,6 +413,7 @@ class _Request:
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
     decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
+    backup_skipped: str = ""            # why the daemon reserved no pages for its saves (the reply's)
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -804,6 +805,7 @@ class KVConnector:
         request.reserved = np.asarray(reply.backup_page_ids, dtype=np.int64)
         request.written = np.zeros(len(request.reserved), dtype=bool)
         request.queued = np.zeros(len(request.reserved), dtype=bool)
+        request.backup_skipped = reply.backup_skipped
         if self.peer is not None:
             request.peer_plan = self._peer_plan(reply)
         self.counters["matches"] += 1
@@ -813,7 +815,7 @@ class KVConnector:
             if request.predicted and reply.choice not in ("recompute", "engine"):
                 self.counters["prediction_misses"] += 1     # a restore the model would have taken, declined
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
-        if self.config.save and len(request.reserved) < lacking:     # skipped, by cause, at save
+        if self.config.save and len(request.reserved) < lacking and not request.backup_skipped:   # by cause, at save
             self.counters["reservation_short_pages"] += lacking - len(request.reserved)
 
     def _match_failed(self, request: _Request, exc: Exception | None) -> None:
@@ -969,7 +971,7 @@ class KVConnector:
         lease_end = len(request.token_ids) // self.page_size
         reserved_end = request.hit_pages + len(request.reserved)
         self._skip(end - max(first, lease_end), "beyond_lease")
-        self._skip(min(end, lease_end) - max(first, reserved_end), "no_space")
+        self._skip(min(end, lease_end) - max(first, reserved_end), request.backup_skipped or "no_space")
         end = min(end, reserved_end)
         if first >= end:
             return
@@ -1095,7 +1097,8 @@ class KVConnector:
         """A save's pages not written: counted, logged once per cause, reported to the daemon."""
         if num_pages <= 0:
             return
-        if cause != "daemon_down":          # an outage is logged once, by the client
+        # An outage is logged once, by the client; a policy skip is the daemon's choice (counted).
+        if cause not in ("daemon_down", "evicted_before_reuse"):
             self._warn_once(f"save_{cause}", f"save pages skipped: {cause}")
         self.counters[f"save_skipped_pages_{cause}"] += num_pages
         self.counters["save_skipped_pages"] += num_pages

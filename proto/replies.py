@@ -63,6 +63,9 @@ class MatchReply(NamedTuple):
     restore_tokens: int = 0
     predicted_s: dict[str, float] = {}
     policy: str = ""
+    # Why no pages were reserved for saves of the pages beyond the L2 hit ("": it reserved what it
+    # could): "evicted_before_reuse", a path L3 holds that L2 would evict before its next use.
+    backup_skipped: str = ""
 
 
 class CommitReply(NamedTuple):

@@ -473,7 +473,12 @@ class DaemonState:
         if locked_node is not None:
             namespace.tree.lock(locked_node, Tier.L2)
         backup_page_ids: list[int] = []
-        if reserve_backup and num_pages > hit_pages:
+        backup_skipped = ""
+        if reserve_backup and num_pages > hit_pages and \
+                self._backup_evicted_before_reuse(namespace, result, decision, policy, num_pages - hit_pages):
+            backup_skipped = "evicted_before_reuse"
+            self.metrics.add("backup_policy_skips")
+        elif reserve_backup and num_pages > hit_pages:
             wanted = num_pages - hit_pages
             if wanted > allowed:
                 self.metrics.add("reservations_capped")
@@ -482,6 +487,8 @@ class DaemonState:
         if session.session_id in self.peers.by_session:
             hits["peer"] = len(peer_block_ids) * page_size
             self.metrics.add("hit_tokens_peer", hits["peer"])
+        if backup_skipped:
+            decided["backup_skipped"] = backup_skipped
         if locked_node is None and not backup_page_ids:
             return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
                               peer_epochs, **decided)
@@ -592,6 +599,24 @@ class DaemonState:
             self._background_move_ids[namespace.namespace_id] = move.op_id
             self.cost.counters["background_promotions_total"] += 1
         return move
+
+    def _backup_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
+                                     wanted: int) -> bool:
+        """Whether a save of this path would only rewrite into L2 what L3 holds (and what follows),
+        for L2 to evict before the path is used again: the cost model declined (policy cost) to
+        restore the pages only L3 holds, L2 has no room without evicting, and the path was last
+        used before the least recently used page L2 would evict next. Under LRU its copy would be
+        gone already; written, it would cost the engine its DMA (on the H200 machine about 1 ms
+        per 50 MB, beside the engine's next forward) and L2 a page more recently used, for nothing."""
+        if decision is None or (policy or self.cost.policy) != "cost" or decision.choice == "l3":
+            return False
+        if result.hit_tokens.get(Tier.L3, 0) <= result.hit_tokens[Tier.L2]:
+            return False            # L3 holds nothing beyond the L2 hit: the save backs up new pages
+        last_used = result.previous_access.get(Tier.L3)
+        if last_used is None or namespace.allocator(Tier.L2).num_free >= wanted:
+            return False
+        oldest = namespace.tree.oldest_evictable_access(Tier.L2)
+        return oldest is not None and last_used < oldest
 
     def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
         """How many more L2 pages this session may reserve: ``session_share`` of the namespace's

@@ -78,6 +78,9 @@ class MatchResult(NamedTuple):
     page_ids: dict[Tier, list[int]]
     last_node: dict[Tier, TreeNode | None]
     matched_tokens: int
+    # Per tier, the LRU time of the deepest hit node before this match touched it (None: no hit):
+    # when the prefix was last used there.
+    previous_access: dict[Tier, float | None] = {}
 
 
 class ResidentPages(NamedTuple):
@@ -208,25 +211,28 @@ class PrefixTree:
         hit_tokens: dict[Tier, int] = {}
         page_ids: dict[Tier, list[int]] = {}
         last_node: dict[Tier, TreeNode | None] = {}
+        previous_access: dict[Tier, float | None] = {}
         for tier in self.tiers:
             tier_page_ids: list[int] = []
-            deepest = None
+            deepest = previous = None
             for path_node in path:
                 node_page_ids = path_node.page_ids[tier]
                 if node_page_ids is None:
                     break
                 tier_page_ids.extend(node_page_ids)
+                previous = path_node.last_access[tier]
                 if touch:
                     path_node.last_access[tier] = now
                 deepest = path_node
             hit_tokens[tier] = len(tier_page_ids) * self.page_size
             page_ids[tier] = tier_page_ids
             last_node[tier] = deepest
+            previous_access[tier] = previous
             if deepest is not None and touch:
                 # Only the deepest hit node can be evictable: each shallower one has a resident
                 # child on the path. Its LRU time changed, so it needs a fresh heap entry.
                 self._push_if_evictable(deepest, tier)
-        return MatchResult(hit_tokens, page_ids, last_node, pos // _TOKEN_BYTES)
+        return MatchResult(hit_tokens, page_ids, last_node, pos // _TOKEN_BYTES, previous_access)
 
     # ---- lock / unlock -------------------------------------------------------------------
 

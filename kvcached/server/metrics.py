@@ -82,6 +82,7 @@ DAEMON_COUNTERS = (
     _rule("(h2s|s2h)_no_space", "kvcached_policy_skips", "Copies to another tier not made, by reason",
           ("direction",), reason="no_space"),
     _rule("(h2s|s2h)_policy_skips", "kvcached_policy_skips", "", ("direction",), reason="backlog"),
+    _rule("backup_policy_skips", "kvcached_policy_skips", "", direction="d2h", reason="evicted_before_reuse"),
     _rule("(h2s|s2h)_(count|seconds|queue_wait_seconds|end_to_end_seconds)", None),   # the histograms
     _rule("attaches", "kvcached_attaches", "Engine sessions attached"),
     _rule("sessions_(expired|grace_exceeded|ended_process_gone|replaced)", "kvcached_sessions_ended",

@@ -12,6 +12,7 @@ from kvcached.core.tiers import Tier
 from proto.replies import MatchReply
 from tests.core.test_daemon_l3 import L3_BYTES, commit, only_in_l3
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, back_up, tokens
+from tests.server.test_metrics import exported, value
 
 BYTES_PER_PAGE = GEOMETRY.bytes_per_page
 
@@ -170,4 +171,87 @@ def test_slow_storage_writes_do_not_stop_backups_to_l3(rng):
     assert write_through is not None and write_through.direction == "h2s" and len(write_through.private_page_ids) == 4
     state.finish_move(write_through, ok=True)
     assert state.status()["cost_model"]["storage"]["s2h"]["samples_total"] == 0
+    state.check_integrity()
+
+
+
+def declined_path_l2_full(state: DaemonState, session_id: int, rng) -> bytes:
+    """A 4-page path only L3 holds, last used before anything L2 now holds (L2 is full of a later
+    16-page backup), on a disk the model has measured slow."""
+    prefix = tokens(rng, 4)
+    _, move = commit(state, session_id, prefix)
+    state.finish_move(move, ok=True)
+    state.clock.advance(1.0)
+    _, move = commit(state, session_id, tokens(rng, 16))       # all of L2: evicts the prefix there
+    state.finish_move(move, ok=True)
+    state.clock.advance(1.0)
+    slow_disk(state, rng)
+    hits = state.lookup(session_id, prefix).hit_tokens          # a lookup: uses nothing
+    assert (hits["l2"], hits["l3"]) == (0, 4 * PAGE)
+    return prefix
+
+
+def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_nothing(rng):
+    """A match (with a backup reservation) of a path whose L3 hit the model declines, last used
+    before the least recently used page of a full L2: no page is reserved (its copy would be evicted
+    before its next use), the reply says why, the skip is counted, L2 keeps what it held. The path
+    used again at once (sooner than anything L2 holds) gets its reservation."""
+    state = make_state()
+    session, _ = state.attach(GEOMETRY, pid=1)
+    prefix = declined_path_l2_full(state, session.session_id, rng)
+    l2_before = state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2)
+    request = prefix + tokens(rng, 1)
+    skipped = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+    assert isinstance(skipped, MatchReply) and skipped.choice == "recompute", skipped
+    assert (skipped.lease_id, skipped.backup_page_ids, skipped.backup_skipped) == (None, [], "evicted_before_reuse")
+    assert state.metrics.counters["backup_policy_skips"] == 1
+    assert value(exported(state.status()), "kvcached_policy_skips_total", direction="d2h",
+                 reason="evicted_before_reuse") == 1
+    assert state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2) == l2_before
+    state.check_integrity()
+    state.clock.advance(1.0)
+    again = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+    assert again.choice == "recompute" and again.backup_skipped == "" and len(again.backup_page_ids) == 5, again
+    state.release(session.session_id, again.lease_id)
+    assert state.metrics.counters["backup_policy_skips"] == 1
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("case", ["policy never", "L3 restore taken", "room in L2", "prefix in L2"])
+def test_a_save_is_reserved_unless_the_model_declined_l3_and_l2_would_evict_its_copy_first(case, rng):
+    """The same path and a full L2 as where the reservation is skipped, changed in one way: the
+    policy is never (nothing is declined by the model), the disk is fast (the L3 restore is taken:
+    the match promotes, then reserves), L2 has room (nothing would be evicted), or L2 holds the
+    path (the save writes only new pages): the match reserves the pages beyond the L2 hit."""
+    state = make_state()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = declined_path_l2_full(state, session.session_id, rng)
+    request = prefix + tokens(rng, 1)
+    policy, l2_hit = "", 0
+    if case == "policy never":
+        policy = "never"
+    elif case == "L3 restore taken":
+        state.cost = CostModel(CostPriors())                  # the prior: a fast disk
+        move = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+        assert isinstance(move, TierMove) and move.decision.choice == "l3"
+        state.finish_move(move, ok=True)
+        reply = state.match(session.session_id, request, reserve_backup=True, promoted_tokens=4 * PAGE,
+                            decision=move.decision)
+        assert reply.backup_skipped == "" and reply.backup_start_token == 4 * PAGE and len(reply.backup_page_ids) == 1
+        state.release(session.session_id, reply.lease_id)
+        state.check_integrity()
+        return
+    elif case == "room in L2":
+        tree = namespace.tree
+        namespace.allocator(Tier.L2).free(tree.evict(Tier.L2, 5))
+    else:
+        _, move = commit(state, session.session_id, prefix)    # the path back in L2, then L3 alone beyond it
+        if move is not None:
+            state.finish_move(move, ok=True)
+        l2_hit = 4
+    reply = state.match(session.session_id, request, reserve_backup=True, promote_l3=True, policy=policy)
+    assert isinstance(reply, MatchReply) and reply.backup_skipped == "", reply
+    assert reply.backup_start_token == l2_hit * PAGE and len(reply.backup_page_ids) == 5 - l2_hit, reply
+    assert state.metrics.counters["backup_policy_skips"] == 0
+    state.release(session.session_id, reply.lease_id)
     state.check_integrity()
