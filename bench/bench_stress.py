@@ -18,8 +18,8 @@ Tiers:
   l3-cold  the prefixes in L3 alone, cold (O_DIRECT, page cache dropped), in a daemon of their own
            whose L2 holds fewer requests than the rotation: a prefix saved to L2 is gone from it
            when it comes round again, and its new pages are written through to L3. Under "cost",
-           once L2 is full, the daemon reserves no pages for the save of a path whose L3 hit it
-           declined and that was last used before anything L2 holds (its copy would be evicted
+           once L2 lacks free pages for a save, the daemon reserves none for a path whose L3 hit
+           it declined and that was last used before the page L2 would evict next (its copy would be evicted
            before its next use): those requests write nothing, and the prefixes L2 holds stay
            there, restored from it when they come round (``restored_requests``)
 
@@ -614,8 +614,8 @@ def main() -> None:
     rows: list[dict] = []
     notes = ["a warm tier l3 is measured by bench_ttft (a throughput run cannot evict L2 per request); l3-cold "
              "here keeps a cold L3 by a small L2 (batch <= 5) and the page cache dropped before the timed run",
-             "l3-cold under cost: a request whose L3 hit is declined saves nothing once L2 is full and its path was "
-             "last used before anything L2 holds (connector save_skipped_pages_evicted_before_reuse); the "
+             "l3-cold under cost: a request whose L3 hit is declined saves nothing once L2 lacks free pages for it and "
+             "its path was last used before the page L2 would evict next (daemon_counts backup_policy_skips); the "
              "prefixes L2 keeps are restored from it (restored_requests), at batch 1 too",
              "l3-cold at batch > 1: some requests restore from L2, hit the engine's own cache, or find their L2 "
              "pages evicted since their lookup (the row's connector counters say how many)"]

@@ -474,8 +474,9 @@ class DaemonState:
             namespace.tree.lock(locked_node, Tier.L2)
         backup_page_ids: list[int] = []
         backup_skipped = ""
-        if reserve_backup and num_pages > hit_pages and \
-                self._backup_evicted_before_reuse(namespace, result, decision, policy, num_pages - hit_pages):
+        if reserve_backup and num_pages > hit_pages and (promote_l3 or recompute) and allowed > 0 and \
+                self._backup_evicted_before_reuse(namespace, result, decision, policy,
+                                                  min(num_pages - hit_pages, allowed)):
             backup_skipped = "evicted_before_reuse"
             self.metrics.add("backup_policy_skips")
         elif reserve_backup and num_pages > hit_pages:
@@ -602,18 +603,24 @@ class DaemonState:
 
     def _backup_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
                                      wanted: int) -> bool:
-        """Whether a save of this path would only rewrite into L2 what L3 holds (and what follows),
-        for L2 to evict before the path is used again: the cost model declined (policy cost) to
-        restore the pages only L3 holds, L2 has no room without evicting, and the path was last
-        used before the least recently used page L2 would evict next. Under LRU its copy would be
-        gone already; written, it would cost the engine its DMA (on the H200 machine about 1 ms
-        per 50 MB, beside the engine's next forward) and L2 a page more recently used, for nothing."""
+        """Whether a save of this path (``wanted`` pages; L3 a candidate of the match's decision)
+        would only rewrite into L2 what L3 holds (and what follows), for L2 to evict before the path
+        is used again: the cost model declined (policy cost) to restore the pages only L3 holds, the
+        namespace has fewer free pages than wanted, free chunks of the pool included (the rest would
+        be evicted), and the path was last used before the page L2 would evict next (its oldest
+        evictable leaf). Under LRU its copy would be gone already; written, it would cost the
+        engine the path's DMA (on the H200 machine about 1 ms per 50 MB, which its next forward
+        waited behind) and L2 a page more recently used, for nothing."""
         if decision is None or (policy or self.cost.policy) != "cost" or decision.choice == "l3":
             return False
         if result.hit_tokens.get(Tier.L3, 0) <= result.hit_tokens[Tier.L2]:
             return False            # L3 holds nothing beyond the L2 hit: the save backs up new pages
         last_used = result.previous_access.get(Tier.L3)
-        if last_used is None or namespace.allocator(Tier.L2).num_free >= wanted:
+        if last_used is None:
+            return False
+        room = namespace.allocator(Tier.L2).num_free + sum(
+            len(self._pages_if_gained(namespace, Tier.L2, chunk)) for chunk in self.chunks[Tier.L2].free_chunks())
+        if room >= wanted:
             return False
         oldest = namespace.tree.oldest_evictable_access(Tier.L2)
         return oldest is not None and last_used < oldest

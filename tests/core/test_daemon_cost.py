@@ -191,17 +191,19 @@ def declined_path_l2_full(state: DaemonState, session_id: int, rng) -> bytes:
     return prefix
 
 
-def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_nothing(rng):
-    """A match (with a backup reservation) of a path whose L3 hit the model declines, last used
-    before the least recently used page of a full L2: no page is reserved (its copy would be evicted
-    before its next use), the reply says why, the skip is counted, L2 keeps what it held. The path
-    used again at once (sooner than anything L2 holds) gets its reservation."""
+@pytest.mark.parametrize("how", ["promote_l3", "recompute"])
+def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_nothing(how, rng):
+    """A match (with a backup reservation; one that may promote L3, or a predicted decline's) of a
+    path whose L3 hit the model declines, last used before the least recently used page of a full
+    L2: no page is reserved (its copy would be evicted before its next use), the reply says why,
+    the skip is counted, L2 keeps what it held. The path used again at once (sooner than anything
+    L2 holds) gets its reservation."""
     state = make_state()
     session, _ = state.attach(GEOMETRY, pid=1)
     prefix = declined_path_l2_full(state, session.session_id, rng)
     l2_before = state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2)
     request = prefix + tokens(rng, 1)
-    skipped = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+    skipped = state.match(session.session_id, request, reserve_backup=True, **{how: True})
     assert isinstance(skipped, MatchReply) and skipped.choice == "recompute", skipped
     assert (skipped.lease_id, skipped.backup_page_ids, skipped.backup_skipped) == (None, [], "evicted_before_reuse")
     assert state.metrics.counters["backup_policy_skips"] == 1
@@ -210,7 +212,7 @@ def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_n
     assert state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2) == l2_before
     state.check_integrity()
     state.clock.advance(1.0)
-    again = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+    again = state.match(session.session_id, request, reserve_backup=True, **{how: True})
     assert again.choice == "recompute" and again.backup_skipped == "" and len(again.backup_page_ids) == 5, again
     state.release(session.session_id, again.lease_id)
     assert state.metrics.counters["backup_policy_skips"] == 1
