@@ -84,7 +84,9 @@ of it ``prefill_schedule_p50_ms``, the connector's news first, ``prefill_schedul
 and ``add_request_mean_ms`` per request) and on the GPU (``prefill_gpu_gap_p50_ms``: longer where
 the next forward waited on the GPU, say behind a save's copies). ``prefill_mean_ms`` has the
 means of all these (a batch-1 cycle is their sum), ``prefill_steps`` how many prefill steps the
-requests took (how the batch was grouped).
+requests took, and ``prefill_step_log`` each step in order: its chunks (those on top of cached or
+loaded tokens, those waiting for a load layer by layer), new tokens, gaps, scheduling, launch and
+span (how the batch was grouped, and what each kind of step cost).
 """
 
 from __future__ import annotations
@@ -409,6 +411,7 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                **prefill_timings_ms(engine, "p50"),
                "prefill_mean_ms": prefill_timings_ms(engine, "mean"),
                "prefill_steps": len(engine.prefill_timings),
+               "prefill_step_log": prefill_step_log(engine),
                # A request's add_request: its validation and, with a connector, its lookup's send (or prediction).
                "add_request_mean_ms": round(float(np.mean([(r.added_s - r.arrival_s) * 1e3 for r in done])), 3),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
@@ -456,13 +459,32 @@ def prefill_timings_ms(engine: Engine, statistic: str) -> dict[str, float | None
     """The medians ("p50") or means ("mean") of the engine's prefill steps' timings since they were
     cleared, in ms, by field (``prefill_<field>_p50_ms``, or the field's name for means)."""
     values = {}
-    for field in PrefillTiming._fields:
+    for field in TIMED_FIELDS:
         samples = [getattr(t, field) for t in engine.prefill_timings if getattr(t, field) is not None]
         value = (percentile(samples, 50) if statistic == "p50" else float(np.mean(samples))) if samples else None
         name = field.removesuffix("_s")
         values[f"prefill_{name}_p50_ms" if statistic == "p50" else name] = \
             None if value is None else round(value * 1e3, 3)
     return values
+
+
+TIMED_FIELDS = [field for field in PrefillTiming._fields if field.endswith("_s") and field != "load_device_s"]
+STEP_FIELDS = ["chunks", "cached_chunks", "loading_chunks", "tokens", "gap_ms", "gpu_gap_ms", "schedule_ms",
+               "launch_ms", "span_ms", "load_device_ms"]
+
+
+def prefill_step_log(engine: Engine) -> dict:
+    """Each prefill step since the timings were cleared, in order: what it ran (chunks, those on
+    top of cached or loaded tokens, those waiting for a load layer by layer, new tokens) and its
+    gaps, scheduling, launch, span and its loads' device time in ms (None where not timed): how
+    the requests fell into steps, and what each kind of step cost."""
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1e3, 3)
+
+    return {"fields": STEP_FIELDS,
+            "steps": [[t.chunks, t.cached_chunks, t.loading_chunks, t.tokens, ms(t.gap_s), ms(t.gpu_gap_s),
+                       ms(t.schedule_s), ms(t.launch_s), ms(t.span_s), ms(t.load_device_s)]
+                      for t in engine.prefill_timings]}
 
 
 def predicted_requests(engine: Engine) -> int:

@@ -37,7 +37,11 @@ class PrefillTiming(NamedTuple):
     forward and tokens (``launch_s``), in the connector's saves queued after them
     (``save_call_s``), waiting for the tokens while polling (``token_wait_s``), and from the tokens
     to the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first
-    launch to its tokens' copy, by CUDA events (``span_s``; None on CPU)."""
+    launch to its tokens' copy, by CUDA events (``span_s``; None on CPU). What the step ran: its
+    chunks, those on top of cached or loaded tokens (``cached_chunks``: a restored request's
+    suffix, say), those that waited for a load layer by layer (``loading_chunks``) and the new
+    tokens of all (``tokens``); and the device time of those chunks' loads' copies, added up
+    (``load_device_s``: from each load's start on the connector's load lane to its end)."""
     gap_s: float | None
     gpu_gap_s: float | None
     schedule_s: float
@@ -47,6 +51,11 @@ class PrefillTiming(NamedTuple):
     token_wait_s: float
     after_s: float
     span_s: float | None
+    chunks: int
+    cached_chunks: int
+    loading_chunks: int
+    tokens: int
+    load_device_s: float
 
 
 class Engine:
@@ -149,7 +158,9 @@ class Engine:
         # Recompute samples for the cost model: prefills of whole prompts alone. A prefill that waits
         # for loads layer by layer times those loads too, and one on top of cached or loaded tokens
         # also reads their KV (its time is not its tokens'): neither is a sample.
-        prefill_sample = bool(plan.prefill) and not self.scheduler.loads_in_flight(plan.prefill) \
+        loading = [chunk.request for chunk in plan.prefill if chunk.request.connector_id
+                   in self.scheduler.loads_in_flight(plan.prefill)]
+        prefill_sample = bool(plan.prefill) and not loading \
             and all(chunk.first_token == 0 for chunk in plan.prefill)
         if plan.prefill:
             forward_started = self._record_event()
@@ -193,7 +204,9 @@ class Engine:
                 started - scheduled, self.scheduler.schedule_poll_s, launched_s - started,
                 saved_s - launched_s, tokens_s - saved_s,
                 time.perf_counter() - tokens_s,
-                None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3))
+                None if forward_started is None else forward_started.elapsed_time(tokens[1]) / 1e3,
+                len(plan.prefill), sum(chunk.first_token > 0 for chunk in plan.prefill), len(loading),
+                sum(chunk.num_tokens for chunk in plan.prefill), sum(request.load.transfer_s for request in loading)))
         return finished
 
     def _record_event(self) -> torch.cuda.Event | None:

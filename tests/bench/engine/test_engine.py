@@ -202,3 +202,25 @@ def test_prefill_timings_cover_each_prefill_step_and_its_gap_since_the_last_toke
     engine.clear_prefill_timings()
     engine.generate([prompts[2]], 1)
     assert len(engine.prefill_timings) == 1 and engine.prefill_timings[0].gap_s is None, f"seed {seed}"
+
+
+def test_prefill_timings_say_what_each_step_ran(tmp_path):
+    """Each prefill step's record counts its chunks, those on top of tokens the prefix cache held,
+    and its new tokens; with no connector, none waited for a load and no load's copies were timed."""
+    seed = 1701
+    engine = engine_on(hf_model(seed), tmp_path, max_num_seqs=2)
+    generator = torch.Generator().manual_seed(seed)
+    prefix = random_prompt(generator, 37)                      # 2 whole blocks of 16 and 5 tokens
+    first = prefix + random_prompt(generator, 4)
+    engine.generate([first], 1)
+    (step,) = engine.prefill_timings
+    assert (step.chunks, step.cached_chunks, step.loading_chunks, step.tokens) == (1, 0, 0, len(first)), \
+        f"seed {seed}: {step}"
+    # Together: one prompt over the 2 cached blocks of the prefix, one new prompt of its own.
+    cached, fresh = prefix + random_prompt(generator, 9), random_prompt(generator, 23)
+    engine.clear_prefill_timings()
+    requests = engine.generate([cached, fresh], 1)
+    assert requests[0].num_cached_tokens == 32 and requests[1].num_cached_tokens == 0, f"seed {seed}"
+    (step,) = engine.prefill_timings
+    assert (step.chunks, step.cached_chunks, step.loading_chunks) == (2, 1, 0), f"seed {seed}: {step}"
+    assert step.tokens == len(cached) - 32 + len(fresh) and step.load_device_s == 0.0, f"seed {seed}: {step}"
