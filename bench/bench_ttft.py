@@ -43,9 +43,11 @@ the load seen done), ``to_token`` (done to the first token: the prefill not unde
 restores its prefix from the forced tier, the rows above), "never" (the same requests recompute
 with the connector plugged in), or "cost", the cost model's own choice. With "cost" each point gets
 a fresh daemon (the model starts from its default priors; L2 and warm L3 share one daemon, in that
-order, as a long-running one would; l3-cold a daemon of its own), each tier is timed under "cost"
-first, then under "always" (``restore_ms``) and "never" (``recompute_ms``) on the same daemon, and
-the rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
+order, as a long-running one would; l3-cold a daemon of its own), each tier is timed under "cost",
+"always" (``restore_ms``) and "never" (``recompute_ms``) on the same daemon and connector, whose
+policy is switched before each request: one request per policy in each alternation of the two
+prefixes, in an order that rotates, so that a drift of the host during the run weighs on all three
+alike (the first request of all is under "cost"), and the rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
 "choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
 faster of the two.
 
@@ -59,7 +61,6 @@ import argparse
 import dataclasses
 import gc
 import inspect
-import itertools
 import logging
 import time
 import traceback
@@ -287,7 +288,9 @@ class Run:
             "method": {"block_size": BLOCK_SIZE, "suffix_tokens": SUFFIX_TOKENS, "output_tokens": 1,
                        "warmup_alternations": args.warmup, "samples": args.samples, "check_tokens": CHECK_TOKENS,
                        "hf": {"warmup": args.hf_warmup, "repeats": args.hf_repeats, "logits_to_keep": 1},
-                       "ttft": "add_request -> first token (Request.ttft_s), median of the samples"},
+                       "ttft": "add_request -> first token (Request.ttft_s), median of the samples",
+                       **({"policies": "cost, always and never on one connector, one request each per "
+                                       "alternation, in a rotating order"} if args.policy == "cost" else {})},
             "targets": TARGETS, "summary": self.summary(), "failures": self.failures, "skipped": self.skipped,
             "notes": self.notes, "elapsed_s": round(time.monotonic() - self.started, 1), "rows": self.rows,
         }, machine=args.machine)
@@ -467,14 +470,38 @@ def save_prefixes(point: Point, control: TierControl) -> tuple[list[torch.Tensor
 def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv: list[torch.Tensor],
               own_cache: Request, policy: str = "always") -> dict:
     """The point's requests with the prefix forced into ``tier``, the connector's restore policy
-    ``policy``: "always" must restore every whole page of it (from L3: promoted), "never" none;
-    under "cost" the daemon chooses, and each timed request's choice (its lookup's) is recorded.
-    A restored prefix's KV must be bit for bit the saved KV."""
+    ``policy`` (``time_policies``)."""
+    return time_policies(run, point, tier, control, saved_kv, own_cache, [policy])[policy]
+
+
+@dataclasses.dataclass
+class PolicySamples:
+    """What one policy's requests of a tier gave (``time_policies``)."""
+    warmup_ms: list[float] = dataclasses.field(default_factory=list)
+    samples_ms: list[float] = dataclasses.field(default_factory=list)
+    loaded: list[int] = dataclasses.field(default_factory=list)
+    promoted: list[int] = dataclasses.field(default_factory=list)
+    from_peer: list[int] = dataclasses.field(default_factory=list)
+    choices: list[str] = dataclasses.field(default_factory=list)
+    load_paths: list[str] = dataclasses.field(default_factory=list)
+    phases: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {
+        "to_load": [], "to_copies": [], "copies": [], "to_token": [], "device_copies": []})
+    cache_hits: int = 0
+    kv_equal: bool = True
+
+
+def time_policies(run: Run, point: Point, tier: str, control: TierControl, saved_kv: list[torch.Tensor],
+                  own_cache: Request, policies: list[str]) -> dict[str, dict]:
+    """The point's requests with the prefix forced into ``tier``, under each restore policy of
+    ``policies`` (the connector's, switched before each request), their requests interleaved: each
+    alternation of the two prefixes runs one request per policy, in an order that rotates from one
+    alternation to the next, so that whatever drifts during the run (the host, the page cache)
+    weighs on every policy alike. "always" must restore every whole page of the prefix (from L3:
+    promoted), "never" none; under "cost" the daemon chooses, and each timed request's choice (its
+    lookup's) is recorded. A restored prefix's KV must be bit for bit the saved KV. A row per policy."""
     engine, args = point.engine, run.args
     connector = engine.connector
-    warmup_ms, samples_ms, loaded, promoted, from_peer, choices, cache_hits, kv_equal = [], [], [], [], [], [], 0, True
-    load_paths: list[str] = []
-    phases: dict[str, list[float]] = {"to_load": [], "to_copies": [], "copies": [], "to_token": [], "device_copies": []}
+    runs = {policy: PolicySamples() for policy in policies}
 
     def force(token_ids, num_tokens: int) -> None:
         if tier != "peer":
@@ -489,71 +516,85 @@ def time_tier(run: Run, point: Point, tier: str, control: TierControl, saved_kv:
     for i in range(2 * args.warmup + args.samples):
         k = i % 2
         prefix = point.prefixes[k]
-        prompt = prefix + point.suffix()
-        settle(engine, control)
-        engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
-        force(prefix, point.timed_loaded_tokens)
-        before = connector.stats()
-        with gc_paused():
-            request = run_request(engine, prompt, 1)
-        settle(engine, control)
-        (warmup_ms if i < 2 * args.warmup else samples_ms).append(request.ttft_s * 1e3)
-        cache_hits += request.num_cached_tokens
-        loaded.append(request.num_loaded_tokens)
-        after = connector.stats()
-        promoted.append(after.get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
-        from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0)) * BLOCK_SIZE)
-        if i >= 2 * args.warmup:
-            choices.append(lookup_choice(before, after))
-            load_paths.append(counted("load_path_", before, after))
-            for phase, ms in ttft_phases(request).items():
-                phases[phase].append(ms)
-        if request.num_loaded_tokens:
-            kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
+        for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
+            samples = runs[policy]
+            connector.set_policy(policy)
+            prompt = prefix + point.suffix()
+            settle(engine, control)
+            engine.reset_prefix_cache()       # as in the recompute: nothing of the prefix left on the GPU
+            force(prefix, point.timed_loaded_tokens)
+            before = connector.stats()
+            with gc_paused():
+                request = run_request(engine, prompt, 1)
+            settle(engine, control)
+            (samples.warmup_ms if i < 2 * args.warmup else samples.samples_ms).append(request.ttft_s * 1e3)
+            samples.cache_hits += request.num_cached_tokens
+            samples.loaded.append(request.num_loaded_tokens)
+            after = connector.stats()
+            samples.promoted.append(after.get("promoted_tokens", 0) - before.get("promoted_tokens", 0))
+            samples.from_peer.append((after.get("peer_loaded_pages", 0) - before.get("peer_loaded_pages", 0))
+                                     * BLOCK_SIZE)
+            if i >= 2 * args.warmup:
+                samples.choices.append(lookup_choice(before, after))
+                samples.load_paths.append(counted("load_path_", before, after))
+                for phase, ms in ttft_phases(request).items():
+                    samples.phases[phase].append(ms)
+            if request.num_loaded_tokens:
+                samples.kv_equal &= torch.equal(prefix_kv(engine, prefix), saved_kv[k])
 
-    # The check request: the first prefix alone from the tier, 16 greedy tokens.
-    settle(engine, control)
-    engine.reset_prefix_cache()
-    force(point.check_prompt, point.check_loaded_tokens)
-    check = run_request(engine, point.check_prompt, CHECK_TOKENS)
-    settle(engine, control)
-    if check.num_loaded_tokens:
-        # Only the pages it loaded: where the prefix is a whole number of pages, the check request
-        # computes its last page itself (one token at least is computed), in a chunk of another size.
-        num_loaded_pages = point.check_loaded_tokens // BLOCK_SIZE
-        kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0][: point.check_loaded_tokens]),
-                                saved_kv[0][:, :, :num_loaded_pages])
+    checks = {}
+    for policy in policies:
+        # The check request: the first prefix alone from the tier, 16 greedy tokens.
+        connector.set_policy(policy)
+        settle(engine, control)
+        engine.reset_prefix_cache()
+        force(point.check_prompt, point.check_loaded_tokens)
+        check = checks[policy] = run_request(engine, point.check_prompt, CHECK_TOKENS)
+        settle(engine, control)
+        if check.num_loaded_tokens:
+            # Only the pages it loaded: where the prefix is a whole number of pages, the check request
+            # computes its last page itself (one token at least is computed), in a chunk of another size.
+            num_loaded_pages = point.check_loaded_tokens // BLOCK_SIZE
+            runs[policy].kv_equal &= torch.equal(prefix_kv(engine, point.prefixes[0][: point.check_loaded_tokens]),
+                                                 saved_kv[0][:, :, :num_loaded_pages])
     integrity = control.integrity()
+    return {policy: policy_tier_row(point, tier, policy, runs[policy], checks[policy], own_cache, integrity)
+            for policy in policies}
 
+
+def policy_tier_row(point: Point, tier: str, policy: str, samples: PolicySamples, check: Request,
+                    own_cache: Request, integrity: str) -> dict:
+    """One tier and policy's row (``time_policies``): the median TTFT and the checks."""
+    engine = point.engine
     restores = policy != "never"
     expected_loaded = point.timed_loaded_tokens if restores else 0
     expected_promoted = expected_loaded if tier.startswith("l3") else 0
     expected_from_peer = expected_loaded if tier == "peer" else 0
-    forced = policy == "cost" or (all(n == expected_loaded for n in loaded)
-                                  and all(n == expected_promoted for n in promoted)
-                                  and all(n == expected_from_peer for n in from_peer)
+    forced = policy == "cost" or (all(n == expected_loaded for n in samples.loaded)
+                                  and all(n == expected_promoted for n in samples.promoted)
+                                  and all(n == expected_from_peer for n in samples.from_peer)
                                   and check.num_loaded_tokens == (point.check_loaded_tokens if restores else 0))
-    ttft_ms = median(samples_ms)
+    ttft_ms = median(samples.samples_ms)
     recompute = point.recompute
     row = {"model": point.model_name, "tier": tier, "tokens": point.num_tokens, "policy": policy,
            "ttft_ms": round(ttft_ms, 3),
            "recompute_ms": None if point.recompute_ms is None else round(point.recompute_ms, 3),
            "speedup": None if point.recompute_ms is None else round(point.recompute_ms / ttft_ms, 3),
            "outputs_equal": check.output_token_ids == recompute.output_token_ids,
-           "kv_equal": bool(kv_equal),
+           "kv_equal": bool(samples.kv_equal),
            "logit_diff": round(logit_difference(check, recompute), 6),
            "noise_floor": round(logit_difference(own_cache, recompute), 6),
            "logits_equal_own_cache": same_logits(check, own_cache),
-           "tier_forced": cache_hits == 0 and forced,
+           "tier_forced": samples.cache_hits == 0 and forced,
            "integrity_ok": integrity == "ok", "integrity": integrity,
-           "loaded_tokens": loaded, "promoted_tokens": promoted, "peer_tokens": from_peer, "choices": choices,
-           "load_paths": load_paths,
-           "engine_cache_hit_tokens": cache_hits,
+           "loaded_tokens": samples.loaded, "promoted_tokens": samples.promoted, "peer_tokens": samples.from_peer,
+           "choices": samples.choices, "load_paths": samples.load_paths,
+           "engine_cache_hit_tokens": samples.cache_hits,
            "kv_bytes": point.timed_loaded_tokens * engine.model.config.kv_bytes_per_token(
                torch.finfo(engine.model.dtype).bits // 8),
-           "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples_ms),
-           "warmup_ms": rounded(warmup_ms),
-           "phases_ms": {phase: rounded(values) for phase, values in phases.items() if values}}
+           "prompt_tokens": point.num_tokens + SUFFIX_TOKENS, "samples_ms": rounded(samples.samples_ms),
+           "warmup_ms": rounded(samples.warmup_ms),
+           "phases_ms": {phase: rounded(values) for phase, values in samples.phases.items() if values}}
     row["within_noise"] = row["logit_diff"] <= row["noise_floor"]
     return row
 
@@ -590,7 +631,9 @@ def counted(prefix: str, before: dict[str, int], after: dict[str, int]) -> str:
 
 def run_policy(run: Run, point: Point, tiers: list[str], o_direct: bool) -> None:
     """One fresh daemon (the cost model at its default priors) for these tiers of one point, in
-    order: each tier timed under "cost", then "always", then "never"; a policy row per tier."""
+    order; each tier timed under "cost", "always" and "never", their requests interleaved
+    (``time_policies``: the first request of all is under "cost"); a policy row per tier, with the
+    cost model as it stands after the tier."""
     what = f"{point.model_name} {point.num_tokens} tokens, policy cost, tiers {','.join(tiers)}"
     if run.over_budget(what):
         return
@@ -599,29 +642,26 @@ def run_policy(run: Run, point: Point, tiers: list[str], o_direct: bool) -> None
     try:
         with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
             control = None
-            rows: dict[tuple[str, str], dict] = {}
+            rows: dict[str, dict[str, dict]] = {}
             models = {}
+            connector = attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
+                                        model_revision=f"random-seed-{run.args.seed}", policy="cost",
+                                        client_name=f"policy-{point.model_name}-{point.num_tokens}")
             try:
-                for tier, policy in itertools.product(tiers, ("cost", "always", "never")):
-                    attach_kvcached(point.engine, daemon.socket_path, model_id=point.model_name,
-                                    model_revision=f"random-seed-{run.args.seed}", policy=policy,
-                                    client_name=f"policy-{policy}-{point.model_name}-{point.num_tokens}")
-                    try:
-                        if control is None:
-                            control = TierControl(daemon, point.engine.connector.geometry)
-                            saved_kv, own_cache = save_prefixes(point, control)
-                        rows[(tier, policy)] = time_tier(run, point, tier, control, saved_kv, own_cache, policy)
-                        if policy == "cost":
-                            point.engine.connector.flush_report()       # its last timings, then
-                            point.engine.connector.flush()              # handled by the daemon
-                            models[tier] = control.cost_model()
-                    finally:
-                        detach_kvcached(point.engine)
+                control = TierControl(daemon, connector.geometry)
+                saved_kv, own_cache = save_prefixes(point, control)
+                for tier in tiers:
+                    rows[tier] = time_policies(run, point, tier, control, saved_kv, own_cache,
+                                               ["cost", "always", "never"])
+                    connector.flush_report()       # its last timings, then
+                    connector.flush()              # handled by the daemon
+                    models[tier] = control.cost_model()
             finally:
+                detach_kvcached(point.engine)
                 if control is not None:
                     control.close()
         for tier in tiers:
-            run.add(policy_row(rows[(tier, "cost")], rows[(tier, "always")], rows[(tier, "never")], models[tier]))
+            run.add(policy_row(rows[tier]["cost"], rows[tier]["always"], rows[tier]["never"], models[tier]))
     except Exception as exc:        # recorded; the other points go on
         run.fail(what, exc)
 

@@ -92,7 +92,7 @@ from engine_client.layout import KVLayout, describe_layout
 from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
 from engine_client.shared_pool import SharedHostPool
 from proto.errors import ErrorCode
-from proto.messages import KVGeometry
+from proto.messages import RESTORE_POLICIES, KVGeometry
 from proto.hints import HintsView
 from proto.replies import AttachInfo
 
@@ -506,6 +506,14 @@ class KVConnector:
         return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
 
     # ---- lookups ------------------------------------------------------------------------------
+
+    def set_policy(self, policy: str) -> None:
+        """The restore policy of the lookups and matches sent from now on: "cost", "always",
+        "never", or "" (the daemon's). Those already sent keep theirs."""
+        if policy and policy not in RESTORE_POLICIES:
+            raise ValueError(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {policy!r}")
+        self.config = dataclasses.replace(self.config, policy=policy)
+        self.lookups.policy = policy
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None,
                local_hit_tokens: int = 0) -> int:

@@ -261,6 +261,44 @@ def test_one_match_per_request_however_many_saves(daemon):
         other.close()
 
 
+def test_set_policy_applies_to_the_lookups_and_matches_sent_after_it(daemon):
+    """One connector, its policy switched between requests: under "never" a cached prefix is
+    neither looked up as a hit nor loaded (its match restores nothing), under "always" both take
+    it whole; a lookup sent before the switch keeps its policy; an unknown policy is refused and
+    changes nothing."""
+    rng = np.random.default_rng(SEED + 5)
+    a = Engine(daemon.socket_path, "layer", seed=SEED + 5)
+    b = Engine(daemon.socket_path, "layer", seed=SEED + 6)
+    try:
+        tokens = random_tokens(rng, 5 * P + 3)
+        a.connector.save("r", tokens, rng.permutation(N)[:5])
+        a.connector.request_finished("r")
+        a.settle()
+        b.connector.set_policy("never")
+        sent_under_never = b.connector.lookup_async(tokens)
+        b.connector.set_policy("always")
+        assert sent_under_never.result() == 0 and b.connector.lookup(tokens) == 5 * P
+        b.connector.set_policy("never")
+        assert b.connector.lookup(tokens) == 0
+        begun = b.connector.begin("n", tokens)
+        assert begun.result() == 0
+        b.connector.request_finished("n")
+        b.connector.set_policy("always")
+        begun = b.connector.begin("y", tokens)
+        assert begun.result() == 5 * P
+        b.connector.load("y", tokens, rng.permutation(N)[:5], 5 * P)
+        b.poll_until(lambda: b.loads, "the load")
+        assert untimed(b.loads) == [LoadResult("y", 5 * P, [], None)], b.loads
+        b.connector.request_finished("y")
+        with pytest.raises(ValueError, match="policy must be one of"):
+            b.connector.set_policy("sometimes")
+        assert b.connector.config.policy == "always" and b.connector.lookup(tokens) == 5 * P
+        b.settle()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_two_tensor_parallel_ranks(daemon):
     """Each rank saves and loads its own shard; a prefix counts as cached (for both ranks' lookups)
     only as far as every rank holds it; a rank asked for more than it holds loads its part and
