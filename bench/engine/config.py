@@ -91,7 +91,7 @@ class EngineConfig:
     decode_backend: str = "auto"       # paged decode attention: "triton", "torch" (reference), "auto":
                                        # triton on CUDA, torch on CPU
     keep_logits: bool = False          # keep each sampled position's logits on the request (tests, checks)
-    graph_max_tokens: int = 512        # on CUDA, forwards of up to this many tokens replay CUDA graphs
+    graph_max_tokens: int = 1024       # on CUDA, forwards of up to this many tokens replay CUDA graphs
                                        # of the layers' pieces (bench/engine/graphs.py); 0: never
     load_mode: str = "layerwise"       # how a request waits for the connector's load of its prefix (LOAD_MODES)
     load_timeout_s: float = 60.0       # "blocking": the longest the host waits for the loads of a step
