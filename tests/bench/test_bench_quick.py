@@ -108,6 +108,15 @@ def test_bench_stress_quick_measures_every_tier_and_policy_with_no_mismatch(tmp_
     for (tier, policy, _, _), row in rows.items():
         assert row["requests"] == 8 and row["req_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
         assert row["mismatches"] == 0 and row["engine_cache_hit_tokens"] == 0, row
+        # Each prefill step in order: every request's prompt prefilled in one of them (1 output
+        # token: no decode step; on CPU a load is done before its prefill, none is dropped), the
+        # restored ones (and any partly loaded) on top of their loaded tokens.
+        log = row["prefill_step_log"]
+        steps = [dict(zip(log["fields"], step)) for step in log["steps"]]
+        assert len(steps) == row["prefill_steps"] and sum(s["chunks"] for s in steps) == 8, row
+        assert sum(s["cached_chunks"] for s in steps) >= row["restored_requests"], row
+        assert all(0 < s["tokens"] and s["loading_chunks"] <= s["cached_chunks"] <= s["chunks"] <= row["batch"]
+                   for s in steps), row
         if tier != "none":
             assert row["integrity"] == "ok", row
         # The daemon's handling of the timed matches: a time per match, only where there is a daemon.
