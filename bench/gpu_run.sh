@@ -20,7 +20,7 @@
 #              --predict-off  -> stress.json
 #   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
-#   policy     bench_ttft --policy cost: the cost model's choices       -> policy.json
+#   policy     bench_ttft --policy cost, 16 samples: the cost model's choices -> policy.json
 #   trace      trace_restore: where restored requests' TTFT goes           -> trace.log only
 # Results go to bench/results/h200/ and to $OUT with each stage's log, plus $OUT/env.txt. Each
 # stage runs under `timeout`, which sends SIGTERM to the stage's process group (the daemons it
@@ -104,7 +104,8 @@ if want ttft; then
 fi
 if want policy; then
     POLICY_S=$(left_s)
-    POINTS=(); [[ -z $QUICK ]] && POINTS=(--points "${POLICY_POINTS:-qwen3-8b=350,3500,8000}")
+    # 16 samples a policy (their requests interleaved): a point's three medians are compared within 5%.
+    POINTS=(); [[ -z $QUICK ]] && POINTS=(--points "${POLICY_POINTS:-qwen3-8b=350,3500,8000}" --samples 16)
     stage policy "$POLICY_S" python3 -m bench.bench_ttft --policy cost "${POINTS[@]}" --no-hf --l3-dir "$L3_DIR" \
         --budget-s $((POLICY_S - 60)) $(name policy)
     keep policy
