@@ -5,8 +5,9 @@ kv_heads, head_dim]`` (K then V), a request's tokens in the blocks of its block 
 - ``prefill_attention``: torch SDPA per request over its new tokens; with a cached prefix, over
   prefix + new tokens with the causal diagonal at the bottom right (flash / memory-efficient
   kernels on CUDA, the math kernel on CPU); a few new tokens over a cached prefix (the suffix
-  after a restore, ``PAGED_PREFILL_MAX_ROWS``) go to ``paged_prefill_attention`` instead: one
-  Triton launch per layer reading the prefix's blocks in place, causal over the new rows.
+  after a restore, ``PAGED_PREFILL_MAX_ROWS``) go to ``paged_prefill_batch`` instead: one
+  Triton launch per layer for all such requests of the batch, reading their prefixes' blocks in
+  place, causal over the new rows.
 - ``paged_decode_attention``: one query token per request read straight from the blocks (a
   Triton kernel; on CPU tensors under the Triton interpreter, for tests), and
   ``paged_decode_attention_torch``, the reference, which copies each request's context out dense.
@@ -61,22 +62,22 @@ def fused_sdpa_only(device: torch.device):
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      seqs: Sequence[PrefillSeq], scale: float) -> torch.Tensor:
-    """q [T, Hq, D]; k, v [T, Hkv, D] (already stored in kv_cache). Returns [T, Hq, D]."""
+                      seqs: Sequence[PrefillSeq], scale: float, paged: PagedPrefill | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k, v [T, Hkv, D] (already stored in kv_cache). Returns [T, Hq, D]. The paged
+    requests go in one launch (``paged_prefill_batch``; ``paged``: theirs, built once per forward,
+    else built here)."""
     if len(seqs) == 1 and seqs[0].num_cached_tokens == 0:
         return _sdpa(q, k, v, 0, scale)
     out = torch.empty_like(q)
+    if paged is not None or any(seq.paged for seq in seqs):
+        paged_prefill_batch(q, kv_cache, paged or PagedPrefill(seqs), scale, out)
     block_size = kv_cache.shape[2]
     for seq in seqs:
         rows = slice(seq.start, seq.start + seq.num_new_tokens)
+        if seq.paged:
+            continue
         if seq.num_cached_tokens == 0:
             out[rows] = _sdpa(q[rows], k[rows], v[rows], 0, scale)
-            continue
-        if seq.paged:
-            attn = paged_prefill_attention(q[rows], kv_cache, seq.block_table, seq.num_cached_tokens, scale)
-            if len(seqs) == 1:
-                return attn
-            out[rows] = attn
             continue
         num_tokens = seq.num_cached_tokens + seq.num_new_tokens
         blocks = seq.block_table[: triton.cdiv(num_tokens, block_size)]
@@ -234,23 +235,31 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 # ---- prefill over a cached prefix ----------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_cached", "num_new", "split_tokens"])
-def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, m_ptr, l_ptr, block_table_ptr, num_cached, num_new, split_tokens,
-                          scale, stride_qt, stride_qh, stride_kv, stride_block, stride_token, stride_head,
-                          stride_ot, stride_oh,
+@triton.jit(do_not_specialize=["max_blocks", "split_tokens", "num_rows"])
+def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, m_ptr, l_ptr, block_tables_ptr, seqs_ptr, max_blocks, split_tokens,
+                          num_rows, scale, stride_qt, stride_qh, stride_kv, stride_block, stride_token, stride_head,
+                          stride_ot, stride_oh, stride_table,
                           NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           TILE: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
-    # One program per (BLOCK_M new rows, KV head, split of the context): its rows x the GROUP query
-    # heads sharing the KV head as one [BLOCK_M * GROUP_PAD, HEAD_DIM] query tile; online softmax
-    # over its split_tokens of the context (up to its last row's), TILE tokens at a time through
-    # the block table; row i (position num_cached + i) sees the tokens up to its own (causal).
+    # One program per (request and BLOCK_M of its new rows, KV head, split of the context): its
+    # rows x the GROUP query heads sharing the KV head as one [BLOCK_M * GROUP_PAD, HEAD_DIM] query
+    # tile; online softmax over its split_tokens of the context (up to its last row's), TILE tokens
+    # at a time through the request's block table; row i (position num_cached + i) sees the tokens
+    # up to its own (causal). A request's entry in seqs_ptr (int32 [requests, 4]): its first row in
+    # q and out, its first row among all requests' new rows (num_rows of them), its new rows, its
+    # cached tokens. Programs past a request's rows, or splits past its context, compute nothing.
     # PARTIAL (more than one split): the unnormalised sums and their max and sum go to out_ptr
-    # [splits, n, Hq, D] (fp32), m_ptr and l_ptr [splits, n, Hq], for _combine_splits_kernel.
-    # The ints are not specialised on: nothing compiles per size.
-    block = tl.program_id(0)
+    # [splits, num_rows, Hq, D] (fp32), m_ptr and l_ptr [splits, num_rows, Hq], for
+    # _combine_splits_kernel. The ints are not specialised on: nothing compiles per size.
+    seq = tl.program_id(0) // max_blocks
+    block = tl.program_id(0) % max_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    q_start = tl.load(seqs_ptr + seq * 4)
+    row_start = tl.load(seqs_ptr + seq * 4 + 1)
+    num_new = tl.load(seqs_ptr + seq * 4 + 2)
+    num_cached = tl.load(seqs_ptr + seq * 4 + 3)
     offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, TILE)
@@ -258,52 +267,62 @@ def _paged_prefill_kernel(q_ptr, kv_ptr, out_ptr, m_ptr, l_ptr, block_table_ptr,
     group = offs_r % GROUP_PAD
     valid_rows = (rows < num_new) & (group < GROUP)
     heads = kv_head * GROUP + group
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + (q_start + rows[:, None]) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=valid_rows[:, None], other=0.0)
     positions = num_cached + rows
     start = split * split_tokens
     end = tl.minimum(num_cached + tl.minimum(num_new, (block + 1) * BLOCK_M), start + split_tokens)
+    end = tl.where(block * BLOCK_M < num_new, end, start)
+    table = block_tables_ptr + seq * stride_table
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
     for tile_start in range(start, end, TILE):
         tokens = tile_start + offs_t
         valid = tokens < end
-        blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
+        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0)
         kv_rows = blocks.to(tl.int64) * stride_block + (tokens % BLOCK_SIZE) * stride_token + kv_head * stride_head
         seen = valid[None, :] & (tokens[None, :] <= positions[:, None])   # token 0 is seen by every row
         m, l, acc = _online_softmax_tile(q, kv_ptr + kv_rows[:, None] + offs_d[None, :], stride_kv, valid, seen,
                                          scale, m, l, acc, IEEE)
     if PARTIAL:
         # A split a row sees nothing of: m -inf, l and acc 0 (the combine weighs it 0).
-        at = (split * num_new + rows) * NUM_HEADS + heads
+        at = (split * num_rows + row_start + rows) * NUM_HEADS + heads
         tl.store(m_ptr + at, m, mask=valid_rows)
         tl.store(l_ptr + at, l, mask=valid_rows)
         tl.store(out_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=valid_rows[:, None])
     else:
-        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=valid_rows[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_new"])
-def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, num_new, stride_ot, stride_oh,
-                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # One program per (new row, query head): the splits' partial sums rescaled to their common max.
+@triton.jit(do_not_specialize=["num_splits", "num_rows"])
+def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, row_to_q_ptr, num_splits, num_rows, stride_ot, stride_oh,
+                           NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One program per new row of any request, all its query heads: the splits' partial sums
+    # rescaled to their common max, into the row's place in out (row_to_q_ptr).
     row = tl.program_id(0)
-    head = tl.program_id(1)
+    offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    # (the split's max and sum broadcast over the head dim: every value here is a [HEAD_DIM] vector)
-    m_max = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+    heads = offs_h < NUM_HEADS
+    m_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
     for split in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (split * num_new + row) * NUM_HEADS + head + offs_d * 0))
-    l_sum = tl.zeros([HEAD_DIM], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+        at = (split * num_rows + row) * NUM_HEADS + offs_h
+        m_max = tl.maximum(m_max, tl.load(m_ptr + at, mask=heads, other=float("-inf")))
+    # Split 0 holds the row's first token, which every row sees: m_max is finite for every head
+    # (padding heads aside, kept at 0 here and never stored).
+    m_max = tl.where(heads, m_max, 0.0)
+    l_sum = tl.zeros([HEADS_PAD], tl.float32)
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM], tl.float32)
     for split in range(0, num_splits):
-        at = (split * num_new + row) * NUM_HEADS + head
-        weight = tl.exp(tl.load(m_ptr + at + offs_d * 0) - m_max)
-        l_sum += weight * tl.load(l_ptr + at + offs_d * 0)
-        acc += weight * tl.load(acc_ptr + at * HEAD_DIM + offs_d)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, (acc / l_sum).to(out_ptr.dtype.element_ty))
+        at = (split * num_rows + row) * NUM_HEADS + offs_h
+        weight = tl.exp(tl.load(m_ptr + at, mask=heads, other=float("-inf")) - m_max)
+        l_sum += weight * tl.load(l_ptr + at, mask=heads, other=0.0)
+        acc += weight[:, None] * tl.load(acc_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], mask=heads[:, None],
+                                         other=0.0)
+    q_row = tl.load(row_to_q_ptr + row)
+    tl.store(out_ptr + q_row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=heads[:, None])
 
 
 # The context is split so that a forward's few rows still keep the GPU's SMs busy: at least this
@@ -312,53 +331,121 @@ PREFILL_TARGET_PROGRAMS = 256
 PREFILL_SPLIT_MIN_TOKENS = 256
 
 
+class PagedPrefill:
+    """The requests of one prefill forward whose attention goes through ``paged_prefill_batch``
+    (``PrefillSeq.paged``): their block tables and rows on the device, built once per forward and
+    read by every layer's one launch (and, where the context is split, one more combining the
+    splits), where a launch per request and layer left a forward of a few requests' suffixes bound
+    by the host's launches."""
+
+    def __init__(self, seqs: Sequence[PrefillSeq]):
+        paged = [seq for seq in seqs if seq.paged]
+        if not paged:
+            raise ValueError("no request of the batch is paged")
+        device = paged[0].block_table.device
+        width = max(seq.block_table.shape[0] for seq in paged)
+        self.block_tables = torch.zeros(len(paged), width, dtype=torch.int32, device=device)
+        entries, row_to_q = [], []
+        for i, seq in enumerate(paged):
+            if seq.num_new_tokens < 1 or seq.num_cached_tokens < 0:
+                raise ValueError(f"a paged request needs new rows and no negative prefix, got {seq}")
+            table = seq.block_table
+            if table.dtype != torch.int32 or table.dim() != 1 or table.stride(0) != 1 or table.device != device:
+                raise ValueError(f"block_table must be int32 [M] with unit stride on {device}, got "
+                                 f"{table.dtype} {tuple(table.shape)} on {table.device}")
+            self.block_tables[i, : table.shape[0]].copy_(table)
+            entries.append((seq.start, len(row_to_q), seq.num_new_tokens, seq.num_cached_tokens))
+            row_to_q.extend(range(seq.start, seq.start + seq.num_new_tokens))
+        self.seqs = paged
+        self.num_rows = len(row_to_q)
+        self.max_new = max(seq.num_new_tokens for seq in paged)
+        self.max_context = max(seq.num_cached_tokens + seq.num_new_tokens for seq in paged)
+        self.entries = _small_ints(entries, device)          # int32 [requests, 4]
+        self.row_to_q = _small_ints(row_to_q, device)        # int32 [rows]
+        self._partials: tuple[torch.Tensor, ...] | None = None
+
+    def partials(self, num_splits: int, num_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The splits' sums, maxes and totals (fp32), kept for the next layer (same shapes)."""
+        shape = (num_splits, self.num_rows, num_heads)
+        if self._partials is None or tuple(self._partials[1].shape) != shape:
+            self._partials = (torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
+                              torch.empty(shape, dtype=torch.float32, device=device),
+                              torch.empty(shape, dtype=torch.float32, device=device))
+        return self._partials
+
+
+def _small_ints(values, device: torch.device) -> torch.Tensor:
+    """int32 values on the device, through pinned memory on CUDA (no host wait)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def paged_prefill_batch(q: torch.Tensor, kv_cache: torch.Tensor, paged: PagedPrefill, scale: float,
+                        out: torch.Tensor, tile_tokens: int = 64, num_splits: int | None = None) -> None:
+    """Causal attention of each paged request's new rows of the batch, q [T, Hq, D] (rows
+    [start, start + n) at positions [c, c + n), their K/V already stored), over its c cached
+    tokens and themselves, read from its blocks in place, into the same rows of out [T, Hq, D];
+    the other rows of out are not written. The context goes in ``num_splits`` parts (default:
+    enough for PREFILL_TARGET_PROGRAMS programs over all requests), each a program of its own,
+    then one launch combines them."""
+    block_size, num_kv_heads, head_dim = _check_paged(q, kv_cache, tile_tokens)
+    num_heads = q.shape[1]
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"out must be like q {tuple(q.shape)}, got {tuple(out.shape)} {out.dtype}")
+    if paged.block_tables.device != q.device:
+        raise ValueError(f"the paged requests' block tables are on {paged.block_tables.device}, q on {q.device}")
+    for seq in paged.seqs:
+        if seq.start + seq.num_new_tokens > q.shape[0]:
+            raise ValueError(f"a paged request's rows [{seq.start}, {seq.start + seq.num_new_tokens}) pass q's "
+                             f"{q.shape[0]}")
+        if seq.block_table.shape[0] * block_size < seq.num_cached_tokens + seq.num_new_tokens:
+            raise ValueError(f"block_table must cover {seq.num_cached_tokens + seq.num_new_tokens} tokens: "
+                             f"[M >= {-(-(seq.num_cached_tokens + seq.num_new_tokens) // block_size)}], got "
+                             f"{tuple(seq.block_table.shape)}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, 64 // group_pad)          # a query tile of at least 64 rows (heads x new rows)
+    max_blocks = triton.cdiv(paged.max_new, block_m)
+    num_programs = max_blocks * len(paged.seqs) * num_kv_heads
+    if num_splits is None:
+        num_splits = max(1, min(triton.cdiv(PREFILL_TARGET_PROGRAMS, num_programs),
+                                paged.max_context // PREFILL_SPLIT_MIN_TOKENS))
+    split_tokens = triton.cdiv(triton.cdiv(paged.max_context, num_splits), tile_tokens) * tile_tokens
+    num_splits = triton.cdiv(paged.max_context, split_tokens)
+    partial = num_splits > 1
+    if partial:
+        sums, maxes, totals = paged.partials(num_splits, num_heads, head_dim, q.device)
+    else:
+        sums = out
+        maxes = totals = out                   # not read
+    _kernel_for(_paged_prefill_kernel, q.device)[(max_blocks * len(paged.seqs), num_kv_heads, num_splits)](
+        q, kv_cache, sums, maxes, totals, paged.block_tables, paged.entries, max_blocks, split_tokens,
+        paged.num_rows, scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out.stride(0), out.stride(1), paged.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=tile_tokens, PARTIAL=partial, IEEE=q.dtype == torch.float32)
+    if partial:
+        _kernel_for(_combine_splits_kernel, q.device)[(paged.num_rows,)](
+            sums, maxes, totals, out, paged.row_to_q, num_splits, paged.num_rows, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim)
+
+
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             num_cached_tokens: int, scale: float, tile_tokens: int = 64,
                             num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of one request's n new rows q [n, Hq, D] (positions [c, c + n), their K/V
     already stored) over its c cached tokens and themselves, read from the blocks in place
-    (block_table int32 [M], covering c + n tokens). Returns [n, Hq, D]. The context goes in
-    ``num_splits`` parts (default: enough for PREFILL_TARGET_PROGRAMS programs), each a program
-    of its own, then one launch combines them."""
-    block_size, num_kv_heads, head_dim = _check_paged(q, kv_cache, tile_tokens)
-    num_new, num_heads = q.shape[0], q.shape[1]
+    (block_table int32 [M], covering c + n tokens). Returns [n, Hq, D]. ``paged_prefill_batch``
+    for one request."""
     if num_cached_tokens < 0:
         raise ValueError(f"num_cached_tokens must be >= 0, got {num_cached_tokens}")
-    num_tokens = num_cached_tokens + num_new
-    if block_table.dtype != torch.int32 or block_table.dim() != 1 or block_table.stride(0) != 1 \
-            or block_table.device != q.device or block_table.shape[0] * block_size < num_tokens:
-        raise ValueError(f"block_table must be int32 [M >= {-(-num_tokens // block_size)}] with "
-                         f"unit stride on q's device, got {block_table.dtype} {tuple(block_table.shape)}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_paged(q, kv_cache, tile_tokens)
     out = torch.empty_like(q)
-    if num_new == 0:
+    if q.shape[0] == 0:
         return out
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    block_m = max(1, 64 // group_pad)          # a query tile of at least 64 rows (heads x new rows)
-    num_blocks = triton.cdiv(num_new, block_m)
-    if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(PREFILL_TARGET_PROGRAMS, num_blocks * num_kv_heads),
-                                num_tokens // PREFILL_SPLIT_MIN_TOKENS))
-    split_tokens = triton.cdiv(triton.cdiv(num_tokens, num_splits), tile_tokens) * tile_tokens
-    num_splits = triton.cdiv(num_tokens, split_tokens)
-    partial = num_splits > 1
-    if partial:
-        sums = torch.empty(num_splits, num_new, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        maxes = torch.empty(num_splits, num_new, num_heads, dtype=torch.float32, device=q.device)
-        totals = torch.empty_like(maxes)
-    else:
-        sums = out
-        maxes = totals = out                   # not read
-    _kernel_for(_paged_prefill_kernel, q.device)[(num_blocks, num_kv_heads, num_splits)](
-        q, kv_cache, sums, maxes, totals, block_table, num_cached_tokens, num_new, split_tokens, scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=tile_tokens, PARTIAL=partial, IEEE=q.dtype == torch.float32)
-    if partial:
-        _kernel_for(_combine_splits_kernel, q.device)[(num_new, num_heads)](
-            sums, maxes, totals, out, num_splits, num_new, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim)
+    paged = PagedPrefill([PrefillSeq(0, q.shape[0], num_cached_tokens, block_table, True)])
+    paged_prefill_batch(q, kv_cache, paged, scale, out, tile_tokens, num_splits)
     return out

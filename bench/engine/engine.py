@@ -17,7 +17,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PrefillSeq
+from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PagedPrefill, PrefillSeq
 from bench.engine.block_manager import block_hashes
 from bench.engine.config import EngineConfig
 from bench.engine.connector import EngineConnector
@@ -311,8 +311,9 @@ class Engine:
         if loads_in_flight:
             def wait_for_layer(layer: int) -> None:
                 self.connector.wait_for_layer_load(layer, None, loads_in_flight)
+        paged = PagedPrefill(seqs) if any(seq.paged for seq in seqs) else None
         return self.model(self._int64(input_ids), self._int64(positions), self.kv_caches, self._int64(slots),
-                          PrefillBatch(seqs, wait_for_layer), self._int64([logits_rows]))
+                          PrefillBatch(seqs, wait_for_layer, paged), self._int64([logits_rows]))
 
     def _run_decode(self, requests: list[Request]) -> torch.Tensor:
         """The last token of each request in one forward; their logits in order."""

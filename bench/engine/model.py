@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.engine import kernels
-from bench.engine.attention import (PrefillSeq, fused_sdpa_only, paged_decode_attention,
+from bench.engine.attention import (PagedPrefill, PrefillSeq, fused_sdpa_only, paged_decode_attention,
                                     paged_decode_attention_torch, prefill_attention, store_kv)
 from bench.engine.config import PRESETS, ModelConfig
 from bench.engine.graphs import DEFAULT_MAX_GRAPH_TOKENS, LayerGraphs
@@ -28,6 +28,8 @@ class PrefillBatch(NamedTuple):
     # Called with each layer's index before its attention reads the cache: the engine's stream
     # waits there for that layer of the loads in flight (None: nothing to wait for).
     wait_for_layer: Callable[[int], None] | None = None
+    # The paged requests' block tables and rows, built once for every layer (None: built per layer).
+    paged: PagedPrefill | None = None
 
 
 class DecodeBatch(NamedTuple):
@@ -83,7 +85,7 @@ class DecoderLayer(nn.Module):
         if isinstance(batch, PrefillBatch):
             if batch.wait_for_layer is not None:       # this layer's loaded blocks (layer-wise loads)
                 batch.wait_for_layer(self.layer_index)
-            return prefill_attention(q, k, v, kv_cache, batch.seqs, scale)
+            return prefill_attention(q, k, v, kv_cache, batch.seqs, scale, batch.paged)
         if batch.backend == "triton":
             return paged_decode_attention(q, kv_cache, batch.block_tables, batch.context_lens, scale)
         return paged_decode_attention_torch(q, kv_cache, batch.block_tables, batch.context_lens, scale)
