@@ -45,9 +45,11 @@ with the connector plugged in), or "cost", the cost model's own choice. With "co
 a fresh daemon (the model starts from its default priors; L2 and warm L3 share one daemon, in that
 order, as a long-running one would; l3-cold a daemon of its own), each tier is timed under "cost",
 "always" (``restore_ms``) and "never" (``recompute_ms``) on the same daemon and connector, whose
-policy is switched before each request: one request per policy in each alternation of the two
-prefixes, in an order that rotates, so that a drift of the host during the run weighs on all three
-alike (the first request of all is under "cost"), and the rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
+policy is switched before each request: each turn of a prefix runs one request per policy, in an
+order that rotates from turn to turn, so that a drift of the host during the run weighs on all
+three alike (the first request of all is under "cost"; the daemon's cost model, one per engine,
+learns from the transfers and prefills of all three, as it would from a mix of requests), and the
+rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "recompute_ms",
 "choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
 faster of the two.
 
@@ -290,7 +292,7 @@ class Run:
                        "hf": {"warmup": args.hf_warmup, "repeats": args.hf_repeats, "logits_to_keep": 1},
                        "ttft": "add_request -> first token (Request.ttft_s), median of the samples",
                        **({"policies": "cost, always and never on one connector, one request each per "
-                                       "alternation, in a rotating order"} if args.policy == "cost" else {})},
+                                       "turn of a prefix, in a rotating order"} if args.policy == "cost" else {})},
             "targets": TARGETS, "summary": self.summary(), "failures": self.failures, "skipped": self.skipped,
             "notes": self.notes, "elapsed_s": round(time.monotonic() - self.started, 1), "rows": self.rows,
         }, machine=args.machine)
@@ -494,8 +496,8 @@ def time_policies(run: Run, point: Point, tier: str, control: TierControl, saved
                   own_cache: Request, policies: list[str]) -> dict[str, dict]:
     """The point's requests with the prefix forced into ``tier``, under each restore policy of
     ``policies`` (the connector's, switched before each request), their requests interleaved: each
-    alternation of the two prefixes runs one request per policy, in an order that rotates from one
-    alternation to the next, so that whatever drifts during the run (the host, the page cache)
+    turn of a prefix (the two alternate) runs one request per policy, in an order that rotates from
+    one turn to the next, so that whatever drifts during the run (the host, the page cache)
     weighs on every policy alike. "always" must restore every whole page of the prefix (from L3:
     promoted), "never" none; under "cost" the daemon chooses, and each timed request's choice (its
     lookup's) is recorded. A restored prefix's KV must be bit for bit the saved KV. A row per policy."""

@@ -509,7 +509,9 @@ class KVConnector:
 
     def set_policy(self, policy: str) -> None:
         """The restore policy of the lookups and matches sent from now on: "cost", "always",
-        "never", or "" (the daemon's). Those already sent keep theirs."""
+        "never", or "" (the daemon's). Those already sent keep theirs: switch it between requests,
+        not between a request's lookup and its load (where the load sends the match, its policy
+        would be the new one)."""
         if policy and policy not in RESTORE_POLICIES:
             raise ValueError(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {policy!r}")
         self.config = dataclasses.replace(self.config, policy=policy)

@@ -364,7 +364,8 @@ class PagedPrefill:
         self.row_to_q = _small_ints(row_to_q, device)        # int32 [rows]
         self._partials: tuple[torch.Tensor, ...] | None = None
 
-    def partials(self, num_splits: int, num_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def partials(self, num_splits: int, num_heads: int, head_dim: int,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
         """The splits' sums, maxes and totals (fp32), kept for the next layer (same shapes)."""
         shape = (num_splits, self.num_rows, num_heads)
         if self._partials is None or tuple(self._partials[1].shape) != shape:

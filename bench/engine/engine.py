@@ -38,10 +38,12 @@ class PrefillTiming(NamedTuple):
     (``save_call_s``), waiting for the tokens while polling (``token_wait_s``), and from the tokens
     to the step's return (finishes, saves due: ``after_s``); and the GPU's span from its first
     launch to its tokens' copy, by CUDA events (``span_s``; None on CPU). What the step ran: its
-    chunks, those on top of cached or loaded tokens (``cached_chunks``: a restored request's
-    suffix, say), those that waited for a load layer by layer (``loading_chunks``) and the new
-    tokens of all (``tokens``); and the device time of those chunks' loads' copies, added up
-    (``load_device_s``: from each load's start on the connector's load lane to its end)."""
+    chunks, those on top of tokens already in the request's blocks (``cached_chunks``: a restored
+    request's suffix, a prefix-cache hit's rest, or a later chunk of a prompt prefilled in chunks),
+    those that waited for a load layer by layer (``loading_chunks``) and the new tokens of all
+    (``tokens``); and the device time of those chunks' loads' copies, added up (``load_device_s``:
+    from each load's start on the connector's load lane to its end; 0 for a chunk dropped because
+    its load's result was not in yet)."""
     gap_s: float | None
     gpu_gap_s: float | None
     schedule_s: float

@@ -11,16 +11,18 @@ more than its own rows (the paged cache, the batch's sequences):
     post  output projection, residual, norm, MLP     -> a graph per layer and padded size
 
 Forwards of up to ``DEFAULT_MAX_GRAPH_TOKENS`` (1,024) tokens replay graphs, where they stopped at
-512. Continuous batching puts restored suffixes and whole prompts in one step: at batch 4, one or
-two whole prompts of 366 tokens and the suffixes of restored requests make 500-1,000 tokens,
-eager past 512. In ``bench/results/h200/stress.json`` (commit 643a081, batch 4, about two
-requests in three restored under policy ``cost``) such a round's prefill steps took the host as
-long to launch as the GPU took to run them (means 39.7 and 39.7 ms in its slowest round, 20.9 and
-21.6 in its fastest): the GPU waited for the host. Without kvcached the same engine ran 4 whole
-prompts (1,464 tokens) a step, eagerly, and there the GPU was the bound (launch 19.1-34.4 ms,
-span 38.4-38.7 ms, ~26 us a token). Above 512 the sizes step by 128, so that the padding stays
-under a fifth of a batch's rows; forwards of more than 1,024 tokens (whole prompts of 1,000
-tokens and more, 3 prompts of 366 at batch 4 and more) stay eager.
+512. Continuous batching puts restored suffixes and whole prompts in one step: at batch 4, two
+whole prompts of 366 tokens and two restored suffixes make about 760 tokens, which ran eagerly.
+In ``bench/results/h200/stress.json`` (commit 643a081, batch 4) every case with restores took the
+host as long to launch a prefill step as the GPU to run it (under policy ``cost`` with a cold L3,
+means 39.7 and 39.7 ms in the slowest round, 20.9 and 21.6 in the fastest), where without
+kvcached (4 whole prompts, 1,464 tokens a step, eager) the GPU was the bound (launch 19.1-34.4
+ms, span 38.4-38.7 ms). Steps of restored suffixes alone were graphed and still bound by the
+host (L2 under ``always``: 120 tokens a step, 22.8 and 22.8 ms): their attention took two
+launches per request and layer, now one per layer for the batch (``attention.PagedPrefill``).
+Above 512 the sizes step by 128, so that the padding stays under a fifth of a batch's rows;
+forwards of more than 1,024 tokens (whole prompts of 1,000 tokens and more, 3 prompts of 366 at
+batch 4) stay eager.
 
 The graphed pieces are row by row, so a batch of T tokens runs in the graphs of the smallest
 captured size B >= T, its rows [0, T) of static buffers in use; rows [T, B) hold whatever the last

@@ -89,7 +89,8 @@ class FakeConnector:
             self.counters["loaded_pages"] += loaded
             failed = block_ids[loaded:]
             reason = ("session_lost" if self.void_loads else "not_cached") if failed else None
-            return LoadResult(request_id, loaded * self.block_size, failed, reason)
+            # Its copies' device time, as a real connector says it: a millisecond a page here.
+            return LoadResult(request_id, loaded * self.block_size, failed, reason, transfer_s=1e-3 * len(pages))
 
         # Reported queued on the next finished(), complete latency_polls finished() calls later (at
         # least one more).

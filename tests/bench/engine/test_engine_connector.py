@@ -262,6 +262,11 @@ def test_a_layerwise_prefill_runs_on_a_load_in_flight_waiting_for_each_layer(tmp
     assert connector.layer_waits == [(0, (cid,)), (1, (cid,))], f"seed {seed}: {connector.layer_waits}"
     assert request.load.state is LoadState.DONE and len(request.output_token_ids) == 1, f"seed {seed}"
     assert request.load.queued_s <= request.load.done_s
+    # The step's record: one chunk, on top of the loaded tokens, read while its load was in flight,
+    # the load's copies' device time (the fake's: a millisecond a page).
+    step = engine.prefill_timings[-1]
+    assert (step.chunks, step.cached_chunks, step.loading_chunks, step.tokens) == (1, 1, 1, 6), f"seed {seed}: {step}"
+    assert step.load_device_s == request.load.transfer_s == pytest.approx(4e-3), f"seed {seed}: {step}"
     run_to_idle(engine)
     assert (request.num_loaded_tokens, request.num_prefilled_tokens) == (64, 6), f"seed {seed}"
     assert_same_output(request, cold, seed)

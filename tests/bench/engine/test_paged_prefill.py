@@ -148,7 +148,8 @@ def test_a_batch_of_requests_in_one_launch_matches_the_reference_under_the_trito
     for (seed, batch, splits), result in zip(runs, results, strict=True):
         assert result["untouched"], f"seed {3600 + seed}, {batch}, {splits}: another request's rows were written"
         for request, difference in zip(batch[1], result["differences"], strict=True):
-            assert difference < 1e-5, f"seed {3600 + seed}, {batch}, request {request}, {splits}: differs by {difference}"
+            assert difference < 1e-5, \
+                f"seed {3600 + seed}, {batch}, request {request}, {splits}: differs by {difference}"
 
 
 def test_a_block_table_too_short_for_the_rows_is_refused():
