@@ -75,7 +75,8 @@ class Transfer:
     load has an event per layer (``layer_events``), recorded once that layer's blocks are written.
     ``seconds()``: how long its copies took, once done (for the cost model)."""
 
-    __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events", "start_event", "host_seconds")
+    __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events", "start_event", "host_seconds",
+                 "_waited")
 
     def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
                  done_event: torch.cuda.Event | None, layer_events: list[torch.cuda.Event | None] | None = None,
@@ -86,6 +87,7 @@ class Transfer:
         self.layer_events = layer_events
         self.start_event = start_event          # on the lane's stream, once the caller's work is done
         self.host_seconds = host_seconds        # on CPU, where the copies ran before the return
+        self._waited: tuple[int, torch.cuda.Event] | None = None    # the last (stream, event) waited on
 
     def blocks_free(self) -> bool:
         return self.blocks_event is None or self.blocks_event.query()
@@ -102,10 +104,17 @@ class Transfer:
         return self.start_event.elapsed_time(self.done_event) / 1e3
 
     def wait_layer_on(self, layer: int, stream: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` wait until this load has written ``layer`` of its blocks (no host wait)."""
+        """Make ``stream`` wait until this load has written ``layer`` of its blocks (no host wait).
+        Layers of one group (or of a whole load) share an event: a stream that waited on it last
+        time already waits, and is not told again (a host call per layer and load saved)."""
         event = self.layer_events[layer] if self.layer_events is not None else self.done_event
-        if event is not None and stream is not None:
-            stream.wait_event(event)
+        if event is None or stream is None:
+            return
+        waited = (stream.cuda_stream, event)
+        if self._waited is not None and self._waited[0] == waited[0] and self._waited[1] is event:
+            return
+        stream.wait_event(event)
+        self._waited = waited
 
 
 class _IdRing:
