@@ -13,14 +13,14 @@ pages exist; what is left per engine is to map them into this process (pre-fault
 Both are done per chunk of `pin_chunk_bytes` (256 MiB) on a few threads: each thread pre-faults its
 chunk with MADV_POPULATE_WRITE and registers it, and the kernel and the driver do that work for
 different chunks at once. Measured on the H200 machine (bench/results/h200/pin.json), 16 GiB: one
-MAP_POPULATE plus one cudaHostRegister 1.3-1.8 s; 4 threads with 256 MiB chunks 0.97 s (1 GiB
-chunks 1.2-1.3 s; 8 threads slower, 1.7-2.2 s; without the pre-fault 2.5-2.9 s). 64 GiB: 6.0 s the
-old way, 3.6 s chunked. tmpfs zeroes fallocated pages at first touch, so the first attach after the
-daemon created its segment also pays for that (16 GiB 5.6 s, 64 GiB 13.6 s on that VM).
+MAP_POPULATE plus one cudaHostRegister 1.24 s (a cudaHostRegister alone 1.78 s); 4 threads with
+256 MiB chunks 0.71 s (1 GiB chunks 0.79 s; without the pre-fault 1.49 s). tmpfs zeroes fallocated
+pages at first touch: the daemon touches its segment when it creates it (16 GiB: 5.9 s, once), so
+that the first engine to attach does not pay for it (1.08 s).
 
 Registration can also run in the background (`pin_in_background=True`): `open` returns once the
-range is mapped (1 ms), and the chunks are pinned in ascending order while the engine goes on (the
-first after 0.3-0.5 s; all of 16 GiB after 1.2 s, of 64 GiB after 4.0 s). No DMA may touch memory
+range is mapped (under 1 ms), and the chunks are pinned in ascending order while the engine goes
+on (the first after 0.06 s; all of 16 GiB after 0.64 s). No DMA may touch memory
 that is not pinned yet, so the transfer engine calls `wait_pinned(start, end)` for the bytes it is
 about to copy, and splits its copies at chunk boundaries (`chunk_pieces`): one copy spanning two
 registrations fails with cudaErrorInvalidValue, while copies cut at the boundary run at the full
