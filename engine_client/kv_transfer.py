@@ -110,8 +110,8 @@ class Transfer:
         event = self.layer_events[layer] if self.layer_events is not None else self.done_event
         if event is None or stream is None:
             return
-        waited = (stream.cuda_stream, event)
-        if self._waited is not None and self._waited[0] == waited[0] and self._waited[1] is event:
+        waited = (stream.cuda_stream, event)       # (an event compares by identity)
+        if waited == self._waited:
             return
         stream.wait_event(event)
         self._waited = waited

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Iterable, NamedTuple, Sequence
+from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -160,15 +160,15 @@ class Engine:
         # Recompute samples for the cost model: prefills of whole prompts alone. A prefill that waits
         # for loads layer by layer times those loads too, and one on top of cached or loaded tokens
         # also reads their KV (its time is not its tokens'): neither is a sample.
-        loading = [chunk.request for chunk in plan.prefill if chunk.request.connector_id
-                   in self.scheduler.loads_in_flight(plan.prefill)]
+        loads_in_flight = self.scheduler.loads_in_flight(plan.prefill)
+        loading = [chunk.request for chunk in plan.prefill if chunk.request.connector_id in loads_in_flight]
         prefill_sample = bool(plan.prefill) and not loading \
             and all(chunk.first_token == 0 for chunk in plan.prefill)
         if plan.prefill:
             forward_started = self._record_event()
             forward_started_s = time.perf_counter()
             last_s, last_event = self._last_tokens or (None, None)
-            logits = self._run_prefill(plan.prefill)
+            logits = self._run_prefill(plan.prefill, loads_in_flight)
             tokens = self._launch_tokens(logits)
             launched_s = time.perf_counter()
             # While the GPU computes; the saves' copies go after the tokens' (a save's DMA to the
@@ -288,7 +288,7 @@ class Engine:
 
     # ---- the model --------------------------------------------------------------------------------
 
-    def _run_prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+    def _run_prefill(self, chunks: list[PrefillChunk], loads_in_flight: list[Hashable]) -> torch.Tensor:
         """The chunks' tokens in one forward; logits of the last token of each chunk that ends its
         request's prompt, in chunk order."""
         input_ids, positions, slots, seqs, logits_rows = [], [], [], [], []
@@ -308,7 +308,6 @@ class Engine:
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)
-        loads_in_flight = self.scheduler.loads_in_flight(chunks)
         wait_for_layer = None
         if loads_in_flight:
             def wait_for_layer(layer: int) -> None:
