@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -168,7 +168,7 @@ class Engine:
             forward_started = self._record_event()
             forward_started_s = time.perf_counter()
             last_s, last_event = self._last_tokens or (None, None)
-            logits = self._run_prefill(plan.prefill, loads_in_flight)
+            logits = self._run_prefill(plan.prefill)
             tokens = self._launch_tokens(logits)
             launched_s = time.perf_counter()
             # While the GPU computes; the saves' copies go after the tokens' (a save's DMA to the
@@ -288,7 +288,7 @@ class Engine:
 
     # ---- the model --------------------------------------------------------------------------------
 
-    def _run_prefill(self, chunks: list[PrefillChunk], loads_in_flight: list[Hashable]) -> torch.Tensor:
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """The chunks' tokens in one forward; logits of the last token of each chunk that ends its
         request's prompt, in chunk order."""
         input_ids, positions, slots, seqs, logits_rows = [], [], [], [], []
@@ -308,6 +308,7 @@ class Engine:
             start += num_tokens
             if first + num_tokens == len(request.token_ids):
                 logits_rows.append(start - 1)
+        loads_in_flight = self.scheduler.loads_in_flight(chunks)
         wait_for_layer = None
         if loads_in_flight:
             def wait_for_layer(layer: int) -> None:
