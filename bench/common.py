@@ -36,8 +36,9 @@ def machine_name() -> str:
 
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
-            if "H200" in name:
-                return "h200"
+            for short in ("H200", "H100"):
+                if short in name:
+                    return short.lower()
             return name.lower().replace(" ", "-")
     except ImportError:
         pass

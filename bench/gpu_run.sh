@@ -22,7 +22,7 @@
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost, 16 samples: the cost model's choices -> policy.json
 #   trace      trace_restore: where restored requests' TTFT goes           -> trace.log only
-# Results go to bench/results/h200/ and to $OUT with each stage's log, plus $OUT/env.txt. Each
+# Results go to bench/results/h200/ (h100/ on an H100) and to $OUT with each stage's log, plus $OUT/env.txt. Each
 # stage runs under `timeout`, which sends SIGTERM to the stage's process group (the daemons it
 # started included), then SIGKILL 15 s later; result files are written after every row, so a stage
 # cut short still leaves what it measured.
@@ -37,11 +37,13 @@ export PYTHONUNBUFFERED=1
 QUICK=
 [[ ${1:-} == --quick ]] && { QUICK=--quick; shift; }
 STAGES=",${1:-tests,connector,overlap,stress,ttft,policy,engines},"
-RESULTS=$PWD/bench/results/h200
+MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[12]00' | tr H h)
+MACHINE=${MACHINE:-h200}                       # bench/results/MACHINE: h200 or h100, as the card is
+RESULTS=$PWD/bench/results/$MACHINE
 [[ -n $QUICK ]] && RESULTS=$(mktemp -d /tmp/kvbench-quick.XXXXXX)
 # name BENCH: the arguments that send BENCH's result file to $RESULTS/BENCH.json
 name() { if [[ -n $QUICK ]]; then echo --quick --name "$1" --machine "$RESULTS";
-         else echo --name "$1" --machine h200; fi; }
+         else echo --name "$1" --machine "$MACHINE"; fi; }
 want() { [[ $STAGES == *",$1,"* ]]; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
