@@ -228,7 +228,7 @@ class Reference:
     engine has saved the prefixes to L2 (the KV its prefill wrote for each: ``saved_kv``), the
     prefix from that engine's own cache, the very KV that L2 holds (``own_cache``)."""
 
-    def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args, num_cases: int = 0):
+    def __init__(self, model, workload: Workload, daemon: KVDaemon | None, args):
         # Both references keep their first token's logits (for mismatch_margins), as they ran.
         self.recompute_engine = make_engine(model, workload.blocks_per_request, 1, keep_logits=True)
         self.logits: dict[str, list[torch.Tensor]] = {"recompute": [], "own_cache": []}    # of the last prompts
@@ -236,11 +236,11 @@ class Reference:
         self.cache_engine = self.saved_kv = None
         if daemon is None:
             return
-        # Room for every prefix and the suffix blocks of every prompt of the num_cases runs it is
-        # the reference of (each with a connector: prompts of its own), so that nothing of a
-        # prefix is evicted.
+        # Room for every prefix and the blocks of one case's prompts beyond them. Older prompts'
+        # blocks are evicted first (least recently released): a prefix's blocks were released by
+        # the last of the 8 prompts in rotation that used it, so they stay; own_cache checks it.
         self.cache_engine = make_engine(model, len(workload.prefixes) * workload.blocks_per_request
-                                        + 4 * workload.num_requests * num_cases + 64, 1, keep_logits=True)
+                                        + 4 * workload.num_requests + 64, 1, keep_logits=True)
         connector = attach_kvcached(self.cache_engine, daemon.socket_path, model_id=args.model,
                                     model_revision=f"random-seed-{args.seed}", client_name="stress-reference")
         control = TierControl(daemon, connector.geometry)
@@ -528,8 +528,7 @@ def run_single_engine(args, tiers: list[str], policies: list[str], batches: list
         # the GPU's speed drifts by a percent or two over a round's minute, and a speed-up is over
         # the baseline measured closest to it.
         cases.sort(key=lambda case: (case[0] != "none", case[:2] != ("l3-cold", "cost")))
-        reference = Reference(model, workload, daemon, args,
-                              num_cases=sum(tier != "none" for tier, *_ in cases) * len(batches) * args.repeats)
+        reference = Reference(model, workload, daemon, args)
         # Per batch, the cases in turn, ``--repeats`` times over: each speed-up is over the baseline
         # of its own repetition, measured just before it (the runs of one case vary by a few %).
         for batch, repeat in itertools.product(batches, range(args.repeats)):
