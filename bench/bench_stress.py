@@ -1,7 +1,7 @@
 """Throughput on the reference engine: prefixes in rotation, recompute against restores from L2.
 
-8 prefixes of 350 tokens; 240 requests, request j = prefix j % 8 + a unique 16-token suffix, 1
-output token; each case (tier, policy, batch size) has its own 240 suffixes, so no case restores
+8 prefixes of 350 tokens; 160 requests, request j = prefix j % 8 + a unique 16-token suffix, 1
+output token; each case (tier, policy, batch size) has its own 160 suffixes, so no case restores
 what an earlier one saved beyond a prefix. A batch of b keeps
 b requests in the engine (closed loop: one finishes, the next enters). The engine's block pool
 holds b + 1 requests (one to spare: the next request need not wait for the blocks of the last one
@@ -30,7 +30,7 @@ write-up's case: with a cold L3, its req/s must stay >= 0.97 x recompute's).
 Per batch, every case runs ``--repeats`` times (default 3), in turn: one run of each, then the
 next round; a row's speed-up is over tier none's row of the same round. The summary's target holds
 only if it holds in every round (runs of one case vary by a few % from one to the next). A row
-runs 240 requests (about 3 s at batch 1): at 80 (about 1 s) a burst of slow steps on the host,
+runs 160 requests (about 2 s at batch 1): at 80 (about 1 s) a burst of slow steps on the host,
 seen in rows without kvcached too, moved a row's req/s by up to 10%.
 
 Per tier and batch: req/s (the requests over the time from the first request in to the last first token),
@@ -590,7 +590,7 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--prefix-tokens", type=int, default=350)
     parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--batches", default="1,4", help="of the single engine; empty: none")
     parser.add_argument("--tiers", default=",".join(STRESS_TIERS))
     parser.add_argument("--policies", default=",".join(POLICIES), help="restore policies of the tiers with a "
