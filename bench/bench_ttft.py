@@ -53,7 +53,7 @@ rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "re
 "choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
 faster of the two.
 
-    python -m bench.bench_ttft --policy cost                      # H200: bench/results/h200/policy.json
+    python -m bench.bench_ttft --policy cost                      # H100: bench/results/h100/policy.json
     python -m bench.bench_ttft --policy cost --quick              # CPU smoke run
 """
 

@@ -12,14 +12,15 @@ more than its own rows (the paged cache, the batch's sequences):
 
 Forwards of up to ``DEFAULT_MAX_GRAPH_TOKENS`` (1,024) tokens replay graphs, where they stopped at
 512. Continuous batching puts restored suffixes and whole prompts in one step: at batch 4, two
-whole prompts of 366 tokens and two restored suffixes make about 760 tokens, which ran eagerly.
-In ``bench/results/h200/stress.json`` (commit 643a081, batch 4) every case with restores took the
-host as long to launch a prefill step as the GPU to run it (under policy ``cost`` with a cold L3,
-means 39.7 and 39.7 ms in the slowest round, 20.9 and 21.6 in the fastest), where without
-kvcached (4 whole prompts, 1,464 tokens a step, eager) the GPU was the bound (launch 19.1-34.4
-ms, span 38.4-38.7 ms). Steps of restored suffixes alone were graphed and still bound by the
-host (L2 under ``always``: 120 tokens a step, 22.8 and 22.8 ms): their attention took two
+whole prompts of 366 tokens and two restored suffixes make 792 tokens, which ran eagerly. Steps
+of restored suffixes alone were graphed and still bound by the host: their attention took two
 launches per request and layer, now one per layer for the batch (``attention.PagedPrefill``).
+In ``bench/results/h100/stress.json`` (H100, commit c793216, batch 4), with both changes, the GPU
+bounds the prefill steps with restores: under policy ``cost`` with a cold L3 (admission hints on),
+a step of two whole prompts and two restored suffixes took 10.5-18.1 ms of launches for 26.5-27.1
+ms of GPU span (means per round), and a step of four restored suffixes (L2 under ``always``, 120
+tokens) 7.0-7.5 ms for 10.7-10.8 ms; without kvcached (4 whole prompts, 1,464 tokens a step,
+eager) launch 21.8-33.4 ms, span 39.2-39.6 ms.
 Above 512 the sizes step by 128, so that the padding stays under a fifth of a batch's rows;
 forwards of more than 1,024 tokens (whole prompts of 1,000 tokens and more, 3 prompts of 366 at
 batch 4) stay eager.
