@@ -670,7 +670,10 @@ def run_policy(run: Run, point: Point, tiers: list[str], o_direct: bool) -> None
 
 def policy_row(cost: dict, restore: dict, recompute: dict, cost_model: dict) -> dict:
     """One point and tier under the three policies. The restore and recompute runs' checks are the
-    row's: every page restored bit for bit (always), none (never); the daemon's integrity."""
+    row's: every page restored bit for bit (always), none (never); the daemon's integrity. ``checks``
+    keeps each policy's check request apart: its tokens against the recompute's, its logit
+    difference against the noise floor (the engine's own cache hit on the same KV), and whether its
+    logits equal that own cache hit's bit for bit."""
     choices = cost["choices"]
     choice = max(set(choices), key=choices.count) if choices else None
     faster_ms = min(restore["ttft_ms"], recompute["ttft_ms"])
@@ -686,6 +689,9 @@ def policy_row(cost: dict, restore: dict, recompute: dict, cost_model: dict) -> 
             "tier_forced": restore["tier_forced"] and recompute["tier_forced"] and cost["tier_forced"],
             "integrity_ok": cost["integrity_ok"] and restore["integrity_ok"] and recompute["integrity_ok"],
             "outputs_equal": cost["outputs_equal"] and restore["outputs_equal"] and recompute["outputs_equal"],
+            "checks": {name: {key: row[key] for key in ("outputs_equal", "logit_diff", "noise_floor", "within_noise",
+                                                       "logits_equal_own_cache")}
+                       for name, row in (("cost", cost), ("always", restore), ("never", recompute))},
             "cost_model": cost_model}
 
 
