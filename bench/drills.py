@@ -18,6 +18,9 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       wrong mode (and, run as root, one owned by another user): refused, the
                       victim file untouched
 
+  cost model heals    one 1-s h2d sample reported: lookups of an L2 hit until one restores again
+                      (<= 200 requests or 30 s), and that restore bit for bit
+
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
 
@@ -367,7 +370,43 @@ def drill_socket_takeover() -> dict:
     return row("4 socket takeover", expect, observed, held, cases=cases)
 
 
-DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover")
+# ---- the cost model heals ------------------------------------------------------------------------
+
+def drill_cost_model_heals(max_requests: int = 200, max_s: float = 30.0) -> dict:
+    """A real daemon and connector (policy cost): an 8-page prefix saved to L2, then one 1-s h2d
+    sample reported; lookups until one restores from L2 again, and that restore's load."""
+    from tests.integration.test_connector import P
+    from tests.integration.test_cost_decisions import engine_of, save
+    daemon = DaemonProcess(l2_size="8MiB").start()
+    engine = None
+    try:
+        engine = engine_of(daemon, 41, "cost")
+        prefix = random_tokens(np.random.default_rng(41), 8 * P)
+        save(engine, prefix, list(range(8)))
+        engine.connector.client.report({}, [("h2d", 8 * engine.connector.geometry.bytes_per_page, 1.0)])
+        engine.connector.client.flush()
+        started = time.monotonic()
+        choices = []
+        while "l2" not in choices and len(choices) < max_requests and time.monotonic() - started < max_s:
+            choices.append(engine.connector.lookup_async(prefix).decision().choice)
+        seconds = time.monotonic() - started
+        engine.connector.load("again", prefix, list(range(8, 16)), 8 * P)
+        engine.poll_until(lambda: engine.loads, "the load")
+        restored = engine.loads[0].ok and all(torch.equal(engine.block(b + 8), engine.block(b)) for b in range(8))
+        resumed_at = choices.index("l2") + 1 if "l2" in choices else None
+        return row("cost_model_heals", f"after one 1-s h2d sample, an L2 restore again within {max_requests} "
+                   f"requests or {max_s:.0f} s", f"declined {choices.count('recompute')} lookups, the "
+                   f"{resumed_at}th restored (after {seconds:.2f} s), bit for bit: {restored}",
+                   resumed_at is not None and choices[0] == "recompute" and restored,
+                   requests_to_restore=resumed_at, seconds_to_restore=round(seconds, 3))
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
+
+
+DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover", "cost_model_heals")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -395,6 +434,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_restart_l2_hit()]
     if name == "warm_l3":
         return drill_warm_l3(workdir)
+    if name == "cost_model_heals":
+        return [drill_cost_model_heals()]
     return [drill_socket_takeover()]
 
 

@@ -23,6 +23,13 @@ benefit(c) = recompute(tokens c adds) - margin * restore(c); the largest positiv
 none: recompute. A prefill's fixed term is paid whatever is restored (the engine computes at least
 the prompt's last token), so recomputing n tokens is priced ``n * prefill_slope``. An L3 restore is
 the read of the pages L2 lacks, then the DMA of them all; a peer restore one device-to-device copy.
+
+A declined source sends no samples, so the evidence that declined it could never be corrected (one
+slow sample would decline a path for good). So a line counts the decisions (policy cost) that
+declined a source it prices since its last sample; at ``STALE_DECLINES`` its samples are dropped and
+it prices by its prior again, until the restores that prior takes measure it anew. A line that some
+decisions still take is sampled and never drops anything; one the model declines rightly costs at
+most one restore priced by the prior per ``STALE_DECLINES + 1`` decisions of its source.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ ENGINE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
 STORAGE_DIRECTIONS = ("s2h", "h2s")
 MAX_SAMPLE_SIZE = 1 << 50
 MAX_SAMPLE_SECONDS = 3600.0
+STALE_DECLINES = 64                # decisions declining a line's source, no sample between: back to its prior
+# The lines a restore from each source is priced by (and samples): declining the source starves them.
+SOURCE_DIRECTIONS = {"peer": ("d2d",), "l2": ("h2d",), "l3": ("s2h", "h2d")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +82,25 @@ class LineModel:
         self.num_samples = 0                # taken in, ever
         self.fixed_s = 0.0
         self.slope_s = prior_slope_s
-        self.mode = "prior"                 # "prior" (no sample yet), "ewma" or "fit"
+        self.mode = "prior"                 # "prior" (no sample yet, or dropped), "ewma" or "fit"
         self._ewma_fixed_s: float | None = None
+        self.declines_since_sample = 0      # decisions that declined a source this line prices
+        self.num_stale_resets = 0
+
+    def declined(self) -> bool:
+        """Count one decision that declined a source this line prices; at ``STALE_DECLINES`` since
+        its last sample, drop its samples (back to the prior) and return True. A line at its prior
+        has nothing to drop: its declines are the prior's, which no sample has contradicted."""
+        if not self.samples:
+            return False
+        self.declines_since_sample += 1
+        if self.declines_since_sample < STALE_DECLINES:
+            return False
+        self.samples.clear()
+        self.fixed_s, self.slope_s, self.mode, self._ewma_fixed_s = 0.0, self.prior_slope_s, "prior", None
+        self.declines_since_sample = 0
+        self.num_stale_resets += 1
+        return True
 
     def add(self, size: int, seconds: float) -> bool:
         """Take in one sample; False (ignored) when it is not one: below min_size, or not finite."""
@@ -81,6 +108,7 @@ class LineModel:
             return False
         self.samples.append((size, seconds))
         self.num_samples += 1
+        self.declines_since_sample = 0
         target = seconds - self.prior_slope_s * size
         self._ewma_fixed_s = target if self._ewma_fixed_s is None else \
             self._ewma_fixed_s + EWMA_ALPHA * (target - self._ewma_fixed_s)
@@ -105,7 +133,8 @@ class LineModel:
     def status(self, unit: str) -> dict[str, Any]:
         return {"fixed_s": self.fixed_s, f"slope_s_per_{unit}": self.slope_s,
                 f"prior_slope_s_per_{unit}": self.prior_slope_s, "samples_total": self.num_samples,
-                "window": len(self.samples), "mode": self.mode}
+                "window": len(self.samples), "mode": self.mode, "declines_since_sample": self.declines_since_sample,
+                "stale_resets_total": self.num_stale_resets}
 
 
 def fit_non_negative(samples) -> tuple[float, float]:
@@ -224,11 +253,22 @@ class CostModel:
                 choice, restore_tokens = longest, end
             elif policy == "never":
                 choice, restore_tokens = "recompute", local_tokens
+            else:
+                self._count_declines(engine, [source for source, _, _ in candidates if source != choice])
             decision = Decision(choice, restore_tokens, predicted, longest)
         engine.decisions[where][decision.choice] += 1
         if decision.longest and decision.choice != decision.longest:
             engine.policy_skips[where][decision.longest] += 1
         return decision
+
+    def _count_declines(self, engine: EngineModel, declined_sources: list[str]) -> None:
+        """The lines the declined sources are priced by (a line twice over counts once); those that
+        go stale drop their samples (see the module note)."""
+        directions = {d for source in declined_sources for d in SOURCE_DIRECTIONS[source]}
+        for direction in sorted(directions):
+            line = self.storage[direction] if direction in STORAGE_DIRECTIONS else engine.directions[direction]
+            if line.declined():
+                self.counters["stale_line_resets_total"] += 1
 
     def l3_min_tokens(self, engine_id: int, bytes_per_token: int) -> int | None:
         """A bound below which no L3 restore can win for this engine: for fewer tokens beyond its

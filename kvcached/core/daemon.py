@@ -321,6 +321,15 @@ class DaemonState:
                 self.cost.l3_min_tokens(ns.namespace_id, ns.geometry.bytes_per_token)
             self.hints.set_l3_min_tokens(ns.hints_slot, NEVER if least is None else least)
 
+    def _decide(self, namespace: Namespace, *args, **kwargs) -> Decision:
+        """``CostModel.decide`` for this namespace; where it dropped a stale line's samples, the hints
+        are published again (a storage line is every namespace's)."""
+        resets = self.cost.counters["stale_line_resets_total"]
+        decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, *args, **kwargs)
+        if self.cost.counters["stale_line_resets_total"] != resets:
+            self.publish_cost_hints()
+        return decision
+
     def detach(self, session_id: int) -> int:
         """End a session and reclaim its leases; returns how many leases were reclaimed. The engine
         detaches once its transfers are drained, so the pages are free at once."""
@@ -444,11 +453,10 @@ class DaemonState:
         allowed = self._reservable_pages(session, namespace)
         peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
         if decision is None and (promote_l3 or peer_block_ids or recompute):
-            decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, local_hit_tokens,
-                                        result.hit_tokens[Tier.L2], result.hit_tokens.get(Tier.L3, 0)
-                                        if promote_l3 or recompute else 0, policy,
-                                        where="predicted" if recompute else "match",
-                                        peer_tokens=len(peer_block_ids) * page_size)
+            decision = self._decide(namespace, local_hit_tokens, result.hit_tokens[Tier.L2],
+                                    result.hit_tokens.get(Tier.L3, 0) if promote_l3 or recompute else 0, policy,
+                                    where="predicted" if recompute else "match",
+                                    peer_tokens=len(peer_block_ids) * page_size)
             if decision.choice == "l3" and allowed > 0 and not recompute:
                 start_page = result.hit_tokens[Tier.L2] // page_size
                 move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
@@ -563,9 +571,8 @@ class DaemonState:
         self.metrics.add("lookups", model=geometry.model_id)
         self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
-        decision = self.cost.decide(session.namespace_id, geometry.bytes_per_token, local_hit_tokens, hits["l2"],
-                                    hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup",
-                                    peer_tokens=peer_tokens)
+        decision = self._decide(self.namespaces[session.namespace_id], local_hit_tokens, hits["l2"],
+                                hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup", peer_tokens=peer_tokens)
         return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
 
     def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:

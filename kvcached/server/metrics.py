@@ -340,6 +340,9 @@ COST_MODEL_COUNTERS = {
     "background_promotion_skips_busy_total": ("kvcached_background_promotion_skips", "Background promotions not "
                                               "started, by reason", {"reason": "busy"}),
     "background_promotion_skips_no_gain_total": ("kvcached_background_promotion_skips", "", {"reason": "no_gain"}),
+    "stale_line_resets_total": ("kvcached_cost_model_stale_line_resets", "Lines that dropped their samples "
+                                "(back to the prior) after 64 decisions declined their source with no sample "
+                                "between", {}),
     "samples_ignored_total": ("kvcached_cost_model_samples_ignored", "Timings engines reported that are no sample "
                               "(a prefill under 16 tokens, a time out of range)", {}),
 }

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from kvcached.core.cost_model import (EWMA_ALPHA, WINDOW, CostModel, CostPriors, LineModel, fit_non_negative)
+from kvcached.core.cost_model import (EWMA_ALPHA, STALE_DECLINES, WINDOW, CostModel, CostPriors, LineModel,
+                                      fit_non_negative)
 
 ENGINE = 7
 BYTES_PER_TOKEN = 147_456          # a Qwen3-8B token, bf16
@@ -275,3 +276,67 @@ def test_status_shows_each_direction_and_the_decisions(rng):
     assert engine["directions"]["prefill"]["slope_s_per_token"] == pytest.approx(30e-6)
     assert engine["directions"]["d2h"]["mode"] == "prior"
     assert set(status["storage"]) == {"s2h", "h2s"} and status["policy"] == "cost"
+
+
+def l2_hit_tokens(rng) -> int:
+    return int(rng.integers(64, 256)) * 16
+
+
+def test_one_slow_h2d_sample_stops_declining_l2_within_stale_declines(rng):
+    """One 1-s h2d sample (a stall inside the timed copies) makes every L2 hit look slower than its
+    prefill, and a declined path sends no samples: yet within STALE_DECLINES + 1 decisions (well
+    under 200 requests) the model restores from L2 again, and once the restores' own samples (fast)
+    are in, it keeps restoring."""
+    model = CostModel()
+    assert model.add_engine_sample(ENGINE, "h2d", l2_hit_tokens(rng) * BYTES_PER_TOKEN, 1.0)
+    declined = 0
+    while model.decide(ENGINE, BYTES_PER_TOKEN, 0, l2_hit_tokens(rng), 0).choice == "recompute":
+        declined += 1
+        assert declined <= STALE_DECLINES, "restores never resumed"
+    assert declined == STALE_DECLINES and STALE_DECLINES + 1 <= 200
+    assert model.counters["stale_line_resets_total"] == 1 and model.engine(ENGINE).h2d.mode == "prior"
+    for _ in range(200):
+        tokens = l2_hit_tokens(rng)
+        decision = model.decide(ENGINE, BYTES_PER_TOKEN, 0, tokens, 0)
+        assert decision.choice == "l2", decision
+        model.add_engine_sample(ENGINE, "h2d", tokens * BYTES_PER_TOKEN,
+                                0.0002 + tokens * BYTES_PER_TOKEN / 20e9 * float(rng.uniform(0.95, 1.05)))
+    assert model.counters["stale_line_resets_total"] == 1
+
+
+def test_a_path_rightly_declined_costs_at_most_one_restore_per_stale_declines_plus_one(rng):
+    """A DMA that really takes 1 s: after its first sample the model takes it again only once its
+    samples went stale, one restore per STALE_DECLINES + 1 decisions, each of which measures it
+    slow again (the loss of the self-correction is bounded)."""
+    model = CostModel()
+    restores = 0
+    num_decisions = 20 * (STALE_DECLINES + 1)
+    for _ in range(num_decisions):
+        tokens = l2_hit_tokens(rng)
+        if model.decide(ENGINE, BYTES_PER_TOKEN, 0, tokens, 0).choice == "l2":
+            restores += 1
+            model.add_engine_sample(ENGINE, "h2d", tokens * BYTES_PER_TOKEN, float(rng.uniform(0.9, 1.1)))
+        else:
+            model.add_engine_sample(ENGINE, "prefill", tokens, tokens * 50e-6 * float(rng.uniform(0.95, 1.05)))
+    assert restores == num_decisions // (STALE_DECLINES + 1)
+    # each restore but the first followed a reset; the last reset (the 1300th decision) awaits its restore
+    assert model.counters["stale_line_resets_total"] == restores
+
+
+def test_a_line_that_some_decisions_still_take_keeps_its_samples(rng):
+    """A DMA with a real 20 ms fixed cost: short L2 hits are declined, long ones restored (and
+    sampled), so the h2d line is never stale and never dropped, whatever the number of declines;
+    nor are declines under the policies always and never counted."""
+    model = CostModel()
+    learn(model, rng, h2d_fixed_s=0.020, h2d_bytes_per_s=50e9, prefill_fixed_s=0.005, prefill_s_per_token=100e-6)
+    declined = 0
+    for request in range(10 * STALE_DECLINES):
+        tokens = 4096 if request % 16 == 0 else 64
+        decision = model.decide(ENGINE, BYTES_PER_TOKEN, 0, tokens, 0)
+        if decision.choice == "l2":
+            model.add_engine_sample(ENGINE, "h2d", tokens * BYTES_PER_TOKEN, 0.020 + tokens * BYTES_PER_TOKEN / 50e9)
+        else:
+            declined += 1
+        model.decide(ENGINE, BYTES_PER_TOKEN, 0, 64, 0, policy="never")
+    assert declined > 5 * STALE_DECLINES and model.counters["stale_line_resets_total"] == 0
+    assert model.engine(ENGINE).h2d.mode == "fit" and model.engine(ENGINE).h2d.fixed_s == pytest.approx(0.020)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.core.cost_model import CostModel, CostPriors
+from kvcached.core.cost_model import STALE_DECLINES, CostModel, CostPriors
 from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
@@ -256,4 +256,42 @@ def test_a_save_is_reserved_unless_the_model_declined_l3_and_l2_would_evict_its_
     assert reply.backup_start_token == l2_hit * PAGE and len(reply.backup_page_ids) == 5 - l2_hit, reply
     assert state.metrics.counters["backup_policy_skips"] == 0
     state.release(session.session_id, reply.lease_id)
+    state.check_integrity()
+
+
+def test_one_slow_h2d_sample_an_engine_reports_stops_declining_l2_within_200_requests(rng):
+    """An engine reports one 1-s DMA: its lookups of an 8-page L2 hit answer recompute, but within
+    STALE_DECLINES + 1 lookups (under 200) one answers l2 again; status shows the line dropped."""
+    state = make_state()
+    session, _ = state.attach(GEOMETRY, pid=1)
+    prefix = tokens(rng, 8)
+    back_up(state, session.session_id, prefix)
+    assert state.lookup(session.session_id, prefix).choice == "l2"
+    state.engine_report(session.session_id, {}, [("h2d", 8 * BYTES_PER_PAGE, 1.0)])
+    choices = [state.lookup(session.session_id, prefix).choice for _ in range(200)]
+    assert choices.index("l2") == STALE_DECLINES and set(choices[:STALE_DECLINES]) == {"recompute"}
+    cost = state.status()["cost_model"]
+    assert cost["stale_line_resets_total"] == 1
+    assert cost["engines"][0]["directions"]["h2d"]["stale_resets_total"] == 1
+    assert value(exported(state.status()), "kvcached_cost_model_stale_line_resets_total") == 1
+    state.check_integrity()
+
+
+def test_a_stale_storage_line_publishes_the_prior_hint_again(rng):
+    """A disk measured slow publishes an L3 bound (hints) that predicts every L3 hit declined;
+    once STALE_DECLINES decisions (the matches of predicted requests) declined it without a read
+    since, the storage line is back at its prior and so is the published bound."""
+    state = make_state()
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prior_bound = state.hints.head(namespace.hints_slot)["l3_min_tokens"]
+    prefix = only_in_l3(state, session.session_id, rng, 4)
+    slow_disk(state, rng)
+    state.publish_cost_hints()
+    assert state.hints.head(namespace.hints_slot)["l3_min_tokens"] > max(prior_bound, 4 * PAGE)
+    for _ in range(STALE_DECLINES):
+        reply = state.match(session.session_id, prefix, recompute=True)
+        assert reply.choice == "recompute"
+    assert state.hints.head(namespace.hints_slot)["l3_min_tokens"] == prior_bound
+    assert state.cost.storage["s2h"].mode == "prior"
+    assert state.lookup(session.session_id, prefix, promote_l3=True).choice == "l3"
     state.check_integrity()

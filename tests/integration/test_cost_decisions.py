@@ -314,3 +314,37 @@ def test_a_predicted_request_ends_cleanly_whatever_becomes_of_its_unsent_match(r
         if engine is not None:
             engine.close()
         daemon.cleanup()
+
+
+def test_after_one_slow_h2d_sample_restores_resume_within_200_requests(rng):
+    """An engine (policy cost) reports one 1-s DMA: lookups of its saved 8-page prefix then answer
+    recompute, but within 200 of them (30 s at most) one answers l2 again, and its load restores
+    the prefix bit for bit into other blocks; status counts the line dropped."""
+    daemon = DaemonProcess(l2_size="8MiB").start()
+    engine = None
+    try:
+        engine = engine_of(daemon, 31, "cost")
+        prefix = random_tokens(rng, 8 * P)
+        save(engine, prefix, list(range(8)))
+        assert engine.connector.lookup_async(prefix).decision().choice == "l2"
+        engine.connector.client.report({}, [("h2d", 8 * engine.connector.geometry.bytes_per_page, 1.0)])
+        engine.connector.client.flush()
+        started = time.monotonic()
+        choices = []
+        while "l2" not in choices:
+            assert len(choices) < 200 and time.monotonic() - started < 30, choices
+            choices.append(engine.connector.lookup_async(prefix).decision().choice)
+        assert choices[0] == "recompute", choices          # the slow sample did decline it
+        engine.connector.load("again", prefix, list(range(8, 16)), 8 * P)
+        engine.poll_until(lambda: engine.loads, "the load")
+        assert engine.loads[0].ok and engine.loads[0].num_tokens == 8 * P, engine.loads
+        for block_id in range(8):
+            assert torch.equal(engine.block(block_id + 8), engine.block(block_id)), block_id
+        model = cost_model(daemon)
+        assert model["stale_line_resets_total"] == 1, model
+        assert model["engines"][0]["directions"]["h2d"]["stale_resets_total"] == 1, model
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        daemon.cleanup()
