@@ -17,6 +17,7 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
   4 socket takeover   a symlink planted at the lock path, a socket directory pre-created with the
                       wrong mode (and, run as root, one owned by another user): refused, the
                       victim file untouched
+  5 L3 files          a daemon restarting on a branchy L3 index of 160k rows: peak RSS and seconds
 
   cost model heals    one 1-s h2d sample reported: lookups of an L2 hit until one restores again
                       (<= 200 requests or 30 s), and that restore bit for bit
@@ -51,6 +52,7 @@ from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_faults import start_holder
 from tests.integration.test_fencing import STALL_S, Engine, session_names, wait_until
+from tests.integration.test_l3_rebuild import MAX_REBUILD_RSS_BYTES, TEST_ROWS, restart_on_branchy_index
 from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
 from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens
 from bench.timing import timed
@@ -406,7 +408,23 @@ def drill_cost_model_heals(max_requests: int = 200, max_s: float = 30.0) -> dict
         daemon.cleanup()
 
 
-DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover", "cost_model_heals")
+# ---- 5: L3 files ---------------------------------------------------------------------------------
+
+def drill_l3_rebuild_rss(num_rows: int = TEST_ROWS) -> dict:
+    """A real daemon restarting on a branchy L3 index (one history, continuations of 50 pages
+    branching off it): its peak RSS (VmHWM) and the seconds until it answers."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    result = restart_on_branchy_index(num_rows, seed)
+    peak_mb = result["peak_rss_bytes"] / 1e6
+    passed = (result["l3_pages"] == num_rows and result["integrity"] == "ok"
+              and result["peak_rss_bytes"] <= MAX_REBUILD_RSS_BYTES)
+    return row("l3_rebuild_rss", f"rebuild of {num_rows} branchy rows <= {MAX_REBUILD_RSS_BYTES / 1e6:.0f} MB RSS",
+               f"peak RSS {peak_mb:.0f} MB, {result['l3_pages']} pages back, ready in {result['seconds']:.1f} s",
+               passed, seed=seed, peak_rss_bytes=result["peak_rss_bytes"], seconds=round(result["seconds"], 2))
+
+
+DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover",
+          "cost_model_heals", "l3_rebuild_rss")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -436,6 +454,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return drill_warm_l3(workdir)
     if name == "cost_model_heals":
         return [drill_cost_model_heals()]
+    if name == "l3_rebuild_rss":
+        return [drill_l3_rebuild_rss()]
     return [drill_socket_takeover()]
 
 

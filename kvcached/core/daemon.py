@@ -38,7 +38,7 @@ from kvcached.core.metrics import Metrics
 from kvcached.core.residency import PeerExport, PeerRegistry
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import IntegrityError, Tier
-from kvcached.core.tree import PrefixTree
+from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
 from proto import hints
 from proto.hints import NEVER
@@ -1143,11 +1143,16 @@ class DaemonState:
             for chunk in sorted({c for slot in slot_ids for c in chunks.chunks_of_page(slot, bytes_per_page)}):
                 self._assign_chunk(namespace, Tier.L3, chunk)
             namespace.l3_allocator.take(slot_ids)
+            # Each run goes below the node its parent run made: no path from the root is built.
+            branch_nodes: dict[bytes, TreeNode] = {}
             for run in plan.runs:
-                inserted = namespace.tree.insert(run.token_ids, Tier.L3, run.slot_ids, start_page=run.start_page)
-                assert inserted.new_pages == len(run.slot_ids), "a rebuilt page was already in the tree"
+                parent = None if run.parent_key == ROOT_KEY else branch_nodes[run.parent_key]
+                node = namespace.tree.insert_child(parent, Tier.L3, run.token_bytes, run.slot_ids)
+                if run.end_key in plan.branch_keys:
+                    branch_nodes[run.end_key] = node
                 if namespace.l3_checksums is not None:
                     namespace.l3_checksums[run.slot_ids] = run.checksums
+            del branch_nodes
             dropped = plan.dropped_slot_ids + foreign_slots
             if dropped:
                 self._unindex_slots(namespace, dropped)

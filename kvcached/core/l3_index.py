@@ -104,20 +104,24 @@ IndexChange = Union[PutNamespace, DropNamespace, PutSlots, DeleteSlots]
 
 
 class RebuildRun(NamedTuple):
-    """Pages [start_page, start_page + len(slot_ids)) of the path token_ids, held by these slots."""
+    """A chain of pages below the page keyed parent_key (ROOT_KEY: the root), held by these slots:
+    its own token bytes only, never the path above it, so a plan is as large as its rows."""
 
-    token_ids: np.ndarray
+    parent_key: bytes
+    token_bytes: bytes
     start_page: int
     slot_ids: list[int]
     checksums: list[int]
+    end_key: bytes                    # the key of the chain's last page
 
 
 class RebuildPlan(NamedTuple):
-    runs: list[RebuildRun]            # in insertion order: every run's prefix comes earlier
+    runs: list[RebuildRun]            # in insertion order: every run's parent run comes earlier
     dropped_slot_ids: list[int]       # the slots of rows that cannot be trusted, used or reached
     num_beyond: int                   # of those: rows of slots past the region's end now
     num_torn: int                     # rows that are not what they claim to be
     num_orphans: int                  # rows whose parent row is missing (or was dropped)
+    branch_keys: frozenset[bytes]     # the end keys of runs that other runs continue
 
 
 def plan_rebuild(rows: Sequence[SlotRow], page_size: int, num_slots: int) -> RebuildPlan:
@@ -126,7 +130,10 @@ def plan_rebuild(rows: Sequence[SlotRow], page_size: int, num_slots: int) -> Reb
     A row is torn when its slot is repeated, its tokens are not one page, its checksum is not 32
     bits or its key is not the digest of its parent key and tokens; a row of a slot at or past
     num_slots no longer fits; a row whose parent is not reachable from the root is an orphan.
-    These are dropped; every other row comes back, whatever happened to its siblings."""
+    These are dropped; every other row comes back, whatever happened to its siblings.
+
+    Time and memory are O(rows): each run holds its own chain's tokens, and is inserted below the
+    node its parent run made (``PrefixTree.insert_child``), not by a walk from the root."""
     page_bytes = page_size * _TOKEN_BYTES
     dropped: list[int] = []
     seen_slots: set[int] = set()
@@ -150,26 +157,29 @@ def plan_rebuild(rows: Sequence[SlotRow], page_size: int, num_slots: int) -> Reb
             dropped.append(row.slot)
             continue
         by_key[row.page_key] = row
+    del seen_slots
     children: dict[bytes, list[SlotRow]] = {}
     for row in by_key.values():
         children.setdefault(row.parent_key, []).append(row)
 
     runs: list[RebuildRun] = []
-    reached = 0
-    # Depth first; a chain of only children is one run, inserted with one tree walk.
-    stack: list[tuple[SlotRow, int, list[bytes]]] = [(row, 0, []) for row in children.get(ROOT_KEY, ())]
+    branch_keys: set[bytes] = set()
+    reached_slots: set[int] = set()
+    # Depth first; a chain of only children is one run, inserted as one tree node.
+    stack: list[tuple[SlotRow, int]] = [(row, 0) for row in children.get(ROOT_KEY, ())]
     while stack:
-        row, start_page, prefix = stack.pop()
+        row, start_page = stack.pop()
         chain = [row]
         while len(children.get(chain[-1].page_key, ())) == 1:
             chain.append(children[chain[-1].page_key][0])
-        path = prefix + [r.token_bytes for r in chain]
-        runs.append(RebuildRun(np.frombuffer(b"".join(path), dtype="<i4"), start_page,
-                               [r.slot for r in chain], [r.checksum for r in chain]))
-        reached += len(chain)
-        for child in children.get(chain[-1].page_key, ()):
-            stack.append((child, start_page + len(chain), path))
-    reached_slots = {slot for run in runs for slot in run.slot_ids}
+        end_key = chain[-1].page_key
+        runs.append(RebuildRun(row.parent_key, b"".join(r.token_bytes for r in chain), start_page,
+                               [r.slot for r in chain], [r.checksum for r in chain], end_key))
+        reached_slots.update(r.slot for r in chain)
+        below = children.get(end_key, ())
+        if below:
+            branch_keys.add(end_key)
+        for child in below:
+            stack.append((child, start_page + len(chain)))
     orphans = [row.slot for row in by_key.values() if row.slot not in reached_slots]
-    assert reached == len(reached_slots)
-    return RebuildPlan(runs, dropped + orphans, num_beyond, num_torn, len(orphans))
+    return RebuildPlan(runs, dropped + orphans, num_beyond, num_torn, len(orphans), frozenset(branch_keys))

@@ -338,6 +338,38 @@ class PrefixTree:
         self._push_if_evictable(node, tier)
         return InsertResult(new_pages, duplicate_page_ids, node)
 
+    def insert_child(self, parent: TreeNode | None, tier: Tier, key: bytes,
+                     page_ids: Sequence[int]) -> TreeNode:
+        """Add a new node below ``parent`` (None: the root) holding the whole pages ``key``,
+        resident in ``tier`` with ``page_ids``; returns it. For rebuilding a tree one chain of
+        pages at a time (the L3 index at start): no token path from the root is needed, so the
+        work and memory are those of the chain alone. ``parent`` must be resident in ``tier``,
+        end where ``key`` begins and have no child starting with ``key``'s first page."""
+        tier = self._check_tier(tier)
+        parent = self._root if parent is None else parent
+        key = bytes(key)
+        page_bytes = self._page_bytes
+        new_page_ids = [operator.index(p) for p in page_ids]
+        num_pages = len(new_page_ids)
+        if num_pages == 0 or len(key) != num_pages * page_bytes:
+            raise ValueError(f"key of {len(key)} bytes for {num_pages} pages of {page_bytes} bytes")
+        if parent is not self._root and (parent.parent is None or not parent.is_resident(tier)):
+            raise ValueError(f"parent {parent!r} is not in the tree, resident in {tier.label}")
+        if key[:page_bytes] in parent.children:
+            raise ValueError("the parent has a child starting with that page already")
+        if len(set(new_page_ids)) != num_pages or any(p < 0 for p in new_page_ids):
+            raise ValueError("page ids must be distinct and >= 0")
+        owned = self._owned_page_ids[tier]
+        already_owned = [p for p in new_page_ids if p in owned]
+        if already_owned:
+            raise ValueError(f"page ids already owned by the tree in {tier.label}: {already_owned[:8]}")
+        node = TreeNode(parent, key, num_pages, self.tiers, self._clock())
+        parent.children[key[:page_bytes]] = node
+        self._num_nodes += 1
+        self._make_resident(node, tier, new_page_ids)
+        self._push_if_evictable(node, tier)
+        return node
+
     # ---- evict ---------------------------------------------------------------------------
 
     def evict(self, tier: Tier, num_pages: int) -> list[int]:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvcached.core.daemon import DaemonState
-from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, PutNamespace, PutSlots, SavedNamespace,
-                                    SlotRow, chain_page_keys, namespace_key, page_key, plan_rebuild)
+from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, NamespaceLayout, PutNamespace, PutSlots,
+                                    SavedNamespace, SlotRow, chain_page_keys, namespace_key, page_key, plan_rebuild)
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock
@@ -245,8 +245,42 @@ def test_plan_rebuild_keys_chain_from_the_root():
             for page, slot in enumerate((7, 3, 9))]
     plan = plan_rebuild(rows, PAGE, num_slots=10)
     assert [(run.start_page, run.slot_ids) for run in plan.runs] == [(0, [7, 3, 9])]
-    assert np.array_equal(plan.runs[0].token_ids, tokens)
+    assert plan.runs[0].token_bytes == tokens.tobytes() and plan.runs[0].parent_key == ROOT_KEY
     assert plan.dropped_slot_ids == []
+
+
+def test_a_branchy_plan_holds_each_row_once_and_rebuilds_every_path(rng):
+    """A history of 40 pages with 30 continuations of 3 pages branching off it: the plan holds
+    each row's tokens once (no path from the root per run, so its size is O(rows)), every run's
+    parent run comes before it, and the rebuilt tree holds every continuation's whole path in L3
+    in the slots its rows name."""
+    history = rng.integers(0, 1 << 30, size=40 * PAGE, dtype=np.int32)
+    paths = [history]
+    for branch_page in rng.integers(1, 40, size=30).tolist():
+        paths.append(np.concatenate([history[:branch_page * PAGE],
+                                     rng.integers(0, 1 << 30, size=3 * PAGE, dtype=np.int32)]))
+    rows: dict[bytes, SlotRow] = {}
+    for path in paths:
+        keys = chain_page_keys(path, PAGE, len(path) // PAGE)
+        for page, key in enumerate(keys):
+            if key not in rows:
+                rows[key] = SlotRow(len(rows), key, keys[page - 1] if page else ROOT_KEY,
+                                    path[page * PAGE:(page + 1) * PAGE].tobytes(), int(rng.integers(1 << 32)))
+    plan = plan_rebuild(list(rows.values()), PAGE, num_slots=len(rows))
+    assert plan.dropped_slot_ids == []
+    assert sum(len(run.token_bytes) for run in plan.runs) == len(rows) * PAGE * 4
+    ends = {ROOT_KEY}
+    for run in plan.runs:
+        assert run.parent_key in ends
+        ends.add(run.end_key)
+    state = new_state(l3_bytes=len(rows) * GEOMETRY.bytes_per_page)
+    layout = NamespaceLayout(namespace_key(GEOMETRY), GEOMETRY, GEOMETRY.bytes_per_page)
+    assert state.restore_l3([SavedNamespace(layout, list(rows.values()))], len(rows) * GEOMETRY.bytes_per_page) \
+        == len(rows)
+    state.check_integrity()
+    for path in paths:
+        keys = chain_page_keys(path, PAGE, len(path) // PAGE)
+        assert l3_page_ids(state, GEOMETRY, path.tobytes()) == [rows[key].slot for key in keys]
 
 
 def test_a_changed_layout_drops_what_no_longer_fits(rng):

@@ -589,3 +589,28 @@ def test_resident_pages_and_the_oldest_evictable_access(rng):
     tree.lock(second_node, L2)
     assert tree.oldest_evictable_access(L2) is None
     tree.check_integrity()
+
+
+def test_insert_child_builds_the_tree_a_chain_at_a_time(rng):
+    """insert_child below the root and below another chain gives the same residency as insert of
+    the whole paths (a match returns each path's page ids in order), evicts like it, and refuses a
+    parent not resident in the tier, a taken first page, a key not of whole pages and ids owned."""
+    tree = _tree()
+    trunk, branch = _tokens(rng, 3), _tokens(rng, 2)
+    trunk_ids, branch_ids = _page_ids(rng, 3), _page_ids(rng, 2, low=200_000)
+    top = tree.insert_child(None, L3, trunk.tobytes(), trunk_ids)
+    tree.insert_child(top, L3, branch.tobytes(), branch_ids)
+    assert tree.match(np.concatenate([trunk, branch])).page_ids[L3] == trunk_ids + branch_ids
+    assert tree.match(trunk).page_ids[L3] == trunk_ids
+    tree.check_integrity()
+    with pytest.raises(ValueError, match="not in the tree, resident"):
+        tree.insert_child(top, L2, branch.tobytes(), [1, 2])
+    with pytest.raises(ValueError, match="child starting with that page"):
+        tree.insert_child(top, L3, branch.tobytes(), [1, 2])
+    with pytest.raises(ValueError, match="whole pages|bytes for"):
+        tree.insert_child(None, L3, branch.tobytes()[:-4], [1, 2])
+    with pytest.raises(ValueError, match="already owned"):
+        tree.insert_child(None, L3, _tokens(rng, 1).tobytes(), trunk_ids[:1])
+    tree.check_integrity()
+    assert sorted(tree.evict(L3, 5)) == sorted(trunk_ids + branch_ids)
+    tree.check_integrity()
