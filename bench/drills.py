@@ -17,7 +17,9 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
   4 socket takeover   a symlink planted at the lock path, a socket directory pre-created with the
                       wrong mode (and, run as root, one owned by another user): refused, the
                       victim file untouched
-  5 L3 files          a daemon restarting on a branchy L3 index of 160k rows: peak RSS and seconds
+  5 L3 files          symlinks and other users' files planted at --l3-path, its index and sidecars:
+                      refused, untouched; a disk full at start keeps the index; a daemon
+                      restarting on a branchy L3 index of 160k rows: peak RSS and seconds
 
   cost model heals    one 1-s h2d sample reported: lookups of an L2 hit until one restores again
                       (<= 200 requests or 30 s), and that restore bit for bit
@@ -52,6 +54,9 @@ from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_faults import start_holder
 from tests.integration.test_fencing import STALL_S, Engine, session_names, wait_until
+from tests.integration.test_l3_files import ENOSPC_ROWS, IS_ROOT, L3_NAMES
+from tests.integration.test_l3_files import OTHER_UID as L3_OTHER_UID
+from tests.integration.test_l3_files import can_mount_tmpfs, fingerprint, random_file, run_enospc_start, serve_once
 from tests.integration.test_l3_rebuild import MAX_REBUILD_RSS_BYTES, TEST_ROWS, restart_on_branchy_index
 from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
 from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens
@@ -410,6 +415,40 @@ def drill_cost_model_heals(max_requests: int = 200, max_s: float = 30.0) -> dict
 
 # ---- 5: L3 files ---------------------------------------------------------------------------------
 
+def drill_l3_plants() -> dict:
+    """Symlinks and (as root) another user's files planted at --l3-path, its index and sqlite's
+    sidecars: each refused with one line, the file untouched; a disk full at start keeps the index."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    cases = []
+    for name in L3_NAMES:
+        for plant in ("symlink", "other user") if IS_ROOT else ("symlink",):
+            directory = tempfile.mkdtemp(prefix="kvl3-", dir="/tmp")
+            try:
+                victim = os.path.join(directory, "victim") if plant == "symlink" else os.path.join(directory, name)
+                random_file(victim, rng)
+                if plant == "symlink":
+                    os.symlink(victim, os.path.join(directory, name))
+                else:
+                    os.chown(victim, L3_OTHER_UID, L3_OTHER_UID)
+                before = fingerprint(victim)
+                rc, output = serve_once(os.path.join(directory, "l3.bin"))
+                lines = [line for line in output.splitlines() if line.strip()]
+                cases.append({"case": f"{plant} at {name}", "exit_code": rc, "untouched": fingerprint(victim) == before,
+                              "message": lines[-1][:300] if lines else ""})
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+    refused = sum(case["exit_code"] == 1 and case["untouched"] for case in cases)
+    full = run_enospc_start(int(rng.integers(1 << 31))) if can_mount_tmpfs() else None
+    kept = full is not None and full["full"]["index_unchanged"] and full["freed"]["l3_pages"] == ENOSPC_ROWS
+    return row("l3_plants", "symlink and foreign-owner plants at --l3-path, its index and sidecars refused, the "
+               "file untouched; ENOSPC at start keeps the index",
+               f"{refused} of {len(cases)} plants refused, untouched; full disk at start: " +
+               ("not run (needs root and unshare)" if full is None else
+                f"index kept {full['full']['index_unchanged']}, {full['freed']['l3_pages']} of {ENOSPC_ROWS} rows "
+                "back once space was free"),
+               refused == len(cases) and kept, cases=cases, enospc=full)
+
+
 def drill_l3_rebuild_rss(num_rows: int = TEST_ROWS) -> dict:
     """A real daemon restarting on a branchy L3 index (one history, continuations of 50 pages
     branching off it): its peak RSS (VmHWM) and the seconds until it answers."""
@@ -424,7 +463,7 @@ def drill_l3_rebuild_rss(num_rows: int = TEST_ROWS) -> dict:
 
 
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover",
-          "cost_model_heals", "l3_rebuild_rss")
+          "cost_model_heals", "l3_plants", "l3_rebuild_rss")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -454,6 +493,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return drill_warm_l3(workdir)
     if name == "cost_model_heals":
         return [drill_cost_model_heals()]
+    if name == "l3_plants":
+        return [drill_l3_plants()]
     if name == "l3_rebuild_rss":
         return [drill_l3_rebuild_rss()]
     return [drill_socket_takeover()]

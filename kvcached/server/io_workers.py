@@ -39,6 +39,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -48,6 +49,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from kvcached.core.storage import SlotLayout, coalesce_extents
+from proto.paths import file_kind, user_label
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,76 @@ FILE_MODE = 0o600  # the file holds every engine's KV bytes: private to the daem
 # Fault-injection seam (see the module note): looked up at call time, so monkeypatching works.
 _pwrite = os.pwrite
 _preadv = os.preadv
+
+
+class UnsafeFileError(ValueError):
+    """A path the daemon will not use for its L3 file or index: a symlink, another user's file, one
+    that others may read or write, or a directory others may change. The message says what to do."""
+
+
+def _check_directory(dir_fd: int, directory: str) -> None:
+    """Whoever may replace files in the directory could swap ours between a check and an open."""
+    info = os.fstat(dir_fd)
+    if info.st_uid not in (os.geteuid(), 0):
+        raise UnsafeFileError(f"the directory {directory} belongs to {user_label(info.st_uid)}, who could replace "
+                              "the L3 files in it: choose a directory of the daemon's user (or root's)")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise UnsafeFileError(f"the directory {directory} is writable by everyone without the sticky bit: anyone "
+                              "could replace the L3 files in it: choose another directory, or chmod o-w it")
+
+
+def _check_private(info: os.stat_result, path: str) -> None:
+    """A regular file of the daemon's user, one link, no access for group or others."""
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        raise UnsafeFileError(f"{path} is {file_kind(info.st_mode)} with {info.st_nlink} links, not a file of "
+                              "kvcached's; it is left alone: remove it, or choose another --l3-path")
+    if info.st_uid != os.geteuid():
+        raise UnsafeFileError(f"{path} belongs to {user_label(info.st_uid)}, not to the daemon's "
+                              f"{user_label(os.geteuid())}; kvcached does not adopt another user's file: remove it, "
+                              "or choose another --l3-path")
+    if info.st_mode & 0o077:
+        raise UnsafeFileError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: group or others may read or write "
+                              f"it, and it holds prompts' tokens and KV; kvcached makes it {FILE_MODE:04o}: chmod "
+                              f"{FILE_MODE:o} it if it is the daemon's, or remove it")
+
+
+def open_private_file(path: str) -> int:
+    """Open ``path`` read-write, created 0600 if missing, as a file private to the daemon: through
+    its directory, opened and checked first, with O_NOFOLLOW (a symlink is never followed), and
+    kept only if it is a regular file of the daemon's effective user, with one link, that group
+    and others may neither read nor write. Anything else raises UnsafeFileError, before a byte of
+    it is read or written."""
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _check_directory(dir_fd, directory)
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE,
+                         dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeFileError(f"{path} is a symlink; kvcached never follows one for its L3 files: remove "
+                                      "it, or choose another --l3-path") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        _check_private(os.fstat(fd), path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def same_file(fd: int, path: str) -> bool:
+    """``path`` (not followed) is still the file open as fd."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 class ShortReadError(OSError):
@@ -128,11 +200,10 @@ class StorageFile:
         if is_temporary:
             fd, path = tempfile.mkstemp(prefix="kvcached-l3-", suffix=".bin", dir=temp_dir)  # mode 0600
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fd = open_private_file(path)    # never through a symlink, never another user's file
         direct_fd = None
         kept_content_bytes = 0
         try:
-            os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode otherwise
             if not is_temporary:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # released when fd closes
@@ -146,12 +217,16 @@ class StorageFile:
             os.ftruncate(fd, size_bytes)
             if o_direct:
                 try:
-                    direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                    direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
                 except OSError as exc:
                     if exc.errno == errno.EINVAL:
                         raise OSError(exc.errno, "the file system does not support O_DIRECT", path) from exc
                     raise
+                if not same_file(direct_fd, path) or not same_file(fd, path):
+                    raise UnsafeFileError(f"{path} was replaced while the daemon opened it")
         except BaseException:
+            if direct_fd is not None:
+                os.close(direct_fd)
             os.close(fd)
             if is_temporary:
                 _unlink_quietly(path)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvcached.core.l3_index import (DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace, PutSlots,
                                     SavedNamespace, SlotRow, namespace_key)
+from kvcached.server.io_workers import UnsafeFileError, open_private_file, same_file
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
 
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 # shared in chunks. 1 (older): one region of the file per namespace, slots counted from its start;
 # such an index is not read (its slots would name other bytes now): its pages are dropped.
 SCHEMA_VERSION = 2
-FILE_MODE = 0o600        # rows hold prompt token ids: private to the daemon's user, like the L3 file
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS namespaces (
     ns_key TEXT PRIMARY KEY, geometry TEXT NOT NULL, bytes_per_page INTEGER NOT NULL);
@@ -50,10 +50,20 @@ def index_path(l3_path: str) -> str:
     return l3_path + ".index"
 
 
+def index_files(path: str) -> tuple[str, str, str]:
+    """The index and sqlite's sidecar files (WAL mode) beside it."""
+    return path, path + "-wal", path + "-shm"
+
+
 def remove_index_files(path: str) -> None:
-    for name in (path, path + "-wal", path + "-shm"):
+    for name in index_files(path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
+
+
+class IndexNotWritable(Exception):
+    """The index could be opened but not written (the disk is full, an I/O error): it is kept as
+    it is, for a start that can write it."""
 
 
 class L3IndexStore:
@@ -73,8 +83,11 @@ class L3IndexStore:
 
     @classmethod
     def open(cls, path: str, fresh: bool) -> tuple[L3IndexStore, list[SavedNamespace]]:
-        """Open (or create) the index and read what it holds; ``fresh`` empties it first. An
-        index that is not readable is removed and made anew, empty: it only ever costs what it held."""
+        """Open (or create) the index and read what it holds; ``fresh`` empties it first. The
+        index and its sidecar files are opened as ``open_private_file`` says (UnsafeFileError).
+        An index that is not a database (torn, overwritten) is removed and made anew, empty: it only
+        ever costs what it held. One that cannot be written now (a full disk) is kept as it is:
+        IndexNotWritable."""
         try:
             store = cls(path, _connect(path, fresh))
             try:
@@ -82,6 +95,9 @@ class L3IndexStore:
             except BaseException:
                 store._close_connection()
                 raise
+        except sqlite3.OperationalError as exc:        # SQLITE_FULL, SQLITE_IOERR, locked, cannot open
+            raise IndexNotWritable(f"the L3 index {path} cannot be written now ({exc}); it is kept as it "
+                                   "is") from None
         except sqlite3.DatabaseError as exc:
             logger.warning("L3 index %s is not readable (%s): starting with an empty one", path, exc)
             remove_index_files(path)
@@ -239,16 +255,25 @@ def _transaction(connection: sqlite3.Connection):
 
 
 def _connect(path: str, fresh: bool) -> sqlite3.Connection:
-    # Made here first, so that it (and the -wal and -shm files, which sqlite gives the database
-    # file's mode) is private from the start; O_NOFOLLOW: a planted symlink is refused.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+    # sqlite opens its files by name and follows symlinks: the index and its -wal and -shm files
+    # are opened (created 0600) and checked here first, then sqlite opens these very files, which
+    # is checked once it has (a file swapped in between, by whoever may write the directory, is
+    # refused, never used).
+    fds = [open_private_file(name) for name in index_files(path)]
     try:
-        os.fchmod(fd, FILE_MODE)
+        connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if not all(same_file(fd, name) for fd, name in zip(fds, index_files(path))):
+                raise UnsafeFileError(f"the L3 index {path} or its -wal or -shm file was replaced while the "
+                                      "daemon opened it")
+        except BaseException:
+            connection.close()
+            raise
     finally:
-        os.close(fd)
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        for fd in fds:
+            os.close(fd)
     try:
-        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode != "wal":
             raise sqlite3.DatabaseError(f"journal mode is {mode}, not wal")
         # WAL with synchronous NORMAL: a commit survives the process dying at any instant.
@@ -263,7 +288,7 @@ def _connect(path: str, fresh: bool) -> sqlite3.Connection:
                            SCHEMA_VERSION)
         if fresh or version != SCHEMA_VERSION:
             connection.executescript("DROP TABLE IF EXISTS slots; DROP TABLE IF EXISTS namespaces;")
-        connection.executescript(_SCHEMA)
+            connection.executescript(_SCHEMA)
     except BaseException:
         connection.close()
         raise

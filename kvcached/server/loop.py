@@ -45,9 +45,9 @@ from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.http import HttpListener, format_http_address
-from kvcached.server.io_workers import IoExecutor, StorageFile, read_pages, write_pages
+from kvcached.server.io_workers import IoExecutor, StorageFile, UnsafeFileError, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
-from kvcached.server.l3_index_store import L3IndexStore, index_path
+from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
 from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
                                  epoch_file_prefix, hints_file_name, segment_name)
@@ -677,12 +677,22 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             try:
                 storage = StorageFile.open(config.l3_path, config.l3_bytes, o_direct=config.l3_o_direct,
                                            keep_content=not config.l3_fresh)
+            except UnsafeFileError as exc:
+                raise StartupError(str(exc)) from None
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot open the L3 file {config.l3_path or '(temporary)'}: {exc}") from None
             resources.callback(storage.close)
             if not storage.is_temporary:
-                index, saved_l3 = _open_index(config, storage)
-                resources.callback(index.close)        # after the I/O threads, before the file
+                try:
+                    index, saved_l3 = _open_index(config, storage)
+                    resources.callback(index.close)    # after the I/O threads, before the file
+                except IndexNotWritable as exc:
+                    # Never delete what a momentarily full disk keeps from being written: this run
+                    # has no L3 (its writes would fail too), the next start has the index back.
+                    logger.warning("%s; this run has no L3 (the file and the index are kept for the next start)",
+                                   exc)
+                    storage.close()
+                    storage = None
         # The HTTP address is bound before the pool is populated too (a taken one fails the start
         # at once); until the daemon serves, its requests get 503 (a readiness probe waits).
         serving: list[Server] = []
@@ -783,6 +793,8 @@ def _open_index(config: DaemonConfig, storage: StorageFile) -> tuple[L3IndexStor
     fresh = storage.kept_content_bytes == 0
     try:
         index, saved = L3IndexStore.open(path, fresh=fresh)
+    except UnsafeFileError as exc:
+        raise StartupError(str(exc)) from None
     except (OSError, sqlite3.Error) as exc:
         raise StartupError(f"cannot open the L3 index {path}: {exc}") from None
     logger.info("L3 index %s: %s", path, "starting empty" + (" (--l3-fresh)" if config.l3_fresh else "")

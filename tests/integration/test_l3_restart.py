@@ -275,7 +275,7 @@ def test_an_index_of_the_older_layout_is_refused_not_misread(tmp_path):
     try:
         tokens = rng.integers(0, 150_000, size=3 * PAGE, dtype=np.int32)
         keys = chain_page_keys(tokens, PAGE, 3)
-        with open(run.l3_path, "wb") as f:
+        with open(os.open(run.l3_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:     # as a daemon made it
             f.write(rng.bytes(16 << 20))
         rows = [SlotRow(page, keys[page], keys[page - 1] if page else ROOT_KEY,
                         tokens[page * PAGE:(page + 1) * PAGE].tobytes(), 0) for page in range(3)]

@@ -165,10 +165,17 @@ def test_two_regions_in_one_file_keep_their_own_bytes(tmp_path, arena):
 
 
 def test_open_discards_old_content_sets_size_and_mode(tmp_path):
-    """Opening an existing file empties it, sizes it exactly and makes it 0600."""
+    """Opening an existing file of the daemon's (0600) empties it and sizes it exactly; a new one
+    is made 0600 whatever the umask."""
     path = tmp_path / "old.bin"
     path.write_bytes(random.randbytes(3 * FILE_SIZE_BYTES))
-    os.chmod(path, 0o644)
+    os.chmod(path, 0o600)
+    old_umask = os.umask(0)
+    try:
+        with StorageFile.open(str(tmp_path / "new.bin"), FILE_SIZE_BYTES):
+            assert stat.S_IMODE(os.stat(tmp_path / "new.bin").st_mode) == 0o600
+    finally:
+        os.umask(old_umask)
     with StorageFile.open(str(path), FILE_SIZE_BYTES) as storage:
         assert os.path.getsize(path) == FILE_SIZE_BYTES
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -104,7 +104,7 @@ def test_an_unreadable_index_starts_empty_and_works(tmp_path, rng):
     """A file that is not a database (a torn or foreign file) is replaced by an empty index that
     takes and keeps new rows."""
     path = str(tmp_path / "l3.bin.index")
-    with open(path, "wb") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
         f.write(rng.bytes(8192))
     store, saved = L3IndexStore.open(path, fresh=False)
     assert saved == []
@@ -234,6 +234,7 @@ def write_schema_1_index(path: str, geometry: KVGeometry, arena_index: int, regi
                                [(namespace_key(geometry), *row) for row in rows])
     finally:
         writer.close()
+    os.chmod(path, 0o600)          # as every kvcached made it
 
 
 def test_an_index_of_the_older_layout_is_refused_with_a_warning(tmp_path, rng, caplog):
