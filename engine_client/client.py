@@ -863,7 +863,14 @@ class KVCacheClient:
                                 None)
 
     def status(self, check_integrity: bool = False) -> dict[str, Any]:
-        return self._channel.request(MsgKind.STATUS, {"check_integrity": check_integrity})
+        """The daemon's status snapshot. Each reply's read_token goes back with the next request:
+        it shows the daemon the reply was read (it keeps few unread snapshots per socket)."""
+        body: dict[str, Any] = {"check_integrity": check_integrity}
+        if self._status_read_token is not None:
+            body["read_token"] = self._status_read_token
+        snapshot = self._channel.request(MsgKind.STATUS, body)
+        self._status_read_token = snapshot.pop("read_token", None)
+        return snapshot
 
     def poll_errors(self) -> list[DaemonError]:
         """Error replies to releases and commits received so far (each handed out once)."""

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "
         "status JSON) and / (a live status page) there; off: not at all (default: $KVCACHED_HTTP, "
         f"else {DEFAULT_HTTP_ADDRESS}, skipped with a warning if taken; port 0: any free one)")
+    add("--http-allow-host", "http_allow_hosts", action="append", metavar="NAME", help="a host name HTTP "
+        "requests may give in their Host header, besides loopback names and addresses and the --http host "
+        "(repeat for more; default: $KVCACHED_HTTP_ALLOW_HOST, comma-separated); others get 421, so that a "
+        "web page cannot read the status through a name rebound to this address")
     serve.set_defaults(run=_serve, flags=flags)
 
     status = commands.add_parser("status", help="print the daemon's status", epilog=columns_help(),
@@ -191,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
         run(config, progress=PopulateProgress(sys.stdout))
     except StartupError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)
     return 0
 
 

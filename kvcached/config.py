@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from kvcached.core.cost_model import POLICIES, CostPriors
 from proto.paths import default_socket_path, normalize_socket_path
@@ -98,6 +98,7 @@ ENV_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVCACHED_MAX_NAMESPACES": ("max_namespaces", parse_int),
     "KVCACHED_LOG_LEVEL": ("log_level", parse_log_level),
     "KVCACHED_HTTP": ("http_address", str),
+    "KVCACHED_HTTP_ALLOW_HOST": ("http_allow_hosts", lambda text: parse_host_names(text.split(","))),
 }
 
 
@@ -118,6 +119,17 @@ def parse_http_address(text: str) -> tuple[str, int] | None:
         raise ValueError(f"not an HTTP listen address: {text!r} (use HOST:PORT, e.g. 127.0.0.1:9464, "
                          "[::1]:9464, 0.0.0.0:9464, or off)")
     return match.group(1).strip("[]"), int(match.group(2))
+
+
+def parse_host_names(names: Iterable[str]) -> tuple[str, ...]:
+    """Host names an HTTP request may name in its Host header (besides loopback and the bound address)."""
+    checked = []
+    for name in names:
+        name = name.strip().lower().rstrip(".")
+        if not re.fullmatch(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?", name):
+            raise ValueError(f"not a host name: {name!r} (e.g. kvcached.example.com)")
+        checked.append(name)
+    return tuple(checked)
 
 
 def default_l2_bytes(shm_dir: str = SHM_DIR) -> int:
@@ -155,6 +167,7 @@ class DaemonConfig:
     # "": DEFAULT_HTTP_ADDRESS, skipped with a warning when taken; "off": none; HOST:PORT: that
     # address, or the daemon does not start (port 0: any free port; status names it).
     http_address: str = ""
+    http_allow_hosts: tuple[str, ...] = ()   # names a request's Host may give (loopback and addresses pass)
     log_level: str = "INFO"
     # The cost model (kvcached/core/cost_model.py): which restores are taken, and its priors.
     restore_policy: str = "cost"        # "cost": restore what beats recompute; "always"; "never"
@@ -204,6 +217,10 @@ class DaemonConfig:
             parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
         except ValueError as exc:
             raise ConfigError(str(exc), "http_address") from None
+        try:
+            object.__setattr__(self, "http_allow_hosts", parse_host_names(self.http_allow_hosts))
+        except ValueError as exc:
+            raise ConfigError(str(exc), "http_allow_hosts") from None
 
     @property
     def cost_priors(self) -> CostPriors:

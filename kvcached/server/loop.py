@@ -44,13 +44,15 @@ from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
-from kvcached.server.http import HttpListener, format_http_address
+from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_address
 from kvcached.server.io_workers import IoExecutor, StorageFile, UnsafeFileError, read_pages, write_pages
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
 from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
                                  epoch_file_prefix, hints_file_name, segment_name)
+from kvcached.server.status import hide_salts
+from kvcached.server.status_credits import StatusCredits
 from proto import codec, hints
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
@@ -73,6 +75,16 @@ HARD_FRAME_FACTOR = 4
 INDEX_DELETE_TIMEOUT_S = 10.0
 # An HTTP request waits this long, at most, for the state lock (then 503).
 HTTP_SNAPSHOT_TIMEOUT_S = 2.0
+# Replies queued for one peer that does not read them; beyond it they are dropped and counted
+# (replies_dropped). An engine's ZeroMQ thread reads its replies as they come, so its queue here
+# stays short; this bounds the messages of one that stops reading.
+MAX_QUEUED_REPLIES_PER_PEER = 1000
+# Status snapshots are large: a peer gets at most this many that it has not shown it read
+# (kvcached/server/status_credits.py); peers remembered for that, least recent forgotten first;
+# a reply unread this long is forgotten.
+MAX_UNREAD_STATUS_REPLIES = 2
+MAX_STATUS_PEERS = 4096
+UNREAD_STATUS_FORGET_S = 60.0
 
 
 class Server:
@@ -94,6 +106,9 @@ class Server:
         self.stop_event = asyncio.Event()
         self.state_lock = threading.Lock()
         self.refusals = RefusalLog(config.refusal_log_interval_s)
+        self.status_credits = StatusCredits(MAX_UNREAD_STATUS_REPLIES, MAX_STATUS_PEERS,
+                                            UNREAD_STATUS_FORGET_S)
+        self._requester = b""           # socket thread: the identity of the peer whose request is handled
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._socket_thread: threading.Thread | None = None
@@ -249,6 +264,7 @@ class Server:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"{frame.kind.name} is not a request")
             started_s = time.perf_counter()
+            self._requester = identity
             reply = handler(frame.body)
             self.state.metrics.observe(f"request_seconds_{frame.kind.name.lower()}", time.perf_counter() - started_s)
             self._note_peer(identity, frame, reply)
@@ -610,11 +626,17 @@ class Server:
         return io
 
     def _status(self, body: dict) -> dict[str, Any]:
-        return self.status_snapshot(check_integrity=body.get("check_integrity", False) is True)
+        read_token = self.status_credits.grant(self._requester, body.get("read_token"))
+        if read_token is None:
+            raise ProtocolError(ErrorCode.OUT_OF_SPACE, f"{MAX_UNREAD_STATUS_REPLIES} status replies to this "
+                                "socket are unread: read them (and give back the last one's read_token)")
+        snapshot = self.status_snapshot(check_integrity=body.get("check_integrity", False) is True)
+        snapshot["read_token"] = read_token
+        return snapshot
 
     def status_snapshot(self, check_integrity: bool = False) -> dict[str, Any]:
         """What STATUS replies, ``kvcached status --json`` prints and GET /status serves. Under state_lock."""
-        snapshot = self.state.status()
+        snapshot = hide_salts(self.state.status())
         if check_integrity:
             try:
                 self.state.check_integrity()
@@ -737,7 +759,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a reply that cannot be delivered raises, and is counted
         socket.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * config.max_frame_bytes)
-        socket.setsockopt(zmq.SNDHWM, 10_000)
+        socket.setsockopt(zmq.SNDHWM, MAX_QUEUED_REPLIES_PER_PEER)
         socket.setsockopt(zmq.RCVHWM, 10_000)
         socket.bind(f"ipc://{config.socket_path}")
         resources.callback(directory.remove_socket)
@@ -774,13 +796,14 @@ def _start_http(config: DaemonConfig, serving: list[Server]) -> HttpListener | N
         return serving[0].locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S)
 
     try:
-        listener = HttpListener.start(endpoint, snapshot)
+        listener = HttpListener.start(endpoint, snapshot, allowed_hosts=config.http_allow_hosts)
     except OSError as exc:
         where = format_http_address(endpoint)
         if config.http_required:
-            raise StartupError(f"cannot serve HTTP on {where}: {exc} (--http HOST:PORT, or --http off)") from None
-        logger.warning("no HTTP listener (/metrics, /status): the default address %s is not free: %s; "
-                       "pass --http HOST:PORT, or --http off", where, exc)
+            raise HttpAddressTaken(f"cannot serve HTTP on {where}: {exc.strerror or exc} "
+                                   "(--http HOST:PORT, or --http off)") from None
+        logger.warning("HTTP is off (no /metrics, /status): the default address %s is taken (%s), maybe by "
+                       "another user's process; pass --http HOST:PORT, or --http off", where, exc.strerror or exc)
         return None
     logger.info("HTTP on http://%s/ (/metrics, /status)", listener.address)
     return listener

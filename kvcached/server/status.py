@@ -8,7 +8,10 @@ given the snapshot before (``--follow``), the rates over the interval between th
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 from typing import Any
 
 from kvcached.config import format_size
@@ -89,6 +92,27 @@ def columns_help() -> str:
         width = max(len(name) for name in columns)
         lines += [f"    {name:<{width}}  {meaning}" for name, meaning in columns.items()]
     return "\n".join(lines)
+
+
+# A salt keeps engines' pages apart only while it is not known: status shows a digest of it, keyed
+# by this process's random key, so that a reader tells namespaces apart but cannot test guesses.
+_SALT_DIGEST_KEY = secrets.token_bytes(16)
+
+
+def salt_digest(salt: str) -> str:
+    """'' for no salt; else 'salted:' and 8 hex digits of a digest keyed for this daemon's run."""
+    if not salt:
+        return ""
+    return "salted:" + hmac.new(_SALT_DIGEST_KEY, salt.encode(), hashlib.sha256).hexdigest()[:8]
+
+
+def hide_salts(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot with each namespace's cache_salt replaced by its digest (in place)."""
+    for namespace in snapshot.get("namespaces", []):
+        geometry = namespace.get("geometry", {})
+        if "cache_salt" in geometry:
+            geometry["cache_salt"] = salt_digest(geometry["cache_salt"])
+    return snapshot
 
 
 def status_json(snapshot: dict[str, Any]) -> str:
@@ -325,18 +349,24 @@ class StatusClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(f"ipc://{socket_path}")
         self._next_id = 1
+        self._read_token: bytes | None = None
 
     def status(self, check_integrity: bool = False) -> dict[str, Any]:
         from proto import codec
         from proto.messages import MsgKind
 
         request_id, self._next_id = self._next_id, self._next_id + 1
-        self._socket.send(codec.encode(MsgKind.STATUS, request_id, {"check_integrity": check_integrity}))
+        body = {"check_integrity": check_integrity}
+        if self._read_token is not None:           # shows the daemon that its last reply was read
+            body["read_token"] = self._read_token
+        self._socket.send(codec.encode(MsgKind.STATUS, request_id, body))
         while True:
             if not self._socket.poll(int(self.timeout_s * 1000)):
                 raise DaemonUnavailable(f"no status reply from ipc://{self.socket_path} "
                                         f"within timeout_s={self.timeout_s} (is the daemon running?)")
             frame = codec.decode(self._socket.recv())
+            if frame.kind == MsgKind.REPLY and isinstance(frame.body, dict) and "read_token" in frame.body:
+                self._read_token = frame.body.pop("read_token")
             if frame.request_id == request_id:
                 if frame.kind == MsgKind.ERROR:
                     raise DaemonUnavailable(f"status refused: {frame.body}")

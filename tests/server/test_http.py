@@ -1,9 +1,9 @@
 """The HTTP listener in-process: a snapshot that cannot be taken in time answers 503 and the
-listener goes on; connections beyond its bound are refused, not queued; addresses are checked."""
+listener goes on; idle connections beyond its bound make room rather than lock requests out, and
+idle or slow ones are closed after the idle timeout; the Host header and addresses are checked."""
 
 from __future__ import annotations
 
-import http.client
 import socket
 import threading
 import time
@@ -13,12 +13,13 @@ import urllib.request
 import pytest
 
 from kvcached.config import DaemonConfig, parse_http_address
-from kvcached.server.http import HttpListener
+from kvcached.server import http as http_module
+from kvcached.server.http import HostCheck, HttpListener
 
 
-def get(url: str) -> tuple[int, bytes]:
+def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -60,43 +61,96 @@ def test_a_snapshot_not_taken_in_time_answers_503(busy_state):
         listener.close()
 
 
-def test_connections_beyond_the_bound_are_refused(busy_state):
-    """With max_connections idle clients connected (sending nothing), one more is closed at
-    once, unanswered; once the idle ones leave, requests are answered again."""
+def wait_closed(connection: socket.socket, timeout_s: float) -> bool:
+    """Whether the server closed this connection (end of stream or reset) within timeout_s."""
+    connection.settimeout(timeout_s)
+    try:
+        return connection.recv(64) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_beyond_the_bound_make_room(busy_state):
+    """With twice max_connections idle clients connected (sending nothing), a request is still
+    answered at once: each connection beyond the bound closed the one idle longest, so the first
+    ones are closed and the last ones stay open."""
     _, snapshot = busy_state
-    listener = HttpListener.start(("127.0.0.1", 0), snapshot, max_connections=2)
+    listener = HttpListener.start(("127.0.0.1", 0), snapshot, max_connections=4)
     host, port = listener.address.rsplit(":", 1)
     idle = []
     try:
-        for _ in range(2):
+        for _ in range(8):
             idle.append(socket.create_connection((host, int(port)), timeout=10))
-        deadline = time.monotonic() + 10
-        while True:        # the server takes the idle ones in turn: wait until a third is refused
-            extra = socket.create_connection((host, int(port)), timeout=10)
-            try:
-                extra.sendall(b"GET /status HTTP/1.0\r\n\r\n")
-                reply = extra.recv(64)
-            except ConnectionResetError:       # closed with our request unread: refused too
-                reply = b""
-            extra.close()
-            if reply == b"":
-                break
-            assert time.monotonic() < deadline, f"a third connection was answered: {reply!r}"
-        for connection in idle:
-            connection.close()
-        deadline = time.monotonic() + 10
-        while True:            # the closed ones free their seats when the server sees them closed
-            try:
-                if get(f"http://{listener.address}/status")[0] == 200:
-                    break
-            except (ConnectionError, http.client.HTTPException):      # still refused
-                pass
-            assert time.monotonic() < deadline, "not answered 10 s after the idle connections closed"
-            time.sleep(0.02)
+            time.sleep(0.05)       # accepted in this order
+        started = time.monotonic()
+        assert get(f"http://{listener.address}/status")[0] == 200
+        assert time.monotonic() - started < 5.0
+        closed = [wait_closed(connection, 2.0) for connection in idle[:5]]
+        assert closed == [True] * 5, closed
+        assert not any(wait_closed(connection, 0.2) for connection in idle[5:])
     finally:
         for connection in idle:
             connection.close()
         listener.close()
+
+
+def test_idle_and_slow_connections_are_closed_after_the_idle_timeout(busy_state, monkeypatch):
+    """A connection that sends nothing, one that sends half a request line and stops, and one
+    that sent a whole request and then stays idle are each closed within the idle timeout (plus
+    a margin for a loaded machine), not held open."""
+    _, snapshot = busy_state
+    monkeypatch.setattr(http_module, "IDLE_TIMEOUT_S", 0.5)
+    listener = HttpListener.start(("127.0.0.1", 0), snapshot)
+    host, port = listener.address.rsplit(":", 1)
+    try:
+        silent = socket.create_connection((host, int(port)), timeout=10)
+        partial = socket.create_connection((host, int(port)), timeout=10)
+        partial.sendall(b"GET /sta")
+        answered = socket.create_connection((host, int(port)), timeout=10)
+        answered.sendall(b"GET /status HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert answered.recv(12) == b"HTTP/1.1 200"
+        answered.recv(65536)
+        for connection in (silent, partial, answered):
+            assert wait_closed(connection, 5.0)
+            connection.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("host,allowed", [
+    ("127.0.0.1", True), ("127.0.0.1:{port}", True), ("localhost:{port}", True), ("LOCALHOST.", True),
+    ("[::1]:{port}", True), ("metrics.example:{port}", True),
+    ("attacker.example:{port}", False), ("attacker.example", False), ("10.1.2.3:{port}", False),
+    ("localhost.attacker.example", False), ("", False), ("@:80", False),
+])
+def test_the_host_header_is_checked(busy_state, host, allowed):
+    """A Host header that names a loopback name or address, the bound address, or a name given
+    in allowed_hosts is served; any other (a name rebound to this address, another IP) gets 421
+    and no status. A request with no Host header at all (HTTP/1.0, not a browser) is served."""
+    _, snapshot = busy_state
+    listener = HttpListener.start(("127.0.0.1", 0), snapshot, allowed_hosts=["metrics.example"])
+    port = listener.address.rsplit(":", 1)[1]
+    try:
+        status, body = get(f"http://{listener.address}/status", headers={"Host": host.format(port=port)})
+        assert status == (200 if allowed else 421), (host, status, body)
+        assert (b'"metrics"' in body) == allowed
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as bare:
+            bare.sendall(b"GET /status HTTP/1.0\r\n\r\n")
+            assert bare.recv(12) == b"HTTP/1.0 200"
+    finally:
+        listener.close()
+
+
+def test_any_address_is_allowed_when_bound_to_all():
+    """Bound to 0.0.0.0, any IP address in Host is served (what probes and scrapers of the pod's
+    IP send; an address cannot be rebound), names other than loopback and the given ones are not."""
+    check = HostCheck("0.0.0.0", ["kvcached.svc"])
+    assert check.allows("10.1.2.3:9464") and check.allows("[fe80::1]:9464") and check.allows("kvcached.svc:80")
+    assert not check.allows("rebound.example:9464")
+    loopback = HostCheck("127.0.0.1")
+    assert loopback.allows("127.0.0.1:1") and not loopback.allows("10.1.2.3:9464")
 
 
 def test_http_addresses_are_checked():
