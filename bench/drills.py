@@ -23,6 +23,9 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
 
   cost model heals    one 1-s h2d sample reported: lookups of an L2 hit until one restores again
                       (<= 200 requests or 30 s), and that restore bit for bit
+  client never reads  3,000 STATUS requests of a process that never reads: daemon RSS growth
+                      under 100 MB, a reading client served meanwhile
+  http idle flood     100 idle HTTP connections: /metrics scraped once a second, all answered
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
@@ -462,8 +465,47 @@ def drill_l3_rebuild_rss(num_rows: int = TEST_ROWS) -> dict:
                passed, seed=seed, peak_rss_bytes=result["peak_rss_bytes"], seconds=round(result["seconds"], 2))
 
 
+# ---- issue 41, items 7 and 8: per-client memory, the HTTP endpoint -----------------------------
+
+def drill_client_never_reads(num_requests: int = 3000) -> dict:
+    """A never-reading process sends num_requests STATUS requests against ~0.7 MB snapshots."""
+    from tests.integration.test_client_memory import MAX_RSS_GROWTH_BYTES, never_reading_flood
+
+    daemon = DaemonProcess(extra_args=("--l3-size", "0")).start()
+    try:
+        measured = never_reading_flood(daemon, num_requests, seed=41)
+    finally:
+        daemon.cleanup()
+    growth_mb = measured["rss_growth_bytes"] / 1e6
+    worst_s = max(measured["round_trips_s"])
+    return row("client_never_reads",
+               f"{num_requests} STATUS requests never read: daemon RSS +<100 MB; a reading client served (<2 s)",
+               f"RSS {growth_mb:+.1f} MB over {num_requests} requests of {measured['snapshot_bytes'] / 1e6:.2f} MB "
+               f"snapshots ({measured['refused']} refused); reading client: {len(measured['round_trips_s'])} "
+               f"statuses, worst {worst_s * 1e3:.1f} ms",
+               measured["rss_growth_bytes"] < MAX_RSS_GROWTH_BYTES and worst_s < 2.0,
+               rss_growth_bytes=measured["rss_growth_bytes"], worst_round_trip_s=round(worst_s, 4))
+
+
+def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
+    """100 idle TCP connections held open; /metrics scraped once a second."""
+    from tests.integration.test_http import idle_flood_scrapes
+
+    daemon = DaemonProcess(extra_args=("--l3-size", "0")).start()
+    try:
+        scrapes = idle_flood_scrapes(daemon.http_url(), num_idle, num_scrapes)
+    finally:
+        daemon.cleanup()
+    answered = sum(status == 200 for status, _ in scrapes)
+    worst_s = max(seconds for _, seconds in scrapes)
+    return row("http_idle_flood", f"{num_idle} idle connections: every /metrics scrape (1/s) answered, <2 s",
+               f"{answered} of {num_scrapes} scrapes answered, worst {worst_s * 1e3:.1f} ms",
+               answered == num_scrapes and worst_s < 2.0, worst_scrape_s=round(worst_s, 4))
+
+
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover",
-          "cost_model_heals", "l3_plants", "l3_rebuild_rss")
+          "cost_model_heals", "l3_plants", "l3_rebuild_rss",
+          "client_never_reads", "http_idle_flood")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -497,6 +539,10 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_l3_plants()]
     if name == "l3_rebuild_rss":
         return [drill_l3_rebuild_rss()]
+    if name == "client_never_reads":
+        return [drill_client_never_reads()]
+    if name == "http_idle_flood":
+        return [drill_http_idle_flood()]
     return [drill_socket_takeover()]
 
 

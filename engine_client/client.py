@@ -454,6 +454,7 @@ class KVCacheClient:
             self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._channel = _Channel(self._context, self.socket_path, timeout_s, spin_s)
         self._channel.yield_after_send = cpu is not None
+        self._status_read_token: bytes | None = None    # of the last status reply (``status``)
         self._channel.on_orphan_lease = self._release_orphan
         self._channel.on_shutdown = self._on_shutdown
         self._channel.session_gone = self._session_gone

@@ -32,11 +32,13 @@ import importlib.resources
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 import urllib.parse
 from typing import Any, Callable, Iterable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import choose_encoder
 
 from kvcached.server.metrics import make_registry
@@ -104,6 +106,17 @@ class HostCheck:
         if address is not None:
             return self.any_address or address.is_loopback or host in self.names
         return host in self.names
+
+
+class _ClientFaultsQuiet(logging.LoggerAdapter):
+    """What aiohttp logs for a connection: a client's malformed request or a connection it cut is
+    ordinary (answered 400, or closed), logged at DEBUG in one line; anything else as it comes."""
+
+    def log(self, level: int, msg: object, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1] if exc_info else None
+        if isinstance(exc, (HttpProcessingError, ConnectionError, TimeoutError)):
+            level, msg, args, exc_info = logging.DEBUG, "%s: %s", (msg % args if args else msg, exc), None
+        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
 
 
 class _BoundedServer(web.Server):
@@ -211,7 +224,7 @@ class HttpListener:
         self._server = _BoundedServer(self._handle, self._max_connections, keepalive_timeout=IDLE_TIMEOUT_S,
                                       access_log=None, max_line_size=MAX_HEADER_BYTES,
                                       max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS,
-                                      lingering_time=1.0)
+                                      lingering_time=1.0, logger=_ClientFaultsQuiet(logger, {}))
         listening = await self._loop.create_server(self._server, sock=self._socket)
         started.set_result(None)
         try:

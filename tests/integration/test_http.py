@@ -341,7 +341,7 @@ def test_status_help_explains_every_column(traffic):
 
 def test_an_address_asked_for_must_be_free(tmp_path):
     """`--http HOST:PORT` whose port is taken stops the start with a one-line error naming the
-    address; `--http off` runs with no listener (status says none)."""
+    address, exit status 2 (a usage error); `--http off` runs with no listener (status says none)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -350,7 +350,11 @@ def test_an_address_asked_for_must_be_free(tmp_path):
         try:
             with pytest.raises(RuntimeError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
                 daemon.start()
-            assert daemon.proc.returncode == 1
+            assert daemon.proc.returncode == 2
+            errors = [line for line in daemon.log().splitlines() if "cannot serve HTTP" in line]
+            assert errors == [f"kvcached: cannot serve HTTP on 127.0.0.1:{port}: Address already in use "
+                              "(--http HOST:PORT, or --http off)"], daemon.log()
+            assert "Traceback" not in daemon.log()
         finally:
             daemon.cleanup()
     daemon = DaemonProcess(extra_args=("--http", "off")).start()
@@ -378,3 +382,84 @@ def test_dashboard_queries_metrics_the_daemon_exports(traffic):
     declared |= {f"{rule.metric}_{suffix}" for rule in DAEMON_HISTOGRAMS for suffix in ("bucket", "sum", "count")}
     assert queried - scraped - declared == set()
     assert len(queried & scraped) >= 12, queried & scraped
+
+
+def test_idle_connections_do_not_stop_scrapes(traffic):
+    """With 100 idle TCP connections open (each sends nothing), /metrics scraped once a second
+    for 5 s answers 200 every time, each within 2 s (a loaded 2-core machine's margin)."""
+    _, t = traffic
+    scrapes = idle_flood_scrapes(t.url, num_idle=100, num_scrapes=5)
+    assert [status for status, _ in scrapes] == [200] * 5, scrapes
+    assert max(seconds for _, seconds in scrapes) < 2.0, scrapes
+
+
+def idle_flood_scrapes(url: str, num_idle: int, num_scrapes: int, interval_s: float = 1.0) -> list[tuple[int, float]]:
+    """Open num_idle idle connections to the listener at url, then scrape /metrics num_scrapes
+    times, interval_s apart: (status, seconds) of each (status 0: the scrape failed)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(num_idle):
+            idle.append(socket.create_connection((host, int(port)), timeout=10))
+        scrapes = []
+        for _ in range(num_scrapes):
+            started = time.monotonic()
+            try:
+                status = get(f"{url}/metrics")[0]
+            except OSError:
+                status = 0
+            scrapes.append((status, time.monotonic() - started))
+            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+        return scrapes
+    finally:
+        for connection in idle:
+            connection.close()
+
+
+def test_clients_that_leave_early_log_no_traceback(traffic):
+    """Clients that reset the connection right after their request, before or while the reply
+    is written, send garbage, or stop halfway through a request line are ordinary: the daemon's
+    log gets no traceback and no error line for them, and the listener goes on serving."""
+    daemon, t = traffic
+    host, port = t.url.removeprefix("http://").rsplit(":", 1)
+    log_before = len(daemon.log())
+    for request in [b"GET /status HTTP/1.1\r\nHost: localhost\r\n\r\n"] * 20 + \
+            [b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n"] * 20 + \
+            [b"\x16\x03\x01\x00\xa5garbage\r\n\r\n", b"GET /sta", b"GET / HTTP/1.1\r\nHost: x\r\nBad header\r\n\r\n"]:
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            connection.sendall(request)
+    time.sleep(1.0)
+    assert get(f"{t.url}/status")[0] == 200
+    written = daemon.log()[log_before:]
+    assert "Traceback" not in written and " ERROR " not in written, written
+
+
+def test_status_shows_no_cache_salt(traffic):
+    """An engine attached with a cache salt: /status and `kvcached status --json` show a short
+    digest of it ("salted:" and 8 hex digits), never the salt; an unsalted namespace shows ""."""
+    daemon, t = traffic
+    salt = f"tenant-{secrets.token_hex(8)}"
+    salted = Engine(daemon.socket_path, "layer", seed=t.seed + 9, cache_salt=salt)
+    try:
+        body = get(f"{t.url}/status")[2].decode()
+        printed = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--socket", daemon.socket_path,
+                                  "--json"], env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+                                 timeout=30).stdout
+        for text in (body, printed):
+            assert salt not in text
+            salts = sorted(ns["geometry"]["cache_salt"] for ns in json.loads(text)["namespaces"])
+            assert len(salts) == 2 and salts[0] == "" and re.fullmatch(r"salted:[0-9a-f]{8}", salts[1]), salts
+    finally:
+        salted.close()
+
+
+def test_a_rebound_host_name_reads_nothing(traffic):
+    """A request as a browser sends it after DNS rebinding (Host: a name of the attacker's) gets
+    421 and no status, on every path; the same request with the loopback address is served."""
+    _, t = traffic
+    port = t.url.rsplit(":", 1)[1]
+    for path in ("/status", "/metrics", "/"):
+        status, _, body = get(f"{t.url}{path}", headers={"Host": f"rebind.attacker.example:{port}"})
+        assert status == 421 and b"kvcached" not in body.replace(b"kvcached serve", b""), (path, status, body)
+        assert get(f"{t.url}{path}", headers={"Host": f"127.0.0.1:{port}"})[0] == 200

@@ -170,3 +170,34 @@ def test_http_addresses_are_checked():
     assert DaemonConfig.from_env({}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20, http_address="off").http_endpoint is None
     with pytest.raises(ValueError, match="HTTP listen address"):
         DaemonConfig.from_env({"KVCACHED_HTTP": "nowhere"}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20)
+
+
+def test_a_taken_default_address_turns_http_off_with_one_warning(monkeypatch, caplog):
+    """The default address (no --http given) taken by another process: the daemon goes on without
+    HTTP and says so in one warning line naming the address; it does not serve elsewhere."""
+    from kvcached import config as config_module
+    from kvcached.server.loop import _start_http
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        monkeypatch.setattr(config_module, "DEFAULT_HTTP_ADDRESS", address)
+        config = DaemonConfig.from_env({}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20)
+        assert not config.http_required
+        with caplog.at_level("WARNING", logger="kvcached.server.loop"):
+            assert _start_http(config, []) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HTTP is off" in warnings[0] and address in warnings[0], warnings
+    assert "\n" not in warnings[0]
+
+
+def test_allowed_host_names_are_checked():
+    """--http-allow-host names (and KVCACHED_HTTP_ALLOW_HOST, comma-separated) are host names;
+    anything else is refused by the config."""
+    config = DaemonConfig.from_env({"KVCACHED_HTTP_ALLOW_HOST": "a.example, B.example."},
+                                   socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20)
+    assert config.http_allow_hosts == ("a.example", "b.example")
+    for bad in ("a b", "http://x", "x:80", ""):
+        with pytest.raises(ValueError, match="not a host name"):
+            DaemonConfig.from_env({}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20, http_allow_hosts=[bad])
