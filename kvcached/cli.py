@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
     add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "
         "status JSON) and / (a live status page) there; off: not at all (default: $KVCACHED_HTTP, "
-        f"else {DEFAULT_HTTP_ADDRESS}, skipped with a warning if taken; port 0: any free one)")
+        f"else {DEFAULT_HTTP_ADDRESS}, off with a warning if taken; taken when asked for: exit 2; port 0: any free one)")
     add("--http-allow-host", "http_allow_hosts", action="append", metavar="NAME", help="a host name HTTP "
         "requests may give in their Host header, besides loopback names and addresses and the --http host "
         "(repeat for more; default: $KVCACHED_HTTP_ALLOW_HOST, comma-separated); others get 421, so that a "
