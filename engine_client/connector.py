@@ -44,9 +44,12 @@ once ``finished().queued`` names its load, its attention of layer i waiting (on 
 i alone while later layers are still copied; the load's entry in ``finished().loads`` then confirms
 what it read (or, rarely, voids it: see Fencing).
 
-Fencing. A DMA into private L2 pages is queued only while the session is sure to outlive it by
-``fence_margin_s`` (``KVCacheClient.session_valid_for``); a load whose session ended (or changed)
-before its DMA was seen complete is discarded, its blocks reported failed, to be recomputed.
+Fencing (``proto.generations``). A save copies only into the pages it claims at the copy (those
+the daemon still reserves for its lease's generation) and stamps them once the copy is complete; a
+load copies a page only while it holds the generation the daemon published it with, and keeps it
+only if it still does once the copy is seen complete: a page rewritten (or given to another
+writer) meanwhile is reported failed, to be recomputed (``stale_generation``). No time margin is
+asked of the session: a stall anywhere costs at most a miss.
 
 Nothing is skipped silently: a page a save could not write, or a load could not fill, is counted
 by cause (``stats()``), logged once per cause, and reported to the daemon, whose status shows it.
@@ -105,7 +108,6 @@ class ConnectorConfig:
     promote_l3: bool = True            # a load's match first brings pages only L3 holds into L2
     backend: str = "auto"              # gather/scatter: "auto" (timed on CUDA; torch on CPU), "triton", "torch"
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES     # packed device buffer, per direction
-    fence_margin_s: float = 0.5        # a DMA starts only while the session holds at least this long
     reply_timeout_s: float = 5.0       # a match unanswered this long is given up (loads fail, saves skip)
     report_interval_s: float = 1.0     # how often changed counters (and timings) go to the daemon
     policy: str = ""                   # restore policy: "cost", "always", "never" ("": the daemon's)
@@ -155,8 +157,8 @@ class Finished(NamedTuple):
     released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
     # Loads whose copies were queued since the last call, each once, before (or with) its entry in
     # loads: its blocks hold num_tokens once the engine's stream waited on wait_for_layer_load for
-    # every layer. Provisional: its entry in loads confirms it (or, the session lost while the copy
-    # ran, reports every block failed, and what the stream read from them must be recomputed).
+    # every layer. Provisional: its entry in loads confirms it (or, pages rewritten while the copy
+    # ran, reports their blocks failed, and what the stream read from them must be recomputed).
     queued: Sequence[LoadResult] = ()
 
 
@@ -414,6 +416,8 @@ class _Request:
     decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
     backup_skipped: str = ""            # why the daemon reserved no pages for its saves (the reply's)
+    host_page_generations: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.uint64))
+    generation: int = 0                 # its saves' write generation (the reply's backup_generation)
 
 
 # ---- the connector ------------------------------------------------------------------------------
@@ -423,7 +427,8 @@ def _open_pool(layout: KVLayout, geometry: KVGeometry, info: AttachInfo) -> Shar
     """Map a session's L2 pool; on CUDA pin it for the device of the engine's tensors."""
     is_cuda = layout.device.type == "cuda"
     return SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
-                               pin=is_cuda, device=layout.device if is_cuda else None)
+                               pin=is_cuda, device=layout.device if is_cuda else None,
+                               generations_path=info.generations_path)
 
 
 class KVConnector:
@@ -813,6 +818,8 @@ class KVConnector:
         request.hit_pages = reply.backup_start_token // self.page_size
         request.host_page_ids = np.asarray(reply.host_page_ids, dtype=np.int64)
         request.reserved = np.asarray(reply.backup_page_ids, dtype=np.int64)
+        request.host_page_generations = np.asarray(reply.host_page_generations, dtype=np.uint64)
+        request.generation = reply.backup_generation
         request.written = np.zeros(len(request.reserved), dtype=bool)
         request.queued = np.zeros(len(request.reserved), dtype=bool)
         request.backup_skipped = reply.backup_skipped
@@ -886,8 +893,13 @@ class KVConnector:
             usable = max(0, min(load.start_page + num_pages, request.hit_pages) - load.start_page)
             if usable < num_pages:
                 load.reason = "not_cached"      # evicted since the lookup, or this rank holds less
-            if usable and not self._session_holds(request.session_id, self.config.fence_margin_s):
-                usable, load.reason = 0, self._fence_cause(request.session_id)
+            if usable and request.session_id != self._session.session_id:
+                usable, load.reason = 0, "session_lost"     # its page ids name another pool's pages
+            pages = slice(load.start_page, load.start_page + usable)
+            intact = self.host_pool.generations.num_leading_intact(request.host_page_ids[pages],
+                                                                   request.host_page_generations[pages])
+            if intact < usable:
+                usable, load.reason = intact, "stale_generation"
         if usable:
             try:
                 layered = self.config.layered_loads and usable * self.geometry.bytes_per_page >= \
@@ -952,9 +964,15 @@ class KVConnector:
             if verified < usable:
                 usable, reason = verified, "peer_changed"
             self.counters["peer_loaded_pages"] += usable
-        elif load.transfer is not None and not self._session_holds(load.session_id, 0.0):
-            # The lease may have ended while the DMA read its pages: they may hold another's bytes.
-            usable, reason = 0, "session_lost"
+        elif load.transfer is not None and load.session_id != self._session.session_id:
+            usable, reason = 0, "session_lost"          # (never: a pool is swapped with no transfer in flight)
+        elif load.transfer is not None:
+            # A page whose generation changed while the DMA read it may hold another's bytes.
+            pages = slice(load.start_page, load.start_page + usable)
+            intact = self.host_pool.generations.num_leading_intact(request.host_page_ids[pages],
+                                                                   request.host_page_generations[pages])
+            if intact < usable:
+                usable, reason = intact, "stale_generation"
         failed = load.block_ids[usable:].tolist()
         if failed:
             self._count_failure(len(failed), reason or "unknown")
@@ -992,30 +1010,35 @@ class KVConnector:
         todo = np.flatnonzero(~request.queued[lo:hi]) + lo
         if not len(todo):
             return
-        if not self._session_holds(request.session_id, self.config.fence_margin_s):
-            self._skip(len(todo), self._fence_cause(request.session_id))
+        if request.session_id != self._session.session_id:
+            self._skip(len(todo), "session_lost")       # its page ids name another pool's pages
             return
         blocks = save.block_ids[todo + request.hit_pages - save.first_page]
         try:
-            save.transfer = self.transfer.save(blocks, request.reserved[todo], save.after)
+            transfer = self.transfer.save(blocks, request.reserved[todo], save.after, request.generation)
         except Exception as exc:                # never committed: the pages go back with the lease
             self._warn_once("save_transfer_failed", f"a save's transfer failed: {exc!r}")
             self._skip(len(todo), "transfer_failed")
             return
+        request.queued[todo] = True
+        # Pages no longer reserved for this lease (it ended, they went to another writer): not written.
+        self._skip(int((~transfer.claimed).sum()), "stale_generation")
+        todo = todo[transfer.claimed]
+        if not len(todo):
+            return
+        save.transfer = transfer
         save.reserve_indices = todo
         save.session_id = request.session_id
-        request.queued[todo] = True
         self.counters["save_pages_queued"] += len(todo)
 
     def _complete_save(self, request: _Request, save: _Save) -> None:
         self._cost_samples.append(("d2h", save.transfer.num_pages * self.geometry.bytes_per_page,
                                    save.transfer.seconds()))
-        if not self._session_holds(save.session_id, 0.0):
-            # Started inside the margin, done after the session's end: the pages may have been
-            # handed to someone else. Never committed (the lease is gone); counted loudly.
-            logger.error("a save's DMA completed after its session ended (%d pages)", save.transfer.num_pages)
-            self._skip(save.transfer.num_pages, "session_lost")
+        if save.session_id != self._session.session_id:
+            self._skip(save.transfer.num_pages, "session_lost")     # its lease went with the session
         else:
+            # Complete: stamped with the lease's generation, readers may trust them once committed.
+            self.host_pool.generations.stamp(request.reserved[save.reserve_indices], request.generation)
             request.written[save.reserve_indices] = True
             self.counters["saved_pages"] += save.transfer.num_pages
         save.transfer = None
@@ -1046,9 +1069,8 @@ class KVConnector:
             self._skip(stranded, "gap")      # written after a page that was not: not a prefix
         if request.lease_id is None:
             return
-        # Every written page's DMA was seen complete while the session held (_complete_save), so a
-        # commit is sound while the daemon may still keep the session; once it ended, the daemon
-        # refuses the commit. Not sent at all for a session the client knows has ended.
+        # Every written page's DMA was seen complete and stamped (_complete_save); once the session
+        # ended, the daemon refuses the commit. Not sent at all for a session the pool is not of.
         try:
             if request.session_id != self._session.session_id:
                 sent = False        # of a session replaced by the pool's: its lease went with it
@@ -1067,17 +1089,6 @@ class KVConnector:
             self._warn_once("end_of_lease_failed", f"could not end a lease: {exc}")
 
     # ---- helpers ------------------------------------------------------------------------------------
-
-    def _session_holds(self, session_id: int | None, margin_s: float) -> bool:
-        """The lease's session is the mapped pool's and the client's live one, and the daemon keeps
-        it (and so its pages) for more than margin_s even if no heartbeat gets through from now on."""
-        return session_id == self._session.session_id and self.client.session_valid_for(self._generation) > margin_s
-
-    def _fence_cause(self, session_id: int | None) -> str:
-        """Why _session_holds refused: the session is gone, or not known valid for the margin."""
-        if session_id == self._session.session_id and self.client.is_attached(self._generation):
-            return "session_margin"
-        return "session_lost"
 
     def _caller_event(self):
         if self.layout.device.type != "cuda":

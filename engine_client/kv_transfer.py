@@ -76,12 +76,14 @@ class Transfer:
     ``seconds()``: how long its copies took, once done (for the cost model)."""
 
     __slots__ = ("num_pages", "blocks_event", "done_event", "layer_events", "start_event", "host_seconds",
-                 "_waited")
+                 "claimed", "_waited")
 
     def __init__(self, num_pages: int, blocks_event: torch.cuda.Event | None,
                  done_event: torch.cuda.Event | None, layer_events: list[torch.cuda.Event | None] | None = None,
-                 start_event: torch.cuda.Event | None = None, host_seconds: float = 0.0):
+                 start_event: torch.cuda.Event | None = None, host_seconds: float = 0.0,
+                 claimed: np.ndarray | None = None):
         self.num_pages = num_pages
+        self.claimed = claimed                  # a save with a generation: which of its pages it writes
         self.blocks_event = blocks_event
         self.done_event = done_event
         self.layer_events = layer_events
@@ -282,9 +284,18 @@ class KVTransfer:
     # ---- the two paths ------------------------------------------------------------------------
 
     def save(self, block_ids: np.ndarray, host_page_ids: np.ndarray,
-             after: torch.cuda.Event | None = None) -> Transfer:
-        """Queue: blocks -> packed -> L2 pages (block_ids[i] into host_page_ids[i])."""
+             after: torch.cuda.Event | None = None, generation: int | None = None) -> Transfer:
+        """Queue: blocks -> packed -> L2 pages (block_ids[i] into host_page_ids[i]). With a
+        ``generation`` (the lease's), only the pages the pool's generations let this writer claim,
+        at the call, before any copy is queued (``Transfer.claimed`` says which); the caller
+        stamps them once the transfer is done."""
         block_ids, host_page_ids = self._check(block_ids, host_page_ids)
+        claimed = None
+        if generation is not None:
+            claimed = self.host_pool.generations.claim(host_page_ids, generation)
+            block_ids, host_page_ids = block_ids[claimed], host_page_ids[claimed]
+            if not len(block_ids):
+                return Transfer(0, None, None, claimed=claimed)
         lane = self.lanes["save"]
         blocks_event = None
         started = time.perf_counter()
@@ -297,7 +308,7 @@ class KVTransfer:
                     blocks_event = self._record(lane)      # the last gather: the blocks are read
                 self._copy_runs(lane, host_page_ids[first:last])
             return Transfer(len(block_ids), blocks_event, self._record(lane, timing=True), start_event=start_event,
-                            host_seconds=time.perf_counter() - started)
+                            host_seconds=time.perf_counter() - started, claimed=claimed)
 
     def load(self, host_page_ids: np.ndarray, block_ids: np.ndarray,
              after: torch.cuda.Event | None = None, layered: bool = True) -> Transfer:

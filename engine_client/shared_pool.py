@@ -41,9 +41,11 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_client.dtypes import torch_dtype
+from proto import generations
 from proto.messages import KVGeometry
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,8 @@ class SharedHostPool:
         self._base_address = 0
         self._device_index = 0
         self._pin_started = 0.0
+        # Set by ``open`` from the daemon's file; until then nothing is trusted, nothing claimed.
+        self.generations = PageGenerations("", 0)
         try:
             self._pages: torch.Tensor | None
             self._pages, self._buffer_ref = _pages_view(mapping, num_pages, geometry)
@@ -199,7 +203,7 @@ class SharedHostPool:
     def open(cls, path: str, offset_bytes: int, num_pages: int, geometry: KVGeometry, pin: bool, *,
              pin_in_background: bool = False, pin_threads: int | None = None,
              pin_chunk_bytes: int | None = None, prefault: bool = True,
-             device: torch.device | str | int | None = None) -> "SharedHostPool":
+             device: torch.device | str | int | None = None, generations_path: str = "") -> "SharedHostPool":
         """Map `num_pages` pages of `path` starting at `offset_bytes` (read-write, shared).
 
         With `pin`, register the range with CUDA for `device` (default: the current one) in chunks
@@ -235,9 +239,15 @@ class SharedHostPool:
         finally:
             # The mmap holds its own duplicate of the descriptor; ours is not needed past here.
             os.close(fd)
-        return cls(mapping, num_pages, geometry, pin, pin_in_background=pin_in_background,
+        pool = cls(mapping, num_pages, geometry, pin, pin_in_background=pin_in_background,
                    pin_threads=pin_threads, pin_chunk_bytes=pin_chunk_bytes, prefault=prefault,
                    device=device)
+        try:
+            pool.generations = PageGenerations(generations_path, num_pages)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
 
     @property
     def pages(self) -> torch.Tensor:
@@ -324,6 +334,7 @@ class SharedHostPool:
         self._unpin_all()
         self._mmap.close()
         self._mmap = None
+        self.generations.close()
 
     def check_integrity(self) -> None:
         """Chunks tile the region in order, and the pinned count agrees with the per-chunk flags."""
@@ -458,3 +469,55 @@ def _pages_view(mapping: mmap.mmap, num_pages: int,
 def _typed_pages(buffer: memoryview, num_pages: int, geometry: KVGeometry) -> torch.Tensor:
     flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_pages * geometry.bytes_per_page)
     return flat.view(torch_dtype(geometry.dtype)).view(num_pages, *geometry.page_shape)
+
+
+class PageGenerations:
+    """This engine's mapping of its namespace's L2 page generations (``proto.generations``): a
+    writer claims its reserved pages before its copy and stamps them once the copy is complete; a
+    reader trusts a page only while its word holds the generation the daemon published
+    (docs/architecture.md, "Fencing"). Without a file (a daemon that names none) no page is
+    trusted and none claimed: every load is a miss, every save skipped."""
+
+    def __init__(self, path: str, num_pages: int):
+        self.path = path
+        self._mapping: mmap.mmap | None = None
+        if not path:
+            self.words = np.zeros(num_pages, dtype=np.uint64)
+            return
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < generations.file_bytes(num_pages):
+                raise ValueError(f"{path} has {size} bytes, not the {generations.file_bytes(num_pages)} of "
+                                 f"{num_pages} page generations")
+            self._mapping = mmap.mmap(fd, generations.file_bytes(num_pages), mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._mapping, dtype="<u8", count=num_pages)
+
+    def claim(self, page_ids: np.ndarray, generation: int) -> np.ndarray:
+        """Before any byte is copied into them: of ``page_ids``, those still reserved for
+        ``generation`` become being-written (0); returns which (a page the daemon revoked or gave
+        to another writer is not touched)."""
+        page_ids = np.asarray(page_ids, dtype=np.int64)
+        claimed = self.words[page_ids] == np.uint64(generations.reserved(generation))
+        self.words[page_ids[claimed]] = 0
+        return claimed
+
+    def stamp(self, page_ids: np.ndarray, generation: int) -> None:
+        """Once the copy into them is complete: their bytes are those of ``generation``."""
+        self.words[np.asarray(page_ids, dtype=np.int64)] = generation
+
+    def num_leading_intact(self, page_ids: np.ndarray, expected: np.ndarray) -> int:
+        """How many leading pages hold the generation they were published with (``expected``)."""
+        page_ids = np.asarray(page_ids, dtype=np.int64)
+        expected = np.asarray(expected, dtype=np.uint64)
+        bad = np.flatnonzero((self.words[page_ids] != expected) | (expected == 0))
+        return int(bad[0]) if len(bad) else len(page_ids)
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            self.words = np.zeros(0, dtype=np.uint64)      # drops the export of the mapping
+            self._mapping.close()
+            self._mapping = None

@@ -35,6 +35,8 @@ class AttachInfo(NamedTuple):
     # The admission hints file (proto.hints) and the namespace's slot in it ("": none published).
     hints_path: str = ""
     hints_offset_bytes: int = 0
+    # The namespace's L2 page generations (proto.generations; "": none, every L2 page is a miss).
+    generations_path: str = ""
 
 
 class DetachReply(NamedTuple):
@@ -66,6 +68,11 @@ class MatchReply(NamedTuple):
     # Why no pages were reserved for saves of the pages beyond the L2 hit ("": it reserved what it
     # could): "evicted_before_reuse", a path L3 holds that L2 would evict before its next use.
     backup_skipped: str = ""
+    # The write generation each page of host_page_ids was published with (a reader trusts a page
+    # only while its word holds it), and the one the writer of backup_page_ids stamps once its
+    # bytes are complete (proto.generations).
+    host_page_generations: list[int] = []
+    backup_generation: int = 0
 
 
 class CommitReply(NamedTuple):

@@ -30,6 +30,7 @@ import numpy as np
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
+from kvcached.core.generations import GenerationFiles, PageGenerations, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
@@ -93,6 +94,7 @@ class Namespace:
     capacity: dict[Tier, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(Tier, 0))
     pressure: dict[Tier, Pressure] = dataclasses.field(default_factory=lambda: {t: Pressure() for t in Tier})
     hints_slot: int = -1                           # its slot of the admission hints
+    generations: PageGenerations | None = None     # the write generation of each L2 page
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
@@ -119,7 +121,8 @@ class DaemonState:
                  session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
                  l3_index_sink: Callable[[IndexChange], None] | None = None,
                  peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None,
-                 session_share: float = MAX_SESSION_RESERVED_SHARE, hints: AdmissionHints | None = None):
+                 session_share: float = MAX_SESSION_RESERVED_SHARE, hints: AdmissionHints | None = None,
+                 generation_files: GenerationFiles | None = None):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -132,7 +135,8 @@ class DaemonState:
         taken (default: policy cost, the default priors). ``session_share``: the most of L2 one
         session reserves at a time (MAX_SESSION_RESERVED_SHARE). ``hints``: where the admission
         hints are published (``proto.hints``; the I/O layer maps them from a file engines read),
-        one slot per namespace."""
+        one slot per namespace. ``generation_files``: where each namespace's L2 page generations
+        live (``proto.generations``; the I/O layer makes a file engines map), default private."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         if not 0 < session_share <= 1:
@@ -161,6 +165,8 @@ class DaemonState:
         self.leases: dict[int, Lease] = {}
         self.metrics = Metrics()
         self._lease_ids = itertools.count(1)
+        self._generation_ids = itertools.count(1)       # write generations: never 0, never reused
+        self._generation_files = generation_files if generation_files is not None else PrivateGenerations()
         self._running_at = clock()
         self._l3_index_sink = l3_index_sink if Tier.L3 in self.chunks else None
         self.peers = PeerRegistry()
@@ -243,6 +249,7 @@ class DaemonState:
         tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
         namespace_id = next(self._namespace_ids)
         hints_slot = self.hints.assign(namespace_id)
+        generations_path, generation_words = self._generation_files.create(namespace_id, num_pages)
         namespace = Namespace(
             namespace_id=namespace_id,
             geometry=geometry,
@@ -252,6 +259,7 @@ class DaemonState:
             l2_allocator=PageAllocator(num_pages, all_free=False),
             l3_allocator=PageAllocator(num_slots, all_free=False) if num_slots else None,
             hints_slot=hints_slot,
+            generations=PageGenerations(generations_path, generation_words),
         )
         self.publish_cost_hints(namespace)
         self.namespaces[namespace.namespace_id] = namespace
@@ -277,6 +285,8 @@ class DaemonState:
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
         self.hints.release(victim.hints_slot)
+        victim.generations.close_all()
+        self._generation_files.close(victim.namespace_id)
         self.cost.forget_engine(victim.namespace_id)
         for tier, chunks in self.chunks.items():
             for chunk in chunks.owned_by(victim.namespace_id):
@@ -481,6 +491,7 @@ class DaemonState:
         if locked_node is not None:
             namespace.tree.lock(locked_node, Tier.L2)
         backup_page_ids: list[int] = []
+        backup_generation = 0
         backup_skipped = ""
         if reserve_backup and num_pages > hit_pages and (promote_l3 or recompute) and allowed > 0 and \
                 self._backup_evicted_before_reuse(namespace, result, decision, policy,
@@ -492,15 +503,19 @@ class DaemonState:
             if wanted > allowed:
                 self.metrics.add("reservations_capped")
             backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
+            if backup_page_ids:
+                backup_generation = next(self._generation_ids)
+                namespace.generations.reserve(backup_page_ids, backup_generation)
             self.metrics.add("backup_pages_reserved", len(backup_page_ids))
         if session.session_id in self.peers.by_session:
             hits["peer"] = len(peer_block_ids) * page_size
             self.metrics.add("hit_tokens_peer", hits["peer"])
         if backup_skipped:
             decided["backup_skipped"] = backup_skipped
+        host_page_generations = namespace.generations.published_of(host_page_ids)
         if locked_node is None and not backup_page_ids:
             return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
-                              peer_epochs, **decided)
+                              peer_epochs, **decided, host_page_generations=host_page_generations)
 
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -510,11 +525,13 @@ class DaemonState:
             locked_node=locked_node,
             hit_pages=hit_pages,
             private_page_ids=backup_page_ids,
+            generation=backup_generation,
         )
         self.leases[lease.lease_id] = lease
         session.lease_ids.add(lease.lease_id)
         return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
-                          peer_id, peer_block_ids, peer_epochs, **decided)
+                          peer_id, peer_block_ids, peer_epochs, **decided,
+                          host_page_generations=host_page_generations, backup_generation=backup_generation)
 
     def _decided(self, decision: Decision, policy: str, loadable_tokens: int | None = None) -> dict[str, Any]:
         """A decision's reply fields (MatchReply's choice, restore_tokens, predicted_s, policy). A
@@ -717,6 +734,8 @@ class DaemonState:
         chunks = self.chunks[tier]
         assert chunks.owner[chunk] == namespace.namespace_id
         pages = self._pages_if_gained(namespace, tier, chunk)
+        if tier is Tier.L2:     # another namespace may write these bytes now: no reader here trusts them
+            namespace.generations.revoke(np.arange(pages.start, pages.stop))
         namespace.allocator(tier).take_range(pages.start, pages.stop)
         namespace.capacity[tier] -= len(pages)
         chunks.owner[chunk] = None
@@ -854,6 +873,8 @@ class DaemonState:
                                              start_page=lease.hit_pages)
             # The tree now owns the pages it kept; duplicates go back to the allocator at lease end.
             kept = set(host_page_ids) - set(inserted.duplicate_page_ids)
+            # Readers trust these pages while their words hold the generation the writer stamped.
+            namespace.generations.publish(sorted(kept), lease.generation)
             lease.private_page_ids = [p for p in lease.private_page_ids if p not in kept]
             new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
         path_tokens = lease.token_ids[:num_tokens]
@@ -989,6 +1010,10 @@ class DaemonState:
             destination=destination, token_ids=token_ids[: (start_page + count) * page_size].copy(),
             start_page=start_page, source_page_ids=result.page_ids[source][start_page:start_page + count],
             private_page_ids=private_page_ids, locks=locks)
+        if destination is Tier.L2:      # the daemon writes them: no reader trusts them until stamped
+            namespace.generations.revoke(private_page_ids)
+        else:                           # the daemon reads them: the generations they must keep throughout
+            move.source_generations = namespace.generations.published_of(move.source_page_ids)
         self.moves[move.op_id] = move
         return move
 
@@ -1013,19 +1038,27 @@ class DaemonState:
         allocator = namespace.allocator(move.destination)
         gained = 0
         num_valid = self._num_verified_pages(namespace, move) if ok else 0
+        if num_valid and move.destination is Tier.L3:
+            # An engine's page rewritten (or being rewritten) while it was read is not written through.
+            intact = namespace.generations.num_leading_intact(move.source_page_ids, move.source_generations)
+            if intact < num_valid:
+                self.metrics.add("pages_stale_generation", num_valid - intact)
+                num_valid = intact
         if num_valid:
             move.transition(OpState.PUBLISHED)
             published = move.private_page_ids[:num_valid]
+            if move.destination is Tier.L2:
+                namespace.generations.stamp(published, next(self._generation_ids))
             if num_valid < len(move.private_page_ids):
                 allocator.free(move.private_page_ids[num_valid:])
             inserted = namespace.tree.insert(move.token_ids, move.destination, published,
                                              start_page=move.start_page)
             if inserted.duplicate_page_ids:      # someone published the same pages meanwhile
                 allocator.free(inserted.duplicate_page_ids)
+            move.num_published_pages = num_valid
             if move.destination is Tier.L3:
                 self._index_written(namespace, move, set(inserted.duplicate_page_ids))
             gained = inserted.new_pages
-            move.num_published_pages = num_valid
             self.metrics.add(f"{move.direction}_pages_published", gained)
         else:
             move.transition(OpState.FAILED)
@@ -1042,7 +1075,7 @@ class DaemonState:
         if self._background_move_ids.get(move.namespace_id) == move.op_id:
             del self._background_move_ids[move.namespace_id]
             self.cost.counters["background_promoted_pages_total"] += gained
-        if ok and num_valid < len(move.source_page_ids):
+        if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
             self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
         return gained
 
@@ -1069,7 +1102,7 @@ class DaemonState:
         assert len(move.page_keys) >= move.start_page + len(move.source_page_ids), "h2s finished without its keys"
         page_size = namespace.geometry.page_size
         rows = []
-        for i, slot in enumerate(move.private_page_ids[:len(move.source_page_ids)]):
+        for i, slot in enumerate(move.private_page_ids[:move.num_published_pages]):
             if slot in duplicate_slot_ids:
                 continue
             page = move.start_page + i
@@ -1189,6 +1222,9 @@ class DaemonState:
         namespace = self.namespaces[lease.namespace_id]
         if lease.locked_node is not None:
             namespace.tree.unlock(lease.locked_node, Tier.L2)
+        # Unwritten pages: the lease's writer may no longer claim them (a claim read earlier is
+        # the residual window, bounded by the quarantine; see Fencing).
+        namespace.generations.revoke(lease.private_page_ids)
         if quarantined is not None:
             quarantined.extend(lease.private_page_ids)
         elif lease.private_page_ids:

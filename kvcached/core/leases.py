@@ -46,6 +46,7 @@ class Lease:
     hit_pages: int                    # pages of the matched L2 prefix
     private_page_ids: list[int]       # reserved for a backup of pages [hit_pages, hit_pages + len)
     state: LeaseState = LeaseState.ACTIVE
+    generation: int = 0               # the write generation its writer stamps on its pages (0: none reserved)
 
     def transition(self, new_state: LeaseState) -> None:
         if new_state not in _LEGAL_TRANSITIONS[self.state]:

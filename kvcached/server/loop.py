@@ -49,8 +49,9 @@ from kvcached.server.io_workers import IoExecutor, StorageFile, UnsafeFileError,
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
-from kvcached.server.shm import (DaemonLock, EpochFiles, SharedSegment, SocketDirectory, StartupError,
-                                 epoch_file_prefix, hints_file_name, segment_name)
+from kvcached.server.shm import (DaemonLock, EpochFiles, GenerationFiles, SharedSegment, SocketDirectory,
+                                 StartupError, epoch_file_prefix, generation_file_prefix, hints_file_name,
+                                 segment_name)
 from kvcached.server.status import hide_salts
 from kvcached.server.status_credits import StatusCredits
 from proto import codec, hints
@@ -509,6 +510,7 @@ class Server:
             session_grace_s=self.config.session_grace_s,
             hints_path=self.hints_path,
             hints_offset_bytes=self.state.hints.offset(namespace.hints_slot) if self.hints_path else 0,
+            generations_path=namespace.generations.path,
         ))
 
     def _detach(self, body: dict) -> dict[str, Any]:
@@ -726,6 +728,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(segment.close)
         epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
         resources.callback(epoch_files.close_all)
+        generation_files = GenerationFiles(config.shm_dir, generation_file_prefix(config.socket_path))
+        resources.callback(generation_files.close_all)
         hints_file = SharedSegment.create(config.shm_dir, hints_file_name(config.socket_path),
                                           hints.file_bytes(config.max_namespaces), what="admission hints file")
         resources.callback(hints_file.close)
@@ -741,7 +745,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 peer_end_sink=lambda export: epoch_files.close(export.peer_id),
                                 cost_model=CostModel(config.cost_priors, config.restore_policy),
                                 session_share=config.session_share,
-                                hints=AdmissionHints(config.max_namespaces, hints_file.mapping))
+                                hints=AdmissionHints(config.max_namespaces, hints_file.mapping),
+                                generation_files=generation_files)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         resources.callback(state.hints.close)          # its views go before the file's mapping

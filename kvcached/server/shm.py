@@ -25,7 +25,9 @@ import struct
 import time
 from typing import Callable
 
-from proto import epochs
+import numpy as np
+
+from proto import epochs, generations
 from proto.paths import file_kind, user_label
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,11 @@ def hints_file_name(socket_path: str) -> str:
 def epoch_file_prefix(socket_path: str) -> str:
     """The names of a daemon's peer epoch files start so: ``<segment name>.peer-``."""
     return segment_name(socket_path) + ".peer-"
+
+
+def generation_file_prefix(socket_path: str) -> str:
+    """The names of a daemon's L2 page generation files start so: ``<segment name>.gen-``."""
+    return segment_name(socket_path) + ".gen-"
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -344,3 +351,50 @@ class EpochFiles:
     def close_all(self) -> None:
         for peer_id in list(self._files):
             self.close(peer_id)
+
+
+class GenerationFiles:
+    """The L2 page generation files (``proto.generations``), one per namespace, in the
+    shared-memory directory (``kvcached.core.generations.GenerationFiles``). Made and removed
+    like the peer epoch files: stale ones of ours are removed at start, anything else by those
+    names is left alone and refused."""
+
+    def __init__(self, shm_dir: str, prefix: str):
+        self.shm_dir = shm_dir
+        self.prefix = prefix
+        self._files: dict[int, tuple[str, os.stat_result, mmap.mmap]] = {}
+        for name in os.listdir(shm_dir):
+            path = os.path.join(shm_dir, name)
+            if name.startswith(prefix):
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                    logger.warning("removing stale page generation file %s left by a daemon that did not exit "
+                                   "cleanly", path)
+                    os.unlink(path)
+
+    def create(self, namespace_id: int, num_pages: int) -> tuple[str, np.ndarray]:
+        path = os.path.join(self.shm_dir, f"{self.prefix}{namespace_id:08x}")
+        size = generations.file_bytes(num_pages)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            info = os.fstat(fd)
+            os.ftruncate(fd, size)         # zeroed: no page is trusted before the daemon says so
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            _unlink_if_same(path, os.fstat(fd))
+            raise
+        finally:
+            os.close(fd)
+        self._files[namespace_id] = (path, info, mapping)
+        return path, np.frombuffer(mapping, dtype="<u8", count=num_pages)
+
+    def close(self, namespace_id: int) -> None:
+        """Remove the file; the memory goes once the last mapping does (the daemon's own array
+        keeps its mapping alive until it is dropped)."""
+        entry = self._files.pop(namespace_id, None)
+        if entry is not None:
+            _unlink_if_same(entry[0], entry[1])
+
+    def close_all(self) -> None:
+        for namespace_id in list(self._files):
+            self.close(namespace_id)

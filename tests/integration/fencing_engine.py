@@ -11,12 +11,18 @@ Commands (one per line), each answered by one JSON line on stdout:
             KV saved in the file named by --compare, page by page, bit for bit
   exit      close the manager and exit
 The first line out, once attached, is {"attached": ...}.
+
+With --hold-before-save-copy, a save stops between the connector's checks and its copy into L2
+(the call that queues the copy): it says {"at_copy": <pid>} (the pid as the host sees it, also
+from another pid namespace) and reads one line from stdin before it goes on, so that the test
+can SIGSTOP it exactly there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -38,6 +44,18 @@ def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def hold_before_save_copy(transfer) -> None:
+    """The seam: the transfer's save (the call that queues the copy) first waits for a line."""
+    save = transfer.save
+
+    def held_save(*args, **kwargs):
+        say(at_copy=int(os.readlink("/proc/self")))     # the host's pid, whatever namespace we are in
+        sys.stdin.readline()
+        return save(*args, **kwargs)
+
+    transfer.save = held_save
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
@@ -46,10 +64,13 @@ def main() -> int:
     parser.add_argument("--kv-seed", type=int, default=0)
     parser.add_argument("--state", help="where prepare saves the prefix's KV")
     parser.add_argument("--compare", help="the KV that restore must find")
+    parser.add_argument("--hold-before-save-copy", action="store_true")
     args = parser.parse_args()
     client = connect(args.socket, timeout_s=10.0, client_name=args.name)
     manager = CacheManager.attach(client, GEOMETRY, num_l1_pages=32, device="cpu")
     tokens = prefix_tokens(args.prefix_seed)
+    if args.hold_before_save_copy:
+        hold_before_save_copy(manager.connector.transfer)
     say(attached=args.name)
     plan = None
     for line in sys.stdin:

@@ -28,11 +28,13 @@ class Engine:
     """A tests.integration.fencing_engine process: one command in, one JSON line out."""
 
     def __init__(self, socket_path: str, name: str, prefix_seed: int, kv_seed: int = 0,
-                 state: str | None = None, compare: str | None = None):
-        args = [sys.executable, "-m", "tests.integration.fencing_engine", "--socket", socket_path,
+                 state: str | None = None, compare: str | None = None, hold_before_save_copy: bool = False,
+                 launcher: tuple[str, ...] = ()):
+        args = [*launcher, sys.executable, "-m", "tests.integration.fencing_engine", "--socket", socket_path,
                 "--name", name, "--prefix-seed", str(prefix_seed), "--kv-seed", str(kv_seed)]
         args += ["--state", state] if state else []
         args += ["--compare", compare] if compare else []
+        args += ["--hold-before-save-copy"] if hold_before_save_copy else []
         self.name = name
         self.proc = subprocess.Popen(args, env=child_env(), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
@@ -52,10 +54,12 @@ class Engine:
         self.send(command)
         return self.read(timeout_s)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
+    def close(self, engine_pid: int | None = None) -> None:
+        """engine_pid: the engine's own pid where a launcher runs it (unshare)."""
+        for pid in (engine_pid, self.proc.pid):
+            if pid is not None and self.proc.poll() is None:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
 
@@ -204,3 +208,71 @@ def test_an_engine_whose_session_is_not_known_valid_neither_publishes_loads_nor_
     finally:
         reader.close()
         writer.close()
+
+
+GRACE_S = 2.0                    # --session-grace of the stalled-copy scenario
+UNSHARE_PID = ("unshare", "--pid", "--fork")
+
+
+def stalled_copy_scenario(daemon: DaemonProcess, seed: int, launcher: tuple[str, ...]) -> dict:
+    """Engine A prepares a prefix (its match reserves backup pages), starts its save, and is
+    SIGSTOPped between the connector's checks and its copy into L2, past the session grace; engine
+    B then backs up the same prefix with other KV; A resumes and goes on with its copy; engine C
+    restores the prefix."""
+    a_state, b_state = (os.path.join(daemon.socket_dir, f"{n}.kv") for n in "ab")
+    a = Engine(daemon.socket_path, "fence-A", seed, kv_seed=seed + 1, state=a_state, hold_before_save_copy=True,
+               launcher=launcher)
+    b = Engine(daemon.socket_path, "fence-B", seed, kv_seed=seed + 2, state=b_state)
+    c = Engine(daemon.socket_path, "fence-C", seed, compare=b_state)
+    a_pid = None
+    try:
+        for engine in (a, b, c):
+            assert engine.read()["attached"] == engine.name
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            a_prepared = a.ask("prepare")
+            assert len(a_prepared["backup_page_ids"]) == PREFIX_PAGES, a_prepared
+            a_pid = a.ask("finish")["at_copy"]
+            os.kill(a_pid, signal.SIGSTOP)
+            time.sleep(GRACE_S + 0.5)                # past the grace: the stall itself
+            wait_until(lambda: "fence-A" not in session_names(observer), 10.0, "A's session ended")
+            stalled = observer.status(check_integrity=True)
+            b_prepared = b.ask("prepare")
+            assert b_prepared["cached_tokens"] == 0, b_prepared
+            b_finished = b.ask("finish")
+            assert b_finished["backed_up"] == PREFIX_PAGES and b_finished["errors"] == [], b_finished
+            os.kill(a_pid, signal.SIGCONT)
+            a.send("")                               # on with A's copy
+            a_finished = a.read()
+            restored = c.ask("restore")
+            final = observer.status(check_integrity=True)
+        return {"restored": restored, "stalled": stalled, "final": final, "a_prepared": a_prepared,
+                "b_prepared": b_prepared, "a_finished": a_finished}
+    finally:
+        a.close(a_pid)
+        b.close()
+        c.close()
+
+
+@pytest.mark.parametrize("watch", ["pid-watched", "no-pid-watch", "unshare-pid"])
+def test_an_engine_stalled_between_its_checks_and_its_copy_never_serves_wrong_bytes(watch):
+    """C restores exactly B's bytes, all 8 pages, bit for bit, although A was SIGSTOPped between
+    its save's checks and its copy into L2 for longer than the session grace and then went on with
+    the copy. Unwatched (--no-pid-watch, or A in another pid namespace), A's pages went to B after
+    the grace: A's copy finds them no longer reserved for it and writes none of them (counted as
+    stale_generation); watched, A's pages stay quarantined while it lives."""
+    seed = {"pid-watched": 2000, "no-pid-watch": 2001, "unshare-pid": 2002}[watch]
+    extra = ("--l3-size", "0", "--session-timeout", "1", "--session-grace", str(GRACE_S))
+    extra += ("--no-pid-watch",) if watch == "no-pid-watch" else ()
+    daemon = DaemonProcess(extra_args=extra).start()
+    try:
+        outcome = stalled_copy_scenario(daemon, seed, UNSHARE_PID if watch == "unshare-pid" else ())
+    finally:
+        daemon.cleanup()
+    restored, final = outcome["restored"], outcome["final"]
+    assert restored["restored_tokens"] == PREFIX_PAGES * 16, f"seed {seed}: {outcome}"
+    assert restored["equal_pages"] == restored["pages"] == PREFIX_PAGES, f"seed {seed}: {outcome}"
+    assert restored["integrity"] == "ok" and final["integrity"] == "ok", f"seed {seed}: {outcome}"
+    assert outcome["a_finished"]["backed_up"] == 0, f"seed {seed}: {outcome}"
+    if watch != "pid-watched":      # the stale writer's pages really were B's
+        assert outcome["b_prepared"]["backup_page_ids"] == outcome["a_prepared"]["backup_page_ids"], outcome
+        assert outcome["a_finished"]["stats"]["save_skipped_pages_stale_generation"] == PREFIX_PAGES, outcome
