@@ -3,10 +3,11 @@
 Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect", "measured",
 "pass"} in bench/results/cpu/drills.json:
 
-  1 stale writer      A prepares (its match reserves backup pages) and is SIGSTOPped past the
-                      session timeout while B backs up another prefix and commits; A resumes and
-                      finishes; C restores B's prefix: every page equal to B's bytes, every run,
-                      with the engines' pids watched and with --no-pid-watch
+  1 stale writer      A prepares (its match reserves backup pages), starts its save and is
+                      SIGSTOPped between its checks and its copy, past the session grace, while B
+                      backs up the same prefix and commits; A resumes and goes on with its copy;
+                      C restores the prefix: every page equal to B's bytes, every run, with A's pid
+                      watched and with A in another pid namespace (unshare --pid, unwatched)
     SIGKILL           engines SIGKILLed mid-backup (a lease on a committed prefix and a match's
                       reserved pages each): every lease gone within 1 s
   2 daemon SIGKILLed  100 consecutive prepare() calls against a plain miss of the same run
@@ -56,7 +57,7 @@ from tests.integration.engine_proc import GEOMETRY
 from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_faults import start_holder
-from tests.integration.test_fencing import STALL_S, Engine, session_names, wait_until
+from tests.integration.test_fencing import GRACE_S, UNSHARE_PID, stalled_copy_scenario, wait_until
 from tests.integration.test_l3_files import ENOSPC_ROWS, IS_ROOT, L3_NAMES
 from tests.integration.test_l3_files import OTHER_UID as L3_OTHER_UID
 from tests.integration.test_l3_files import can_mount_tmpfs, fingerprint, random_file, run_enospc_start, serve_once
@@ -74,52 +75,33 @@ def row(drill: str, expect: str, measured: str, passed: bool, **details) -> dict
 
 # ---- 1: fencing ---------------------------------------------------------------------------------
 
-def stale_writer_once(pid_watch: bool, seed: int) -> dict:
-    """One run of the stale-writer scenario; what C restored and what the daemon counted."""
-    extra = ("--l3-size", "0") + (() if pid_watch else ("--no-pid-watch", "--session-grace", "10"))
+def stale_writer_once(watch: str, seed: int) -> dict:
+    """One run of the stalled-copy scenario (A SIGSTOPped between its save's checks and its copy,
+    past the grace); what C restored and what the daemon and A counted."""
+    extra = ("--l3-size", "0", "--session-timeout", "1", "--session-grace", str(GRACE_S))
     daemon = DaemonProcess(extra_args=extra).start()
-    a_state, b_state = (os.path.join(daemon.socket_dir, f"{n}.kv") for n in "ab")
-    engines = [Engine(daemon.socket_path, "fence-A", seed, kv_seed=seed + 1, state=a_state),
-               Engine(daemon.socket_path, "fence-B", seed + 1, kv_seed=seed + 2, state=b_state),
-               Engine(daemon.socket_path, "fence-C", seed + 1, compare=b_state)]
-    a, b, c = engines
     try:
-        for engine in engines:       # importing torch may take long on a loaded machine
-            assert engine.read(timeout_s=120.0)["attached"] == engine.name
-        with connect(daemon.socket_path, timeout_s=5.0) as observer:
-            a_prepared = a.ask("prepare")
-            os.kill(a.proc.pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            if not pid_watch:      # heartbeats only: the daemon ends A's session
-                wait_until(lambda: "fence-A" not in session_names(observer), 10.0, "A's session ended")
-            time.sleep(max(0.0, stopped_at + STALL_S - time.monotonic()))     # the stall itself
-            b_prepared = b.ask("prepare")
-            b_finished = b.ask("finish")
-            os.kill(a.proc.pid, signal.SIGCONT)
-            a_finished = a.ask("finish")
-            a.ask("exit")
-            restored = c.ask("restore")
-            final = observer.status(check_integrity=True)
+        outcome = stalled_copy_scenario(daemon, seed, UNSHARE_PID if watch == "unshare-pid" else ())
     finally:
-        for engine in engines:
-            engine.close()
         daemon.cleanup()
-    return {"restored": restored, "b_backed_up": b_finished["backed_up"], "a_backed_up": a_finished["backed_up"],
-            "shared_pages": len(set(a_prepared["backup_page_ids"]) & set(b_prepared["backup_page_ids"])),
-            "integrity": final["integrity"], "commits_refused": final["metrics"].get("commits_refused_session_ended", 0)}
+    return {"restored": outcome["restored"], "a_backed_up": outcome["a_finished"]["backed_up"],
+            "a_stale_generation": outcome["a_finished"]["stats"].get("save_skipped_pages_stale_generation", 0),
+            "shared_pages": len(set(outcome["a_prepared"]["backup_page_ids"])
+                                & set(outcome["b_prepared"]["backup_page_ids"])),
+            "integrity": outcome["final"]["integrity"]}
 
 
-def drill_stale_writer(repeats: int, pid_watch: bool) -> dict:
-    runs = [stale_writer_once(pid_watch, seed=5000 + 10 * i + pid_watch) for i in range(repeats)]
+def drill_stale_writer(repeats: int, watch: str) -> dict:
+    runs = [stale_writer_once(watch, seed=5000 + 10 * i + (watch == "unshare-pid")) for i in range(repeats)]
     exact = [r["restored"]["equal_pages"] == r["restored"]["pages"] == PREFIX_PAGES
-             and r["restored"]["restored_tokens"] == PREFIX_PAGES * PAGE and r["integrity"] == "ok"
-             and r["b_backed_up"] == PREFIX_PAGES for r in runs]
-    mode = "pid watched" if pid_watch else "--no-pid-watch"
+             and r["restored"]["restored_tokens"] == PREFIX_PAGES * PAGE and r["integrity"] == "ok" for r in runs]
+    mode = "pid watched" if watch == "pid-watched" else "unwatched: unshare --pid"
     measured = (f"{sum(exact)}/{repeats} runs: C restored {PREFIX_PAGES}/{PREFIX_PAGES} pages equal to B's; "
-                f"A backed up {[r['a_backed_up'] for r in runs]} after the stall; "
+                f"A backed up {[r['a_backed_up'] for r in runs]} after the stall "
+                f"(stale_generation {[r['a_stale_generation'] for r in runs]}); "
                 f"A's reserved pages given to B: {[r['shared_pages'] for r in runs]}")
-    return row(f"1 stale writer ({mode})", f"C restores B's bytes, every page, in every run (SIGSTOP {STALL_S} s)",
-               measured, all(exact), runs=runs)
+    return row(f"1 stale writer ({mode})", f"C restores B's bytes, every page, in every run (A SIGSTOPped between "
+               f"its checks and its copy, past the {GRACE_S} s grace)", measured, all(exact), runs=runs)
 
 
 def drill_sigkill_mid_backup(within_s: float = 1.0) -> dict:
@@ -524,7 +506,7 @@ def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]
 
 def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
     if name == "stale_writer":
-        return [drill_stale_writer(repeats, pid_watch=True), drill_stale_writer(repeats, pid_watch=False)]
+        return [drill_stale_writer(repeats, "pid-watched"), drill_stale_writer(repeats, "unshare-pid")]
     if name == "sigkill_mid_backup":
         return [drill_sigkill_mid_backup()]
     if name == "outage_prepare":

@@ -360,26 +360,30 @@ def test_salts_revisions_and_page_formats_are_separate_namespaces(daemon):
             engine.close()
 
 
-def test_saves_skipped_for_the_fence_margin_are_counted_and_reported(daemon):
-    """With a fence margin longer than the session timeout no DMA may start: every save page is
-    skipped, counted under its cause, shown in the daemon's status (JSON and the table), and nothing
-    is published."""
+def test_saves_into_pages_no_longer_reserved_for_them_are_skipped_counted_and_reported(daemon):
+    """A save whose reserved pages no longer carry its lease's generation (the daemon revoked them
+    or gave them to another writer) copies nothing into them: every page is skipped, counted as
+    stale_generation, shown in the daemon's status (JSON and the table), and nothing is published."""
     rng = np.random.default_rng(SEED + 7)
     engine = Engine(daemon.socket_path, "layer", seed=SEED + 7,
-                    config=ConnectorConfig(fence_margin_s=60.0, report_interval_s=0, policy="always"))
+                    config=ConnectorConfig(report_interval_s=0, policy="always"))
     try:
         tokens = random_tokens(rng, 5 * P)
+        engine.connector.load("r", tokens, [], 0)                 # the request's match, nothing to load
+        reserved = engine.connector.wait_for_match("r").reserved_page_ids
+        assert len(reserved) == 5
+        engine.connector.host_pool.generations.words[reserved] = 0     # revoked, as the daemon does
         engine.connector.save("r", tokens, [0, 1, 2, 3, 4])
         engine.connector.request_finished("r")
         engine.settle()
         stats = engine.connector.stats()
-        assert stats["save_skipped_pages_session_margin"] == 5 and stats.get("committed_pages", 0) == 0
+        assert stats["save_skipped_pages_stale_generation"] == 5 and stats.get("committed_pages", 0) == 0
         assert engine.connector.lookup(tokens) == 0
         engine.connector.flush_report()
-        assert session_counters(daemon, f"layer-{SEED + 7}")["save_skipped_pages_session_margin"] == 5
+        assert session_counters(daemon, f"layer-{SEED + 7}")["save_skipped_pages_stale_generation"] == 5
         with connect(daemon.socket_path) as client:
             table = render_table(client.status())
-        assert "save_skipped_pages_session_margin=5" in table and "load_failed_pages" not in table, table
+        assert "save_skipped_pages_stale_generation=5" in table and "load_failed_pages" not in table, table
     finally:
         engine.close()
 
@@ -412,11 +416,12 @@ def test_pages_the_daemon_cannot_reserve_are_counted_as_skipped():
         daemon.cleanup()
 
 
-def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
-    """A load is queued while the session is valid; the daemon stops (SIGSTOP) until the session can
-    no longer be trusted; the completed load is then discarded (its lease may have ended while the
-    DMA read): every block is reported failed, to be recomputed, and counted. Its queued report
-    (what a layer-by-layer prefill may have read already) came first and is voided by that result."""
+def test_a_load_whose_pages_change_generation_before_it_is_seen_done_keeps_only_what_precedes(daemon):
+    """A load is queued; before it is seen done, the second of its three L2 pages changes its
+    write generation (the daemon handed it to a writer: its bytes may be another's by now). The
+    completed load keeps only the first page: the other blocks are reported failed, to be
+    recomputed, and counted (stale_generation). Its queued report (what a layer-by-layer prefill
+    may have read already) came first and is corrected by that result."""
     rng = np.random.default_rng(SEED + 9)
     engine = Engine(daemon.socket_path, "layer", seed=SEED + 9)
     try:
@@ -430,19 +435,13 @@ def test_a_load_whose_session_ends_before_it_is_seen_done_is_discarded(daemon):
             engine.connector.poll()      # the poll that queues the load sees it done only on a later one
             assert time.monotonic() < deadline, "the load was never queued"
             time.sleep(0.001)
-        stop_process(daemon.proc.pid)
-        try:
-            deadline = time.monotonic() + 5.0
-            while engine.connector.client.session_valid_for() > 0:
-                assert time.monotonic() < deadline, "the session stayed valid"
-                time.sleep(0.01)
-            engine.connector.poll()
-            finished = engine.connector.finished()
-        finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-        assert finished.queued == [LoadResult("r", 3 * P, [], None)]       # provisional, then voided
-        assert untimed(finished.loads) == [LoadResult("r", 0, [5, 6, 7], "session_lost")]
-        assert engine.connector.stats()["load_failed_pages_session_lost"] == 3
+        pages = engine.connector.leased_pages("r")
+        engine.connector.host_pool.generations.words[pages[1]] = 0
+        engine.connector.poll()
+        finished = engine.connector.finished()
+        assert finished.queued == [LoadResult("r", 3 * P, [], None)]       # provisional, then corrected
+        assert untimed(finished.loads) == [LoadResult("r", P, [6, 7], "stale_generation")]
+        assert engine.connector.stats()["load_failed_pages_stale_generation"] == 2
     finally:
         engine.close()
 
