@@ -4,6 +4,7 @@ segment mapped in place of the old one. Real daemon processes, real signals."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import signal
@@ -221,9 +222,10 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
             f"seed {seed}: restored KV differs"
         engine.finish(plan)
 
-        # Only the new segment and the new daemon's admission hints file (named after the segment)
-        # are mapped or held open by the engine.
+        # Only the new segment, the new daemon's admission hints file and its page generations
+        # (named after the segment) are mapped or held open by the engine.
         current_inodes = {segment: new_inode, segment + ".hints": os.stat(segment + ".hints").st_ino}
+        current_inodes.update({path: os.stat(path).st_ino for path in glob.glob(segment + ".gen-*")})
         with open("/proc/self/maps") as maps:
             mapped = [line.split() for line in maps if segment in line]
         assert mapped and all(current_inodes.get(fields[-1]) == int(fields[4]) for fields in mapped), mapped
@@ -232,7 +234,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
                 if os.path.islink(f"/proc/self/fd/{fd}")]
         assert not [path for path in held if path.startswith(segment) and path not in current_inodes], held
         assert sorted(n for n in os.listdir("/dev/shm") if n.startswith(os.path.basename(segment))) == \
-            [os.path.basename(segment), os.path.basename(segment) + ".hints"]
+            sorted(os.path.basename(path) for path in current_inodes)
 
         # The request prepared before the outage: finished in L1 only.
         untouched = engine.host_pool.pages[stale.backup_page_ids].clone()
