@@ -546,6 +546,67 @@ def read_pages(storage: StorageFile, layout: SlotLayout, dst: Any, bytes_per_pag
     return IoResult(len(slot_ids) * bytes_per_page, len(extents), seconds, checksums)
 
 
+class WriteBackoff:
+    """L3 write-throughs while writes fail, and what the log says of them. Not thread-safe: the
+    server calls it under its state lock.
+
+    A failure pauses write-throughs (``allows`` is False) for a delay that doubles, from
+    min_delay_s up to max_delay_s, with each failure of a write started after the last pause
+    ended (writes already in flight when one fails do not double it again); a success ends the
+    pause and resets the delay. A cause (an errno name, or the error's type) is logged at once
+    the first time in log_interval_s; later failures of it are counted and summarised in one line
+    per cause once the interval has passed (at the next failure or success)."""
+
+    def __init__(self, min_delay_s: float = 0.1, max_delay_s: float = 30.0, log_interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 < min_delay_s <= max_delay_s or log_interval_s <= 0:
+            raise ValueError(f"need 0 < min_delay_s <= max_delay_s and log_interval_s > 0, got {min_delay_s}, "
+                             f"{max_delay_s}, {log_interval_s}")
+        self.min_delay_s, self.max_delay_s, self.log_interval_s = min_delay_s, max_delay_s, log_interval_s
+        self.clock = clock
+        self.delay_s = 0.0                  # the current pause; 0 while writes succeed
+        self.num_consecutive_failures = 0
+        self._resume_at = 0.0
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: dict[str, tuple[int, str]] = {}      # cause -> (failures not logged, the last message)
+
+    def allows(self) -> bool:
+        return self.clock() >= self._resume_at
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        if now >= self._resume_at:
+            self.delay_s = min(self.max_delay_s, max(self.min_delay_s, 2 * self.delay_s))
+            self._resume_at = now + self.delay_s
+        self.num_consecutive_failures += 1
+        cause = errno.errorcode.get(exc.errno, type(exc).__name__) if isinstance(exc, OSError) else type(exc).__name__
+        if now - self._logged_at.get(cause, -float("inf")) >= self.log_interval_s:
+            self._logged_at[cause] = now
+            logger.warning("L3 write-through failed (%s): %s; write-throughs paused for %.1f s, the pause doubling "
+                           "up to %.0f s while they fail (further failures are counted: h2s_failures)", cause, exc,
+                           self.delay_s, self.max_delay_s)
+        else:
+            count, _ = self._unlogged.get(cause, (0, ""))
+            self._unlogged[cause] = (count + 1, str(exc))
+        self._flush(now, all_causes=False)
+
+    def succeeded(self) -> None:
+        if self.num_consecutive_failures:
+            self._flush(self.clock(), all_causes=True)
+            logger.warning("L3 write-throughs succeed again after %d failures", self.num_consecutive_failures)
+        self.delay_s = 0.0
+        self.num_consecutive_failures = 0
+        self._resume_at = 0.0
+
+    def _flush(self, now: float, all_causes: bool) -> None:
+        for cause, (count, message) in list(self._unlogged.items()):
+            if all_causes or now - self._logged_at[cause] >= self.log_interval_s:
+                logger.warning("L3 write-through failed %d more times (%s) in %.0f s, the last: %s; paused for %.1f s",
+                               count, cause, now - self._logged_at[cause], message, self.delay_s)
+                self._logged_at[cause] = now
+                del self._unlogged[cause]
+
+
 class IoExecutor:
     """A bounded thread pool for blocking file I/O, awaited from asyncio.
 

@@ -45,7 +45,8 @@ from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_address
-from kvcached.server.io_workers import IoExecutor, StorageFile, UnsafeFileError, read_pages, write_pages
+from kvcached.server.io_workers import (IoExecutor, StorageFile, UnsafeFileError, WriteBackoff, read_pages,
+                                       write_pages)
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
@@ -110,6 +111,7 @@ class Server:
         self.status_credits = StatusCredits(MAX_UNREAD_STATUS_REPLIES, MAX_STATUS_PEERS,
                                             UNREAD_STATUS_FORGET_S)
         self._requester = b""           # socket thread: the identity of the peer whose request is handled
+        self.write_backoff = WriteBackoff(log_interval_s=config.refusal_log_interval_s)
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._socket_thread: threading.Thread | None = None
@@ -407,7 +409,11 @@ class Server:
                 metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
                 metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
         except (OSError, ValueError) as exc:
-            logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
+            if move.destination is Tier.L3:
+                with self.state_lock:
+                    self.write_backoff.failed(exc)         # one line per cause per interval, a pause
+            else:
+                logger.warning("%s of %d pages failed: %s", direction, len(move.private_page_ids), exc)
         except BaseException:
             # Cancelled (the daemon is stopping) or our bug: the move still ends, so its pages are
             # not leaked, and the exception goes on (a cancellation must reach the caller).
@@ -417,6 +423,8 @@ class Server:
         with self.state_lock:
             if ok:
                 move.page_checksums, move.page_keys = list(result.page_checksums), page_keys
+                if move.destination is Tier.L3:
+                    self.write_backoff.succeeded()
             self.state.finish_move(move, ok)
             return then(ok) if then is not None else ok
 
@@ -580,6 +588,10 @@ class Server:
         if write_through is not None:
             if self.state.pending_moves("h2s") > self.config.max_pending_writes:
                 # L3 admission is best effort: a backlog would keep L2 pages locked and slots reserved.
+                self.state.finish_move(write_through, ok=False, skipped=True)
+            elif not self.write_backoff.allows():
+                # Writes fail (a full disk, an I/O error): none is tried until the pause ends.
+                self.state.metrics.add("h2s_backoff_skips")
                 self.state.finish_move(write_through, ok=False, skipped=True)
             else:
                 self._spawn_threadsafe(self._run_move(write_through))

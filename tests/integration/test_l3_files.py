@@ -160,14 +160,8 @@ def enospc_start(directory: str, seed: int) -> dict:
     size_bytes = write_branchy_index(l3_path, ENOSPC_ROWS, seed)
     index_before = fingerprint(l3_path + ".index")
     filler = os.path.join(directory, "filler")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(os.urandom(1 << 16))
-                f.flush()
-        except OSError:
-            pass
     result = {}
+    fill(filler)
     for phase in ("full", "freed"):
         daemon = DaemonProcess(l2_size="4MiB", extra_args=("--max-namespaces", "1", "--l3-path", l3_path,
                                                            "--l3-size", str(size_bytes)))
@@ -191,12 +185,13 @@ def enospc_start(directory: str, seed: int) -> dict:
     return result
 
 
-def run_enospc_start(seed: int, tmpfs_size: str = "4m") -> dict:
-    """enospc_start in a private mount namespace (unshare --mount), on a tmpfs of tmpfs_size."""
+def run_in_tmpfs(entry: str, seed: int, tmpfs_size: str = "4m") -> dict:
+    """This module's function ``entry(directory, seed)`` in a private mount namespace (unshare
+    --mount) with a tmpfs of tmpfs_size at directory; what it printed last, as JSON."""
     directory = tempfile.mkdtemp(prefix="kvt-full-", dir="/tmp")
     try:
         script = (f'mount -t tmpfs -o size={tmpfs_size},mode=0700 kvcached-test "$1" && exec "$0" -c "import sys; '
-                  'from tests.integration.test_l3_files import enospc_start; enospc_start(sys.argv[1], int(sys.argv[2]))" '
+                  f'from tests.integration.test_l3_files import {entry}; {entry}(sys.argv[1], int(sys.argv[2]))" '
                   '"$1" "$2"')
         done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                                sys.executable, directory, str(seed)],
@@ -205,6 +200,60 @@ def run_enospc_start(seed: int, tmpfs_size: str = "4m") -> dict:
         return json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_enospc_start(seed: int) -> dict:
+    return run_in_tmpfs("enospc_start", seed)
+
+
+def fill(path: str) -> None:
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(os.urandom(1 << 16))
+                f.flush()
+        except OSError:
+            pass
+
+
+WRITE_THROUGHS = 40
+
+
+def failing_write_throughs(directory: str, seed: int) -> dict:
+    """In a small tmpfs: a daemon on an L3 file there, the tmpfs then filled; WRITE_THROUGHS
+    prefixes backed up (each a write-through that cannot be written); then space freed, the pause
+    waited out, and one more backed up. Prints the counters and the log's lines about it, as JSON."""
+    from engine_client.client import connect
+    from tests.integration.daemon_proc import DaemonProcess
+    from tests.integration.engine_proc import GEOMETRY
+    from tests.integration.test_l3 import back_up_random, wait_for_write_through
+
+    rng = np.random.default_rng(seed)
+    daemon = DaemonProcess(l2_size="4MiB", extra_args=("--max-namespaces", "1", "--l3-path",
+                                                       os.path.join(directory, "l3.bin"), "--l3-size", "64MiB"))
+    try:
+        daemon.start(timeout_s=60.0)
+        filler = os.path.join(directory, "filler")
+        with connect(daemon.socket_path, timeout_s=10.0) as client:
+            client.attach(GEOMETRY)
+            fill(filler)
+            for _ in range(WRITE_THROUGHS):
+                back_up_random(client, 2, rng)
+            failing = wait_for_write_through(client)["metrics"]
+            os.unlink(filler)
+            # Past the pause: it doubles from 0.1 s with each failure that starts one (30 s at most).
+            time.sleep(min(30.0, 0.1 * 2 ** (failing.get("h2s_failures", 1) - 1)) + 0.5)
+            back_up_random(client, 2, rng)
+            after = wait_for_write_through(client)["metrics"]
+        lines = [line for line in daemon.log().splitlines() if "write-through" in line or "h2s of" in line]
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+    result = {key: failing.get(key, 0) for key in ("h2s_failures", "h2s_backoff_skips", "h2s_count")}
+    result["h2s_count_after"] = after.get("h2s_count", 0)
+    result["log_lines"] = lines
+    print(json.dumps(result))
+    return result
 
 
 def can_mount_tmpfs() -> bool:
@@ -229,3 +278,19 @@ def test_a_full_disk_at_start_keeps_the_index(rng):
     assert full["index_exists"] and full["index_unchanged"], result
     assert full["warning"] and full["l3_pages"] == 0 and full["integrity"] == "ok", result
     assert freed["l3_pages"] == ENOSPC_ROWS and freed["integrity"] == "ok", result
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root and unshare --mount to make a small tmpfs")
+def test_failing_write_throughs_back_off_and_log_a_line_per_cause(rng):
+    """With the L3 file's disk full, WRITE_THROUGHS prefixes backed up: every write-through fails
+    or is skipped while write-throughs are paused (counted: h2s_failures, h2s_backoff_skips),
+    fewer fail than were asked for, the log has one line for the cause (ENOSPC) rather than one
+    per failure; with space again, write-throughs resume and say so."""
+    result = run_in_tmpfs("failing_write_throughs", int(rng.integers(1 << 31)))
+    assert result["h2s_count"] == 0, result
+    assert result["h2s_failures"] + result["h2s_backoff_skips"] == WRITE_THROUGHS, result
+    assert result["h2s_backoff_skips"] > 0 and result["h2s_failures"] >= 1, result
+    failed_lines = [line for line in result["log_lines"] if "failed" in line]
+    assert 1 <= len(failed_lines) <= 3 and "ENOSPC" in failed_lines[0], result["log_lines"]
+    assert result["h2s_count_after"] == 1, result
+    assert any("succeed again" in line for line in result["log_lines"]), result["log_lines"]
