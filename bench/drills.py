@@ -22,6 +22,8 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       refused, untouched; a disk full at start keeps the index; a daemon
                       restarting on a branchy L3 index of 160k rows: peak RSS and seconds
 
+  flood fairness      engine A's hot prefixes under engine B's one-use flood, in one model and in
+                      two (the daemon's state on a trace): A keeps >= 80% of its hit share
   cost model heals    one 1-s h2d sample reported: lookups of an L2 hit until one restores again
                       (<= 200 requests or 30 s), and that restore bit for bit
   client never reads  3,000 STATUS requests of a process that never reads: daemon RSS growth
@@ -34,6 +36,7 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -362,6 +365,39 @@ def drill_socket_takeover() -> dict:
     return row("4 socket takeover", expect, observed, held, cases=cases)
 
 
+# ---- fairness in L2 ------------------------------------------------------------------------------
+
+def drill_flood_fairness(seed: int = 1) -> list[dict]:
+    """The flood trace on the daemon's state (tests/core/flood_trace.py: a fake clock, no sockets,
+    deterministic): engine A's hot prefixes against engine B's 16 one-use prompts per A request,
+    in one model and across two (either attached first)."""
+    import logging
+
+    from tests.core.flood_trace import GEOMETRY_A, FloodTrace, run
+    logging.disable(logging.WARNING)            # the pressure warnings
+    rows = []
+    try:
+        for name, same_model, flood_first in (("same model", True, False), ("two models, A first", False, False),
+                                              ("two models, B first", False, True)):
+            trace = FloodTrace(requests=600, same_model=same_model, flood_first=flood_first)
+            alone = run(trace, seed)
+            flooded = run(dataclasses.replace(trace, flood_per_request=16), seed)
+            share = flooded.hit_share / alone.hit_share
+            l2_pages = trace.l2_bytes // GEOMETRY_A.bytes_per_page
+            even = same_model or flooded.a_l2_capacity >= l2_pages // 2 - 1
+            rows.append(row("flood_fairness", f"{name}: A's hot prefixes keep >= 80% of their hit share under B's "
+                            "one-use flood (daemon state, a trace)" + ("" if same_model else
+                                                                       "; A keeps half of L2"),
+                            f"hit share {flooded.hit_share:.3f} flooded vs {alone.hit_share:.3f} alone "
+                            f"({share:.0%})" + ("" if same_model else
+                                                f"; A holds {flooded.a_l2_capacity} of {l2_pages} L2 pages"),
+                            share >= 0.8 and even, hit_share_alone=alone.hit_share,
+                            hit_share_flooded=flooded.hit_share, a_l2_pages=flooded.a_l2_capacity))
+    finally:
+        logging.disable(logging.NOTSET)
+    return rows
+
+
 # ---- the cost model heals ------------------------------------------------------------------------
 
 def drill_cost_model_heals(max_requests: int = 200, max_s: float = 30.0) -> dict:
@@ -487,7 +523,7 @@ def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
 
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover",
           "cost_model_heals", "l3_plants", "l3_rebuild_rss",
-          "client_never_reads", "http_idle_flood")
+          "client_never_reads", "http_idle_flood", "flood_fairness")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -525,6 +561,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_client_never_reads()]
     if name == "http_idle_flood":
         return [drill_http_idle_flood()]
+    if name == "flood_fairness":
+        return drill_flood_fairness()
     return [drill_socket_takeover()]
 
 

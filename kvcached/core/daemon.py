@@ -108,6 +108,9 @@ class ChunkOffer(NamedTuple):
     namespace: Namespace
     chunk: int
     newest_access: float       # the LRU time of its most recently used page; -inf if it caches none
+    # (holds a reused page, LRU time of its newest such page, else of its newest page): the page
+    # its owner's evict() would keep longest, as PrefixTree.next_eviction_rank ranks them
+    newest_rank: tuple[bool, float] = (False, -np.inf)
 
 
 def session_tag(session_id: int) -> str:
@@ -459,7 +462,7 @@ class DaemonState:
         token_ids = token_ids[: num_pages * page_size]
         local_hit_tokens = min(local_hit_tokens, len(token_ids)) // page_size * page_size
 
-        result = namespace.tree.match(token_ids)
+        result = namespace.tree.match(token_ids, own_pages=local_hit_tokens // page_size)
         allowed = self._reservable_pages(session, namespace)
         peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
         if decision is None and (promote_l3 or peer_block_ids or recompute):
@@ -742,22 +745,30 @@ class DaemonState:
 
     def _chunk_to_take(self, namespace: Namespace, tier: Tier) -> ChunkOffer | None:
         """The chunk of another namespace that this one may take: of an idle namespace (no session)
-        the coldest; else the coldest of an active one whose newest page is older than the oldest
-        page this namespace could evict instead (or any, when it has nothing to evict). Only
-        chunks that hold no private, quarantined or locked page of their owner, and that give
-        this namespace at least one page."""
-        own_oldest = namespace.tree.oldest_evictable_access(tier)
-        best: tuple[tuple[bool, float], ChunkOffer] | None = None
+        the coldest; else the coldest of an active one that ranks below the page this namespace
+        would evict instead (``PrefixTree.next_eviction_rank``: never reused below reused, older
+        below newer), or any, when it has nothing to evict: a chunk holding reused pages only for
+        a namespace whose next eviction is reused too, and newer; a chunk of pages never reused
+        for one whose next eviction is reused, or from a namespace holding more chunks than it.
+        So one-use pages never take a chunk holding a page its owner reused, and share the rest
+        of the pool evenly between active namespaces; reused pages take what ranks below them.
+        Only chunks that hold no private, quarantined or locked page of their owner, and that
+        give this namespace at least one page."""
+        own_next = namespace.tree.next_eviction_rank(tier)
+        own_chunks = len(self.chunks[tier].owned_by(namespace.namespace_id))
+        best: tuple[tuple[bool, tuple[bool, float]], ChunkOffer] | None = None
         for other in self.namespaces.values():
             if other is namespace or tier not in other.tree.tiers:
                 continue
             idle = not other.session_ids
+            larger = len(self.chunks[tier].owned_by(other.namespace_id)) > own_chunks
             for offer in self._chunk_offers(other, tier):
                 if not self._pages_if_gained(namespace, tier, offer.chunk):
                     continue
-                if not idle and own_oldest is not None and offer.newest_access >= own_oldest:
+                if not idle and own_next is not None and not (
+                        offer.newest_rank < own_next if offer.newest_rank[0] else own_next[0] or larger):
                     continue
-                rank = (not idle, offer.newest_access)
+                rank = (not idle, offer.newest_rank)
                 if best is None or rank < best[0]:
                     best = (rank, offer)
         return best[1] if best is not None else None
@@ -770,15 +781,20 @@ class DaemonState:
             return []
         bytes_per_page = namespace.geometry.bytes_per_page
         newest = np.full(chunks.num_chunks, -np.inf)
+        newest_reused = np.full(chunks.num_chunks, -np.inf)
         blocked = np.zeros(chunks.num_chunks, dtype=bool)
         resident = namespace.tree.resident_pages(tier)
         held = np.array(self._held_page_ids(namespace, tier), dtype=np.int64)
         for page_end in (0, 1):          # a page counts for the chunk of its first and of its last byte
             chunk_ids = ((resident.page_ids + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes
             np.maximum.at(newest, chunk_ids, resident.last_access)
+            np.maximum.at(newest_reused, chunk_ids[resident.reused], resident.last_access[resident.reused])
             blocked[chunk_ids[resident.locked]] = True
             blocked[((held + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes] = True
-        return [ChunkOffer(namespace, chunk, float(newest[chunk])) for chunk in owned if not blocked[chunk]]
+        has_reused = newest_reused > -np.inf
+        return [ChunkOffer(namespace, chunk, float(newest[chunk]),
+                           (True, float(newest_reused[chunk])) if has_reused[chunk] else (False, float(newest[chunk])))
+                for chunk in owned if not blocked[chunk]]
 
     def _held_page_ids(self, namespace: Namespace, tier: Tier) -> list[int]:
         """The namespace's pages in the tier that are private (leases, pending moves) or quarantined."""
@@ -977,8 +993,8 @@ class DaemonState:
         """H2S: copy the L2 pages of this path that L3 lacks into newly reserved L3 slots."""
         if namespace.l3_allocator is None:
             return None
-        result = namespace.tree.match(token_ids)
         page_size = namespace.geometry.page_size
+        result = namespace.tree.match(token_ids, own_pages=len(token_ids) // page_size)     # a copy, no use
         l2_pages = result.hit_tokens[Tier.L2] // page_size
         l3_pages = result.hit_tokens[Tier.L3] // page_size
         if l3_pages >= l2_pages:

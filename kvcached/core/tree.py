@@ -12,10 +12,18 @@ Design notes
 - Splitting keeps the original node object as the LOWER (deeper) half and inserts a new upper
   node above it. A caller that holds a node (e.g. locked through a lease) therefore still holds
   the node that ends where it ended, and its heap entries stay valid.
-- Eviction uses one lazy min-heap per tier of (last_access, seq, node). Invariant: every node
-  that is evictable in a tier has an entry whose time equals its current last_access there;
-  stale entries are skipped when popped, and the heap is rebuilt once it holds many more
-  entries than the tree has nodes.
+- Eviction knows reuse (S3-FIFO's idea on a tree of leaves): a node resident in a tier is
+  "reused" there once a match hits it (insertion is not use). Leaves never reused go first, oldest
+  first, so a flood of one-use prompts churns among themselves; reused leaves go first only while
+  reused pages exceed MAIN_SHARE of the tier's pages (or nothing else is evictable), so old
+  reuse cannot hold the whole tier and a new working set still gets room to be reused. The flag
+  outlives residency while the node stays in the tree (L3 or children keep it): a prefix reused
+  before comes back to L2 as reused (S3-FIFO's ghost queue, for free).
+- Eviction uses one lazy min-heap per tier and class (never reused, reused) of (last_access, seq,
+  node). Invariant: every node that is evictable in a tier has an entry in its class's heap whose
+  time equals its current last_access there; stale entries (an older time, or the other class)
+  are skipped when popped, and a heap is rebuilt once it holds many more entries than the tree
+  has nodes.
 - Peer residency: which blocks of which engine's own GPU cache hold a node's pages, each with
   the epoch it was filled at (``peer_put``; the engine's word, checked by readers against the
   block's live epoch). Per node and owner an array ``[num_pages, 2]`` of (block, epoch), -1 where
@@ -42,11 +50,12 @@ logger = logging.getLogger(__name__)
 
 _TOKEN_DTYPE = np.dtype("<i4")
 _TOKEN_BYTES = _TOKEN_DTYPE.itemsize
+MAIN_SHARE = 0.9         # of a tier's pages, reused pages above which reused leaves are evicted first
 
 
 class TreeNode:
     __slots__ = ("parent", "children", "key", "num_pages", "page_ids", "ref_count",
-                 "last_access", "num_resident_children", "peer")
+                 "last_access", "reused", "num_resident_children", "peer")
 
     def __init__(self, parent: TreeNode | None, key: bytes, num_pages: int,
                  tiers: Sequence[Tier], now: float):
@@ -57,6 +66,7 @@ class TreeNode:
         self.page_ids: dict[Tier, list[int] | None] = dict.fromkeys(tiers)
         self.ref_count: dict[Tier, int] = dict.fromkeys(tiers, 0)
         self.last_access: dict[Tier, float] = dict.fromkeys(tiers, now)
+        self.reused: dict[Tier, bool] = dict.fromkeys(tiers, False)     # hit by a match in the tier
         # Children resident in each tier; a node with none is a leaf for that tier's eviction.
         self.num_resident_children: dict[Tier, int] = dict.fromkeys(tiers, 0)
         # owner -> int64 [num_pages, 2]: (block id, epoch) per page, block -1 where it holds none
@@ -87,6 +97,7 @@ class ResidentPages(NamedTuple):
     page_ids: np.ndarray        # int64
     last_access: np.ndarray     # float64: the LRU time of each page's node
     locked: np.ndarray          # bool: its node's ref count is > 0
+    reused: np.ndarray          # bool: its node was hit by a match in the tier
 
 
 class InsertResult(NamedTuple):
@@ -125,7 +136,10 @@ class PrefixTree:
         self._num_nodes = 0                   # excluding the root
         self._owned_page_ids: dict[Tier, set[int]] = {t: set() for t in tiers}
         self._num_protected_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
-        self._evict_heaps: dict[Tier, list[tuple[float, int, TreeNode]]] = {t: [] for t in tiers}
+        # (tier, reused) -> the lazy min-heap of that class's evictable leaves
+        self._evict_heaps: dict[tuple[Tier, bool], list[tuple[float, int, TreeNode]]] = {
+            (t, reused): [] for t in tiers for reused in (False, True)}
+        self._num_reused_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
         self._heap_seq = itertools.count()
         self._peer_block_nodes: dict[int, dict[int, TreeNode]] = {}     # owner -> block -> its node
 
@@ -151,21 +165,41 @@ class PrefixTree:
         """Resident pages with ref_count 0: all of them can be freed by evict() (leaves first)."""
         return len(self._owned_page_ids[tier]) - self._num_protected_pages[tier]
 
+    def reused_pages(self, tier: Tier) -> int:
+        return self._num_reused_pages[tier]
+
     def oldest_evictable_access(self, tier: Tier) -> float | None:
         """The LRU time of the leaf evict() would free first; None when nothing is evictable."""
-        heap = self._evict_heaps[tier]
+        rank = self.next_eviction_rank(tier)
+        return None if rank is None else rank[1]
+
+    def next_eviction_rank(self, tier: Tier) -> tuple[bool, float] | None:
+        """(reused, LRU time) of the leaf evict() would free first; None when nothing is evictable.
+        Ranks order pages by what evict() keeps longer: never reused before reused, then older
+        before newer (while reused pages are within MAIN_SHARE of the tier)."""
+        never = self._heap_top(tier, False)
+        reused = self._heap_top(tier, True)
+        if reused is not None and (never is None or self._num_reused_pages[tier] > MAIN_SHARE * len(
+                self._owned_page_ids[tier])):
+            return True, reused
+        return None if never is None else (False, never)
+
+    def _heap_top(self, tier: Tier, reused: bool) -> float | None:
+        """The LRU time of the first current entry of a class's heap, stale ones dropped."""
+        heap = self._evict_heaps[tier, reused]
         while heap:
             last_access, _, node = heap[0]
-            if last_access == node.last_access[tier] and self._is_evictable(node, tier):
+            if self._is_current(last_access, node, tier, reused):
                 return last_access
             heapq.heappop(heap)               # stale: an evictable node always has a current entry
         return None
 
     def resident_pages(self, tier: Tier) -> ResidentPages:
-        """Every page resident in `tier` with its node's LRU time and whether it is locked."""
+        """Every page resident in `tier` with its node's LRU time, whether it is locked and reused."""
         tier = self._check_tier(tier)
         page_ids: list[int] = []
         last_access: list[float] = []
+        reused: list[bool] = []
         locked: list[bool] = []
         for node in self._iter_nodes():
             node_page_ids = node.page_ids[tier]
@@ -174,15 +208,19 @@ class PrefixTree:
             page_ids.extend(node_page_ids)
             last_access.extend([node.last_access[tier]] * len(node_page_ids))
             locked.extend([node.ref_count[tier] > 0] * len(node_page_ids))
+            reused.extend([node.reused[tier]] * len(node_page_ids))
         return ResidentPages(np.array(page_ids, dtype=np.int64), np.array(last_access, dtype=np.float64),
-                             np.array(locked, dtype=bool))
+                             np.array(locked, dtype=bool), np.array(reused, dtype=bool))
 
     # ---- match ---------------------------------------------------------------------------
 
-    def match(self, token_ids, touch: bool = True) -> MatchResult:
+    def match(self, token_ids, touch: bool = True, own_pages: int = 0) -> MatchResult:
         """Longest cached prefix (page-aligned) per tier; splits the last node at the match end.
 
-        touch=False (a lookup): no node's LRU time changes, so asking changes no eviction order."""
+        touch=False (a lookup): no node's LRU time changes, so asking changes no eviction order.
+        A touched hit node is reused in its tier where it reaches beyond ``own_pages``, the
+        leading pages the caller holds itself (its own GPU cache; a write-through copying the
+        path): a copy nobody reads from is not used."""
         data = self._token_bytes(token_ids)
         page_bytes = self._page_bytes
         end = len(data)
@@ -208,6 +246,7 @@ class PrefixTree:
             break
 
         now = self._clock()
+        own_bytes = own_pages * page_bytes
         hit_tokens: dict[Tier, int] = {}
         page_ids: dict[Tier, list[int]] = {}
         last_node: dict[Tier, TreeNode | None] = {}
@@ -215,14 +254,19 @@ class PrefixTree:
         for tier in self.tiers:
             tier_page_ids: list[int] = []
             deepest = previous = None
+            end_bytes = 0
             for path_node in path:
                 node_page_ids = path_node.page_ids[tier]
                 if node_page_ids is None:
                     break
                 tier_page_ids.extend(node_page_ids)
                 previous = path_node.last_access[tier]
+                end_bytes += len(path_node.key)
                 if touch:
                     path_node.last_access[tier] = now
+                    if not path_node.reused[tier] and end_bytes > own_bytes:
+                        path_node.reused[tier] = True
+                        self._num_reused_pages[tier] += path_node.num_pages
                 deepest = path_node
             hit_tokens[tier] = len(tier_page_ids) * self.page_size
             page_ids[tier] = tier_page_ids
@@ -230,7 +274,7 @@ class PrefixTree:
             previous_access[tier] = previous
             if deepest is not None and touch:
                 # Only the deepest hit node can be evictable: each shallower one has a resident
-                # child on the path. Its LRU time changed, so it needs a fresh heap entry.
+                # child on the path. Its LRU time (and maybe its class) changed: a fresh entry.
                 self._push_if_evictable(deepest, tier)
         return MatchResult(hit_tokens, page_ids, last_node, pos // _TOKEN_BYTES, previous_access)
 
@@ -373,18 +417,21 @@ class PrefixTree:
     # ---- evict ---------------------------------------------------------------------------
 
     def evict(self, tier: Tier, num_pages: int) -> list[int]:
-        """Free least-recently-used unlocked leaves of `tier` until num_pages freed or none left."""
+        """Free unlocked leaves of `tier` until num_pages freed or none left: in the order of
+        next_eviction_rank (never reused first, least recently used first within a class)."""
         tier = self._check_tier(tier)
         num_pages = operator.index(num_pages)
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        heap = self._evict_heaps[tier]
         freed: list[int] = []
-        while len(freed) < num_pages and heap:
-            last_access, _, node = heapq.heappop(heap)
-            if last_access != node.last_access[tier] or not self._is_evictable(node, tier):
-                continue                      # stale entry
+        while len(freed) < num_pages:
+            rank = self.next_eviction_rank(tier)
+            if rank is None:
+                break
+            _, _, node = heapq.heappop(self._evict_heaps[tier, rank[0]])     # current: next_eviction_rank said so
             node_page_ids = node.page_ids[tier]
+            if node.reused[tier]:
+                self._num_reused_pages[tier] -= node.num_pages
             freed.extend(node_page_ids)
             self._owned_page_ids[tier].difference_update(node_page_ids)
             node.page_ids[tier] = None
@@ -473,6 +520,8 @@ class PrefixTree:
                 continue
             freed.extend(current.page_ids[tier])
             self._owned_page_ids[tier].difference_update(current.page_ids[tier])
+            if current.reused[tier]:
+                self._num_reused_pages[tier] -= current.num_pages
             current.page_ids[tier] = None
             current.parent.num_resident_children[tier] -= 1
             self._l2_root_changed(current, tier, -1)
@@ -631,6 +680,7 @@ class PrefixTree:
             raise IntegrityError("root must have no parent, no key and no pages")
         owned: dict[Tier, set[int]] = {t: set() for t in self.tiers}
         protected = dict.fromkeys(self.tiers, 0)
+        reused_pages = dict.fromkeys(self.tiers, 0)
         num_page_ids = dict.fromkeys(self.tiers, 0)
         num_nodes = 0
         peer_entries: collections.Counter[int] = collections.Counter()
@@ -692,6 +742,8 @@ class PrefixTree:
                 num_page_ids[tier] += len(node_page_ids)
                 if node.ref_count[tier] > 0:
                     protected[tier] += node.num_pages
+                if node.reused[tier]:
+                    reused_pages[tier] += node.num_pages
         if num_nodes != self._num_nodes:
             raise IntegrityError(f"num_nodes {self._num_nodes} != recount {num_nodes}")
         for owner, where in self._peer_block_nodes.items():
@@ -707,6 +759,9 @@ class PrefixTree:
             if protected[tier] != self._num_protected_pages[tier]:
                 raise IntegrityError(f"protected pages of {tier.label}: {self._num_protected_pages[tier]}"
                                      f" != recount {protected[tier]}")
+            if reused_pages[tier] != self._num_reused_pages[tier]:
+                raise IntegrityError(f"reused pages of {tier.label}: {self._num_reused_pages[tier]}"
+                                     f" != recount {reused_pages[tier]}")
             self._check_evict_heap(tier)
         return owned
 
@@ -747,6 +802,7 @@ class PrefixTree:
             # the protected-page total is unchanged (the same pages, now on two nodes).
             upper.ref_count[tier] = node.ref_count[tier]
             upper.last_access[tier] = node.last_access[tier]
+            upper.reused[tier] = node.reused[tier]        # the same pages, counted once either way
         if node.peer is not None:
             upper_peer, lower_peer = {}, {}
             for owner, held in node.peer.items():
@@ -776,6 +832,8 @@ class PrefixTree:
         assert node.page_ids[tier] is None and len(page_ids) == node.num_pages
         node.page_ids[tier] = page_ids
         self._owned_page_ids[tier].update(page_ids)
+        if node.reused[tier]:                  # reused while it was here before (the node stayed)
+            self._num_reused_pages[tier] += node.num_pages
         node.parent.num_resident_children[tier] += 1
         self._l2_root_changed(node, tier, 1)
 
@@ -798,23 +856,28 @@ class PrefixTree:
         return (node.parent is not None and node.page_ids[tier] is not None
                 and node.ref_count[tier] == 0 and node.num_resident_children[tier] == 0)
 
+    def _is_current(self, last_access: float, node: TreeNode, tier: Tier, reused: bool) -> bool:
+        """Whether a heap entry of this class stands for the node as it is now."""
+        return last_access == node.last_access[tier] and node.reused[tier] == reused and self._is_evictable(node, tier)
+
     def _push_if_evictable(self, node: TreeNode, tier: Tier) -> None:
         if not self._is_evictable(node, tier):
             return
-        heap = self._evict_heaps[tier]
+        reused = node.reused[tier]
+        heap = self._evict_heaps[tier, reused]
         heapq.heappush(heap, (node.last_access[tier], next(self._heap_seq), node))
         if len(heap) > 2 * self._num_nodes + 64:
-            self._rebuild_evict_heap(tier)
+            self._rebuild_evict_heap(tier, reused)
 
-    def _rebuild_evict_heap(self, tier: Tier) -> None:
-        heap = [(node.last_access[tier], next(self._heap_seq), node)
-                for node in self._iter_nodes() if self._is_evictable(node, tier)]
+    def _rebuild_evict_heap(self, tier: Tier, reused: bool) -> None:
+        heap = [(node.last_access[tier], next(self._heap_seq), node) for node in self._iter_nodes()
+                if self._is_evictable(node, tier) and node.reused[tier] == reused]
         heapq.heapify(heap)
-        self._evict_heaps[tier] = heap
+        self._evict_heaps[tier, reused] = heap
 
     def _check_evict_heap(self, tier: Tier) -> None:
-        fresh = {id(node) for last_access, _, node in self._evict_heaps[tier]
-                 if last_access == node.last_access[tier]}
+        fresh = {id(node) for reused in (False, True) for last_access, _, node in self._evict_heaps[tier, reused]
+                 if self._is_current(last_access, node, tier, reused)}
         for node in self._iter_nodes():
             if self._is_evictable(node, tier) and id(node) not in fresh:
                 raise IntegrityError(f"evictable {node!r} has no current entry in the "

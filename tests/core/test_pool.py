@@ -158,7 +158,7 @@ def test_chunks_holding_leased_private_or_quarantined_pages_never_change_hands(c
     """Chunk 0 holds a prefix under a lease, chunk 2 a session's reserved backup pages, chunk 3
     the pages of a session that went silent (quarantined: it may still write them): a second
     geometry that asks for the whole pool gets chunk 1 only. Once the lease and the reservation
-    are released and the quarantine has ended, it gets the other three."""
+    are released, the quarantine has ended and the first geometry is idle, it gets the other three."""
     state = new_state(clock)
     holder, first_ns = state.attach(SMALL, pid=1)
     leased, plain = tokens(rng, 128), tokens(rng, 128)
@@ -197,6 +197,9 @@ def test_chunks_holding_leased_private_or_quarantined_pages_never_change_hands(c
     state.release(reserver.session_id, reservation.lease_id)
     wait(30.0)
     assert not state.quarantines
+    for session_id in (holder.session_id, reserver.session_id):   # idle: one-use pages may take all of it
+        state.detach(session_id)
+        live.remove(session_id)
     back_up(state, taker.session_id, tokens(rng, 300))
     assert state.chunks[Tier.L2].owner == [taker_ns.namespace_id] * 4
     state.check_integrity()

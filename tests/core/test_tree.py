@@ -568,7 +568,7 @@ def test_discard_pages_clears_each_page_and_what_lies_below_it(rng):
 
 
 def test_resident_pages_and_the_oldest_evictable_access(rng):
-    """resident_pages(tier) lists every resident page once with its node's LRU time and lock;
+    """resident_pages(tier) lists every resident page once with its node's LRU time, lock and reuse;
     oldest_evictable_access(tier) is the LRU time of the leaf evict() frees first (None when
     nothing is evictable)."""
     tree = _tree()
@@ -582,10 +582,10 @@ def test_resident_pages_and_the_oldest_evictable_access(rng):
     tree.lock(first_node, L2)
     assert tree.oldest_evictable_access(L2) == second_node.last_access[L2]
     resident = tree.resident_pages(L2)
-    by_page = {int(p): (float(t), bool(k)) for p, t, k in zip(*resident)}
+    by_page = {int(p): (float(t), bool(k), bool(r)) for p, t, k, r in zip(*resident)}
     assert len(resident.page_ids) == 5 and set(by_page) == set(first_ids + second_ids)
-    assert all(by_page[p] == (first_node.last_access[L2], True) for p in first_ids)
-    assert all(by_page[p] == (second_node.last_access[L2], False) for p in second_ids)
+    assert all(by_page[p] == (first_node.last_access[L2], True, True) for p in first_ids)
+    assert all(by_page[p] == (second_node.last_access[L2], False, True) for p in second_ids)
     tree.lock(second_node, L2)
     assert tree.oldest_evictable_access(L2) is None
     tree.check_integrity()
@@ -613,4 +613,71 @@ def test_insert_child_builds_the_tree_a_chain_at_a_time(rng):
         tree.insert_child(None, L3, _tokens(rng, 1).tobytes(), trunk_ids[:1])
     tree.check_integrity()
     assert sorted(tree.evict(L3, 5)) == sorted(trunk_ids + branch_ids)
+
+
+def test_leaves_never_reused_are_evicted_before_reused_ones_whatever_their_age(rng):
+    """A prefix a match hit (reused) outlives a flood of newer prefixes inserted and never hit:
+    evict() frees the never-reused leaves first, least recently used first among them, and only
+    then the reused one; next_eviction_rank names each choice before it is made."""
+    tree = _tree()
+    hot = _tokens(rng, 2)
+    tree.insert(hot, L2, _page_ids(rng, 2, low=900_000))
+    tree.match(hot)                                    # reused: hit once after its insertion
+    flood = [_tokens(rng, 1) for _ in range(6)]
+    flood_ids = [[1000 + i] for i in range(6)]
+    for tokens, ids in zip(flood, flood_ids):
+        tree.insert(tokens, L2, ids)
+    assert tree.reused_pages(L2) == 2
+    for ids in flood_ids:
+        assert tree.next_eviction_rank(L2)[0] is False
+        assert tree.evict(L2, 1) == ids
+        tree.check_integrity()
+    assert tree.next_eviction_rank(L2)[0] is True and tree.match(hot).hit_tokens[L2] == 2 * PAGE
+    assert len(tree.evict(L2, 1)) == 2 and tree.reused_pages(L2) == 0
+    tree.check_integrity()
+
+
+def test_reused_pages_above_the_main_share_are_evicted_first(rng):
+    """Reuse does not hold a tier for good: once reused pages exceed MAIN_SHARE (90%) of the
+    tier's pages, the least recently used reused leaf goes before the never-reused ones, so a
+    new working set still has room to be reused."""
+    tree = _tree()
+    old = [_tokens(rng, 1) for _ in range(19)]
+    for i, tokens in enumerate(old):
+        tree.insert(tokens, L2, [i])
+        tree.match(tokens)
+    fresh = _tokens(rng, 1)
+    tree.insert(fresh, L2, [100])                     # 19 reused of 20: 95% > 90%
+    assert tree.evict(L2, 1) == [0] and tree.match(fresh).hit_tokens[L2] == PAGE
+    tree.check_integrity()
+
+
+def test_a_prefix_reused_before_returns_to_l2_as_reused(rng):
+    """The node outlives its L2 residency while L3 holds it: re-inserted into L2 (a promotion), a
+    prefix that had been reused there counts as reused at once (a ghost entry, as S3-FIFO's)."""
+    tree = _tree()
+    tokens = _tokens(rng, 3)
+    tree.insert(tokens, L3, _page_ids(rng, 3, low=500_000))
+    tree.insert(tokens, L2, [1, 2, 3])
+    tree.match(tokens)
+    assert tree.reused_pages(L2) == 3
+    assert sorted(tree.evict(L2, 3)) == [1, 2, 3] and tree.reused_pages(L2) == 0
+    tree.insert(tokens, L2, [7, 8, 9])
+    assert tree.reused_pages(L2) == 3 and tree.next_eviction_rank(L2)[0] is True
+    tree.match(tokens[:PAGE])                          # a split keeps the count
+    tree.check_integrity()
+    assert tree.reused_pages(L2) == 3
+
+
+def test_a_hit_within_the_callers_own_pages_is_no_reuse(rng):
+    """A match that hits only pages the caller holds itself (own_pages: an engine's GPU hit, a
+    write-through copying the path, a backup extended in steps) touches them but does not make
+    them reused; a hit reaching beyond them does."""
+    tree = _tree()
+    tokens = _tokens(rng, 4)
+    tree.insert(tokens[:2 * PAGE], L2, [1, 2])
+    tree.match(tokens, own_pages=2)
+    assert tree.reused_pages(L2) == 0 and tree.next_eviction_rank(L2)[0] is False
+    tree.match(tokens, own_pages=1)
+    assert tree.reused_pages(L2) == 2
     tree.check_integrity()
