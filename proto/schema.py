@@ -17,6 +17,8 @@ from proto.messages import RESTORE_POLICIES, KVGeometry, MsgKind
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
 MAX_PAGE_IDS_PER_REQUEST = 1 << 20
 MAX_ID = 2**63 - 1
+# Linux pids are below PID_MAX_LIMIT (2^22, the most pid_max can be set to on 64-bit), and above 0.
+MAX_PID = (1 << 22) - 1
 
 
 def _bad(message: str) -> ProtocolError:
@@ -90,7 +92,7 @@ class Attach:
     def parse(cls, body: dict) -> "Attach":
         return cls(
             protocol_version=_int(body, "protocol_version", 0, 2**31),
-            pid=_int(body, "pid", 0, 2**31),
+            pid=_int(body, "pid", 1, MAX_PID),
             geometry=KVGeometry.from_wire(body.get("geometry")),
             client_name=_str(body, "client_name", 256, ""),
             pid_namespace_id=_int(body, "pid_namespace_id", default=0),
