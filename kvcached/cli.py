@@ -1,15 +1,18 @@
 """``kvcached serve`` runs the daemon; ``kvcached status`` asks a running one how it is.
 
 What a user can get wrong ends in one line on stderr, never a traceback: a bad flag or a bad
-KVCACHED_* variable (named; exit status 2), a path or pool the daemon cannot use (exit status 1,
-checked before the L2 pool is populated). A closed stdout (``kvcached status | head -3``) ends the
-command quietly with status 141, as SIGPIPE ends other tools.
+KVCACHED_* variable (named; exit status 2), an L2 pool that /dev/shm or memory cannot hold (exit
+status 2, before anything is made), a path the daemon cannot use (exit status 1, checked before the
+L2 pool is populated). SIGTERM or SIGINT while the daemon starts stops it as promptly as once it
+serves, with nothing left behind (exit status 0). A closed stdout (``kvcached status | head -3``)
+ends the command quietly with status 141, as SIGPIPE ends other tools.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -26,6 +29,7 @@ logger = logging.getLogger(__name__)
 # A pool at least this large shows its population's progress on stdout.
 PROGRESS_MIN_BYTES = 1 << 30
 BROKEN_PIPE_EXIT_STATUS = 128 + 13          # what a shell reports for a process ended by SIGPIPE
+INTERRUPTED_EXIT_STATUS = 128 + 2           # ... and by SIGINT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +43,17 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    """A finite number above 0 (seconds, shares, rates): argparse names the flag of a bad one."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
 
 
 def _default_socket() -> str:
@@ -90,32 +105,32 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU, so that a request wakes a busy CPU, not an idle one (default: any)")
     add("--max-namespaces", "max_namespaces", type=int, help="distinct KV geometries (models, ranks, "
         f"layouts) served at once; they share the pools (default {defaults['max_namespaces'].default})")
-    add("--heartbeat-interval", "heartbeat_interval_s", type=float, metavar="SECONDS",
+    add("--heartbeat-interval", "heartbeat_interval_s", type=_positive, metavar="SECONDS",
         help=f"how often engines send heartbeats (default {defaults['heartbeat_interval_s'].default})")
-    add("--session-timeout", "session_timeout_s", type=float, metavar="SECONDS", help="an engine whose pid "
+    add("--session-timeout", "session_timeout_s", type=_positive, metavar="SECONDS", help="an engine whose pid "
         "cannot be watched is taken for gone after this long without a heartbeat "
         f"(default {defaults['session_timeout_s'].default})")
-    add("--session-grace", "session_grace_s", type=float, metavar="SECONDS", help="a living engine keeps its "
+    add("--session-grace", "session_grace_s", type=_positive, metavar="SECONDS", help="a living engine keeps its "
         "session this long without a heartbeat, and pages an engine may still write stay "
         f"quarantined this long (default {defaults['session_grace_s'].default})")
     add("--no-pid-watch", "pid_watch", action="store_false", default=None,
         help="do not watch engines' pids; detect their end by heartbeats alone")
-    add("--session-share", "session_share", type=float, metavar="SHARE", help="the most of L2 one engine may "
+    add("--session-share", "session_share", type=_positive, metavar="SHARE", help="the most of L2 one engine may "
         "hold reserved at once, for its saves and L3 promotions in flight (0 to 1; default "
         f"{defaults['session_share'].default}: one engine cannot crowd out the others; 1 for a lone engine)")
     add("--restore-policy", "restore_policy", choices=("cost", "always", "never"), help="which cached prefixes "
         "are restored: cost, those the cost model predicts beat recomputing them; always; never "
         f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
-    add("--cost-margin", "cost_margin", type=float, help="a restore must be predicted this many times faster "
+    add("--cost-margin", "cost_margin", type=_positive, help="a restore must be predicted this many times faster "
         f"than recompute (default {defaults['cost_margin'].default})")
-    add("--prior-recompute-us", "prior_recompute_us_per_token", type=float, metavar="US",
+    add("--prior-recompute-us", "prior_recompute_us_per_token", type=_positive, metavar="US",
         help="the cost model's prior for prefill, microseconds per token, until engines report theirs "
         f"(default {defaults['prior_recompute_us_per_token'].default})")
-    add("--prior-host-gibps", "prior_host_gibps", type=float, metavar="GIBPS", help="its prior for L2 <-> GPU "
+    add("--prior-host-gibps", "prior_host_gibps", type=_positive, metavar="GIBPS", help="its prior for L2 <-> GPU "
         f"copies (default {defaults['prior_host_gibps'].default})")
-    add("--prior-storage-gibps", "prior_storage_gibps", type=float, metavar="GIBPS", help="its prior for L3 "
+    add("--prior-storage-gibps", "prior_storage_gibps", type=_positive, metavar="GIBPS", help="its prior for L3 "
         f"reads and writes (default {defaults['prior_storage_gibps'].default})")
-    add("--prior-peer-gibps", "prior_peer_gibps", type=float, metavar="GIBPS", help="its prior for copies out "
+    add("--prior-peer-gibps", "prior_peer_gibps", type=_positive, metavar="GIBPS", help="its prior for copies out "
         f"of another engine's GPU memory (default {defaults['prior_peer_gibps'].default})")
     add("--log-level", "log_level", metavar="LEVEL",
         help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
@@ -136,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
     status.add_argument("--follow", action="store_true", help="keep printing snapshots until interrupted; "
                         "the table then also shows the rates over each interval")
-    status.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --follow")
-    status.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait for the daemon")
+    status.add_argument("--interval-s", type=_positive, default=1.0, help="seconds between snapshots with --follow")
+    status.add_argument("--timeout-s", type=_positive, default=2.0, help="how long to wait for the daemon")
     status.add_argument("--check-integrity", action="store_true", help="also run the daemon's integrity check")
     status.set_defaults(run=_status)
     return parser
@@ -177,7 +192,7 @@ class PopulateProgress:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvcached.server.loop import run
-    from kvcached.server.shm import StartupError
+    from kvcached.server.shm import PoolTooLarge, StartupError
 
     overrides = {field: getattr(args, field) for field in args.flags}
     try:
@@ -193,6 +208,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(config, progress=PopulateProgress(sys.stdout))
+    except PoolTooLarge as exc:               # checked before anything is made, as a bad flag is
+        variable = os.environ.get("KVCACHED_L2_SIZE")
+        source = ("argument --l2-size: " if args.l2_bytes is not None
+                  else f"KVCACHED_L2_SIZE={variable!r}: " if variable else "")
+        print(f"kvcached serve: error: {source}{exc}", file=sys.stderr)
+        return 2
     except StartupError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return getattr(exc, "exit_status", 1)
@@ -234,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before the daemon's own handlers are in place (while Python imports it): the
+        # daemon had made nothing yet.
+        return INTERRUPTED_EXIT_STATUS
     except BrokenPipeError:
         # The reader went away (`kvcached status | head -3`): no traceback, and nothing more is
         # written, not even by the interpreter's flush at exit.

@@ -51,8 +51,8 @@ from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
 from kvcached.server.shm import (DaemonLock, EpochFiles, GenerationFiles, SharedSegment, SocketDirectory,
-                                 StartupError, epoch_file_prefix, generation_file_prefix, hints_file_name,
-                                 segment_name)
+                                 StartupError, check_pool_fits, epoch_file_prefix, generation_file_prefix,
+                                 hints_file_name, segment_name)
 from kvcached.server.status import hide_salts
 from kvcached.server.status_credits import StatusCredits
 from proto import codec, hints
@@ -692,14 +692,52 @@ class Server:
             self.state_lock.release()
 
 
+class StartupStopped(Exception):
+    """SIGTERM or SIGINT came while the daemon was starting; what it had made is removed."""
+
+
+class StartupSignals:
+    """SIGTERM and SIGINT until the daemon serves (the event loop's handlers take over then).
+
+    The loop cannot see a signal while start-up runs on its thread, and Python runs a handler only
+    between two bytecodes of the main thread: so the handler only notes the signal, and ``check``
+    raises StartupStopped at each step of start-up and after each populated slice of the pool
+    (``POPULATE_SLICE_BYTES``), which bounds how long a stop waits. The ExitStack that owns what
+    was made then closes it, in reverse order, as for any failed start."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self, resources: contextlib.ExitStack) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            resources.callback(signal.signal, signum, signal.signal(signum, self._note))
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise StartupStopped(signal.Signals(self.signum).name)
+
+
 async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
                 install_signal_handlers: bool = True,
                 progress: Callable[[int, int], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``server.stop_event``); every resource is released
     on the way out. ``on_ready`` gets the running server once the socket is bound; ``progress``
-    how far the L2 segment is populated (SharedSegment.create)."""
+    how far the L2 segment is populated (SharedSegment.create). A pool that does not fit raises
+    PoolTooLarge before anything is made; SIGTERM or SIGINT before the daemon serves,
+    StartupStopped once what was made is removed."""
     loop = asyncio.get_running_loop()
+    check_pool_fits(config.shm_dir, config.l2_bytes, hints.file_bytes(config.max_namespaces),
+                    stale_paths=tuple(os.path.join(config.shm_dir, name(config.socket_path))
+                                      for name in (segment_name, hints_file_name)))
+    signals = StartupSignals()
     with contextlib.ExitStack() as resources:
+        if install_signal_handlers:
+            signals.install(resources)
+        logger.info("kvcached starting (pid %d): L2 %d bytes, socket ipc://%s", os.getpid(), config.l2_bytes,
+                    config.socket_path)
         # Every path is checked (the socket's directory, the lock, the L3 file and its index)
         # before the L2 segment is populated, which takes seconds for a large pool.
         directory = SocketDirectory(config.socket_path)
@@ -707,6 +745,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         lock = DaemonLock(directory)
         resources.callback(lock.close)
         directory.remove_stale_socket()        # stale: we hold the lock
+        signals.check()
         storage = executor = index = None
         saved_l3: list = []
         if config.l3_bytes > 0:
@@ -735,8 +774,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         listener = _start_http(config, serving)
         if listener is not None:
             resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
+        signals.check()
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
-                                       progress=progress)
+                                       progress=progress, check_stop=signals.check)
         resources.callback(segment.close)
         epoch_files = EpochFiles(config.shm_dir, epoch_file_prefix(config.socket_path))
         resources.callback(epoch_files.close_all)
@@ -765,6 +805,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         if index is not None:
             state.restore_l3(saved_l3, storage.kept_content_bytes)
             index.start()
+        signals.check()
 
         context = zmq.Context()
         resources.callback(context.term)
@@ -791,6 +832,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, server.stop_event.set)
                 resources.callback(loop.remove_signal_handler, signum)
+        if signals.signum is not None:     # came after the last check, before the loop's handlers
+            server.stop_event.set()
         logger.info("kvcached serving on ipc://%s (pid %d, L2 %d bytes, %d namespaces)",
                     config.socket_path, os.getpid(), config.l2_bytes, config.max_namespaces)
         if on_ready is not None:
@@ -855,9 +898,13 @@ def _write_indexed(index: L3IndexStore, storage: StorageFile, layout: SlotLayout
 
 def run(config: DaemonConfig, on_ready: Callable[[Server], None] | None = None,
         progress: Callable[[int, int], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; one that comes while starting ends it too, nothing left behind."""
     try:
         import uvloop
+        runner = uvloop.run
     except ImportError:  # uvloop is a dependency; plain asyncio still works if it is missing
-        asyncio.run(serve(config, on_ready, progress=progress))
-        return
-    uvloop.run(serve(config, on_ready, progress=progress))
+        runner = asyncio.run
+    try:
+        runner(serve(config, on_ready, progress=progress))
+    except StartupStopped as exc:
+        logger.info("kvcached stopped by %s while starting; what it had made is removed", exc)

@@ -64,10 +64,15 @@ class DaemonProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 20.0) -> "DaemonProcess":
+    def spawn(self) -> "DaemonProcess":
+        """Start the process and return at once; start() also waits until it serves."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=self.cwd)
+        return self
+
+    def start(self, timeout_s: float = 20.0) -> "DaemonProcess":
+        self.spawn()
         # Ready means: this process answers STATUS on the socket (a stale socket file may exist already).
         from kvcached.server.status import DaemonUnavailable, StatusClient
 
