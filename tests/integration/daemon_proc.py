@@ -10,7 +10,26 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def commit_written(client, reply) -> None:
+    """Commit a match's backup pages as an engine does once its copy into them is complete: claim
+    them, stamp them with the lease's write generation (proto.generations), then commit. These tests
+    play an engine that writes nothing; a page committed without its stamp is never read back."""
+    from engine_client.shared_pool import PageGenerations
+
+    pages = np.asarray(reply.backup_page_ids, dtype=np.int64)
+    generations = PageGenerations(client.info.generations_path, client.info.num_pages)
+    try:
+        claimed = generations.claim(pages, reply.backup_generation)
+        assert claimed.all(), "pages of a live lease are still reserved for it"
+        generations.stamp(pages, reply.backup_generation)
+    finally:
+        generations.close()
+    client.commit_backup(reply.lease_id, reply.backup_page_ids)
 
 
 def child_env() -> dict[str, str]:

@@ -19,7 +19,7 @@ from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
 from proto.errors import ErrorCode
-from tests.integration.daemon_proc import DaemonProcess
+from tests.integration.daemon_proc import DaemonProcess, commit_written
 from tests.integration.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
 
@@ -47,7 +47,7 @@ def back_up_random(client, num_pages: int, rng) -> np.ndarray:
         reply = client.match(tokens[:end * PAGE], reserve_backup=True, local_hit_tokens=start * PAGE)
         start = end
         assert reply.backup_start_token + len(reply.backup_page_ids) * PAGE == end * PAGE
-        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        commit_written(client, reply)
         assert client.flush() == []
     return tokens
 
