@@ -29,10 +29,12 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from proto import codec, procfs
 from proto.errors import ErrorCode, ProtocolError
@@ -49,8 +51,13 @@ MAX_PENDING_ASYNC = 100_000
 LEASE_KINDS = (MsgKind.MATCH,)
 # A heartbeat not answered within this many heartbeat intervals means the daemon is down.
 HEARTBEAT_REPLY_INTERVALS = 2.0
-# While a session request waits, how often it checks whether the connection went down meanwhile.
-DOWN_CHECK_INTERVAL_S = 0.05
+# While a session request waits, how often it checks whether the connection went down meanwhile:
+# a request in flight when the daemon is found dead ends this long after, at most.
+DOWN_CHECK_INTERVAL_S = 0.01
+# While no session was ever attached (attach_later), how often the heartbeat thread tries ATTACH.
+ATTACH_PROBE_INTERVAL_S = 0.5
+# How often connect(wait_s=...) looks for the daemon's socket.
+SOCKET_WAIT_POLL_S = 0.05
 # How long a re-attach waits for the listeners to drain the ended session (mark_drained) before it
 # attaches without naming it; counted from the start of the outage.
 REATTACH_DRAIN_WAIT_S = 1.0
@@ -65,6 +72,10 @@ class DaemonDown(DaemonUnavailable):
     belongs to (its generation) has ended. Requests skip the daemon until it is back."""
 
 
+class DaemonPeerGone(DaemonUnavailable):
+    """A wait on the heartbeat thread's socket ended: the daemon's process exited."""
+
+
 class ConnectionState(enum.Enum):
     DETACHED = "detached"     # before attach() and after detach()
     ATTACHED = "attached"     # a live session: requests go to the daemon
@@ -74,7 +85,7 @@ class ConnectionState(enum.Enum):
 
 # The legal transitions (KVCacheClient._transition); DOWN -> DOWN updates the reason.
 _NEXT_STATES = {
-    ConnectionState.DETACHED: {ConnectionState.ATTACHED, ConnectionState.CLOSED},
+    ConnectionState.DETACHED: {ConnectionState.ATTACHED, ConnectionState.DOWN, ConnectionState.CLOSED},
     ConnectionState.ATTACHED: {ConnectionState.DOWN, ConnectionState.DETACHED, ConnectionState.CLOSED},
     ConnectionState.DOWN: {ConnectionState.DOWN, ConnectionState.ATTACHED, ConnectionState.DETACHED,
                            ConnectionState.CLOSED},
@@ -114,6 +125,8 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
         raise ValueError(f"token_ids must be 1-D, got shape {array.shape}")
     if array.dtype == WIRE_TOKEN_DTYPE:       # the engine's usual case: no checks, no copy
         return array.tobytes()
+    if array.size == 0:                       # np.asarray([]) is float64: an empty prefix all the same
+        return b""
     if array.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got {array.dtype}")
     if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
@@ -148,7 +161,10 @@ class _Channel:
     to any later request proves every earlier one was handled: that is how ``flush`` works.
     """
 
-    def __init__(self, context: zmq.Context, socket_path: str, timeout_s: float, spin_s: float = 0.0):
+    def __init__(self, context: zmq.Context, socket_path: str, timeout_s: float, spin_s: float = 0.0,
+                 watch_peer: bool = False):
+        """watch_peer: learn at once when the daemon's end of the connection closes (``peer_gone``),
+        from the socket's monitor events; a wait then ends with DaemonPeerGone."""
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.spin_s = spin_s
@@ -156,6 +172,11 @@ class _Channel:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)
         self._rcvtimeo_ms = -2
+        # The daemon never closes a connection it serves while it runs: a DISCONNECTED event on the
+        # ipc socket means its process is gone, and with it every session (a SIGSTOPped daemon
+        # keeps its end open: that is a missed heartbeat reply).
+        self.monitor: zmq.Socket | None = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) if watch_peer else None
+        self.peer_gone = False
         self.socket.connect(f"ipc://{socket_path}")
         self._request_ids = itertools.count(1)
         self.pending_async: dict[int, MsgKind] = {}
@@ -220,6 +241,9 @@ class _Channel:
                 gone = self.session_gone(generation) if watch else None
                 if gone is not None:
                     raise DaemonDown(f"gave up waiting for {kind.name}: {gone}")
+                if self.peer_gone:
+                    raise DaemonPeerGone(f"gave up waiting for {kind.name}: the kvcached daemon's end of "
+                                         f"ipc://{self.socket_path} closed (its process exited)")
                 now = time.monotonic()
                 if now >= deadline:
                     raise DaemonUnavailable(
@@ -255,6 +279,8 @@ class _Channel:
         # A reply usually comes within tens of microseconds: polling for it is cheaper than
         # sleeping in the kernel and paying a wake-up (large on virtual machines). Never past the
         # deadline.
+        if self.monitor is not None:
+            return self._receive_watching_peer(deadline)
         if self.spin_s > 0:
             frame = self._poll_for(min(self.spin_s, deadline - time.monotonic()))
             if frame is not None:
@@ -272,6 +298,31 @@ class _Channel:
             return codec.decode(self.socket.recv())
         except zmq.Again:
             return None
+
+    def _receive_watching_peer(self, deadline: float) -> codec.Frame | None:
+        """_receive for a watched channel (the heartbeat thread's): the socket and its monitor polled
+        together, so that the daemon's exit ends the wait at once (``peer_gone``)."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while not self.peer_gone:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return None
+            ready = dict(poller.poll(max(1, int(remaining_s * 1000))))
+            if self.monitor in ready:
+                self.take_monitor_events()
+            if self.socket in ready:
+                return codec.decode(self.socket.recv(flags=zmq.NOBLOCK))
+        return None
+
+    def take_monitor_events(self) -> bool:
+        """Read the monitor's events without waiting; True once the daemon's end has closed."""
+        while self.monitor is not None and self.monitor.poll(0):
+            event = zmq_monitor.recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.peer_gone = True
+        return self.peer_gone
 
     def _poll_for(self, seconds: float) -> codec.Frame | None:
         """A frame the socket holds or gets within seconds, polled without blocking. Each turn
@@ -357,6 +408,9 @@ class _Channel:
         # Replies still awaited are void: closing detaches the session, whose leases the daemon reclaims.
         self.closed = True
         self.awaited.clear()
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(0)
         self.socket.close(0)
 
 
@@ -440,11 +494,17 @@ class KVCacheClient:
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None,
-                 daemon_uid: int | str | None = None):
-        try:       # a socket another user could have planted raises UntrustedSocket (proto.paths)
-            self.socket_path = check_socket(socket_path, daemon_uid)
-        except FileNotFoundError as exc:
-            raise DaemonUnavailable(f"{exc} (start one with `kvcached serve`)") from None
+                 daemon_uid: int | str | None = None, wait_s: float = 0.0):
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:       # a socket another user could have planted raises UntrustedSocket (proto.paths)
+                self.socket_path = check_socket(socket_path, daemon_uid)
+                break
+            except FileNotFoundError as exc:
+                if time.monotonic() >= deadline:
+                    waited = f"; waited wait_s={wait_s} for it" if wait_s > 0 else ""
+                    raise DaemonUnavailable(f"{exc} (start one with `kvcached serve`){waited}") from None
+                time.sleep(SOCKET_WAIT_POLL_S)
         if cpu is not None and cpu not in os.sched_getaffinity(0):
             raise ValueError(f"cpu {cpu} is not among the CPUs this process may use: {sorted(os.sched_getaffinity(0))}")
         self.timeout_s = timeout_s
@@ -458,6 +518,11 @@ class KVCacheClient:
         self._channel.on_orphan_lease = self._release_orphan
         self._channel.on_shutdown = self._on_shutdown
         self._channel.session_gone = self._session_gone
+        # Dropped without close() (say, after a failed registration), the client must not leave
+        # the context with a live socket: a later garbage collection would wait for ever in term().
+        # (While the heartbeat thread runs, it holds the client: only close() ends it.)
+        self._finalizer = weakref.finalize(self, _close_zmq, self._channel.socket, self._context)
+        self._finalizer.atexit = False
         self.geometry: KVGeometry | None = None
         # _connection is replaced whole, under _state_condition, by _transition only; readers take
         # it once and use that snapshot (its state, generation and session agree).
@@ -631,12 +696,28 @@ class KVCacheClient:
         self.geometry = geometry
         self._session_confirmed_at = sent
         self._transition(connection, ConnectionState.ATTACHED, info=info)
+        self._start_heartbeat_thread(channel)
+        return info
+
+    def attach_later(self, geometry: KVGeometry, reason: str) -> None:
+        """Go on without a session for now (DOWN, ``reason``): the heartbeat thread tries ATTACH
+        with ``geometry`` every ATTACH_PROBE_INTERVAL_S until the daemon takes it (it starts, or a
+        namespace frees up); the re-attach listeners then learn of the session (generation 1).
+        Meanwhile requests fail at once with DaemonDown, as in an outage."""
+        connection = self._connection
+        if connection.state is not ConnectionState.DETACHED:
+            raise RuntimeError(f"attach_later() on a {connection.state.value} client")
+        geometry.validate()
+        self.geometry = geometry
+        self._transition(connection, ConnectionState.DOWN, reason=reason, session_ended=True)
+        self._start_heartbeat_thread(self._heartbeat_channel())
+
+    def _start_heartbeat_thread(self, channel: _Channel) -> None:
         self._stop_heartbeats.clear()
         self._wake_fds = os.pipe()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, args=(channel,),
                                                   name="kvcached-heartbeat", daemon=True)
         self._heartbeat_thread.start()
-        return info
 
     def _stop_heartbeat_thread(self) -> None:
         if self._heartbeat_thread is None:
@@ -652,13 +733,17 @@ class KVCacheClient:
         self._wake_fds = None
 
     def _heartbeat_channel(self) -> _Channel:
-        channel = _Channel(self._context, self.socket_path, timeout_s=self.timeout_s)
+        channel = _Channel(self._context, self.socket_path, timeout_s=self.timeout_s, watch_peer=True)
         channel.on_shutdown = self._on_shutdown
         return channel
 
+    def _heartbeat_interval_s(self) -> float:
+        info = self._connection.info
+        return ATTACH_PROBE_INTERVAL_S if info is None else info.heartbeat_interval_s
+
     def _heartbeat_loop(self, channel: _Channel) -> None:
         try:
-            while self._idle(channel, time.monotonic() + self._connection.info.heartbeat_interval_s):
+            while self._idle(channel, time.monotonic() + self._heartbeat_interval_s()):
                 channel = self._beat(channel)
         except Exception:
             logger.exception("the kvcached heartbeat thread failed")
@@ -670,26 +755,34 @@ class KVCacheClient:
         is heeded at once). False once the thread is to stop."""
         poller = zmq.Poller()
         poller.register(channel.socket, zmq.POLLIN)
+        poller.register(channel.monitor, zmq.POLLIN)
         poller.register(self._wake_fds[0], zmq.POLLIN)
         while not self._stop_heartbeats.is_set():
             remaining_s = until - time.monotonic()
             if remaining_s <= 0:
                 return True
-            if channel.socket in dict(poller.poll(max(1, int(remaining_s * 1000)))):
+            ready = dict(poller.poll(max(1, int(remaining_s * 1000))))
+            if channel.socket in ready:
                 channel.drain()
+            if channel.monitor in ready and channel.take_monitor_events():
+                return True         # the daemon exited: _beat says so at once
         return False
 
     def _beat(self, channel: _Channel) -> _Channel:
         """One heartbeat, or while DOWN one probe: a heartbeat answered resumes the session; a
         session the daemon no longer knows is replaced (_reattach). Returns the channel to go on
         with (a fresh one after a missed reply: what the old one queued is void)."""
+        if channel.peer_gone:
+            channel = self._daemon_exited(channel)
         connection = self._connection
-        reply_timeout_s = HEARTBEAT_REPLY_INTERVALS * connection.info.heartbeat_interval_s
+        reply_timeout_s = HEARTBEAT_REPLY_INTERVALS * self._heartbeat_interval_s()
         if connection.state is ConnectionState.DOWN and connection.session_ended:
             return self._reattach(channel, connection, reply_timeout_s)
         sent = time.monotonic()
         try:
             channel.request(MsgKind.HEARTBEAT, {"session_id": connection.info.session_id}, reply_timeout_s)
+        except DaemonPeerGone:
+            return self._daemon_exited(channel)
         except DaemonError as exc:
             if exc.code != ErrorCode.NOT_ATTACHED:
                 logger.warning("heartbeat refused: %s", exc)
@@ -708,12 +801,19 @@ class KVCacheClient:
             self._transition(connection, ConnectionState.ATTACHED)
         return channel
 
+    def _daemon_exited(self, channel: _Channel) -> _Channel:
+        """The daemon's end of the heartbeat socket closed: its process exited, and every session
+        with it. DOWN at once, the session ended; a fresh channel waits for the next daemon."""
+        self._daemon_down(self._connection, "the daemon exited (its end of the socket closed)", session_ended=True)
+        channel.close()
+        return self._heartbeat_channel()
+
     def _reattach(self, channel: _Channel, ended: Connection, reply_timeout_s: float) -> _Channel:
         """A new session with the same geometry in place of ``ended``'s, naming that one once the
         listeners have drained it; then the listeners learn of the new one."""
         if ended.state is not ConnectionState.DOWN or not ended.session_ended:
             return channel
-        if self._reattach_listeners:
+        if self._reattach_listeners and ended.info is not None:
             with self._state_condition:
                 self._state_condition.wait_for(
                     lambda: (self._drained_generation == ended.generation or self._stop_heartbeats.is_set()
@@ -721,14 +821,15 @@ class KVCacheClient:
                     timeout=max(0.0, ended.since + REATTACH_DRAIN_WAIT_S - time.monotonic()))
             if self._stop_heartbeats.is_set() or self._connection is not ended:
                 return channel
-        previous = ended.info.session_id if self._drained_generation == ended.generation else None
+        previous = ended.info.session_id if ended.info is not None and self._drained_generation == ended.generation \
+            else None
         sent = time.monotonic()
         try:
             body = channel.request(MsgKind.ATTACH, self._attach_body(self.geometry, previous), reply_timeout_s)
         except DaemonError as exc:
             self._transition(ended, ConnectionState.DOWN, reason=f"re-attach refused: {exc}", session_ended=True)
             return channel
-        except DaemonUnavailable:
+        except DaemonUnavailable:       # no daemon yet (or it exited meanwhile): a fresh channel
             channel.close()
             return self._heartbeat_channel()
         try:
@@ -928,7 +1029,7 @@ class KVCacheClient:
             self._stop_heartbeat_thread()
             self._transition(self._connection, ConnectionState.CLOSED)
             self._channel.close()
-            self._context.term()
+            self._finalizer()
 
     def __enter__(self) -> "KVCacheClient":
         return self
@@ -937,9 +1038,15 @@ class KVCacheClient:
         self.close()
 
 
+def _close_zmq(socket: zmq.Socket, context: zmq.Context) -> None:
+    """The client's finalizer (and the end of close()): the request socket, then the context."""
+    socket.close(0)
+    context.term()
+
+
 def connect(socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             client_name: str = "", spin_s: float = DEFAULT_SPIN_S, cpu: int | None = None,
-            daemon_uid: int | str | None = None) -> KVCacheClient:
+            daemon_uid: int | str | None = None, wait_s: float = 0.0) -> KVCacheClient:
     """Connect to the daemon at ``socket_path`` (a path or an ipc:// URL; default: the per-user
     path, see ``proto.paths.default_socket_path``); then ``attach``.
 
@@ -951,5 +1058,8 @@ def connect(socket_path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
     ``cpu``: run the client's ZeroMQ I/O thread on this CPU. An engine whose scheduler thread is
     pinned to the same CPU then hands its requests and replies to a thread on a busy CPU, which
     is cheaper than waking an idle one (large on virtual machines); a request that awaits a reply
-    yields the CPU once it is sent, so that it leaves at once."""
-    return KVCacheClient(socket_path, timeout_s, client_name, spin_s, cpu, daemon_uid)
+    yields the CPU once it is sent, so that it leaves at once.
+    ``wait_s``: how long to wait for the daemon's socket to appear (an engine started before its
+    daemon); DaemonUnavailable after that. ``KVConnector.register`` goes further: a daemon that
+    does not answer or cannot take the engine yet is attached later, by the client itself."""
+    return KVCacheClient(socket_path, timeout_s, client_name, spin_s, cpu, daemon_uid, wait_s)

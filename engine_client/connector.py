@@ -81,6 +81,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Hashable, Iterable, Mapping, NamedTuple, Sequence
@@ -431,6 +432,28 @@ def _open_pool(layout: KVLayout, geometry: KVGeometry, info: AttachInfo) -> Shar
                                generations_path=info.generations_path)
 
 
+def _placeholder_pool(layout: KVLayout, geometry: KVGeometry) -> SharedHostPool:
+    """One page of this process's own memory in place of a session's pool, while there is none
+    (before the first attach, or once the ended session's pool is dropped): no transfer uses it,
+    since no request has a lease or reserved pages without a session."""
+    fd = os.memfd_create("kvcached-no-session", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, geometry.bytes_per_page)
+        is_cuda = layout.device.type == "cuda"
+        return SharedHostPool.open(f"/proc/self/fd/{fd}", 0, 1, geometry, pin=is_cuda,
+                                   device=layout.device if is_cuda else None)
+    finally:
+        os.close(fd)
+
+
+class _NoSession(NamedTuple):
+    """``KVConnector._session`` before the first attach: requests made then belong to no session."""
+
+    session_id: None = None
+    shm_path: str = ""
+    hints_path: str = ""
+
+
 class KVConnector:
     """One engine rank's connector to the daemon; see the module note. Not thread-safe: one
     scheduler thread calls it."""
@@ -465,7 +488,9 @@ class KVConnector:
         self._closed = False
         # The session whose pool is mapped (host_pool): every lease and page id in use is its.
         self._generation = client.generation
-        self._session: AttachInfo = client.info
+        self._session: AttachInfo | _NoSession = client.info or _NoSession()
+        # host_pool is a placeholder (_placeholder_pool): no session's pool is mapped.
+        self._pool_dropped = client.info is None
         # A re-attach's pool, mapped in the background (_open_next_pool), swapped in by poll.
         self._next_lock = threading.Lock()
         self._next_pool: tuple[int, AttachInfo, SharedHostPool] | None = None
@@ -485,15 +510,29 @@ class KVConnector:
                  tp_size: int = 1, config: ConnectorConfig = ConnectorConfig()) -> "KVConnector":
         """Describe the engine's KV tensors (``engine_client.layout``), attach ``client`` with the
         namespace they make, map (on CUDA: pin) the L2 pool, and build and warm the transfers.
-        The connector owns the client from here on (``close`` closes it)."""
+        The connector owns the client from here on (``close`` closes it).
+
+        A daemon that does not answer the ATTACH, or cannot take the engine (``--max-namespaces``
+        reached, shutting down), does not fail the engine: it runs without the cache (one warning;
+        every request a miss, counted daemon_down) and the client attaches by itself once the
+        daemon takes it (``KVCacheClient.attach_later``); the session's pool is then swapped in
+        like a re-attach's."""
         if config.peer:
             share_host_tensors(kv_caches)       # CPU tensors: into shared memory, before their addresses are taken
         layout = describe_layout(kind, kv_caches)
         geometry = layout.geometry(model_id, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                    dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, model_revision=model_revision,
                                    cache_salt=cache_salt)
-        info = client.attach(geometry)
-        host_pool = _open_pool(layout, geometry, info)
+        try:
+            info = client.attach(geometry)
+        except (DaemonUnavailable, DaemonError) as exc:
+            if isinstance(exc, DaemonError) and exc.code not in (ErrorCode.OUT_OF_SPACE, ErrorCode.SHUTTING_DOWN):
+                raise       # a geometry or version the daemon refuses: the engine's own error
+            logger.warning("running without the kvcached cache for now: %s; the engine attaches by itself "
+                           "once the daemon takes it", exc)
+            client.attach_later(geometry, str(exc))
+            info = None
+        host_pool = _open_pool(layout, geometry, info) if info is not None else _placeholder_pool(layout, geometry)
         try:
             transfer = KVTransfer(layout, host_pool, backend=config.backend, workspace_bytes=config.workspace_bytes)
         except BaseException:
@@ -501,7 +540,9 @@ class KVConnector:
             raise
         counters: collections.Counter[str] = collections.Counter()
         peer = None
-        if config.peer and tp_size == 1:
+        if config.peer and tp_size == 1 and info is None:
+            logger.warning("peer restores off: the engine runs without the kvcached cache")
+        elif config.peer and tp_size == 1:
             try:
                 peer = PeerSharing.register(client, layout, transfer, page_size, counters)
             except (PeerError, DaemonUnavailable, DaemonError, OSError) as exc:
@@ -1196,34 +1237,55 @@ class KVConnector:
 
     def _follow_session(self) -> None:
         """While the mapped pool's session is not the client's live one: with no transfer in
-        flight, say that the ended session's pages are drained (client DOWN), or swap in the
-        pool of the client's newer session once it is mapped."""
+        flight, say that the ended session's pages are drained (client DOWN), drop its pool once
+        the session surely ended, or swap in the pool of the client's newer session once mapped."""
         if self._closed or self.client.is_attached(self._generation):
             return
         if any(t.transfer is not None and not t.transfer.done()
                for request in self._all_requests() for t in (*request.loads, *request.saves)):
             return
-        generation = self.client.generation
-        if generation == self._generation:
-            self.client.mark_drained(generation)    # DOWN: no transfer starts until it is back
+        connection = self.client.connection
+        if connection.generation == self._generation:
+            self.client.mark_drained(self._generation)    # DOWN: no transfer starts until it is back
+            if connection.session_ended:
+                self._drop_pool()
             return
         with self._next_lock:
-            if self._next_pool is None or self._next_pool[0] != generation:
-                return
-            (_, info, pool), self._next_pool = self._next_pool, None
+            ready = self._next_pool is not None and self._next_pool[0] == connection.generation
+            if ready:
+                (generation, info, pool), self._next_pool = self._next_pool, None
+        if not ready:               # a newer session exists, its pool still being mapped
+            self._drop_pool()
+            return
+        self._swap_pool(pool)
+        self._generation, self._session, self._pool_dropped = generation, info, False
+        self._hints = self._open_hints(info)
+        logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
+        self._report(force=True)
+
+    def _drop_pool(self) -> None:
+        """Unpin and unmap the pool of a session that surely ended (no transfer in flight, none can
+        start: its generation never attaches again), so that the segment's memory is freed now:
+        where /dev/shm cannot hold two pools, a restarted daemon needs it to start."""
+        if self._pool_dropped:
+            return
+        self._swap_pool(_placeholder_pool(self.layout, self.geometry))
+        self._pool_dropped = True
+        logger.info("the ended kvcached session's L2 pool is unmapped")
+
+    def _swap_pool(self, pool: SharedHostPool) -> None:
+        """Transfers use ``pool`` from now on; the old pool (and the hints) closed."""
         old = self.host_pool
         self.transfer.use_host_pool(pool)
-        self.host_pool, self._generation, self._session = pool, generation, info
+        self.host_pool = pool
         if self._hints is not None:
             self._hints.close()
-        self._hints = self._open_hints(info)
+            self._hints = None
         try:
             old.close()
         except RuntimeError as exc:     # a view of it still lives: closed by a poll once it is gone
             logger.warning("the ended session's L2 pool stays mapped until its last view is dropped: %s", exc)
             self._ended_pools.append(old)
-        logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
-        self._report(force=True)
 
     def _open_hints(self, info: AttachInfo) -> HintsView | None:
         """The session's admission hints (None: the daemon publishes none, or they cannot be read:

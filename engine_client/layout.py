@@ -120,10 +120,23 @@ class KVLayout:
                  dtype: str | None = None, tp_rank: int = 0, tp_size: int = 1, model_revision: str = "",
                  cache_salt: str = "") -> KVGeometry:
         """The namespace key of these tensors: the model's geometry, this layout's page format and
-        block byte shape, the revision and the salt. ValueError if the tensors do not fit it."""
+        block byte shape, the revision and the salt. ValueError if the tensors do not fit it.
+        ``dtype`` names the KV dtype of tensors whose own dtype cannot name it (say, fp8 KV held
+        in uint8); one that contradicts a namable tensor dtype is refused: engines of that dtype
+        would read these bytes as theirs."""
+        own_dtype = str(self.dtype).removeprefix("torch.")
+        if dtype is not None and own_dtype in DTYPE_ITEMSIZE and dtype != own_dtype:
+            raise ValueError(f"dtype={dtype!r} contradicts the KV tensors, which are {own_dtype}: pass "
+                             f"dtype={own_dtype!r} or leave it out")
+        block_shape = self.block_shape
+        if self.page_layout == "kv" and block_shape == dense_byte_shape(
+                (page_size, num_kv_heads, head_dim), (num_kv_heads * head_dim, head_dim, 1), self.tensors[0].element_size()):
+            # The usual token-major block: its byte shape lacks the size-1 dims that one KV head or
+            # one-token pages make, but its bytes are the default key's.
+            block_shape = ()
         geometry = KVGeometry(model_id, num_layers=self.num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               dtype=dtype or _dtype_name(self.dtype), page_size=page_size, tp_rank=tp_rank,
-                              tp_size=tp_size, layout=self.page_layout, block_shape=self.block_shape,
+                              tp_size=tp_size, layout=self.page_layout, block_shape=block_shape,
                               model_revision=model_revision, cache_salt=cache_salt)
         try:
             geometry.validate()
