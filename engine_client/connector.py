@@ -528,9 +528,10 @@ class KVConnector:
         except (DaemonUnavailable, DaemonError) as exc:
             if isinstance(exc, DaemonError) and exc.code not in (ErrorCode.OUT_OF_SPACE, ErrorCode.SHUTTING_DOWN):
                 raise       # a geometry or version the daemon refuses: the engine's own error
+            reason = str(exc)       # not the exception: its traceback would keep this frame alive
             logger.warning("running without the kvcached cache for now: %s; the engine attaches by itself "
-                           "once the daemon takes it", exc)
-            client.attach_later(geometry, str(exc))
+                           "once the daemon takes it", reason)
+            client.attach_later(geometry, reason)
             info = None
         host_pool = _open_pool(layout, geometry, info) if info is not None else _placeholder_pool(layout, geometry)
         try:
