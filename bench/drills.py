@@ -15,6 +15,12 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       /dev/shm holding the new segment only; SIGTERM + restart on the same
                       --l3-path: earlier prefixes are L3 hits, bit for bit; a flipped byte in the
                       L3 file is caught and not served
+  2 in flight         (issue 41) a lookup in flight when the daemon is SIGKILLed ends once the client
+                      knows it down (the socket's close, not a heartbeat timeout); the first lookup
+                      after a kill costs <= 50 ms more than a miss
+  3 small /dev/shm    (issue 41) a 100 MiB tmpfs /dev/shm (private mount namespace), a 64 MiB L2, two
+                      live engines: SIGKILL, and SIGTERM, of the daemon; it restarts, both engines hit
+                      again, bit for bit
   4 socket takeover   a symlink planted at the lock path, a socket directory pre-created with the
                       wrong mode (and, run as root, one owned by another user): refused, the
                       victim file untouched
@@ -46,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -55,7 +62,7 @@ from bench.common import print_table, write_result
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, connect
 from kvcached.server.shm import segment_name
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env, stop_process
 from tests.integration.engine_proc import GEOMETRY
 from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_end_to_end import run_engine
@@ -66,7 +73,8 @@ from tests.integration.test_l3_files import OTHER_UID as L3_OTHER_UID
 from tests.integration.test_l3_files import can_mount_tmpfs, fingerprint, random_file, run_enospc_start, serve_once
 from tests.integration.test_l3_rebuild import MAX_REBUILD_RSS_BYTES, TEST_ROWS, restart_on_branchy_index
 from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
-from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens
+from tests.integration.small_shm import run_in_small_shm
+from tests.integration.test_outages import can_run_small_shm, make_manager, prefill_and_finish, random_tokens
 from bench.timing import timed
 
 PAGE = GEOMETRY.page_size
@@ -175,6 +183,85 @@ def drill_outage_prepare(calls: int = 100) -> dict:
                f"{skipped}/{calls} skipped the daemon", ok,
                plain_miss_ms=miss_wall * 1e3, median_extra_ms=median_extra * 1e3,
                slowest_extra_ms=slowest_extra * 1e3, slowest_extra_wall_ms=slowest_wall_extra * 1e3)
+
+
+def outage_inflight_once(seed: int) -> dict:
+    """One daemon: the median of 20 lookup misses; a lookup in flight (the daemon SIGSTOPped, then
+    SIGKILLed 0.2 s later) timed from the kill; then a second daemon killed with no warning and a
+    lookup at once."""
+    rng = np.random.default_rng(seed)
+    result = {}
+    for phase in ("in_flight", "first_after_kill"):
+        daemon = DaemonProcess().start()
+        manager = make_manager(daemon.socket_path, f"drill-{phase}")
+        try:
+            walls = []
+            for _ in range(20):
+                tokens = random_tokens(rng, 6 * PAGE)
+                started = time.perf_counter()
+                assert manager.connector.lookup(tokens) == 0
+                walls.append(time.perf_counter() - started)
+            result["miss_s"] = min(result.get("miss_s", 1.0), statistics.median(walls))
+            tokens = random_tokens(rng, 6 * PAGE)
+            if phase == "in_flight":
+                stop_process(daemon.proc.pid)
+                killed_at = []
+
+                def kill():
+                    time.sleep(0.2)
+                    killed_at.append(time.monotonic())
+                    daemon.stop(signal.SIGKILL)
+                killer = threading.Thread(target=kill)
+                killer.start()
+                manager.connector.lookup(tokens)
+                ended_at = time.monotonic()
+                killer.join()
+                down_at = manager.client.connection.since
+                result["detect_s"] = down_at - killed_at[0]
+                result["in_flight_end_s"] = ended_at - killed_at[0]
+                result["session_ended"] = manager.client.connection.session_ended
+            else:
+                daemon.proc.send_signal(signal.SIGKILL)
+                started = time.perf_counter()
+                manager.connector.lookup(tokens)
+                result["first_after_kill_s"] = time.perf_counter() - started
+                daemon.stop(signal.SIGKILL)
+        finally:
+            manager.close()
+            daemon.cleanup()
+    return result
+
+
+def drill_outage_inflight(repeats: int = 3) -> dict:
+    runs = [outage_inflight_once(20260141 + i) for i in range(repeats)]
+    miss_s = statistics.median(r["miss_s"] for r in runs)
+    worst_after_detect = max(r["in_flight_end_s"] - r["detect_s"] for r in runs)
+    worst_detect = max(r["detect_s"] for r in runs)
+    worst_first_extra = max(r["first_after_kill_s"] for r in runs) - miss_s
+    ok = (all(r["session_ended"] for r in runs) and worst_after_detect <= 0.02 and worst_detect < 0.3
+          and worst_first_extra <= 0.05)
+    return row("2 daemon SIGKILLed mid-request",
+               "a lookup in flight ends within the detection time (+ the 10 ms wait check); the first lookup "
+               "after a kill <= 50 ms more than a miss",
+               f"{repeats} runs: detected within {worst_detect * 1e3:.1f} ms of the kill (the socket closed); "
+               f"in-flight lookup ended <= {worst_after_detect * 1e3:.1f} ms after that; first lookup after a "
+               f"kill <= {worst_first_extra * 1e3:.1f} ms more than a miss ({miss_s * 1e3:.2f} ms)", ok,
+               runs=runs)
+
+
+def drill_restart_small_shm() -> list[dict]:
+    expect = ("both engines hit again, bit for bit, after the daemon restarts in a 100 MiB /dev/shm "
+              "with a 64 MiB L2")
+    if not can_run_small_shm():
+        return [row("3 small /dev/shm restart", expect, "not run: needs root and unshare", False)]
+    rows = []
+    for sig, seed in (("KILL", 20260142), ("TERM", 20260143)):
+        report = run_in_small_shm(sig, seed)
+        rows.append(row(f"3 SIG{sig} + restart, small /dev/shm", expect,
+                        f"restarted; engines dropped the old pool {report['dropped_s']:.3f} s after the signal; "
+                        f"both hit bit for bit (second hit {report['back_to_second_hit_s']:.2f} s after the "
+                        "restart)", report["restarted"] and report["both_hit_bit_exact"], **report))
+    return rows
 
 
 # ---- 3: restarts --------------------------------------------------------------------------------
@@ -521,8 +608,8 @@ def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
                answered == num_scrapes and worst_s < 2.0, worst_scrape_s=round(worst_s, 4))
 
 
-DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "restart_l2_hit", "warm_l3", "socket_takeover",
-          "cost_model_heals", "l3_plants", "l3_rebuild_rss",
+DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
+          "daemon_restart_small_shm", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
           "client_never_reads", "http_idle_flood", "flood_fairness")
 
 
@@ -547,8 +634,12 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_sigkill_mid_backup()]
     if name == "outage_prepare":
         return [drill_outage_prepare()]
+    if name == "outage_inflight":
+        return [drill_outage_inflight()]
     if name == "restart_l2_hit":
         return [drill_restart_l2_hit()]
+    if name == "daemon_restart_small_shm":
+        return drill_restart_small_shm()
     if name == "warm_l3":
         return drill_warm_l3(workdir)
     if name == "cost_model_heals":

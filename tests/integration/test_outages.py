@@ -440,8 +440,8 @@ def test_a_request_in_flight_when_the_daemon_is_killed_ends_as_soon_as_it_is_kno
 
         def kill():
             time.sleep(0.2)
-            daemon.stop(signal.SIGKILL)             # returns once the process is reaped
             killed_at.append(time.monotonic())
+            daemon.stop(signal.SIGKILL)
         killer = threading.Thread(target=kill)
         killer.start()
         hit = manager.connector.lookup(random_tokens(rng, 4 * PAGE))
@@ -460,7 +460,7 @@ def test_a_request_in_flight_when_the_daemon_is_killed_ends_as_soon_as_it_is_kno
 
 
 def test_the_first_lookup_after_a_kill_costs_at_most_50_ms_more_than_a_miss(daemon):
-    """The daemon SIGKILLed (reaped) and at once a lookup, before the client could notice: it costs
+    """The daemon SIGKILLed and at once a lookup, likely before the client could notice: it costs
     at most 50 ms more than a plain miss (the median of 20 on the live daemon), not the 1.1-1.3 s
     of a heartbeat timeout; a miss (0 tokens)."""
     seed = 4102
@@ -471,8 +471,9 @@ def test_the_first_lookup_after_a_kill_costs_at_most_50_ms_more_than_a_miss(daem
         assert all(hit == 0 for hit, _ in misses)
         miss_s = float(np.median([took for _, took in misses]))
         tokens = random_tokens(rng, 6 * PAGE)
-        daemon.stop(signal.SIGKILL)
+        daemon.proc.send_signal(signal.SIGKILL)
         hit, took = timed_lookup(manager.connector, tokens)
+        daemon.stop(signal.SIGKILL)
         assert hit == 0
         assert took <= miss_s + 0.05, f"seed {seed}: first lookup after the kill {took * 1e3:.1f} ms, " \
                                       f"a miss {miss_s * 1e3:.2f} ms"
