@@ -449,7 +449,8 @@ def _placeholder_pool(layout: KVLayout, geometry: KVGeometry) -> SharedHostPool:
 
 
 class _NoSession(NamedTuple):
-    """``KVConnector._session`` before the first attach: requests made then belong to no session."""
+    """``KVConnector._session`` while no session's pool is mapped (before the first attach, or once
+    the ended session's pool is dropped): requests made then belong to no session."""
 
     session_id: None = None
     shm_path: str = ""
@@ -1273,7 +1274,9 @@ class KVConnector:
         if self._pool_dropped:
             return
         self._swap_pool(_placeholder_pool(self.layout, self.geometry))
-        self._pool_dropped = True
+        # The ended session's requests now hold page ids of no mapped pool: they move nothing and
+        # end nothing (session_lost), as after a swap.
+        self._session, self._pool_dropped = _NoSession(), True
         logger.info("the ended kvcached session's L2 pool is unmapped")
 
     def _swap_pool(self, pool: SharedHostPool) -> None:
