@@ -35,6 +35,9 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
   client never reads  3,000 STATUS requests of a process that never reads: daemon RSS growth
                       under 100 MB, a reading client served meanwhile
   http idle flood     100 idle HTTP connections: /metrics scraped once a second, all answered
+  oversized L2        --l2-size beyond /dev/shm and memory: one line, exit status 2, nothing made
+  SIGINT at start-up  SIGINT (and SIGTERM) at moments of start-up of a 2 GiB pool, populate
+                      included: exit within 1 s, nothing left in /dev/shm or the socket directory
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
@@ -608,9 +611,66 @@ def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
                answered == num_scrapes and worst_s < 2.0, worst_scrape_s=round(worst_s, 4))
 
 
+def drill_oversized_l2() -> dict:
+    """serve with an L2 pool beyond what /dev/shm and memory hold."""
+    from tests.integration.test_startup import shm_leftovers
+
+    total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = max(64 << 30, 2 * total_bytes)
+    daemon = DaemonProcess(l2_size=str(size))
+    try:
+        started = time.monotonic()
+        result = subprocess.run(daemon.args, env=daemon.env, cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=60)
+        seconds = time.monotonic() - started
+        lines = result.stderr.splitlines()
+        left = shm_leftovers(daemon.socket_path) + os.listdir(daemon.socket_dir)
+    finally:
+        daemon.cleanup()
+    passed = result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr and not left
+    return row("oversized_l2", f"--l2-size {size / 2**30:.0f} GiB: one line, exit status 2, nothing left in /dev/shm",
+               f"exit {result.returncode} after {seconds:.2f} s, {len(lines)} line(s), left: {left or 'nothing'}",
+               passed, stderr=lines[:2])
+
+
+def drill_sigint_startup() -> list[dict]:
+    """SIGINT (SIGTERM once) at moments of start-up of a largish pool: exit time and leftovers."""
+    from tests.integration.test_startup import STOP_BOUND_S, large_pool_bytes, shm_leftovers, stop_and_time, \
+        wait_for_log
+
+    pool_bytes = large_pool_bytes()
+    cases = [(signal.SIGINT, "starting", 0.0), (signal.SIGINT, "starting", 0.1), (signal.SIGINT, "starting", 0.3),
+             (signal.SIGINT, "populating", "25%"), (signal.SIGINT, "populating", "50%"),
+             (signal.SIGINT, "populating", "75%"), (signal.SIGINT, "populating", "100%"),
+             (signal.SIGTERM, "populating", "50%")]
+    rows = []
+    for signum, how, when in cases:
+        daemon = DaemonProcess(l2_size=str(pool_bytes)).spawn()
+        try:
+            if how == "starting":
+                wait_for_log(daemon, "kvcached starting")
+                time.sleep(when)
+                moment = f"{when:g} s after its first line"
+            else:
+                wait_for_log(daemon, f"populating the L2 pool: {when}")
+                moment = f"at {when} populated"
+            elapsed_s = stop_and_time(daemon, signum)
+            log = daemon.log()
+            left = shm_leftovers(daemon.socket_path) + os.listdir(daemon.socket_dir)
+        finally:
+            daemon.cleanup()
+        name = signal.Signals(signum).name
+        rows.append(row("sigint_startup", f"{name} {moment} ({pool_bytes / 2**30:.1f} GiB pool): exit within "
+                        f"{STOP_BOUND_S:g} s, nothing left in /dev/shm or the socket directory",
+                        f"exit {daemon.proc.returncode} after {elapsed_s:.3f} s, left: {left or 'nothing'}",
+                        elapsed_s <= STOP_BOUND_S and not left and "Traceback" not in log,
+                        exit_s=round(elapsed_s, 4)))
+    return rows
+
+
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
           "daemon_restart_small_shm", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
-          "client_never_reads", "http_idle_flood", "flood_fairness")
+          "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -654,6 +714,10 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_http_idle_flood()]
     if name == "flood_fairness":
         return drill_flood_fairness()
+    if name == "oversized_l2":
+        return [drill_oversized_l2()]
+    if name == "sigint_startup":
+        return drill_sigint_startup()
     return [drill_socket_takeover()]
 
 
