@@ -710,7 +710,9 @@ class StartupSignals:
 
     def install(self, resources: contextlib.ExitStack) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            resources.callback(signal.signal, signum, signal.signal(signum, self._note))
+            previous = signal.signal(signum, self._note)
+            if previous is not None:           # None: set outside Python, it cannot be put back
+                resources.callback(signal.signal, signum, previous)
 
     def _note(self, signum: int, frame: Any) -> None:
         self.signum = signum
