@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--socket", "socket_path", help="socket path or ipc:// URL (default: $KVCACHED_SOCKET, else "
         f"$XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/; here {_default_socket()})")
     add("--l2-size", "l2_bytes", type=_size, metavar="SIZE", help="the shared pinned host pool, e.g. 64g; "
-        "one model alone gets all of it, several share it (default: 1 GiB or half of free /dev/shm, whichever "
-        "is less)")
+        "one model alone gets all of it, several share it; one that /dev/shm or memory cannot hold is refused at "
+        "start (default: 1 GiB or half of free /dev/shm, whichever is less)")
     add("--l3-path", "l3_path", help="local file for the L3 tier, kept with its index (PATH.index) across "
         "restarts (default: a temporary file, empty at every start)")
     add("--l3-fresh", "l3_fresh", action="store_true", default=None,
