@@ -132,6 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
         f"reads and writes (default {defaults['prior_storage_gibps'].default})")
     add("--prior-peer-gibps", "prior_peer_gibps", type=_positive, metavar="GIBPS", help="its prior for copies out "
         f"of another engine's GPU memory (default {defaults['prior_peer_gibps'].default})")
+    add("--prior-remote-gibps", "prior_remote_gibps", type=float, metavar="GIBPS", help="its prior for reads "
+        f"from the remote store (default {defaults['prior_remote_gibps'].default})")
+    add("--remote", "remote", metavar="mooncake://HOST:PORT", help="a remote tier below L3 on the Mooncake "
+        "Store whose master is there, shared by the hosts' daemons: saved pages are written through to it, "
+        "a prefix this host lacks is restored from it (default: off)")
+    add("--remote-metadata", "remote_metadata", metavar="URL", help="Mooncake's metadata server (default: "
+        "the master's own, http://HOST:8080/metadata; P2PHANDSHAKE: none)")
+    add("--remote-local-host", "remote_local_host", metavar="HOST", help="the address the other hosts reach "
+        f"this daemon's store client at (default {defaults['remote_local_host'].default})")
+    add("--remote-segment-size", "remote_segment_bytes", type=_size, metavar="SIZE", help="memory this "
+        "daemon lends the remote store (0: none; default "
+        f"{format_size(defaults['remote_segment_bytes'].default)})")
+    add("--remote-exist-timeout", "remote_exist_timeout_s", type=float, metavar="SECONDS", help="a lookup asks "
+        "the store which pages it holds within this (default "
+        f"{defaults['remote_exist_timeout_s'].default}); later, or the store unreachable: a local miss")
+    add("--remote-get-timeout", "remote_get_timeout_s", type=float, metavar="SECONDS", help="a restore's gets "
+        f"finish within this (default {defaults['remote_get_timeout_s'].default}) plus their bytes at "
+        f"{defaults['remote_get_min_gibps'].default} GiB/s, or the request recomputes")
     add("--log-level", "log_level", metavar="LEVEL",
         help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
     add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "

@@ -40,12 +40,13 @@ SHM_DIR = "/dev/shm"
 # /metrics, /status and the status page. The default is loopback only, and best effort: a second
 # daemon on the host (another user's) runs without it rather than not at all.
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
+_REMOTE_URL = re.compile(r"mooncake://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}")
 
 
 # CostPriors' field (the first word of its ValueError) -> the DaemonConfig field that sets it
 _COST_PRIOR_FIELDS = {"recompute_s_per_token": "prior_recompute_us_per_token", "host_bytes_per_s": "prior_host_gibps",
                       "storage_bytes_per_s": "prior_storage_gibps", "margin": "cost_margin",
-                      "peer_bytes_per_s": "prior_peer_gibps"}
+                      "peer_bytes_per_s": "prior_peer_gibps", "remote_bytes_per_s": "prior_remote_gibps"}
 
 
 class ConfigError(ValueError):
@@ -176,6 +177,16 @@ class DaemonConfig:
     prior_host_gibps: float = 12.0      # L2 <-> GPU
     prior_storage_gibps: float = 3.0    # L3 reads and writes
     prior_peer_gibps: float = 1000.0    # another engine's GPU memory -> this engine's
+    prior_remote_gibps: float = 1.0     # remote store reads
+    # The remote tier (kvcached/core/remote.py): "" off; "mooncake://HOST:PORT", a Mooncake master.
+    remote: str = ""
+    # Mooncake's metadata server: "" the master's own HTTP one (HOST:8080), or a URL, or "P2PHANDSHAKE".
+    remote_metadata: str = ""
+    remote_local_host: str = "127.0.0.1"       # the address other hosts reach this daemon's store client at
+    remote_segment_bytes: int = 256 << 20     # memory this daemon lends the store (0: none, a client only)
+    remote_exist_timeout_s: float = 0.1       # a lookup's question "which following pages do you hold"
+    remote_get_timeout_s: float = 0.2         # a restore's gets: this, plus remote_get_min_gibps of its bytes
+    remote_get_min_gibps: float = 0.25
 
     def __post_init__(self) -> None:
         # A path or an ipc:// URL, made absolute; too long for a socket address: ConfigError.
@@ -203,6 +214,12 @@ class DaemonConfig:
             ("refusal_log_interval_s", self.refusal_log_interval_s > 0, "refusal_log_interval_s must be positive"),
             ("io_threads", 1 <= self.io_threads <= 256, "io_threads must be in 1..256"),
             ("session_share", 0 < self.session_share <= 1, "session_share must be in (0, 1]"),
+            ("remote", not self.remote or _REMOTE_URL.fullmatch(self.remote) is not None,
+             f"remote must be mooncake://HOST:PORT, got {self.remote!r}"),
+            ("remote_segment_bytes", self.remote_segment_bytes >= 0, "remote_segment_bytes must be >= 0"),
+            ("remote_exist_timeout_s", 0 < self.remote_exist_timeout_s <= 10, "remote_exist_timeout_s must be in (0, 10]"),
+            ("remote_get_timeout_s", 0 < self.remote_get_timeout_s <= 60, "remote_get_timeout_s must be in (0, 60]"),
+            ("remote_get_min_gibps", self.remote_get_min_gibps > 0, "remote_get_min_gibps must be positive"),
         )
         for field, ok, message in checks:
             if not ok:
@@ -227,7 +244,20 @@ class DaemonConfig:
         return CostPriors(recompute_s_per_token=self.prior_recompute_us_per_token * 1e-6,
                           host_bytes_per_s=self.prior_host_gibps * 2**30,
                           storage_bytes_per_s=self.prior_storage_gibps * 2**30, margin=self.cost_margin,
-                          peer_bytes_per_s=self.prior_peer_gibps * 2**30)
+                          peer_bytes_per_s=self.prior_peer_gibps * 2**30,
+                          remote_bytes_per_s=self.prior_remote_gibps * 2**30)
+
+    @property
+    def remote_master(self) -> str:
+        """HOST:PORT of the remote tier's Mooncake master ("": no remote tier)."""
+        return self.remote[len("mooncake://"):] if self.remote else ""
+
+    @property
+    def remote_metadata_server(self) -> str:
+        """Mooncake's metadata server: the one named, else the master's own HTTP one."""
+        if self.remote_metadata:
+            return self.remote_metadata
+        return f"http://{self.remote_master.rsplit(':', 1)[0]}:8080/metadata"
 
     @property
     def http_endpoint(self) -> tuple[str, int] | None:

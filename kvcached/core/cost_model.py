@@ -15,7 +15,8 @@ tokens for prefill), learned from the last ``WINDOW`` samples (size, seconds):
 
 Directions: ``h2d`` and ``d2h`` (L2 <-> GPU), ``d2d`` (a copy out of another engine's GPU memory)
 and ``prefill`` per engine (the engines measure them); ``s2h`` (storage reads, L3 -> L2) and ``h2s``
-(storage writes) for the daemon's one L3 file, apart.
+(storage writes) for the daemon's one L3 file, apart; ``r2h`` (remote reads, the remote store -> L2:
+the daemon's own gets, end to end).
 
 A decision prices, for the tokens beyond the engine's own hit, recomputing them against restoring
 them from each source that holds more (another engine's GPU cache, L2, L3):
@@ -47,12 +48,12 @@ SPREAD_SHARE = 0.05
 MIN_PREFILL_TOKENS = 16            # shorter prefills are mostly fixed overhead: not samples
 POLICIES = RESTORE_POLICIES
 ENGINE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
-STORAGE_DIRECTIONS = ("s2h", "h2s")
+STORAGE_DIRECTIONS = ("s2h", "h2s", "r2h")
 MAX_SAMPLE_SIZE = 1 << 50
 MAX_SAMPLE_SECONDS = 3600.0
 STALE_DECLINES = 64                # decisions declining a line's source, no sample between: back to its prior
 # The lines a restore from each source is priced by (and samples): declining the source starves them.
-SOURCE_DIRECTIONS = {"peer": ("d2d",), "l2": ("h2d",), "l3": ("s2h", "h2d")}
+SOURCE_DIRECTIONS = {"peer": ("d2d",), "l2": ("h2d",), "l3": ("s2h", "h2d"), "remote": ("r2h", "h2d")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +63,11 @@ class CostPriors:
     storage_bytes_per_s: float = 3 * 2**30     # L3 reads and writes
     margin: float = 1.1                        # a restore must beat recompute by this factor
     peer_bytes_per_s: float = 1000 * 2**30     # another engine's GPU memory -> this engine's (CUDA IPC)
+    remote_bytes_per_s: float = 1 * 2**30      # remote store reads (TCP)
 
     def __post_init__(self) -> None:
-        for name in ("recompute_s_per_token", "host_bytes_per_s", "storage_bytes_per_s", "peer_bytes_per_s"):
+        for name in ("recompute_s_per_token", "host_bytes_per_s", "storage_bytes_per_s", "peer_bytes_per_s",
+                     "remote_bytes_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -192,7 +195,8 @@ class CostModel:
         self.priors = priors
         self.policy = policy
         storage_slope = 1.0 / priors.storage_bytes_per_s
-        self.storage = {"s2h": LineModel(storage_slope), "h2s": LineModel(storage_slope)}
+        self.storage = {"s2h": LineModel(storage_slope), "h2s": LineModel(storage_slope),
+                        "r2h": LineModel(1.0 / priors.remote_bytes_per_s)}
         self.engines: dict[int, EngineModel] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -218,9 +222,10 @@ class CostModel:
     # ---- decisions --------------------------------------------------------------------------
 
     def decide(self, engine_id: int, bytes_per_token: int, local_tokens: int, l2_tokens: int, l3_tokens: int,
-               policy: str = "", where: str = "lookup", peer_tokens: int = 0) -> Decision:
+               policy: str = "", where: str = "lookup", peer_tokens: int = 0, remote_tokens: int = 0) -> Decision:
         """Where the tokens beyond the engine's own hit (local_tokens) should come from: the leading
-        tokens L2, L3 and another engine's GPU cache (peer_tokens) hold; 0: no candidate. Counted
+        tokens L2, L3, another engine's GPU cache (peer_tokens) and the remote store (remote_tokens:
+        L2's hit and the pages the store holds after it) hold; 0: no candidate. Counted
         under ``where``. Runs on the daemon's socket thread for every lookup and restoring match:
         plain arithmetic, no allocation beyond the reply's."""
         policy = policy or self.policy
@@ -236,6 +241,9 @@ class CostModel:
         if l3_tokens > local_tokens and l3_tokens > l2_tokens:     # the pages L2 lacks are read first, then all moved
             candidates.append(("l3", l3_tokens, engine.h2d.predict((l3_tokens - local_tokens) * bytes_per_token)
                                + self.storage["s2h"].predict((l3_tokens - l2_tokens) * bytes_per_token)))
+        if remote_tokens > local_tokens and remote_tokens > max(l2_tokens, l3_tokens):  # got into L2, then moved
+            candidates.append(("remote", remote_tokens, engine.h2d.predict((remote_tokens - local_tokens) * bytes_per_token)
+                               + self.storage["r2h"].predict((remote_tokens - l2_tokens) * bytes_per_token)))
         if not candidates:
             decision = Decision("engine", local_tokens, {}, "")
         else:

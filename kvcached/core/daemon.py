@@ -119,13 +119,42 @@ def session_tag(session_id: int) -> str:
     return hashlib.blake2b(session_id.to_bytes(8, "little"), digest_size=6).hexdigest()
 
 
+class RemoteAsk(NamedTuple):
+    """What the I/O layer asks the remote store before a lookup or match: which of pages
+    [start_page, end_page) of this path it holds (their keys chain from page 0)."""
+    namespace_id: int
+    namespace_key: str
+    page_size: int
+    token_ids: np.ndarray               # the path, whole pages (a copy)
+    start_page: int
+    end_page: int
+
+
+@dataclasses.dataclass(eq=False)
+class RemoteWrite:
+    """A write-through of L2 pages [start_page, start_page + len(page_ids)) of a path to the remote
+    store. Its L2 pages are locked (never evicted nor handed out) until ``finish_remote_write``;
+    the writer sends a page only while its generation is the one recorded here."""
+    write_id: int
+    namespace_id: int
+    namespace_key: str
+    page_size: int
+    bytes_per_page: int
+    token_ids: np.ndarray
+    start_page: int
+    page_ids: list[int]
+    generations: list[int]
+    lock: TreeNode | None
+
+
 class DaemonState:
     def __init__(self, l2_bytes: int, *, max_namespaces: int, session_timeout_s: float,
                  session_grace_s: float = 30.0, l3_bytes: int = 0, clock: Callable[[], float] = time.monotonic,
                  l3_index_sink: Callable[[IndexChange], None] | None = None,
                  peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None,
                  session_share: float = MAX_SESSION_RESERVED_SHARE, hints: AdmissionHints | None = None,
-                 generation_files: GenerationFiles | None = None):
+                 generation_files: GenerationFiles | None = None,
+                 remote_write_sink: Callable[[RemoteWrite], None] | None = None):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -139,7 +168,9 @@ class DaemonState:
         session reserves at a time (MAX_SESSION_RESERVED_SHARE). ``hints``: where the admission
         hints are published (``proto.hints``; the I/O layer maps them from a file engines read),
         one slot per namespace. ``generation_files``: where each namespace's L2 page generations
-        live (``proto.generations``; the I/O layer makes a file engines map), default private."""
+        live (``proto.generations``; the I/O layer makes a file engines map), default private.
+        ``remote_write_sink``: with a remote tier, where each committed path's write-through to
+        the store goes (the I/O layer sends it, then calls ``finish_remote_write``); None: no remote tier."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         if not 0 < session_share <= 1:
@@ -180,6 +211,10 @@ class DaemonState:
         if self.hints.num_slots < max_namespaces:
             raise ValueError(f"the admission hints have {self.hints.num_slots} slots for {max_namespaces} namespaces")
         self.hints.set_policy(self.cost.policy)
+        self._remote_write_sink = remote_write_sink
+        self.remote_writes: dict[int, RemoteWrite] = {}
+        self._remote_write_ids = itertools.count(1)
+        self._remote_namespace_keys: dict[int, str] = {}
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -279,6 +314,7 @@ class DaemonState:
         Returns whether one was reclaimed."""
         # A namespace with quarantined pages is not idle: a stale writer may still write them.
         busy = {move.namespace_id for move in self.moves.values()}
+        busy.update(write.namespace_id for write in self.remote_writes.values())
         busy.update(q.session.namespace_id for q in self.quarantines.values())
         idle = [ns for ns in self.namespaces.values()
                 if not ns.session_ids and ns.namespace_id not in busy and ns.idle_since is not None]
@@ -330,6 +366,9 @@ class DaemonState:
         """Publish the least L3 restore that could win (``proto.hints``) for a namespace whose
         model changed (None: every namespace, after a storage sample)."""
         for ns in self.namespaces.values() if namespace is None else (namespace,):
+            if self.remote_enabled:     # the store may hold any prefix: no request is predicted a miss
+                self.hints.set_l3_min_tokens(ns.hints_slot, 0)
+                continue
             least = None if ns.l3_allocator is None else \
                 self.cost.l3_min_tokens(ns.namespace_id, ns.geometry.bytes_per_token)
             self.hints.set_l3_min_tokens(ns.hints_slot, NEVER if least is None else least)
@@ -441,7 +480,8 @@ class DaemonState:
 
     def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
               promote_l3: bool = False, promoted_tokens: int = 0, local_hit_tokens: int = 0,
-              policy: str = "", decision: Decision | None = None, recompute: bool = False) -> MatchReply | TierMove:
+              policy: str = "", decision: Decision | None = None, recompute: bool = False,
+              remote_tokens: int = 0) -> MatchReply | TierMove:
         """The hit per tier, a lease on the L2 hit and, with reserve_backup, private L2 pages for
         the pages the daemon lacks.
 
@@ -453,7 +493,11 @@ class DaemonState:
 
         With recompute, the engine admitted the request on a predicted decline (``proto.hints``)
         and recomputes what lies beyond its own hit whatever the reply says: nothing is promoted;
-        the decision the model would have taken is counted under "predicted" and replied."""
+        the decision the model would have taken is counted under "predicted" and replied.
+
+        ``remote_tokens``: the leading tokens L2 and the remote store hold together (what the
+        store answered to ``remote_ask``), a candidate with promote_l3; where the model takes it,
+        returns the R2H move that gets the store's pages into L2 first, as for L3."""
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
@@ -469,7 +513,13 @@ class DaemonState:
             decision = self._decide(namespace, local_hit_tokens, result.hit_tokens[Tier.L2],
                                     result.hit_tokens.get(Tier.L3, 0) if promote_l3 or recompute else 0, policy,
                                     where="predicted" if recompute else "match",
-                                    peer_tokens=len(peer_block_ids) * page_size)
+                                    peer_tokens=len(peer_block_ids) * page_size,
+                                    remote_tokens=remote_tokens if promote_l3 or recompute else 0)
+            if decision.choice == "remote" and allowed > 0 and not recompute:
+                move = self._plan_remote_move(namespace, result, token_ids, remote_tokens // page_size, allowed)
+                if move is not None:
+                    move.decision = decision
+                    return move
             if decision.choice == "l3" and allowed > 0 and not recompute:
                 start_page = result.hit_tokens[Tier.L2] // page_size
                 move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
@@ -544,13 +594,13 @@ class DaemonState:
         if not decision.choice:
             return {}
         restore_tokens = decision.restore_tokens
-        if loadable_tokens is not None and decision.choice in ("l2", "l3"):
+        if loadable_tokens is not None and decision.choice in ("l2", "l3", "remote"):
             restore_tokens = min(restore_tokens, loadable_tokens)
         return {"choice": decision.choice, "restore_tokens": restore_tokens, "predicted_s": decision.predicted_s,
                 "policy": policy or self.cost.policy}
 
     def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False, local_hit_tokens: int = 0,
-               policy: str = "", promote_l3: bool = True) -> MatchReply:
+               policy: str = "", promote_l3: bool = True, remote_tokens: int = 0) -> MatchReply:
         """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
         LRU update, and no page ids (they are only ever handed out under a lease). It carries the
         cost model's decision (under ``policy``) for the tokens beyond the engine's own
@@ -558,7 +608,8 @@ class DaemonState:
 
         With tp_group, the hit of the session's tensor-parallel group: per tier, the least over
         the namespaces of every rank (the same geometry but for tp_rank); 0 while a rank has none.
-        A prefix counts as cached only where every rank holds its shard."""
+        A prefix counts as cached only where every rank holds its shard. ``remote_tokens``: as for
+        ``match``, a candidate with promote_l3."""
         session = self.session(session_id)
         geometry = self.namespaces[session.namespace_id].geometry
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
@@ -591,8 +642,14 @@ class DaemonState:
         self.metrics.add("lookups", model=geometry.model_id)
         self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
         self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
+        if remote_tokens and promote_l3 and not tp_group:
+            hits["remote"] = remote_tokens
+            self.metrics.add("lookup_hit_tokens_remote", remote_tokens, model=geometry.model_id)
+        else:
+            remote_tokens = 0
         decision = self._decide(self.namespaces[session.namespace_id], local_hit_tokens, hits["l2"],
-                                hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup", peer_tokens=peer_tokens)
+                                hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup", peer_tokens=peer_tokens,
+                                remote_tokens=remote_tokens)
         return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
 
     def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:
@@ -899,6 +956,8 @@ class DaemonState:
         self.metrics.add("backup_pages_committed", new_pages, model=namespace.geometry.model_id)
         self.metrics.add("backup_pages_duplicate", duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
+        if host_page_ids and new_pages and self.remote_enabled:
+            self._plan_remote_write(namespace, path_tokens, lease.hit_pages)
         return CommitReply(new_pages, duplicates), write_through
 
     # ---- peer restores (kvcached/core/residency.py) --------------------------------------------
@@ -988,6 +1047,89 @@ class DaemonState:
         return peer_id, hits[peer_id].block_ids, hits[peer_id].epochs
 
     # ---- moves between tiers (L3) ------------------------------------------------------------
+
+    # ---- the remote tier (kvcached/core/remote.py) -------------------------------------------
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self._remote_write_sink is not None
+
+    def remote_namespace_key(self, namespace: Namespace) -> str:
+        key = self._remote_namespace_keys.get(namespace.namespace_id)
+        if key is None:
+            key = self._remote_namespace_keys[namespace.namespace_id] = namespace_key(namespace.geometry)
+        return key
+
+    def remote_ask(self, session_id: int, token_bytes: bytes) -> RemoteAsk | None:
+        """Which pages to ask the remote store about for this prompt: those after its L2 hit, when L3
+        holds no more than L2 (a longer local L3 hit is restored from L3, and the store is not
+        asked); None when there is nothing to ask. Changes nothing."""
+        if not self.remote_enabled:
+            return None
+        session = self.session(session_id)
+        namespace = self.namespaces[session.namespace_id]
+        page_size = namespace.geometry.page_size
+        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        num_pages = len(token_ids) // page_size
+        result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False)
+        l2_pages = result.hit_tokens[Tier.L2] // page_size
+        if l2_pages >= num_pages or result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
+            return None
+        return RemoteAsk(namespace.namespace_id, self.remote_namespace_key(namespace), page_size,
+                         token_ids[: num_pages * page_size].copy(), l2_pages, num_pages)
+
+    def _plan_remote_move(self, namespace: Namespace, result, token_ids: np.ndarray, remote_pages: int,
+                          allowed: int) -> TierMove | None:
+        """R2H: private L2 pages for the pages after the L2 hit that the store holds (at most
+        ``allowed``), the L2 prefix they go below locked; None where L3 holds more than L2 now or
+        no page is free."""
+        page_size = namespace.geometry.page_size
+        start_page = result.hit_tokens[Tier.L2] // page_size
+        end_page = min(remote_pages, start_page + allowed)
+        if end_page <= start_page or result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
+            return None
+        locks = [(result.last_node[Tier.L2], Tier.L2)] if result.last_node[Tier.L2] is not None else []
+        for node, tier in locks:
+            namespace.tree.lock(node, tier)
+        private_page_ids = self._reserve(namespace, Tier.L2, end_page - start_page)
+        if not private_page_ids:
+            for node, tier in locks:
+                namespace.tree.unlock(node, tier)
+            self._count_skip("r2h_no_space", "no free l2 page for a remote restore")
+            return None
+        count = len(private_page_ids)
+        move = TierMove(
+            op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=Tier.L2,
+            destination=Tier.L2, token_ids=token_ids[: (start_page + count) * page_size].copy(),
+            start_page=start_page, source_page_ids=[], private_page_ids=private_page_ids, locks=locks, remote=True)
+        namespace.generations.revoke(private_page_ids)      # the daemon writes them: no reader trusts them yet
+        self.moves[move.op_id] = move
+        return move
+
+    def _plan_remote_write(self, namespace: Namespace, token_ids: np.ndarray, start_page: int) -> None:
+        """After a commit: send the path's L2 pages from start_page on to the remote store."""
+        page_size = namespace.geometry.page_size
+        result = namespace.tree.match(token_ids, touch=False)
+        l2_pages = result.hit_tokens[Tier.L2] // page_size
+        node = result.last_node[Tier.L2]
+        if l2_pages <= start_page or node is None:
+            return
+        namespace.tree.lock(node, Tier.L2)
+        page_ids = list(result.page_ids[Tier.L2][start_page:l2_pages])
+        write = RemoteWrite(next(self._remote_write_ids), namespace.namespace_id, self.remote_namespace_key(namespace),
+                            page_size, namespace.geometry.bytes_per_page, token_ids[: l2_pages * page_size].copy(),
+                            start_page, page_ids, namespace.generations.published_of(page_ids), node)
+        self.remote_writes[write.write_id] = write
+        self._remote_write_sink(write)
+
+    def finish_remote_write(self, write: RemoteWrite, num_sent: int) -> None:
+        """A write-through to the store ended (``num_sent`` pages stored): its pages are unlocked."""
+        del self.remote_writes[write.write_id]
+        namespace = self.namespaces.get(write.namespace_id)
+        if write.lock is not None and namespace is not None:
+            namespace.tree.unlock(write.lock, Tier.L2)
+        write.lock = None
+        self.metrics.add("remote_pages_written", num_sent)
 
     def plan_write_through(self, namespace: Namespace, token_ids: np.ndarray) -> TierMove | None:
         """H2S: copy the L2 pages of this path that L3 lacks into newly reserved L3 slots."""
@@ -1091,6 +1233,10 @@ class DaemonState:
         if self._background_move_ids.get(move.namespace_id) == move.op_id:
             del self._background_move_ids[move.namespace_id]
             self.cost.counters["background_promoted_pages_total"] += gained
+        if move.remote and move.mismatch:
+            self.metrics.add("remote_checksum_mismatches")
+            logger.warning("namespace %d: a page the remote store gave is not the page asked for (%s); not "
+                           "served, the request recomputes it", move.namespace_id, move.mismatch)
         if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
             self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
         return gained
@@ -1132,6 +1278,8 @@ class DaemonState:
     def _num_verified_pages(self, namespace: Namespace, move: TierMove) -> int:
         """Of a finished move, the leading pages that may be published: for a promotion with a
         persistent index, those whose bytes read match their recorded checksums."""
+        if move.remote:
+            return move.num_verified_pages
         if move.destination is not Tier.L2 or namespace.l3_checksums is None:
             return len(move.private_page_ids)
         assert len(move.page_checksums) == len(move.source_page_ids), "s2h finished without its checksums"
@@ -1309,6 +1457,9 @@ class DaemonState:
                 private_by_tier[move.destination].extend(move.private_page_ids)
                 for node, tier in move.locks:
                     expect_lock(node, tier)
+        for write in self.remote_writes.values():
+            if write.namespace_id == namespace.namespace_id:
+                expect_lock(write.lock, Tier.L2)
 
         for tier, owned in owned_by_tier.items():
             allocator = namespace.allocator(tier)
@@ -1409,7 +1560,8 @@ class DaemonState:
                 for session_id, q in self.quarantines.items()
             ],
             "leases": len(self.leases),
-            "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h")},
+            "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h"),
+                        "r2h": self.pending_moves("r2h"), "h2r": len(self.remote_writes)},
             "namespaces": namespaces,
             "cost_model": self.cost.status({ns.namespace_id: ns.geometry.model_id for ns in self.namespaces.values()}),
             "pool": {tier.label: {"chunk_bytes": chunks.chunk_bytes, "chunks": chunks.num_chunks,

@@ -2,6 +2,7 @@
 
     write-through (H2S):  L2 -> H2S_PENDING -> L2+L3
     promotion     (S2H):  L3 -> S2H_PENDING -> L2+L3
+    remote restore (R2H): the remote store -> R2H_PENDING -> L2 (``remote``: no source pages)
 
 A pending op locks its source (the tree node whose pages it reads, in the source tier) and the
 resident prefix it will be inserted below, and owns private destination pages/slots. It ends
@@ -58,10 +59,15 @@ class TierMove:
     num_published_pages: int = 0         # s2h: the leading pages whose checksums matched (all without an index)
     decision: Any = None                 # s2h for a match: the cost model's decision that asked for it
     source_generations: list[int] = dataclasses.field(default_factory=list)   # h2s: the L2 pages' published ones
+    remote: bool = False                 # r2h: the pages come from the remote store (no source pages)
+    # r2h, set by the I/O layer before the move is finished: the leading pages whose values held
+    # their header and checksum, and why the next one did not ("": they all did, or none was read)
+    num_verified_pages: int = 0
+    mismatch: str = ""
 
     @property
     def direction(self) -> str:
-        return "h2s" if self.destination is Tier.L3 else "s2h"
+        return "r2h" if self.remote else "h2s" if self.destination is Tier.L3 else "s2h"
 
     def transition(self, new_state: OpState) -> None:
         if new_state not in _LEGAL_TRANSITIONS[self.state]:

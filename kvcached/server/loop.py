@@ -38,11 +38,11 @@ import zmq
 
 from kvcached.config import DaemonConfig
 from kvcached.core.cost_model import CostModel
-from kvcached.core.daemon import DaemonState
+from kvcached.core.daemon import DaemonState, RemoteAsk, RemoteWrite
 from kvcached.core.hints import AdmissionHints
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
-from kvcached.core.tier_ops import TierMove
+from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_address
 from kvcached.server.io_workers import (IoExecutor, StorageFile, UnsafeFileError, WriteBackoff, read_pages,
@@ -50,6 +50,7 @@ from kvcached.server.io_workers import (IoExecutor, StorageFile, UnsafeFileError
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
+from kvcached.server.remote_store import RemoteSettings, RemoteStore, RemoteUnavailable
 from kvcached.server.shm import (DaemonLock, EpochFiles, GenerationFiles, SharedSegment, SocketDirectory,
                                  StartupError, check_pool_fits, epoch_file_prefix, generation_file_prefix,
                                  hints_file_name, segment_name)
@@ -93,8 +94,9 @@ class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
                  executor: IoExecutor | None = None, index: L3IndexStore | None = None,
-                 epoch_files: EpochFiles | None = None, hints_path: str = ""):
+                 epoch_files: EpochFiles | None = None, hints_path: str = "", remote: RemoteStore | None = None):
         self.config = config
+        self.remote = remote
         self.hints_path = hints_path
         self.state = state
         self.socket = socket
@@ -454,6 +456,8 @@ class Server:
                         self.watcher.discard(session_id)
             self._reap_requested = True
             self._wake_socket_thread()
+            if self.remote is not None:
+                self.remote.probe_if_due()
 
     def _reap(self) -> None:
         """In the socket thread: take in the requests already queued (heartbeats that came while
@@ -531,6 +535,9 @@ class Server:
 
     def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         request = Match.parse(body)
+        ask = self._remote_ask(request)
+        if ask is not None:
+            return self._match_remote(request, ask)
         if not request.lock:
             reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
                                       request.local_hit_tokens, request.policy, request.promote_l3)
@@ -545,6 +552,161 @@ class Server:
         if request.begun and (request.promote_l3 or request.recompute):    # it stands for a lookup: declines alike
             self._after_reply.append(functools.partial(self._promote_in_background, request, outcome))
         return to_wire(outcome)
+
+    # ---- the remote tier (kvcached/server/remote_store.py) ------------------------------------
+
+    def _remote_ask(self, request: Match) -> RemoteAsk | None:
+        """What to ask the store before this lookup or match: with a remote tier that is reachable
+        now, a request that asks for the lower tiers (promote_l3), one rank, the pages after its
+        L2 hit (``DaemonState.remote_ask``)."""
+        if self.remote is None or not request.promote_l3 or request.tp_group or request.recompute:
+            return None
+        ask = self.state.remote_ask(request.session_id, request.token_ids)
+        if ask is None:
+            return None
+        if not self.remote.available():
+            self.remote.count("remote_skips_exist")
+            return None
+        return ask
+
+    async def _match_remote(self, request: Match, ask: RemoteAsk) -> dict[str, Any]:
+        """Ask the store which following pages it holds (one call, its own deadline; a failure or
+        a late answer is a miss), then look up or match with them as a candidate; a match whose
+        decision takes them gets them into L2 first."""
+        assert self.remote is not None
+        started_s = time.perf_counter()
+        try:
+            held = await self.remote.run("exist", self.remote.held_pages, ask.namespace_key, ask.token_ids,
+                                         ask.page_size, ask.start_page, ask.end_page,
+                                         timeout_s=self.config.remote_exist_timeout_s)
+        except RemoteUnavailable:
+            held = 0
+        self.remote.count("remote_exist_calls")
+        self.remote.count("remote_exist_seconds", time.perf_counter() - started_s)
+        self.remote.count("remote_exist_held_pages", held)
+        remote_tokens = (ask.start_page + held) * ask.page_size if held else 0
+        with self.state_lock:
+            if not request.lock:
+                reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
+                                          request.local_hit_tokens, request.policy, request.promote_l3,
+                                          remote_tokens=remote_tokens)
+                self._promote_in_background(request, reply)
+                return to_wire(reply)
+            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                       promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
+                                       policy=request.policy, recompute=request.recompute,
+                                       remote_tokens=remote_tokens)
+            if not isinstance(outcome, TierMove):
+                if request.begun:
+                    self._promote_in_background(request, outcome)
+                return to_wire(outcome)
+        if not outcome.remote:
+            return await self._match_after_promotion(request, outcome)
+        return await self._match_after_remote(request, outcome)
+
+    async def _match_after_remote(self, request: Match, move: TierMove) -> dict[str, Any]:
+        """The store's pages into L2 (R2H), waited for at most their deadline; then the match sees
+        what was published as an L2 hit. Past the deadline the match goes on without them (the
+        engine recomputes), and the gets finish in the background: their pages stay reserved
+        until then, and are published if they verify."""
+        assert self.remote is not None
+        geometry = self.state.namespaces[move.namespace_id].geometry
+        timeout_s = self.remote.get_timeout_s(len(move.private_page_ids) * geometry.bytes_per_page)
+        task = self._spawn(self._run_remote_move(move))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            self.remote.count("remote_deadline_misses_get")
+            self.remote.note_failure("get", f"no pages within {timeout_s:.3f} s")
+        with self.state_lock:
+            published = move.num_published_pages if move.state is OpState.PUBLISHED else 0
+            self.state.metrics.add("remote_restores" if published else "remote_restore_fallbacks")
+            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
+                                       promoted_tokens=published * geometry.page_size,
+                                       local_hit_tokens=request.local_hit_tokens, policy=request.policy,
+                                       decision=move.decision)
+            assert not isinstance(outcome, TierMove)
+            return to_wire(outcome)
+
+    async def _run_remote_move(self, move: TierMove) -> None:
+        """Get a move's pages from the store into its L2 pages, check each value, finish the move.
+        Ends only once the worker has returned: until then its pages stay private."""
+        assert self.remote is not None
+        namespace = self.state.namespaces[move.namespace_id]
+        bytes_per_page = namespace.geometry.bytes_per_page
+        num_bytes = len(move.private_page_ids) * bytes_per_page
+        started_s = time.perf_counter()
+        verified, mismatch, ok = 0, "", False
+        try:
+            future = self.remote.submit("get", self.remote.get_pages, self.state.remote_namespace_key(namespace),
+                                        move.token_ids, namespace.geometry.page_size, move.start_page,
+                                        list(move.private_page_ids), bytes_per_page)
+            try:
+                verified, mismatch = await asyncio.shield(asyncio.wrap_future(future))
+                ok = True
+            except asyncio.CancelledError:
+                await asyncio.gather(asyncio.wrap_future(future), return_exceptions=True)
+                raise
+            except Exception as exc:
+                self.remote.note_failure("get", f"{type(exc).__name__}: {exc}")
+        except RemoteUnavailable:
+            pass
+        except BaseException:
+            with self.state_lock:
+                self.state.finish_move(move, False)
+            raise
+        seconds = time.perf_counter() - started_s
+        with self.state_lock:
+            metrics = self.state.metrics
+            if ok:
+                move.num_verified_pages, move.mismatch = verified, mismatch
+                metrics.add("remote_get_calls")
+                metrics.add("remote_hit_pages", verified)
+                metrics.add("remote_bytes_read", verified * bytes_per_page)
+                metrics.observe("r2h_end_to_end_seconds", seconds)
+                if verified == len(move.private_page_ids):     # what a match waiting for such a get waits
+                    self.state.cost.add_storage_sample("r2h", num_bytes, seconds)
+            self.state.finish_move(move, ok)
+
+    def _queue_remote_write(self, write: RemoteWrite) -> None:
+        """The state's sink (under state_lock): send a committed path's pages to the store in the
+        background; skipped (its pages unlocked at once) while the store is unreachable or too many
+        writes are in flight."""
+        assert self.remote is not None
+        if len(self.state.remote_writes) > self.config.max_pending_writes:
+            self.remote.count("remote_skips_put_backlog")
+            self.state.finish_remote_write(write, 0)
+        elif not self.remote.available():
+            self.remote.count("remote_skips_put")
+            self.state.finish_remote_write(write, 0)
+        else:
+            self._spawn_threadsafe(self._run_remote_write(write))
+
+    async def _run_remote_write(self, write: RemoteWrite) -> None:
+        assert self.remote is not None
+        namespace = self.state.namespaces[write.namespace_id]
+        generations = namespace.generations
+
+        def intact() -> int:        # a worker asks: the leading pages still holding what was published
+            return generations.num_leading_intact(write.page_ids, write.generations)
+
+        stored = 0
+        try:
+            future = self.remote.submit("put", self.remote.put_pages, write.namespace_key, write.token_ids,
+                                        write.page_size, write.start_page, write.page_ids, write.bytes_per_page,
+                                        intact)
+            try:
+                stored = await self.remote.wait("put", future, self.remote.get_timeout_s(
+                    len(write.page_ids) * write.bytes_per_page))
+            except RemoteUnavailable:
+                # Failed or late: the pages stay locked until the worker has returned.
+                await asyncio.gather(asyncio.wrap_future(future), return_exceptions=True)
+        except RemoteUnavailable:
+            pass
+        finally:
+            with self.state_lock:
+                self.state.metrics.add("remote_bytes_written", stored * write.bytes_per_page)
+                self.state.finish_remote_write(write, stored)
 
     def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
         """Planned once the answer is sent (``_after_reply``): the promotion (if the model asks for
@@ -675,6 +837,7 @@ class Server:
             "l3_temporary": self.storage.is_temporary if self.storage else False,
             "l3_index": self.index.status() if self.index else None,
             "io_threads": self.executor.max_workers if self.executor else 0,
+            "remote": self.remote.status() if self.remote else None,
             "protocol_version": PROTOCOL_VERSION,
             "http": self.http_address,
         }
@@ -790,6 +953,15 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         if storage is not None:
             executor = IoExecutor(config.io_threads)
             resources.callback(executor.shutdown)      # closed before the index, the segment and the file
+        remote = None
+        serving_remote: list[Server] = []
+        if config.remote:
+            remote = RemoteStore(RemoteSettings(config.remote_master, config.remote_metadata_server,
+                                                config.remote_local_host, config.remote_segment_bytes,
+                                                config.remote_exist_timeout_s, config.remote_get_timeout_s,
+                                                config.remote_get_min_gibps * 2**30), segment.mapping)
+            resources.callback(remote.close)           # its gets land in the segment: closed before it
+            remote.probe_if_due()                      # connects in the background
         try:
             state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
@@ -800,7 +972,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 cost_model=CostModel(config.cost_priors, config.restore_policy),
                                 session_share=config.session_share,
                                 hints=AdmissionHints(config.max_namespaces, hints_file.mapping),
-                                generation_files=generation_files)
+                                generation_files=generation_files,
+                                remote_write_sink=(lambda write: serving_remote[0]._queue_remote_write(write))
+                                if remote else None)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         resources.callback(state.hints.close)          # its views go before the file's mapping
@@ -825,7 +999,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         resources.callback(directory.remove_socket)
         directory.socket_bound()
 
-        server = Server(config, state, socket, segment, storage, executor, index, epoch_files, hints_file.path)
+        server = Server(config, state, socket, segment, storage, executor, index, epoch_files, hints_file.path,
+                        remote)
+        serving_remote.append(server)
         resources.callback(server.close_wake_sockets)
         if listener is not None:
             server.http_address = listener.address

@@ -275,7 +275,7 @@ def test_status_shows_each_direction_and_the_decisions(rng):
     assert h2d["fixed_s"] == pytest.approx(0.001) and h2d["slope_s_per_byte"] == pytest.approx(1 / 50e9)
     assert engine["directions"]["prefill"]["slope_s_per_token"] == pytest.approx(30e-6)
     assert engine["directions"]["d2h"]["mode"] == "prior"
-    assert set(status["storage"]) == {"s2h", "h2s"} and status["policy"] == "cost"
+    assert set(status["storage"]) == {"s2h", "h2s", "r2h"} and status["policy"] == "cost"
 
 
 def l2_hit_tokens(rng) -> int:

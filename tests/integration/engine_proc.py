@@ -2,13 +2,15 @@
 
     python -m tests.integration.engine_proc --socket S --role backup  --seed 1 --state F
     python -m tests.integration.engine_proc --socket S --role restore --state F
+    python -m tests.integration.engine_proc --socket S --role lookup --state F --policy cost
 
 ``backup`` makes three random prefixes, "prefills" them with random KV (never zeros), and backs
 them up; it saves each prefix's tokens, KV bytes and L1 page ids to the state file. ``restore``
 runs in another process with a fresh L1 whose allocation order differs, restores each prefix from
 L2 (promoted from L3 where only L3 holds it), and compares the restored KV bytes with the saved ones
 bit for bit: all of them, and the part restored (a prefix may come back in part). Each prints one
-JSON line.
+JSON line. ``lookup`` asks the daemon's decision for each saved prefix under ``--policy`` (a
+lookup: nothing restored) and prints the choices.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from engine_client.cache_manager import CacheManager
 from engine_client.client import connect
+from engine_client.connector import PrefixLookup
 from engine_client.dtypes import torch_dtype
 from proto.messages import KVGeometry
 
@@ -77,7 +80,9 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
     for entry in saved:
         tokens = entry["tokens"]
         full_tokens = len(tokens) // GEOMETRY.page_size * GEOMETRY.page_size
+        started = time.perf_counter()
         plan = manager.prepare(tokens, backup=False)
+        prepare_seconds = time.perf_counter() - started
         check_all(manager)
         restored = manager.read_tokens_kv(plan.l1_page_ids).cpu()
         bit_exact = (plan.restored_tokens == full_tokens
@@ -94,6 +99,7 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
             "bit_exact": bool(bit_exact),
             "same_pages_as_source": plan.l1_page_ids == entry["l1_page_ids"],
             "restore_seconds": plan.restore_seconds,
+            "prepare_seconds": prepare_seconds,
         })
         manager.finish(plan)
         check_all(manager)
@@ -105,10 +111,22 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
             "pinned": manager.host_pool.is_pinned, "pin_seconds": manager.host_pool.pin_seconds}
 
 
+def run_lookup(manager: CacheManager, state_path: str, policy: str) -> dict:
+    saved = torch.load(state_path, weights_only=False)
+    lookups = PrefixLookup(manager.client, tp_group=False, policy=policy)
+    decisions = []
+    for entry in saved:
+        decision = lookups.lookup_async(entry["tokens"]).decision(10.0)
+        decisions.append({"choice": decision.choice, "num_tokens": decision.num_tokens,
+                          "hit_tokens": decision.hit_tokens, "predicted_s": decision.predicted_s})
+    return {"role": "lookup", "decisions": decisions}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--role", choices=("backup", "restore"), required=True)
+    parser.add_argument("--role", choices=("backup", "restore", "lookup"), required=True)
+    parser.add_argument("--policy", default="cost")
     parser.add_argument("--state", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -121,6 +139,8 @@ def main() -> int:
     try:
         if args.role == "backup":
             report = run_backup(manager, args.seed, args.state)
+        elif args.role == "lookup":
+            report = run_lookup(manager, args.state, args.policy)
         else:
             report = run_restore(manager, args.state, args.seed)
     finally:

@@ -1,0 +1,311 @@
+"""The remote tier's I/O: one Mooncake Store client (``MooncakeDistributedStore``), the threads its
+calls run on, their deadlines and the breaker (``kvcached/core/remote.py``).
+
+Every call runs on a worker of this module's pool, never on the socket thread or the event loop,
+and its caller waits at most its deadline: a store whose master is gone blocks 4-5 s per call, and
+gets from a host that died fail only after ~0.5-1 s each. A call past its deadline, or failed,
+opens the breaker: until a probe (``health_check``, off every request's path) finds the store
+again, no request asks it, so an unreachable store costs a request a local miss and nothing more.
+A call past its deadline still runs on its worker; a get's destination pages stay reserved until
+it returns (the daemon's move ends only then), so a late get never lands in pages given out again.
+
+Gets land in place: the daemon's L2 segment is registered with the client, and a page's value is
+got into two buffers, its header (into this module's registered header area) and its bytes (into
+the L2 page reserved for it). Puts send the same two parts from the same places.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from kvcached.core.l3_index import chain_page_keys
+from kvcached.core.remote import HEADER_BYTES, Breaker, header_mismatch, pack_header, remote_key
+
+logger = logging.getLogger(__name__)
+
+NUM_WORKERS = 4
+MAX_PAGES_PER_CALL = 4096           # a worker's header area: MAX_PAGES_PER_CALL * HEADER_BYTES
+LOCAL_BUFFER_BYTES = 16 << 20       # the client's own transfer buffer (we send from registered memory)
+PROBE_TIMEOUT_S = 1.0
+CONNECT_TIMEOUT_S = 30.0
+EXIST = 1                           # batch_is_exist: 1 held, 0 not held, < 0 an error
+
+
+class RemoteUnavailable(Exception):
+    """The store was not asked (breaker open, not connected) or its call failed or was late."""
+
+
+class RemoteSettings(NamedTuple):
+    master: str                     # HOST:PORT
+    metadata_server: str
+    local_host: str
+    segment_bytes: int
+    exist_timeout_s: float
+    get_timeout_s: float
+    get_min_bytes_per_s: float
+
+
+def _address(buffer: Any) -> int:
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    address = view.ctypes.data
+    del view                        # no export kept: the owner may close its mapping later
+    return address
+
+
+class RemoteStore:
+    """The daemon's client of the store. ``segment``: the L2 mapping (registered for in-place
+    gets and puts). Counters (``counters``) are this object's, under its own lock."""
+
+    def __init__(self, settings: RemoteSettings, segment: Any, clock: Callable[[], float] = time.monotonic,
+                 store_factory: Callable[[], Any] | None = None):
+        self.settings = settings
+        self.clock = clock
+        self._store_factory = store_factory or _mooncake_store
+        self._segment_address = _address(segment)
+        self._segment_bytes = len(segment)
+        self._lock = threading.Lock()
+        self.breaker = Breaker(is_open=True)    # not connected yet: the first probe connects
+        self.counters: dict[str, float] = {}
+        self._store: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="kvcached-remote")
+        self._probe = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-remote-probe")
+        self._probing: concurrent.futures.Future | None = None
+        self._headers = np.zeros((NUM_WORKERS + 1, MAX_PAGES_PER_CALL, HEADER_BYTES), dtype=np.uint8)
+        self._local = threading.local()
+        self._next_area = 0
+        self._closed = False
+
+    # ---- counters and state -------------------------------------------------------------------
+
+    def count(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + value
+
+    def available(self) -> bool:
+        """Whether a request may ask the store now (connected, breaker closed)."""
+        with self._lock:
+            return self._store is not None and self.breaker.allows(self.clock())
+
+    def note_failure(self, what: str, why: str) -> None:
+        """A call failed or missed its deadline: counted, and the breaker opens."""
+        self._failed(what, why)
+
+    def _failed(self, what: str, why: str) -> None:
+        with self._lock:
+            was_open = self.breaker.is_open
+            self.breaker.failed(self.clock())
+            retry_s = self.breaker.open_until_s - self.clock()
+        self.count(f"remote_errors_{what}")
+        if not was_open:
+            logger.warning("remote store: %s failed (%s); requests skip it for %.1f s, then it is probed", what,
+                           why, retry_s)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(sorted(self.counters.items()))
+            return {"master": self.settings.master, "metadata_server": self.settings.metadata_server,
+                    "segment_bytes": self.settings.segment_bytes, "connected": self._store is not None,
+                    "exist_timeout_s": self.settings.exist_timeout_s, "get_timeout_s": self.settings.get_timeout_s,
+                    **self.breaker.status(self.clock()), "counters": counters}
+
+    # ---- connecting and probing (off every request's path) ----------------------------------
+
+    def probe_if_due(self) -> None:
+        """Called by the server's timer: while the breaker is open and its backoff over, probe (and
+        connect, the first time) on the probe thread."""
+        with self._lock:
+            if self._closed or (self._probing is not None and not self._probing.done()) or \
+                    not self.breaker.probe_due(self.clock()):
+                return
+            self._probing = self._probe.submit(self._probe_now)
+
+    def _probe_now(self) -> None:
+        try:
+            if self._store is None:
+                store = self._connect()
+                with self._lock:
+                    self._store = store
+            else:
+                future = self._pool.submit(self._store.health_check)
+                code = future.result(PROBE_TIMEOUT_S)
+                if code != 0:
+                    raise RemoteUnavailable(f"health_check returned {code}")
+        except Exception as exc:        # concurrent.futures.TimeoutError included
+            with self._lock:
+                self.breaker.failed(self.clock())
+            self.count("remote_probe_failures")
+            logger.debug("remote store probe failed: %s", exc)
+            return
+        with self._lock:
+            was_failing = self.breaker.failures > 1
+            self.breaker.succeeded()
+        if was_failing:
+            logger.warning("remote store at %s reachable again", self.settings.master)
+
+    def _connect(self) -> Any:
+        store = self._store_factory()
+        code = store.setup(self.settings.local_host, self.settings.metadata_server, self.settings.segment_bytes,
+                           LOCAL_BUFFER_BYTES, "tcp", "", self.settings.master)
+        if code != 0:
+            raise RemoteUnavailable(f"setup returned {code}")
+        for address, size in ((self._segment_address, self._segment_bytes),
+                              (_address(self._headers), self._headers.nbytes)):
+            code = store.register_buffer(address, size)
+            if code != 0:
+                raise RemoteUnavailable(f"register_buffer returned {code}")
+        logger.info("remote store: connected to the master at %s (lending %d bytes)", self.settings.master,
+                    self.settings.segment_bytes)
+        self.count("remote_connects")
+        return store
+
+    def close(self) -> None:
+        """Wait for the calls in flight (each returns within the store's own timeouts), then close
+        the client; before the L2 mapping is closed."""
+        with self._lock:
+            self._closed = True
+        self._probe.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        if self._store is not None:
+            try:
+                self._store.close()
+            except Exception as exc:
+                logger.warning("remote store: close failed: %s", exc)
+            self._store = None
+
+    # ---- calls (each on a worker, each with its deadline) ------------------------------------
+
+    def _header_area(self) -> np.ndarray:
+        area = getattr(self._local, "area", None)
+        if area is None:
+            with self._lock:
+                index, self._next_area = self._next_area, self._next_area + 1
+            area = self._local.area = self._headers[index]
+        return area
+
+    def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Start fn(store, *args) on a worker; RemoteUnavailable (counted) if the store may not be
+        asked now."""
+        with self._lock:
+            store = self._store if self.breaker.allows(self.clock()) and not self._closed else None
+        if store is None:
+            self.count(f"remote_skips_{what}")
+            raise RemoteUnavailable("the remote store is not reachable now")
+        return self._pool.submit(fn, store, *args)
+
+    async def wait(self, what: str, future: concurrent.futures.Future, timeout_s: float) -> Any:
+        """The result of a call, waited for at most timeout_s; RemoteUnavailable if it failed or
+        was late (the breaker opens). The worker may go on past the deadline."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+        except asyncio.TimeoutError:
+            self.count(f"remote_deadline_misses_{what}")
+            self._failed(what, f"no answer within {timeout_s} s")
+            raise RemoteUnavailable(f"{what}: no answer within timeout_s={timeout_s}") from None
+        except Exception as exc:
+            self._failed(what, f"{type(exc).__name__}: {exc}")
+            raise RemoteUnavailable(f"{what}: {exc}") from exc
+
+    async def run(self, what: str, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """submit, then wait."""
+        return await self.wait(what, self.submit(what, fn, *args), timeout_s)
+
+    def get_timeout_s(self, num_bytes: int) -> float:
+        return self.settings.get_timeout_s + num_bytes / self.settings.get_min_bytes_per_s
+
+    def held_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int,
+                   start_page: int, end_page: int) -> int:
+        """Worker: how many of pages [start_page, end_page) of the path the store holds, leading."""
+        keys = chain_page_keys(token_ids, page_size, end_page)[start_page:end_page]
+        held = 0
+        for first in range(0, len(keys), MAX_PAGES_PER_CALL):
+            batch = keys[first:first + MAX_PAGES_PER_CALL]
+            answers = store.batch_is_exist([remote_key(namespace_key, key) for key in batch])
+            if answers and all(a < 0 for a in answers):
+                raise RemoteUnavailable(f"batch_is_exist returned {answers[0]}")
+            for answer in answers:
+                if answer != EXIST:
+                    return held
+                held += 1
+        return held
+
+    def get_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,
+                  page_ids: list[int], bytes_per_page: int) -> tuple[int, str]:
+        """Worker: get pages start_page.. of the path into L2 pages page_ids, in place; the leading
+        pages whose values hold their header and checksum, and why the next one did not."""
+        keys = chain_page_keys(token_ids, page_size, start_page + len(page_ids))[start_page:]
+        area = self._header_area()
+        area_address = _address(area)
+        segment = np.ctypeslib.as_array((ctypes.c_uint8 * self._segment_bytes).from_address(self._segment_address))
+        verified = 0
+        for first in range(0, len(keys), MAX_PAGES_PER_CALL):
+            batch_keys, batch_pages = keys[first:first + MAX_PAGES_PER_CALL], page_ids[first:first + MAX_PAGES_PER_CALL]
+            names = [remote_key(namespace_key, key) for key in batch_keys]
+            pointers = [[area_address + i * HEADER_BYTES, self._segment_address + page * bytes_per_page]
+                        for i, page in enumerate(batch_pages)]
+            sizes = [[HEADER_BYTES, bytes_per_page]] * len(names)
+            got = store.batch_get_into_multi_buffers(names, pointers, sizes)
+            for i, (size, key, page) in enumerate(zip(got, batch_keys, batch_pages)):
+                if size < 0:
+                    if verified == 0 and all(g < 0 for g in got):
+                        raise RemoteUnavailable(f"batch_get_into_multi_buffers returned {size}")
+                    return verified, ""         # gone meanwhile (evicted, its host died): a miss
+                payload = segment[page * bytes_per_page:(page + 1) * bytes_per_page]
+                why = "short value" if size != HEADER_BYTES + bytes_per_page else \
+                    header_mismatch(area[i], namespace_key, key, payload)
+                if why:
+                    return verified, why
+                verified += 1
+        return verified, ""
+
+    def put_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,
+                  page_ids: list[int], bytes_per_page: int, intact: Callable[[], int]) -> int:
+        """Worker: store pages start_page.. of the path from L2 pages page_ids (headers computed from
+        the bytes sent); ``intact()`` is how many leading pages still hold the bytes they were
+        published with, asked before the headers and after the put (a page that changed is
+        removed from the store again). The number of leading pages stored."""
+        keys = chain_page_keys(token_ids, page_size, start_page + len(page_ids))[start_page:]
+        area = self._header_area()
+        area_address = _address(area)
+        segment = np.ctypeslib.as_array((ctypes.c_uint8 * self._segment_bytes).from_address(self._segment_address))
+        stored = 0
+        for first in range(0, len(keys), MAX_PAGES_PER_CALL):
+            num_intact = intact() - first
+            batch_keys = keys[first:first + min(MAX_PAGES_PER_CALL, max(0, num_intact))]
+            batch_pages = page_ids[first:first + len(batch_keys)]
+            if not batch_keys:
+                break
+            for i, (key, page) in enumerate(zip(batch_keys, batch_pages)):
+                payload = segment[page * bytes_per_page:(page + 1) * bytes_per_page]
+                area[i] = np.frombuffer(pack_header(namespace_key, key, payload), dtype=np.uint8)
+            names = [remote_key(namespace_key, key) for key in batch_keys]
+            pointers = [[area_address + i * HEADER_BYTES, self._segment_address + page * bytes_per_page]
+                        for i, page in enumerate(batch_pages)]
+            sizes = [[HEADER_BYTES, bytes_per_page]] * len(names)
+            codes = store.batch_put_from_multi_buffers(names, pointers, sizes)
+            still = intact() - first
+            for i, code in enumerate(codes):
+                if i >= still:          # rewritten while sent: take it back (its header would not match anyway)
+                    store.remove(names[i])
+                    return stored
+                if code != 0:
+                    if stored == 0 and all(c != 0 for c in codes):
+                        raise RemoteUnavailable(f"batch_put_from_multi_buffers returned {code}")
+                    return stored
+                stored += 1
+            if len(batch_keys) < MAX_PAGES_PER_CALL:
+                break
+        return stored
+
+
+def _mooncake_store() -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeDistributedStore()
