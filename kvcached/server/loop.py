@@ -88,6 +88,9 @@ MAX_QUEUED_REPLIES_PER_PEER = 1000
 MAX_UNREAD_STATUS_REPLIES = 2
 MAX_STATUS_PEERS = 4096
 UNREAD_STATUS_FORGET_S = 60.0
+# A write-through to the remote store is on no request's path: it may take this many times a get's
+# deadline before it counts as failed (and the breaker opens).
+PUT_TIMEOUT_FACTOR = 10
 
 
 class Server:
@@ -696,7 +699,7 @@ class Server:
                                         write.page_size, write.start_page, write.page_ids, write.bytes_per_page,
                                         intact)
             try:
-                stored = await self.remote.wait("put", future, self.remote.get_timeout_s(
+                stored = await self.remote.wait("put", future, PUT_TIMEOUT_FACTOR * self.remote.get_timeout_s(
                     len(write.page_ids) * write.bytes_per_page))
             except RemoteUnavailable:
                 # Failed or late: the pages stay locked until the worker has returned.

@@ -75,7 +75,9 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
     saved = torch.load(state_path, weights_only=False)
     # Another request holds the first L1 pages, so our destinations differ from the source pages.
     other_tokens = np.random.default_rng(seed).integers(0, 150_000, size=11 * GEOMETRY.page_size, dtype=np.int32)
+    started = time.perf_counter()
     other_request = manager.prepare(other_tokens, backup=False)
+    other_prepare_seconds = time.perf_counter() - started
     results = []
     for entry in saved:
         tokens = entry["tokens"]
@@ -106,7 +108,7 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
     manager.abort(other_request)
     assert manager.client.flush() == []
     check_all(manager)
-    return {"role": "restore", "results": results,
+    return {"role": "restore", "results": results, "other_prepare_seconds": other_prepare_seconds,
             "bit_exact": all(r["bit_exact"] for r in results),
             "pinned": manager.host_pool.is_pinned, "pin_seconds": manager.host_pool.pin_seconds}
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from tests.integration.daemon_proc import PATIENT_DAEMON, REPO_ROOT, DaemonProcess, child_env
 
 MASTER_PORT = 50051
 METADATA_PORT = 8080
@@ -121,10 +121,17 @@ class Master:
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def remote_daemon(segment: str = "64MiB", extra_args: tuple[str, ...] = ()) -> DaemonProcess:
+# Deadlines a loaded 2-core box keeps: a call missed spuriously would make the next requests skip
+# the store (the breaker), and a test that expects a restore would see a miss. The scenarios that
+# measure a deadline name their own.
+PATIENT_REMOTE = ("--remote-exist-timeout", "2", "--remote-get-timeout", "5")
+
+
+def remote_daemon(segment: str = "64MiB", extra_args: tuple[str, ...] = (),
+                  deadlines: tuple[str, ...] = PATIENT_REMOTE) -> DaemonProcess:
     """A daemon of its own "host" with the remote tier on (not started)."""
     return DaemonProcess(extra_args=("--remote", MASTER_URL, "--remote-segment-size", segment,
-                                     "--http", "off", *extra_args), env=STORE_ENV)
+                                     "--http", "off", *PATIENT_DAEMON, *deadlines, *extra_args), env=STORE_ENV)
 
 
 def status(daemon: DaemonProcess) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from tests.integration.daemon_proc import stop_process
 from tests.remote.cluster import Master, connected, engine, remote_daemon, status, wait_for, writes_done
 
 ALWAYS = ("--restore-policy", "always")
@@ -63,18 +64,25 @@ def restore_across_hosts(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def master_killed(options: dict[str, Any]) -> dict[str, Any]:
-    """The master killed mid-run: B's requests cost a miss within the deadline; restarted, the
-    daemons reconnect by themselves and a new prefix goes across again."""
+    """The master hung (SIGSTOP: calls block) then killed mid-run: requests cost a miss within
+    the deadline (host C, deadlines of ``deadline_s``) or at once (host B); restarted, the daemons
+    reconnect by themselves and a new prefix goes across again."""
+    deadline_s = str(options.get("deadline_s", 0.3))
     master = Master().start()
     a, b = remote_daemon(extra_args=ALWAYS).start(), remote_daemon(extra_args=ALWAYS).start()
+    c = remote_daemon(extra_args=ALWAYS, deadlines=("--remote-exist-timeout", deadline_s,
+                                                    "--remote-get-timeout", deadline_s)).start()
     work = tempfile.mkdtemp(prefix="kvt-remote-")
     try:
-        for daemon in (a, b):
+        for daemon in (a, b, c):
             wait_for(daemon, connected, "connected to the store")
         _save_on(a, os.path.join(work, "first.pt"), seed=11)
+        stop_process(master.proc.pid)
+        hung = engine(c, "restore", os.path.join(work, "first.pt"), 3)
+        hung_remote = status(c)["daemon"]["remote"]
         master.kill()
-        during = engine(b, "restore", os.path.join(work, "first.pt"), 3)
-        during_status = status(b)
+        killed = engine(b, "restore", os.path.join(work, "first.pt"), 3)
+        killed_remote = status(b)["daemon"]["remote"]
         master = Master().start()
         reconnect_started = time.monotonic()
         for daemon in (a, b):
@@ -82,10 +90,10 @@ def master_killed(options: dict[str, Any]) -> dict[str, Any]:
         reconnect_s = time.monotonic() - reconnect_started
         _save_on(a, os.path.join(work, "second.pt"), seed=12)
         after = engine(b, "restore", os.path.join(work, "second.pt"), 4)
-        return {"during": during, "during_remote": during_status["daemon"]["remote"],
-                "reconnect_s": reconnect_s, "after": after}
+        return {"deadline_s": float(deadline_s), "hung": hung, "hung_remote": hung_remote, "killed": killed,
+                "killed_remote": killed_remote, "reconnect_s": reconnect_s, "after": after}
     finally:
-        for daemon in (a, b):
+        for daemon in (a, b, c):
             daemon.cleanup()
         master.cleanup()
 
@@ -104,6 +112,7 @@ def contributor_killed(options: dict[str, Any]) -> dict[str, Any]:
         _save_on(a, os.path.join(work, "first.pt"), seed=21)
         a.stop(9)
         during = engine(b, "restore", os.path.join(work, "first.pt"), 5)
+        during_status = status(b)
         a2 = remote_daemon(segment="64MiB", extra_args=ALWAYS).start()
         wait_for(a2, connected, "the new contributor connected")
         # B's breaker may be open after the dead host's gets: it closes by itself (a probe).
@@ -117,7 +126,8 @@ def contributor_killed(options: dict[str, Any]) -> dict[str, Any]:
                 break
             time.sleep(1.0)
         after = engine(b, "restore", os.path.join(work, "second.pt"), 6)
-        return {"during": during, "during_remote": status(b)["daemon"]["remote"], "after": after,
+        return {"during": during, "during_remote": during_status["daemon"]["remote"], "after": after,
+                "during_metrics": {k: v for k, v in _metrics(during_status).items() if "r2h" in k or "remote" in k},
                 "b_checksum_mismatches": _metrics(status(b)).get("remote_checksum_mismatches", 0)}
     finally:
         for daemon in (a, b) + ((a2,) if a2 else ()):
