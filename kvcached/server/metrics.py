@@ -53,8 +53,8 @@ DAEMON_COUNTERS = (
           "after any promotion from L3)", ("tier",), per_model=True),
     _rule("lookups", "kvcached_lookups", "Lookups handled (side-effect free matches)", per_model=True),
     _rule("lookup_tokens", "kvcached_lookup_tokens", "Tokens (whole pages) looked up", per_model=True),
-    _rule("lookup_hit_tokens_(l2)", "kvcached_lookup_hit_tokens", "Leading tokens of looked-up prompts the tier "
-          "held", ("tier",), per_model=True),
+    _rule("lookup_hit_tokens_(l2|remote)", "kvcached_lookup_hit_tokens", "Leading tokens of looked-up prompts the "
+          "tier held (remote: L2 and the remote store together)", ("tier",), per_model=True),
     _rule("evicted_pages_(l2|l3)", "kvcached_evicted_pages", "Pages evicted (LRU) to make room", ("tier",),
           per_model=True),
     _rule("backup_pages_committed", "kvcached_committed_pages", "Pages engines saved that entered L2 (new to "
@@ -69,17 +69,17 @@ DAEMON_COUNTERS = (
     _rule("promotions", "kvcached_promotions", "Matches served after an L3 -> L2 promotion"),
     _rule("restore_fallbacks", "kvcached_fallbacks", "Matches whose L3 promotion failed (the engine recomputes)",
           reason="promotion_failed"),
-    _rule("(h2s|s2h)_pages_published", "kvcached_io_published_pages", "Pages an L3 write (h2s) or promotion "
-          "(s2h) added to its tier", ("direction",)),
+    _rule("(h2s|s2h|r2h)_pages_published", "kvcached_io_published_pages", "Pages an L3 write (h2s), promotion "
+          "(s2h) or remote restore (r2h) added to its tier", ("direction",)),
     _rule("(h2s|s2h)_pages_cut_no_space", "kvcached_io_pages_cut", "Pages an L3 write (h2s) or promotion (s2h) "
           "left out for want of room in the tier it copies to (the pages before them were copied)",
           ("direction",)),
     _rule("(h2s|s2h)_bytes", "kvcached_io_bytes", "Bytes moved between L2 and the L3 file", ("direction",)),
     _rule("(h2s|s2h)_extents", "kvcached_io_extents", "File extents (coalesced I/Os) of L3 moves",
           ("direction",)),
-    _rule("(h2s|s2h)_failures", "kvcached_io_failures", "L3 moves that failed (their pages returned)",
-          ("direction",)),
-    _rule("(h2s|s2h)_no_space", "kvcached_policy_skips", "Copies to another tier not made, by reason",
+    _rule("(h2s|s2h|r2h)_failures", "kvcached_io_failures", "L3 moves and remote restores that failed (their "
+          "pages returned)", ("direction",)),
+    _rule("(h2s|s2h|r2h)_no_space", "kvcached_policy_skips", "Copies to another tier not made, by reason",
           ("direction",), reason="no_space"),
     _rule("(h2s|s2h)_policy_skips", "kvcached_policy_skips", "", ("direction",), reason="backlog"),
     _rule("backup_policy_skips", "kvcached_policy_skips", "", direction="d2h", reason="evicted_before_reuse"),
@@ -104,6 +104,16 @@ DAEMON_COUNTERS = (
           reason="corrupt"),
     _rule("l3_index_rows_dropped", "kvcached_l3_dropped_pages", "", reason="index_unusable"),
     _rule("l3_pages_restored", "kvcached_l3_restored_pages", "L3 pages rebuilt from the index at start"),
+    _rule("remote_hit_pages", "kvcached_remote_hit_pages", "Pages restored from the remote store into L2 (their "
+          "header and checksum checked)"),
+    _rule("remote_pages_written", "kvcached_remote_written_pages", "L2 pages written through to the remote store"),
+    _rule("remote_bytes_(read|written)", "kvcached_remote_bytes", "Page bytes read from and written to the "
+          "remote store", ("op",)),
+    _rule("remote_checksum_mismatches", "kvcached_remote_checksum_mismatches", "Values the remote store gave that "
+          "were not the page asked for (another page, torn, a wrong checksum): dropped, recomputed"),
+    _rule("remote_restores", "kvcached_remote_restores", "Matches served after a restore from the remote store"),
+    _rule("remote_restore_fallbacks", "kvcached_fallbacks", "", reason="remote_failed"),
+    _rule("remote_get_calls", "kvcached_remote_get_calls", "Restores whose gets the remote store answered"),
     _rule("errors_internal", "kvcached_internal_errors", "Requests that hit a daemon bug (error reply)"),
     _rule("errors_(.+)", "kvcached_refused_requests", "Requests refused with an error reply, by code", ("code",)),
     _rule("replies_dropped", "kvcached_replies_dropped", "Replies not delivered (peer gone or not reading)"),
@@ -115,8 +125,8 @@ DAEMON_HISTOGRAMS = (
           ("direction",)),
     _rule("(h2s|s2h)_queue_wait_seconds", "kvcached_io_queue_wait_seconds", "Time an L3 move waited for an I/O "
           "thread (end to end less service)", ("direction",)),
-    _rule("(h2s|s2h)_end_to_end_seconds", "kvcached_io_end_to_end_seconds", "Time from an L3 move's enqueue to "
-          "its completion", ("direction",)),
+    _rule("(h2s|s2h|r2h)_end_to_end_seconds", "kvcached_io_end_to_end_seconds", "Time from an L3 move's (or a "
+          "remote restore's) enqueue to its completion", ("direction",)),
     _rule("request_seconds_(.+)", "kvcached_request_seconds", "Time the socket thread spent handling a request, "
           "by kind", ("kind",)),
     _rule("(.+)", "kvcached_daemon_seconds", "Other timings of the daemon", ("name",)),
@@ -331,6 +341,43 @@ def _daemon(families: _Families, snapshot: dict[str, Any]) -> None:
                      1 if index.get("failed") else 0)
 
 
+# The remote store client's counters (status daemon.remote.counters).
+REMOTE_COUNTERS = (
+    _rule("remote_errors_(exist|get|put)", "kvcached_remote_errors", "Remote store calls that failed or missed "
+          "their deadline, by call", ("op",)),
+    _rule("remote_deadline_misses_(exist|get|put)", "kvcached_remote_deadline_misses", "Remote store calls not "
+          "answered within their deadline (the request went on with a local miss)", ("op",)),
+    _rule("remote_skips_(exist|get|put)(?:_backlog)?", "kvcached_remote_skips", "Remote store calls not made: "
+          "the store was unreachable (breaker open) or too many writes in flight", ("op",)),
+    _rule("remote_exist_calls", "kvcached_remote_lookups", "Lookups and matches that asked the remote store "
+          "which following pages it holds"),
+    _rule("remote_exist_seconds", "kvcached_remote_lookup_seconds", "Seconds those questions took (the latency "
+          "they add to a request)"),
+    _rule("remote_exist_held_pages", "kvcached_remote_lookup_held_pages", "Pages the remote store said it held"),
+    _rule("remote_connects", "kvcached_remote_connects", "Connections made to the remote store"),
+    _rule("remote_probe_failures", "kvcached_remote_probe_failures", "Probes of an unreachable remote store that "
+          "failed"),
+)
+
+
+def _remote(families: _Families, snapshot: dict[str, Any]) -> None:
+    remote = snapshot.get("daemon", {}).get("remote")
+    if not remote:
+        return
+    families.add(GaugeMetricFamily, "kvcached_remote_up", "1 while the remote store is connected and its breaker "
+                 "closed (requests ask it)", {}, 1 if remote["connected"] and remote["state"] == "closed" else 0)
+    sums: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Rule, float]] = {}
+    for name, value in remote.get("counters", {}).items():
+        found = _match(REMOTE_COUNTERS, name)
+        if found is None or not _number(value):
+            continue
+        rule, labels = found
+        key = (rule.metric, tuple(sorted(labels.items())))
+        sums[key] = (rule, sums.get(key, (rule, 0))[1] + value)
+    for (metric, labels), (rule, value) in sums.items():
+        families.add(CounterMetricFamily, metric, rule.help, dict(labels), value)
+
+
 # The cost model's counters (status "cost_model", top level) -> (metric, help, labels).
 COST_MODEL_COUNTERS = {
     "background_promotions_total": ("kvcached_background_promotions", "L3 hits a lookup declined, promoted to L2 "
@@ -404,6 +451,7 @@ def metric_families(snapshot: dict[str, Any]) -> list[Metric]:
     """Every kvcached metric family of one status snapshot."""
     families = _Families()
     _daemon(families, snapshot)
+    _remote(families, snapshot)
     _daemon_counters(families, snapshot)
     _histograms(families, snapshot)
     _engines(families, snapshot, _namespaces(families, snapshot))

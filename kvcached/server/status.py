@@ -263,6 +263,7 @@ def render_table(snapshot: dict[str, Any], previous: dict[str, Any] | None = Non
             lines.append(f"{direction:<4} {d['count']:>7} {format_size(d['bytes']):>10} {d['gibps']:>7.2f} "
                          f"{d['extents']:>8} {d['failures']:>8} {d['mean_queue_wait_s']:>9.4f} "
                          f"{d['mean_end_to_end_s']:>9.4f}")
+    lines += render_remote(snapshot)
     lines += render_cost_model(snapshot.get("cost_model"))
     metrics = snapshot.get("metrics", {})
     if metrics:
@@ -270,6 +271,28 @@ def render_table(snapshot: dict[str, Any], previous: dict[str, Any] | None = Non
     if previous is not None:
         lines += _rate_lines(snapshot, previous)
     return "\n".join(lines)
+
+
+def render_remote(snapshot: dict[str, Any]) -> list[str]:
+    """The remote tier in two lines: where, whether requests ask it, what it gave and took, what failed."""
+    remote = snapshot.get("daemon", {}).get("remote")
+    if not remote:
+        return []
+    counters, metrics = remote.get("counters", {}), snapshot.get("metrics", {})
+
+    def by_op(prefix: str) -> str:
+        return "/".join(str(sum(v for k, v in counters.items() if k.startswith(f"{prefix}{op}")))
+                        for op in ("exist", "get", "put"))
+
+    state = "up" if remote["connected"] and remote["state"] == "closed" else \
+        f"DOWN (retry in {remote['retry_in_s']:.1f}s)" if remote["connected"] else "connecting"
+    return ["", f"remote mooncake://{remote['master']} {state}  lends {format_size(remote['segment_bytes'])}  "
+                f"lookups {counters.get('remote_exist_calls', 0)}  hit pages {metrics.get('remote_hit_pages', 0)} "
+                f"({format_size(metrics.get('remote_bytes_read', 0))})  written pages "
+                f"{metrics.get('remote_pages_written', 0)} ({format_size(metrics.get('remote_bytes_written', 0))})",
+            f"remote exist/get/put: errors {by_op('remote_errors_')}  deadline misses "
+            f"{by_op('remote_deadline_misses_')}  skipped {by_op('remote_skips_')}  checksum mismatches "
+            f"{metrics.get('remote_checksum_mismatches', 0)}"]
 
 
 def render_cost_model(cost: dict[str, Any] | None) -> list[str]:

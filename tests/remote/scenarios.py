@@ -16,6 +16,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from kvcached.server.metrics import metric_families
+from kvcached.server.status import render_table
 from tests.integration.daemon_proc import stop_process
 from tests.remote.cluster import Master, connected, engine, remote_daemon, status, wait_for, writes_done
 
@@ -56,7 +58,10 @@ def restore_across_hosts(options: dict[str, Any]) -> dict[str, Any]:
                 "b_remote_bytes_read": _metrics(after).get("remote_bytes_read", 0),
                 "b_checksum_mismatches": _metrics(after).get("remote_checksum_mismatches", 0),
                 "b_r2h_line": after["cost_model"]["storage"]["r2h"],
-                "b_remote": after["daemon"]["remote"]}
+                "b_remote": after["daemon"]["remote"],
+                "b_table": render_table(after),
+                "b_metrics": {family.name: [[sample.labels, sample.value] for sample in family.samples]
+                              for family in metric_families(after) if "remote" in family.name}}
     finally:
         for daemon in (a, b):
             daemon.cleanup()

@@ -23,7 +23,7 @@ def all_prepares(report: dict) -> list[float]:
 def test_a_prefix_saved_on_one_host_restores_on_another_bit_for_bit():
     """Engine X on host A saves three prefixes; engine Y on host B, whose daemon never saw them,
     restores every whole page of each from the store, bit for bit; B's remote line has learned from
-    its own reads, and no value failed its check."""
+    its own reads, no value failed its check, and B's status table and /metrics show the tier."""
     report = run_isolated("restore_across_hosts")
     assert report["b_lookups_before"] == 0
     restored = report["restored"]
@@ -35,6 +35,10 @@ def test_a_prefix_saved_on_one_host_restores_on_another_bit_for_bit():
     assert report["b_checksum_mismatches"] == 0
     assert report["b_r2h_line"]["samples_total"] >= 1
     assert report["b_remote"]["state"] == "closed"
+    # Operated like every tier: `kvcached status` and /metrics show it.
+    assert f"hit pages {report['saved']['pages']}" in report["b_table"] and "mooncake://" in report["b_table"]
+    assert report["b_metrics"]["kvcached_remote_up"] == [[{}, 1]]
+    assert report["b_metrics"]["kvcached_remote_hit_pages"] == [[{}, report["saved"]["pages"]]]
 
 
 def test_the_master_gone_costs_a_miss_within_the_deadline_and_the_daemons_reconnect():
