@@ -18,9 +18,11 @@ While DOWN, the heartbeat thread keeps probing, off every request's path: a hear
 for the old session resumes it; a daemon that no longer knows it (restarted, or it expired the
 session) gets a new ATTACH with the same geometry, a new session of the next ``generation``.
 Objects that hold pages of a session (the connector) tag what they do with its generation,
-learn of a re-attach from ``add_reattach_listener``, and say when nothing of theirs will write
-the ended session's pages any more (``mark_drained``): only then does the ATTACH name that
-session (``previous_session_id``). One warning per outage, one info line when it ends.
+learn of a re-attach from ``add_reattach_listener`` and of a session's sure end from
+``add_session_end_listener`` (so that an engine that makes no call drops the ended session's
+pool), and say when nothing of theirs will write the ended session's pages any more
+(``mark_drained``): only then does the ATTACH name that session (``previous_session_id``). One
+warning per outage, one info line when it ends.
 """
 
 from __future__ import annotations
@@ -532,6 +534,7 @@ class KVCacheClient:
         self._connection = Connection(ConnectionState.DETACHED, 0, None, time.monotonic())
         self._drained_generation = 0         # mark_drained's, for the session that is DOWN
         self._reattach_listeners: list[Callable[[int, AttachInfo], None]] = []
+        self._session_end_listeners: list[Callable[[int], None]] = []
         self._heartbeat_thread: threading.Thread | None = None
         self._stop_heartbeats = threading.Event()
         self._wake_fds: tuple[int, int] | None = None     # a pipe that wakes the heartbeat thread
@@ -572,6 +575,15 @@ class KVCacheClient:
     def remove_reattach_listener(self, listener: Callable[[int, AttachInfo], None]) -> None:
         self._reattach_listeners.remove(listener)
 
+    def add_session_end_listener(self, listener: Callable[[int], None]) -> None:
+        """``listener(generation)`` runs once the session of ``generation`` surely ended (the daemon
+        exited, said SHUTDOWN or no longer knows it), on the thread that learnt it (mostly the
+        heartbeat thread), with no lock of the client held; it must return quickly."""
+        self._session_end_listeners.append(listener)
+
+    def remove_session_end_listener(self, listener: Callable[[int], None]) -> None:
+        self._session_end_listeners.remove(listener)
+
     def mark_drained(self, generation: int) -> None:
         """Nothing writes pages of the session of ``generation`` any more (every transfer into them
         has completed, and none will start): the ATTACH that replaces that session may name it
@@ -611,6 +623,12 @@ class KVCacheClient:
                         f"new session (generation {new.generation})" if info is not None else "session resumed")
         elif state is ConnectionState.DOWN:
             logger.debug("kvcached daemon still unavailable: %s", reason)
+        if new.session_ended and not current.session_ended and current.info is not None:
+            for listener in list(self._session_end_listeners):
+                try:
+                    listener(new.generation)
+                except Exception:
+                    logger.exception("a kvcached session-end listener failed")
         return True
 
     def _daemon_down(self, seen: Connection, reason: str, session_ended: bool) -> None:

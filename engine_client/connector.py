@@ -81,6 +81,7 @@ is shorter than asked loads what it has and reports the rest failed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -503,7 +504,21 @@ class KVConnector:
         self._ended_pools: list[SharedHostPool] = []
         self._remap_threads: list[threading.Thread] = []
         self._hints: HintsView | None = self._open_hints(self._session)
+        # The mapped session's memory (host_pool, its generations, _hints) is used by the scheduler
+        # thread and may be dropped by another (_on_session_end). _pool_lock guards what says which
+        # session's memory is mapped (_generation, _session, host_pool, the transfer's pool, _hints,
+        # _pool_dropped), _pool_users (the scheduler's sections that use that memory now: a copy
+        # being queued, generations read or stamped; _pool_section) and _pool_transfers (copies
+        # queued into or out of it, until seen complete). Held for that bookkeeping only: never
+        # across a copy, a wait or a call to the client.
+        self._pool_lock = threading.Lock()
+        self._pool_users = 0
+        self._pool_transfers: set[Transfer] = set()
+        # An ended session's generation whose pool a drop found in use: dropped by the section that
+        # ends the use, or by the poll that sees the last copy done.
+        self._drop_wanted: int | None = None
         client.add_reattach_listener(self._on_reattach)
+        client.add_session_end_listener(self._on_session_end)
         self._report(force=True)
 
     @classmethod
@@ -607,14 +622,16 @@ class KVConnector:
     def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
         """Whether the admission hints show that the daemon would decline every restore of these
         tokens beyond the engine's own hit (``proto.hints.HintsView.predicts_recompute``)."""
-        hints = self._hints
-        if hints is None or not self.config.predict:
+        if self._hints is None or not self.config.predict:
             return False
         tokens = self._tokens(token_ids)
         num_tokens = len(tokens) // self.page_size * self.page_size
         beyond = num_tokens - min(local_hit_tokens, num_tokens) // self.page_size * self.page_size
-        return hints.predicts_recompute(tokens[:self.page_size].tobytes(), beyond, self.config.promote_l3,
-                                        self.config.policy, peer_registered=self.peer is not None)
+        with self._pool_lock:       # a few reads of the hints' mapping, which another thread may drop
+            hints = self._hints
+            return hints is not None and hints.predicts_recompute(
+                tokens[:self.page_size].tobytes(), beyond, self.config.promote_l3, self.config.policy,
+                peer_registered=self.peer is not None)
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine computed num_tokens in a prefill forward of this many seconds: a sample for
@@ -938,14 +955,24 @@ class KVConnector:
             usable = max(0, min(load.start_page + num_pages, request.hit_pages) - load.start_page)
             if usable < num_pages:
                 load.reason = "not_cached"      # evicted since the lookup, or this rank holds less
-            if usable and request.session_id != self._session.session_id:
-                usable, load.reason = 0, "session_lost"     # its page ids name another pool's pages
+            if usable:
+                usable = self._queue_l2_load(request, load, usable)
+        load.num_pages_queued = usable
+
+    def _queue_l2_load(self, request: _Request, load: _Load, usable: int) -> int:
+        """Queue the copy of the first ``usable`` pages of the load from the request's L2 pages;
+        the pages queued (its reason set for the rest)."""
+        with self._pool_section(request.session_id) as pool:
+            if pool is None:
+                load.reason = "session_lost"        # its page ids name another pool's pages (or none)
+                return 0
             pages = slice(load.start_page, load.start_page + usable)
-            intact = self.host_pool.generations.num_leading_intact(request.host_page_ids[pages],
-                                                                   request.host_page_generations[pages])
+            intact = pool.generations.num_leading_intact(request.host_page_ids[pages],
+                                                         request.host_page_generations[pages])
             if intact < usable:
                 usable, load.reason = intact, "stale_generation"
-        if usable:
+            if not usable:
+                return 0
             try:
                 layered = self.config.layered_loads and usable * self.geometry.bytes_per_page >= \
                     self.config.layered_min_bytes
@@ -953,13 +980,14 @@ class KVConnector:
                                                    load.block_ids[:usable], load.after, layered)
             except Exception as exc:            # the blocks are recomputed; nothing else depends on them
                 self._warn_once("load_transfer_failed", f"a load's transfer failed: {exc!r}")
-                usable, load.reason = 0, "transfer_failed"
-            else:
-                self.counters["load_pages_queued"] += usable
-                load.session_id = request.session_id
-                self._queued_loads.append(LoadResult(request.request_id, usable * self.page_size,
-                                                     load.block_ids[usable:].tolist(), load.reason))
-        load.num_pages_queued = usable
+                load.reason = "transfer_failed"
+                return 0
+            self._track(load.transfer)
+        self.counters["load_pages_queued"] += usable
+        load.session_id = request.session_id
+        self._queued_loads.append(LoadResult(request.request_id, usable * self.page_size,
+                                             load.block_ids[usable:].tolist(), load.reason))
+        return usable
 
     def _peer_plan(self, reply) -> PeerPlan | None:
         """Copy from another engine's GPU cache when the match's decision chose it (the daemon's
@@ -1009,15 +1037,17 @@ class KVConnector:
             if verified < usable:
                 usable, reason = verified, "peer_changed"
             self.counters["peer_loaded_pages"] += usable
-        elif load.transfer is not None and load.session_id != self._session.session_id:
-            usable, reason = 0, "session_lost"          # (never: a pool is swapped with no transfer in flight)
         elif load.transfer is not None:
-            # A page whose generation changed while the DMA read it may hold another's bytes.
-            pages = slice(load.start_page, load.start_page + usable)
-            intact = self.host_pool.generations.num_leading_intact(request.host_page_ids[pages],
-                                                                   request.host_page_generations[pages])
-            if intact < usable:
-                usable, reason = intact, "stale_generation"
+            with self._pool_section(load.session_id, load.transfer) as pool:
+                if pool is None:    # the ended session's pool was dropped once the copy was done
+                    usable, reason = 0, "session_lost"
+                else:
+                    # A page whose generation changed while the DMA read it may hold another's bytes.
+                    pages = slice(load.start_page, load.start_page + usable)
+                    intact = pool.generations.num_leading_intact(request.host_page_ids[pages],
+                                                                 request.host_page_generations[pages])
+                    if intact < usable:
+                        usable, reason = intact, "stale_generation"
         failed = load.block_ids[usable:].tolist()
         if failed:
             self._count_failure(len(failed), reason or "unknown")
@@ -1055,16 +1085,18 @@ class KVConnector:
         todo = np.flatnonzero(~request.queued[lo:hi]) + lo
         if not len(todo):
             return
-        if request.session_id != self._session.session_id:
-            self._skip(len(todo), "session_lost")       # its page ids name another pool's pages
-            return
         blocks = save.block_ids[todo + request.hit_pages - save.first_page]
-        try:
-            transfer = self.transfer.save(blocks, request.reserved[todo], save.after, request.generation)
-        except Exception as exc:                # never committed: the pages go back with the lease
-            self._warn_once("save_transfer_failed", f"a save's transfer failed: {exc!r}")
-            self._skip(len(todo), "transfer_failed")
-            return
+        with self._pool_section(request.session_id) as pool:
+            if pool is None:
+                self._skip(len(todo), "session_lost")   # its page ids name another pool's pages (or none)
+                return
+            try:
+                transfer = self.transfer.save(blocks, request.reserved[todo], save.after, request.generation)
+            except Exception as exc:            # never committed: the pages go back with the lease
+                self._warn_once("save_transfer_failed", f"a save's transfer failed: {exc!r}")
+                self._skip(len(todo), "transfer_failed")
+                return
+            self._track(transfer)
         request.queued[todo] = True
         # Pages no longer reserved for this lease (it ended, they went to another writer): not written.
         self._skip(int((~transfer.claimed).sum()), "stale_generation")
@@ -1079,13 +1111,14 @@ class KVConnector:
     def _complete_save(self, request: _Request, save: _Save) -> None:
         self._cost_samples.append(("d2h", save.transfer.num_pages * self.geometry.bytes_per_page,
                                    save.transfer.seconds()))
-        if save.session_id != self._session.session_id:
-            self._skip(save.transfer.num_pages, "session_lost")     # its lease went with the session
-        else:
-            # Complete: stamped with the lease's generation, readers may trust them once committed.
-            self.host_pool.generations.stamp(request.reserved[save.reserve_indices], request.generation)
-            request.written[save.reserve_indices] = True
-            self.counters["saved_pages"] += save.transfer.num_pages
+        with self._pool_section(save.session_id, save.transfer) as pool:
+            if pool is None:
+                self._skip(save.transfer.num_pages, "session_lost")     # its lease went with the session
+            else:
+                # Complete: stamped with the lease's generation, readers may trust them once committed.
+                pool.generations.stamp(request.reserved[save.reserve_indices], request.generation)
+                request.written[save.reserve_indices] = True
+                self.counters["saved_pages"] += save.transfer.num_pages
         save.transfer = None
 
     @staticmethod
@@ -1231,13 +1264,36 @@ class KVConnector:
             logger.error("cannot map the L2 pool of the new kvcached session (generation %d): %s", generation, exc)
             return
         with self._next_lock:
-            if self._closed or (self._next_pool is not None and self._next_pool[0] > generation):
-                superseded = pool       # closed meanwhile, or a later re-attach's pool is ready
+            if self._closed or (self._next_pool is not None and self._next_pool[0] > generation) \
+                    or self._ended(generation):
+                superseded = pool       # closed meanwhile, a later re-attach's pool is ready, or it ended
             else:
                 superseded = self._next_pool[2] if self._next_pool is not None else None
                 self._next_pool = (generation, info, pool)
         if superseded is not None:
             superseded.close()
+
+    def _ended(self, generation: int) -> bool:
+        """Whether the session of ``generation`` surely ended (a later one exists, or it is down
+        for good): what the client says, read without waiting."""
+        connection = self.client.connection
+        return connection.generation > generation or (connection.generation == generation
+                                                      and connection.session_ended)
+
+    def _on_session_end(self, generation: int) -> None:
+        """The client's listener (mostly on its heartbeat thread): the session of ``generation``
+        surely ended. Its pool (or a later one's, mapped meanwhile) is dropped at once where no
+        copy is being queued and every copy queued into or out of it is complete, so that an
+        engine that makes no call frees it too; otherwise the poll that sees the last one done
+        drops it (_follow_session)."""
+        with self._next_lock:
+            stale = self._next_pool if self._next_pool is not None and self._next_pool[0] <= generation else None
+            if stale is not None:
+                self._next_pool = None
+        if stale is not None:
+            stale[2].close()
+        if self._drop_pool(generation):
+            self.client.mark_drained(generation)    # nothing of ours writes that session's pages
 
     def _follow_session(self) -> None:
         """While the mapped pool's session is not the client's live one: with no transfer in
@@ -1252,46 +1308,101 @@ class KVConnector:
         if connection.generation == self._generation:
             self.client.mark_drained(self._generation)    # DOWN: no transfer starts until it is back
             if connection.session_ended:
-                self._drop_pool()
+                self._drop_pool(self._generation)
             return
         with self._next_lock:
             ready = self._next_pool is not None and self._next_pool[0] == connection.generation
             if ready:
                 (generation, info, pool), self._next_pool = self._next_pool, None
         if not ready:               # a newer session exists, its pool still being mapped
-            self._drop_pool()
+            self._drop_pool(self._generation)
             return
-        self._swap_pool(pool)
-        self._generation, self._session, self._pool_dropped = generation, info, False
-        self._hints = self._open_hints(info)
+        hints = self._open_hints(info)
+        with self._pool_lock:
+            replaced = self._use_pool(pool, generation, info, hints)
+        self._close_replaced(*replaced)
         logger.info("L2 pool of the new kvcached session (generation %d) in use: %s", generation, info.shm_path)
         self._report(force=True)
 
-    def _drop_pool(self) -> None:
-        """Unpin and unmap the pool of a session that surely ended (no transfer in flight, none can
-        start: its generation never attaches again), so that the segment's memory is freed now:
-        where /dev/shm cannot hold two pools, a restarted daemon needs it to start."""
-        if self._pool_dropped:
-            return
-        self._swap_pool(_placeholder_pool(self.layout, self.geometry))
-        # The ended session's requests now hold page ids of no mapped pool: they move nothing and
-        # end nothing (session_lost), as after a swap.
-        self._session, self._pool_dropped = _NoSession(), True
+    def _drop_pool(self, ended_generation: int) -> bool:
+        """Unpin and unmap the mapped pool if its session is that of ``ended_generation`` or an
+        older one (surely ended), no copy is being queued and every copy queued into or out of it
+        is complete (none can start after: its generation never attaches again), so that the
+        segment's memory is freed now: where /dev/shm cannot hold two pools, a restarted daemon
+        needs it to start. Found in use, it is left to the section that ends the use
+        (_pool_section) or to a poll. True once dropped (now or before)."""
+        if self._pool_dropped or self._closed:
+            return self._pool_dropped
+        placeholder = _placeholder_pool(self.layout, self.geometry)
+        replaced = None
+        with self._pool_lock:
+            if not (self._closed or self._pool_dropped) and self._generation <= ended_generation:
+                if not self._pool_users and all(t.done() for t in self._pool_transfers):
+                    # The ended session's requests now hold page ids of no mapped pool: they move
+                    # nothing and end nothing (session_lost), as after a swap.
+                    replaced = self._use_pool(placeholder, self._generation, _NoSession(), None)
+                else:
+                    self._drop_wanted = max(ended_generation, self._drop_wanted or 0)
+            dropped = self._pool_dropped
+        if replaced is None:
+            placeholder.close()
+            return dropped
+        self._close_replaced(*replaced)
         logger.info("the ended kvcached session's L2 pool is unmapped")
+        return True
 
-    def _swap_pool(self, pool: SharedHostPool) -> None:
-        """Transfers use ``pool`` from now on; the old pool (and the hints) closed."""
-        old = self.host_pool
+    def _use_pool(self, pool: SharedHostPool, generation: int, session: AttachInfo | _NoSession,
+                  hints: HintsView | None) -> tuple[SharedHostPool, HintsView | None]:
+        """With _pool_lock held and no copy of the mapped pool being queued or in flight: transfers
+        use ``pool`` (``session``'s, or a placeholder) from now on. Returns the replaced pool and
+        hints, for the caller to close once the lock is released."""
+        replaced = self.host_pool, self._hints
         self.transfer.use_host_pool(pool)
-        self.host_pool = pool
-        if self._hints is not None:
-            self._hints.close()
-            self._hints = None
+        self.host_pool, self._hints = pool, hints
+        self._generation, self._session = generation, session
+        self._pool_dropped = isinstance(session, _NoSession)
+        self._pool_transfers.clear()
+        self._drop_wanted = None
+        return replaced
+
+    def _close_replaced(self, pool: SharedHostPool, hints: HintsView | None) -> None:
+        if hints is not None:
+            hints.close()
         try:
-            old.close()
+            pool.close()
         except RuntimeError as exc:     # a view of it still lives: closed by a poll once it is gone
             logger.warning("the ended session's L2 pool stays mapped until its last view is dropped: %s", exc)
-            self._ended_pools.append(old)
+            with self._pool_lock:
+                self._ended_pools.append(pool)
+
+    @contextlib.contextmanager
+    def _pool_section(self, session_id: int | None, complete: Transfer | None = None):
+        """Use the mapped pool for the scheduler's work of ``session_id``'s requests: yields the
+        pool, not dropped or replaced until the section ends, or None when it is not that
+        session's (the session ended and its pool was dropped or replaced). ``complete``: a copy
+        seen complete, no longer in flight. A drop asked for meanwhile is tried at the end."""
+        with self._pool_lock:
+            if complete is not None:
+                self._pool_transfers.discard(complete)
+            pool = self.host_pool if session_id == self._session.session_id else None
+            if pool is not None:
+                self._pool_users += 1
+        if pool is None:
+            yield None
+            return
+        try:
+            yield pool
+        finally:
+            with self._pool_lock:
+                self._pool_users -= 1
+                wanted = self._drop_wanted if not self._pool_users else None
+            if wanted is not None and self._drop_pool(wanted):
+                self.client.mark_drained(wanted)
+
+    def _track(self, transfer: Transfer) -> None:
+        """A copy just queued (in a _pool_section) into or out of the mapped pool: in flight."""
+        with self._pool_lock:
+            self._pool_transfers.add(transfer)
 
     def _open_hints(self, info: AttachInfo) -> HintsView | None:
         """The session's admission hints (None: the daemon publishes none, or they cannot be read:
@@ -1306,15 +1417,18 @@ class KVConnector:
             return None
 
     def _close_ended_pools(self) -> None:
+        with self._pool_lock:
+            ended, self._ended_pools = self._ended_pools, []
         still_viewed = []
-        for pool in self._ended_pools:
+        for pool in ended:
             try:
                 pool.close()
             except RuntimeError:
                 still_viewed.append(pool)
             else:
                 logger.info("the ended session's L2 pool is closed")
-        self._ended_pools = still_viewed
+        with self._pool_lock:
+            self._ended_pools += still_viewed
 
     # ---- shutdown ---------------------------------------------------------------------------------
 
@@ -1324,10 +1438,12 @@ class KVConnector:
         with self._next_lock:
             if self._closed:
                 return
-            self._closed = True
+            with self._pool_lock:       # no drop starts from here on (_drop_pool)
+                self._closed = True
             next_pool, self._next_pool = self._next_pool, None
             remap_threads = list(self._remap_threads)
         self.client.remove_reattach_listener(self._on_reattach)
+        self.client.remove_session_end_listener(self._on_session_end)
         try:
             deadline = time.monotonic() + timeout_s
             for request in self._all_requests():

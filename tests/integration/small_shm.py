@@ -7,7 +7,8 @@ Run as root in a private mount namespace (``run_in_small_shm``), so that the rea
 touched. A 64 MiB L2, two engines that back up and restore; the daemon is stopped by the signal,
 the engines see it down and drop its pool, a new daemon starts on the same socket (it needs the
 room of the old pool), and each engine restores, bit for bit, what the other backed up into the
-new daemon. Prints one JSON line.
+new daemon. With ``--idle`` the engines make no call at all from the signal until the new daemon
+runs (an idle engine makes no scheduler steps): the pool must go without one. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,16 +28,11 @@ import torch
 from engine_client.client import ConnectionState
 from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from tests.integration.engine_proc import GEOMETRY
-from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens, wait_until
+from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens, segment_mapped, wait_until
 
 L2_SIZE = "64MiB"
 SHM_SIZE = "100M"
 PAGE = GEOMETRY.page_size
-
-
-def segment_mapped(segment: str) -> bool:
-    with open("/proc/self/maps") as maps:
-        return any(segment in line for line in maps)
 
 
 def hit_exactly(reader, tokens: np.ndarray, expected: torch.Tensor, timeout_s: float) -> float:
@@ -57,7 +53,7 @@ def hit_exactly(reader, tokens: np.ndarray, expected: torch.Tensor, timeout_s: f
     return time.monotonic() - started
 
 
-def run(sig: signal.Signals, seed: int) -> dict:
+def run(sig: signal.Signals, seed: int, idle: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     extra = ("--l3-size", "0")
     daemon = DaemonProcess(l2_size=L2_SIZE, extra_args=extra).start()
@@ -74,8 +70,9 @@ def run(sig: signal.Signals, seed: int) -> dict:
         daemon.stop(sig)
 
         def dropped():
-            for engine in engines:       # an engine's scheduler polls each step
-                engine.connector.poll()
+            if not idle:
+                for engine in engines:       # an engine's scheduler polls each step
+                    engine.connector.poll()
             return all(e.client.state is ConnectionState.DOWN and e.client.connection.session_ended
                        for e in engines) and not segment_mapped(segment)
         wait_until(dropped, 10.0, "both engines saw the daemon go and unmapped its pool")
@@ -92,7 +89,7 @@ def run(sig: signal.Signals, seed: int) -> dict:
             (expected,) = wait_until(backed_up, 20.0, "a backup into the restarted daemon")
             assert writer.client.flush() == []
             hit_s.append(hit_exactly(reader, tokens, expected, 20.0))
-        return {"signal": sig.name, "restarted": True, "dropped_s": round(dropped_s, 3),
+        return {"signal": sig.name, "idle": idle, "restarted": True, "dropped_s": round(dropped_s, 3),
                 "both_hit_bit_exact": True, "back_to_second_hit_s": round(time.monotonic() - back_at, 3),
                 "hit_s": [round(h, 3) for h in hit_s]}
     finally:
@@ -103,10 +100,11 @@ def run(sig: signal.Signals, seed: int) -> dict:
                 process.cleanup()
 
 
-def run_in_small_shm(sig: str, seed: int, timeout_s: float = 120.0) -> dict:
+def run_in_small_shm(sig: str, seed: int, idle: bool = False, timeout_s: float = 120.0) -> dict:
     """``run`` in a private mount namespace whose /dev/shm is a SHM_SIZE tmpfs (root only)."""
     command = (f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && "
-               f"exec {sys.executable} -m tests.integration.small_shm --signal {sig} --seed {seed}")
+               f"exec {sys.executable} -m tests.integration.small_shm --signal {sig} --seed {seed}"
+               + (" --idle" if idle else ""))
     done = subprocess.run([shutil.which("unshare") or "unshare", "--mount", "sh", "-c", command],
                           env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -120,8 +118,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--signal", choices=("KILL", "TERM"), required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle", action="store_true", help="no engine call from the signal to the restart")
     args = parser.parse_args()
-    print(json.dumps(run(signal.Signals[f"SIG{args.signal}"], args.seed)), flush=True)
+    print(json.dumps(run(signal.Signals[f"SIG{args.signal}"], args.seed, args.idle)), flush=True)
     return 0
 
 

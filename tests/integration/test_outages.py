@@ -57,6 +57,12 @@ def prefill_and_finish(manager: CacheManager, tokens: np.ndarray, seed: int) -> 
     return expected, manager.finish(plan)
 
 
+def segment_mapped(segment: str) -> bool:
+    """Whether this process maps ``segment`` (or the file unlinked from it)."""
+    with open("/proc/self/maps") as maps:
+        return any(segment in line for line in maps)
+
+
 def forget_l1(manager: CacheManager) -> None:
     manager.l1_pool.free(manager.l1_index.evict(manager.l1_index.num_cached_pages))
 
@@ -325,6 +331,60 @@ def test_an_ended_sessions_pool_held_by_a_view_is_closed_once_the_view_is_droppe
             restarted.cleanup()
 
 
+def test_a_copy_being_queued_when_the_session_ends_keeps_the_pool_until_it_is_done(daemon):
+    """A save's copy being queued (held inside the transfer) when the daemon is SIGKILLed: the
+    session-end listeners have run, yet the ended session's pool stays mapped while the copy is
+    queued (it is not unmapped under the copy); once the copy is queued and seen done, the
+    request's end drops it, its pages skipped (session_lost). A request whose save comes after the
+    drop writes nothing (session_lost too). Nothing deadlocks: the heartbeat thread's drop does
+    not wait for the copy."""
+    seed = 4105
+    rng = np.random.default_rng(seed)
+    engine = make_manager(daemon.socket_path, "queueing")
+    try:
+        segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
+        queued = engine.prepare(random_tokens(rng, 4 * PAGE))
+        later = engine.prepare(random_tokens(rng, 3 * PAGE))
+        assert len(queued.backup_page_ids) == 4 and len(later.backup_page_ids) == 3
+        generator = torch.Generator().manual_seed(seed)
+        kv = engine.l1_pool.kv
+        for page in queued.new_l1_page_ids + later.new_l1_page_ids:
+            kv[:, :, page] = torch.randn(kv[:, :, page].shape, generator=generator).to(kv.dtype)
+
+        transfer = engine.connector.transfer
+        real_save = transfer.save
+        in_copy, let_go = threading.Event(), threading.Event()
+
+        def held_save(*args, **kwargs):
+            in_copy.set()
+            assert let_go.wait(10.0)
+            return real_save(*args, **kwargs)
+        transfer.save = held_save
+        ended = threading.Event()
+        engine.client.add_session_end_listener(lambda generation: ended.set())   # after the connector's
+        saved = []
+        scheduler = threading.Thread(target=lambda: saved.append(engine.finish(queued)))
+        scheduler.start()
+        try:
+            assert in_copy.wait(5.0)
+            daemon.stop(signal.SIGKILL)
+            assert ended.wait(5.0), "the client did not learn that the session ended"
+            assert segment_mapped(segment) and not engine.connector.host_pool.closed, \
+                "the pool was dropped while a copy into it was being queued"
+        finally:
+            let_go.set()
+            scheduler.join(10.0)
+        assert not scheduler.is_alive() and saved == [0]
+        del transfer.save, transfer, real_save, held_save     # views of the pool go with the transfer
+        assert not segment_mapped(segment), "the pool was not dropped once the copy was done"
+        assert engine.stats()["save_skipped_pages_session_lost"] == 4, engine.stats()
+        assert engine.finish(later) == 0
+        assert engine.stats()["save_skipped_pages_session_lost"] == 7, engine.stats()
+        assert engine.host_pool.num_pages == 1      # the placeholder: nothing was written into a pool
+    finally:
+        engine.close()
+
+
 def test_a_stalled_daemon_is_down_then_attached_again(daemon, caplog):
     """A daemon that stops answering (SIGSTOP) puts the client DOWN from a missed heartbeat reply;
     once it runs again (SIGCONT) the client is attached within 15 s, its session kept or replaced."""
@@ -488,13 +548,14 @@ def can_run_small_shm() -> bool:
 
 
 @pytest.mark.skipif(not can_run_small_shm(), reason="needs root and unshare (a private mount namespace)")
-@pytest.mark.parametrize("sig", ["KILL", "TERM"])
-def test_a_restart_succeeds_where_shm_cannot_hold_two_pools(sig):
+@pytest.mark.parametrize("sig, idle", [("KILL", True), ("TERM", True), ("KILL", False)])
+def test_a_restart_succeeds_where_shm_cannot_hold_two_pools(sig, idle):
     """In a private mount namespace whose /dev/shm is a 100 MiB tmpfs, a 64 MiB L2 and two live
     engines: the daemon SIGKILLed (or SIGTERMed), both engines drop its pool once they see it down
-    (nothing in flight), a new daemon starts on the same socket (it needs that room), and each
+    (nothing in flight), idle ones (no call at all from the signal until the new daemon runs) as
+    well as polling ones, a new daemon starts on the same socket (it needs that room), and each
     engine restores what the other backed up into it, bit for bit (tests/integration/small_shm.py)."""
     from tests.integration.small_shm import run_in_small_shm
 
-    report = run_in_small_shm(sig, seed=4103 if sig == "KILL" else 4104)
-    assert report["restarted"] and report["both_hit_bit_exact"], report
+    report = run_in_small_shm(sig, seed=(4103 if sig == "KILL" else 4104) + 10 * idle, idle=idle)
+    assert report["restarted"] and report["both_hit_bit_exact"] and report["idle"] is idle, report
