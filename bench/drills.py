@@ -20,7 +20,8 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       after a kill costs <= 50 ms more than a miss
   3 small /dev/shm    (issue 41) a 100 MiB tmpfs /dev/shm (private mount namespace), a 64 MiB L2, two
                       live engines: SIGKILL, and SIGTERM, of the daemon; it restarts, both engines hit
-                      again, bit for bit
+                      again, bit for bit; also with idle engines (no call from the signal until the
+                      new daemon runs: they drop the old pool by themselves)
   4 socket takeover   a symlink planted at the lock path, a socket directory pre-created with the
                       wrong mode (and, run as root, one owned by another user): refused, the
                       victim file untouched
@@ -264,6 +265,22 @@ def drill_restart_small_shm() -> list[dict]:
                         f"restarted; engines dropped the old pool {report['dropped_s']:.3f} s after the signal; "
                         f"both hit bit for bit (second hit {report['back_to_second_hit_s']:.2f} s after the "
                         "restart)", report["restarted"] and report["both_hit_bit_exact"], **report))
+    return rows
+
+
+def drill_restart_idle_engines() -> list[dict]:
+    expect = ("two engines that make no call from the signal until the new daemon runs drop the old "
+              "pool by themselves; the restart succeeds in a 100 MiB /dev/shm with a 64 MiB L2; both hit "
+              "again, bit for bit")
+    if not can_run_small_shm():
+        return [row("3 idle engines, small /dev/shm restart", expect, "not run: needs root and unshare", False)]
+    rows = []
+    for sig, seed in (("KILL", 20260152), ("TERM", 20260153)):
+        report = run_in_small_shm(sig, seed, idle=True)
+        rows.append(row(f"3 SIG{sig} + restart, idle engines, small /dev/shm", expect,
+                        f"idle engines dropped the old pool {report['dropped_s']:.3f} s after the signal; "
+                        f"restarted; both hit bit for bit (second hit {report['back_to_second_hit_s']:.2f} s "
+                        "after the restart)", report["restarted"] and report["both_hit_bit_exact"], **report))
     return rows
 
 
@@ -669,7 +686,7 @@ def drill_sigint_startup() -> list[dict]:
 
 
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
-          "daemon_restart_small_shm", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
+          "daemon_restart_small_shm", "daemon_restart_idle_engines", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
           "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup")
 
 
@@ -700,6 +717,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_restart_l2_hit()]
     if name == "daemon_restart_small_shm":
         return drill_restart_small_shm()
+    if name == "daemon_restart_idle_engines":
+        return drill_restart_idle_engines()
     if name == "warm_l3":
         return drill_warm_l3(workdir)
     if name == "cost_model_heals":

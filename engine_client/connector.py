@@ -58,11 +58,13 @@ once, counted under ``daemon_down``.
 
 Re-attach. When the client attaches a new session (the daemon restarted, or ended the old one),
 the new session's L2 pool is mapped and pinned on a thread of its own; ``poll`` swaps it in once
-no transfer is in flight. The ended session's pool is unmapped sooner: at the first ``poll`` with
-none in flight once that session surely ended (a restarted daemon needs its room in /dev/shm),
-a one-page placeholder taking its place. Until then new requests skip the daemon, and a
-request of the ended session moves nothing and ends nothing: its pages and lease went with it.
-While the client is down, ``poll`` says when nothing writes the ended session's pages any more
+no transfer is in flight. The ended session's pool is unmapped sooner, a one-page placeholder
+taking its place (a restarted daemon needs its room in /dev/shm): as soon as the client learns
+that the session surely ended (its session-end listener, on the heartbeat thread: an engine that
+makes no call frees it too) if no copy into or out of it is being queued or in flight, else by
+the call that ends the last such copy. Until then new requests skip the daemon, and a request of
+the ended session moves nothing and ends nothing: its pages and lease went with it. While the
+client is down, the drop or ``poll`` says when nothing writes the ended session's pages any more
 (``KVCacheClient.mark_drained``), so that the re-attach lets the daemon free them.
 
 Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
