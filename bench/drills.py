@@ -37,7 +37,7 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       under 100 MB, a reading client served meanwhile
   http idle flood     100 idle HTTP connections: /metrics scraped once a second, all answered
   oversized L2        --l2-size beyond /dev/shm and memory: one line, exit status 2, nothing made
-  SIGINT at start-up  SIGINT (and SIGTERM) at moments of start-up of a 2 GiB pool, populate
+  SIGINT at start-up  SIGINT (and SIGTERM) at moments of start-up of a 1 GiB pool, populate
                       included: exit within 1 s, nothing left in /dev/shm or the socket directory
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]

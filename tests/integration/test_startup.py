@@ -28,10 +28,12 @@ def shm_leftovers(socket_path: str) -> list[str]:
 
 
 def large_pool_bytes() -> int:
-    """A largish pool (2 GiB) that takes seconds to populate, smaller where the box has less room."""
+    """A largish pool (1 GiB) that takes a second or more to populate on a 2-core box, smaller where
+    the box has less room. A stop's exit waits for the kernel to free what was populated (about
+    0.4 s a GiB on such a box, docs/architecture.md), so a larger one would measure the kernel."""
     room = min(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize,
                memory_room_bytes()[0] - MEMORY_HEADROOM_BYTES)
-    return max(1 << 30, min(2 << 30, room // 4)) // (1 << 20) * (1 << 20)
+    return max(256 << 20, min(1 << 30, room // 4)) // (1 << 20) * (1 << 20)
 
 
 def test_an_l2_pool_that_does_not_fit_is_refused_in_one_line_before_anything_is_made():
@@ -74,13 +76,14 @@ def stop_and_time(daemon: DaemonProcess, signum: int) -> float:
 # imports it: a SIGINT there is Python's KeyboardInterrupt), then a while after it (paths checked,
 # the L3 file opened, the HTTP address bound, the pool being made), and the progress lines of the
 # pool's population (a quarter and half of it populated).
-MOMENTS = [("starting", 0.0), ("starting", 0.1), ("starting", 0.3), ("populating", "25%"), ("populating", "50%")]
+MOMENTS = [("starting", 0.0), ("starting", 0.1), ("starting", 0.3), ("populating", "25%"), ("populating", "50%"),
+           ("populating", "75%")]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("moment", MOMENTS, ids=[f"{how}-{when}" for how, when in MOMENTS])
 def test_a_stop_signal_at_any_moment_of_startup_ends_the_daemon_within_1s_leaving_nothing(signum, moment):
-    """SIGINT or SIGTERM at each moment of start-up of a daemon with a largish L2 pool (2 GiB): it
+    """SIGINT or SIGTERM at each moment of start-up of a daemon with a largish L2 pool (1 GiB): it
     exits within STOP_BOUND_S, with no traceback, and leaves nothing of it in /dev/shm (segment,
     hints, epoch or generation files) nor in its socket directory (socket, lock file)."""
     how, when = moment
