@@ -39,6 +39,11 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
   oversized L2        --l2-size beyond /dev/shm and memory: one line, exit status 2, nothing made
   SIGINT at start-up  SIGINT (and SIGTERM) at moments of start-up of a 1 GiB pool, populate
                       included: exit within 1 s, nothing left in /dev/shm or the socket directory
+  remote tier         (issue 43) a real mooncake_master and daemons as hosts in a network namespace:
+                      a prefix saved on host A restores on host B bit for bit; the master hung
+                      (SIGSTOP), then killed: requests miss within the default deadline (0.1 s),
+                      the daemons reconnect; the host lending the memory SIGKILLed: no wrong byte,
+                      recovery; the decision declines the store where recompute wins
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
@@ -685,9 +690,50 @@ def drill_sigint_startup() -> list[dict]:
     return rows
 
 
+def drill_remote() -> list[dict]:
+    """The remote tier's scenarios (tests/remote/scenarios.py), the master's at the default deadline."""
+    from tests.remote.cluster import missing, run_isolated
+
+    why = missing()
+    if why:
+        return [row("remote", "the remote tier's drills run", f"not run: {why}", False)]
+    rows = []
+    across = run_isolated("restore_across_hosts")
+    rows.append(row("remote_across_hosts", "a prefix saved on host A restores on host B, which never saw it, "
+                    "bit for bit", f"{across['b_remote_hit_pages']} of {across['saved']['pages']} pages from the "
+                    f"store, bit exact {across['restored']['bit_exact']}, checksum mismatches "
+                    f"{across['b_checksum_mismatches']}", across["restored"]["bit_exact"]
+                    and across["b_remote_hit_pages"] == across["saved"]["pages"]))
+    deadline_s = 0.1
+    outage = run_isolated("master_killed", deadline_s=deadline_s)
+    hung = [outage["hung"]["other_prepare_seconds"]] + [r["prepare_seconds"] for r in outage["hung"]["results"]]
+    bound_s = deadline_s + 0.2
+    no_wrong = all(r["restored_part_bit_exact"] for phase in ("hung", "killed") for r in outage[phase]["results"])
+    rows.append(row("remote_master_gone", f"master hung then killed: a request misses within the deadline "
+                    f"({deadline_s:g} s, bound {bound_s:g} s with scheduling), no wrong byte; the daemons "
+                    "reconnect by themselves", f"hung: prepares {max(hung):.3f} s at most; reconnected "
+                    f"{outage['reconnect_s']:.1f} s after the restart; then bit exact {outage['after']['bit_exact']}",
+                    max(hung) <= bound_s and no_wrong and outage["after"]["bit_exact"],
+                    prepare_s=[round(x, 4) for x in hung]))
+    killed = run_isolated("contributor_killed")
+    during = killed["during"]["results"]
+    rows.append(row("remote_lender_killed", "the host lending the store's memory SIGKILLed: misses, no wrong "
+                    "byte; a new daemon there lends again and prefixes go across",
+                    f"restored {sum(r['restored_tokens'] for r in during)} tokens while it was gone, checksum "
+                    f"mismatches {killed['b_checksum_mismatches']}, then bit exact {killed['after']['bit_exact']}",
+                    all(r["restored_part_bit_exact"] for r in during) and killed["after"]["bit_exact"]))
+    decided = run_isolated("decision")
+    declined = [d["choice"] for d in decided["declined"]["decisions"]]
+    taken = [d["choice"] for d in decided["taken"]["decisions"]]
+    rows.append(row("remote_decision", "policy cost declines remote hits priced slower than recompute, takes "
+                    "those priced faster", f"slow store: {declined}; fast store: {taken}",
+                    set(declined) == {"recompute"} and set(taken) == {"remote"}))
+    return rows
+
+
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
           "daemon_restart_small_shm", "daemon_restart_idle_engines", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
-          "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup")
+          "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup", "remote")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -737,6 +783,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return [drill_oversized_l2()]
     if name == "sigint_startup":
         return drill_sigint_startup()
+    if name == "remote":
+        return drill_remote()
     return [drill_socket_takeover()]
 
 
