@@ -5,9 +5,10 @@ named and holds, and when the store is worth asking. Pure logic; the I/O is in
 A page is stored under ``kvc/<namespace key>/<chained page key>`` (``l3_index.namespace_key``,
 ``l3_index.chain_page_keys``): the page key digests every token of the prefix up to and
 including the page, so one key names one prefix's page of one geometry. Its value is a header
-of ``HEADER_BYTES`` (magic, namespace key, page key, payload length, crc32 of the payload), then
+of ``HEADER_BYTES`` (magic, namespace key, page key, payload length, the payload's XXH3-64), then
 the page's bytes. A reader publishes a page only if the header names the page it asked for and
-the payload's crc32 matches: a page of another namespace, a torn or half-written value, or one
+the payload's checksum matches (XXH3 rather than the L3 file's crc32: it runs at ~11 GB/s against
+~3.4 on the CPU machine, and a remote restore checks every byte it gets on the request's path): a page of another namespace, a torn or half-written value, or one
 overwritten under the same key by a broken writer is dropped, never served.
 """
 
@@ -15,15 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-import zlib
+
+import xxhash
 
 from kvcached.core.l3_index import KEY_BYTES
 
-MAGIC = b"KVCREM01"
-_HEADER = struct.Struct("<8s16s16sQI")          # magic, namespace key, page key, payload bytes, crc32
+MAGIC = b"KVCREM02"
+_HEADER = struct.Struct("<8s16s16sQQ")          # magic, namespace key, page key, payload bytes, XXH3-64
 HEADER_BYTES = 64                               # the header struct, padded to a cache line
 NAMESPACE_KEY_BYTES = 16
 assert _HEADER.size <= HEADER_BYTES and KEY_BYTES == 16
+
+
+def checksum(payload: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def remote_key(namespace_key: str, page_key: bytes) -> str:
@@ -32,15 +38,15 @@ def remote_key(namespace_key: str, page_key: bytes) -> str:
 
 
 def pack_header(namespace_key: str, page_key: bytes, payload: memoryview | bytes) -> bytes:
-    """The header stored before a page's bytes; the crc32 is computed over ``payload`` here."""
-    header = _HEADER.pack(MAGIC, bytes.fromhex(namespace_key), page_key, len(payload), zlib.crc32(payload))
+    """The header stored before a page's bytes; the checksum is computed over ``payload`` here."""
+    header = _HEADER.pack(MAGIC, bytes.fromhex(namespace_key), page_key, len(payload), checksum(payload))
     return header.ljust(HEADER_BYTES, b"\0")
 
 
 def header_mismatch(header: memoryview | bytes, namespace_key: str, page_key: bytes,
                     payload: memoryview | bytes) -> str:
     """Why a value read does not hold this page ("" when it does): its header must name this
-    namespace and page and this payload length, and the payload's crc32 must match."""
+    namespace and page and this payload length, and the payload's checksum must match."""
     if len(header) < HEADER_BYTES:
         return "short header"
     magic, namespace, key, length, crc = _HEADER.unpack_from(header)
@@ -50,7 +56,7 @@ def header_mismatch(header: memoryview | bytes, namespace_key: str, page_key: by
         return "another page"
     if length != len(payload):
         return "another length"
-    if zlib.crc32(payload) != crc:
+    if checksum(payload) != crc:
         return "checksum"
     return ""
 

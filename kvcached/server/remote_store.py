@@ -251,7 +251,10 @@ class RemoteStore:
             pointers = [[area_address + i * HEADER_BYTES, self._segment_address + page * bytes_per_page]
                         for i, page in enumerate(batch_pages)]
             sizes = [[HEADER_BYTES, bytes_per_page]] * len(names)
+            started_s = time.perf_counter()
             got = store.batch_get_into_multi_buffers(names, pointers, sizes)
+            self.count("remote_get_store_seconds", time.perf_counter() - started_s)
+            started_s = time.perf_counter()
             for i, (size, key, page) in enumerate(zip(got, batch_keys, batch_pages)):
                 if size < 0:
                     if verified == 0 and all(g < 0 for g in got):
@@ -263,6 +266,7 @@ class RemoteStore:
                 if why:
                     return verified, why
                 verified += 1
+            self.count("remote_get_check_seconds", time.perf_counter() - started_s)
         return verified, ""
 
     def put_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,

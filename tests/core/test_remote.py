@@ -3,15 +3,13 @@ state's side of remote restores and write-throughs (no store: the I/O layer is p
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 
 from kvcached.core.cost_model import CostModel, CostPriors
 from kvcached.core.daemon import DaemonState
 from kvcached.core.l3_index import chain_page_keys
-from kvcached.core.remote import HEADER_BYTES, Breaker, header_mismatch, pack_header, remote_key
+from kvcached.core.remote import HEADER_BYTES, Breaker, checksum, header_mismatch, pack_header, remote_key
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
@@ -41,7 +39,7 @@ def test_a_header_proves_namespace_page_length_and_bytes(rng):
     assert header_mismatch(header, NAMESPACE, key, bytes(flipped)) == "checksum"
     assert header_mismatch(b"X" + header[1:], NAMESPACE, key, payload) == "bad magic"
     assert header_mismatch(header[:20], NAMESPACE, key, payload) == "short header"
-    assert zlib.crc32(payload).to_bytes(4, "little") in header
+    assert checksum(payload).to_bytes(8, "little") in header
 
 
 def test_keys_name_one_prefix_page_of_one_namespace(rng):
