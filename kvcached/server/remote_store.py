@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 NUM_WORKERS = 4
 MAX_PAGES_PER_CALL = 4096           # a worker's header area: MAX_PAGES_PER_CALL * HEADER_BYTES
+CHECK_CHUNK_BYTES = 8 << 20         # a restore's gets are checked in chunks of this, while the next is got
 LOCAL_BUFFER_BYTES = 16 << 20       # the client's own transfer buffer (we send from registered memory)
 PROBE_TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 30.0
@@ -77,6 +78,7 @@ class RemoteStore:
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="kvcached-remote")
         self._probe = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-remote-probe")
+        self._checker = concurrent.futures.ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="kvcached-remote-check")
         self._probing: concurrent.futures.Future | None = None
         self._headers = np.zeros((NUM_WORKERS + 1, MAX_PAGES_PER_CALL, HEADER_BYTES), dtype=np.uint8)
         self._local = threading.local()
@@ -173,6 +175,7 @@ class RemoteStore:
             self._closed = True
         self._probe.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._checker.shutdown(wait=True)
         if self._store is not None:
             try:
                 self._store.close()
@@ -239,35 +242,56 @@ class RemoteStore:
     def get_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,
                   page_ids: list[int], bytes_per_page: int) -> tuple[int, str]:
         """Worker: get pages start_page.. of the path into L2 pages page_ids, in place; the leading
-        pages whose values hold their header and checksum, and why the next one did not."""
+        pages whose values hold their header and checksum, and why the next one did not. Pipelined:
+        the gets go in chunks of about CHECK_CHUNK_BYTES, and a chunk is checked on a checker
+        thread while the next one is got (the store's calls release the GIL)."""
         keys = chain_page_keys(token_ids, page_size, start_page + len(page_ids))[start_page:]
         area = self._header_area()
         area_address = _address(area)
         segment = np.ctypeslib.as_array((ctypes.c_uint8 * self._segment_bytes).from_address(self._segment_address))
-        verified = 0
-        for first in range(0, len(keys), MAX_PAGES_PER_CALL):
-            batch_keys, batch_pages = keys[first:first + MAX_PAGES_PER_CALL], page_ids[first:first + MAX_PAGES_PER_CALL]
-            names = [remote_key(namespace_key, key) for key in batch_keys]
-            pointers = [[area_address + i * HEADER_BYTES, self._segment_address + page * bytes_per_page]
-                        for i, page in enumerate(batch_pages)]
-            sizes = [[HEADER_BYTES, bytes_per_page]] * len(names)
-            started_s = time.perf_counter()
-            got = store.batch_get_into_multi_buffers(names, pointers, sizes)
-            self.count("remote_get_store_seconds", time.perf_counter() - started_s)
-            started_s = time.perf_counter()
-            for i, (size, key, page) in enumerate(zip(got, batch_keys, batch_pages)):
-                if size < 0:
-                    if verified == 0 and all(g < 0 for g in got):
-                        raise RemoteUnavailable(f"batch_get_into_multi_buffers returned {size}")
-                    return verified, ""         # gone meanwhile (evicted, its host died): a miss
-                payload = segment[page * bytes_per_page:(page + 1) * bytes_per_page]
-                why = "short value" if size != HEADER_BYTES + bytes_per_page else \
-                    header_mismatch(area[i], namespace_key, key, payload)
+        chunk = max(1, min(MAX_PAGES_PER_CALL, CHECK_CHUNK_BYTES // bytes_per_page))
+
+        def check(first: int, num_pages: int) -> tuple[int, str]:
+            for i in range(first, first + num_pages):
+                page = page_ids[i]
+                why = header_mismatch(area[i % MAX_PAGES_PER_CALL], namespace_key, keys[i],
+                                      segment[page * bytes_per_page:(page + 1) * bytes_per_page])
                 if why:
+                    return i - first, why
+            return num_pages, ""
+
+        checks: list[tuple[int, concurrent.futures.Future]] = []     # (pages got, their check)
+        store_s = 0.0
+        try:
+            for first in range(0, len(keys), chunk):
+                if first % MAX_PAGES_PER_CALL == 0:
+                    for _, pending in checks:      # the header slots are reused: their checks first
+                        pending.result()
+                last = min(len(keys), first + chunk, (first // MAX_PAGES_PER_CALL + 1) * MAX_PAGES_PER_CALL)
+                names = [remote_key(namespace_key, key) for key in keys[first:last]]
+                pointers = [[area_address + (i % MAX_PAGES_PER_CALL) * HEADER_BYTES,
+                             self._segment_address + page_ids[i] * bytes_per_page] for i in range(first, last)]
+                started_s = time.perf_counter()
+                got = store.batch_get_into_multi_buffers(names, pointers, [[HEADER_BYTES, bytes_per_page]] * len(names))
+                store_s += time.perf_counter() - started_s
+                num_got = next((i for i, size in enumerate(got) if size != HEADER_BYTES + bytes_per_page), len(got))
+                if num_got == 0 and first == 0 and all(size < 0 for size in got):
+                    raise RemoteUnavailable(f"batch_get_into_multi_buffers returned {got[0]}")
+                if num_got:
+                    checks.append((num_got, self._checker.submit(check, first, num_got)))
+                if num_got < len(got):     # gone meanwhile (evicted, its host died) or short: a miss from here
+                    break
+            verified = 0
+            for num_got, pending in checks:
+                num_ok, why = pending.result()
+                verified += num_ok
+                if why or num_ok < num_got:
                     return verified, why
-                verified += 1
-            self.count("remote_get_check_seconds", time.perf_counter() - started_s)
-        return verified, ""
+            return verified, ""
+        finally:
+            for _, pending in checks:           # the pages stay private until every check has run
+                concurrent.futures.wait([pending])
+            self.count("remote_get_store_seconds", store_s)
 
     def put_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,
                   page_ids: list[int], bytes_per_page: int, intact: Callable[[], int]) -> int:
