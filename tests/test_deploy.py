@@ -223,3 +223,22 @@ def test_systemd_analyze_knows_every_option(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", UNIT], capture_output=True, text=True, timeout=60,
                             cwd=tmp_path)
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+def test_remote_drop_in_names_the_master_unit_ports():
+    """The remote tier's node drop-in runs kvcached with a command line the CLI accepts, naming the
+    master at the RPC port mooncake-master.service serves, whose own metadata server is where the
+    daemon looks by default."""
+    drop_in = parse_unit(os.path.join(DEPLOY, "systemd", "kvcached-remote.conf"))["Service"]
+    assert drop_in["ExecStart"][0] == ""             # replaces the unit's command
+    argv = shlex.split(drop_in["ExecStart"][1])
+    assert argv[:2] == ["/usr/bin/env", "kvcached"]
+    config = serve_config(argv[2:], {"KVCACHED_SOCKET": "/run/kvcached/kvcached.sock"})
+    master = shlex.split(parse_unit(os.path.join(DEPLOY, "systemd", "mooncake-master.service"))["Service"]
+                         ["ExecStart"][0])
+    assert master[:2] == ["/usr/bin/env", "mooncake_master"]
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in master[2:])
+    assert config.remote_master == f"MASTER:{flags['rpc_port']}"
+    assert flags["enable_http_metadata_server"] == "true"
+    assert config.remote_metadata_server == f"http://MASTER:{flags['http_metadata_server_port']}/metadata"
+    assert config.remote_segment_bytes > 0
