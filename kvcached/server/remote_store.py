@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 NUM_WORKERS = 4
 MAX_PAGES_PER_CALL = 4096           # a worker's header area: MAX_PAGES_PER_CALL * HEADER_BYTES
-CHECK_CHUNK_BYTES = 8 << 20         # a restore's gets are checked in chunks of this, while the next is got
+CHECK_CHUNK_BYTES = 32 << 20        # a restore's gets are checked in chunks of this, while the next is got
 LOCAL_BUFFER_BYTES = 16 << 20       # the client's own transfer buffer (we send from registered memory)
 PROBE_TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 30.0
