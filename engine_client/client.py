@@ -53,8 +53,11 @@ DEFAULT_SPIN_S = 200e-6       # busy-wait this long for a reply before blocking
 MAX_PENDING_ASYNC = 100_000
 # Requests whose reply may carry a lease: a reply nobody waits for any more must end it.
 LEASE_KINDS = (MsgKind.MATCH,)
-# A heartbeat not answered within this many heartbeat intervals means the daemon is down.
+# A heartbeat not answered within this many heartbeat intervals, and at least STALL_AFTER_S, means
+# the daemon stalled (one that exited is known at once from its socket's close). The floor keeps a
+# starved host (a daemon and an engine sharing 2 busy cores) from reading a slow reply as an outage.
 HEARTBEAT_REPLY_INTERVALS = 2.0
+STALL_AFTER_S = 3.0
 # While a session request waits, how often it checks whether the connection went down meanwhile:
 # a request in flight when the daemon is found dead ends this long after, at most.
 DOWN_CHECK_INTERVAL_S = 0.01
@@ -795,7 +798,7 @@ class KVCacheClient:
         if channel.peer_gone:
             channel = self._daemon_exited(channel)
         connection = self._connection
-        reply_timeout_s = HEARTBEAT_REPLY_INTERVALS * self._heartbeat_interval_s()
+        reply_timeout_s = max(HEARTBEAT_REPLY_INTERVALS * self._heartbeat_interval_s(), STALL_AFTER_S)
         if connection.state is ConnectionState.DOWN and connection.session_ended:
             return self._reattach(channel, connection, reply_timeout_s)
         sent = time.monotonic()

@@ -570,7 +570,13 @@ class KVConnector:
                 logger.warning("peer restores off: the KV tensors could not be registered: %s", str(exc))
         elif config.peer:
             logger.warning("peer restores off: not with tensor parallelism (tp_size %d)", tp_size)
-        return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
+        try:
+            return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
+        except BaseException:       # what was opened here is closed here: a pinned pool unpinned
+            if peer is not None:
+                peer.close()
+            host_pool.close()
+            raise
 
     # ---- lookups ------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class RecordingClient:
         self.generation = 0
         self.info: AttachInfo | None = None
         self.reattach_listeners: list = []
+        self.session_end_listeners: list = []
 
     def attach(self, geometry: KVGeometry) -> AttachInfo:
         self.generation = 1
@@ -49,6 +50,12 @@ class RecordingClient:
 
     def remove_reattach_listener(self, listener) -> None:
         self.reattach_listeners.remove(listener)
+
+    def add_session_end_listener(self, listener) -> None:
+        self.session_end_listeners.append(listener)
+
+    def remove_session_end_listener(self, listener) -> None:
+        self.session_end_listeners.remove(listener)
 
     def report(self, report: dict[str, Any], cost_samples=()) -> bool:
         self.reports.append(report)
