@@ -68,7 +68,7 @@ def run(args) -> dict:
     from engine_client.connector import PrefixLookup
     from kvcached.core.l3_index import chain_page_keys, namespace_key
     from kvcached.core.remote import HEADER_BYTES, remote_key
-    from kvcached.server.remote_store import _mooncake_store
+    from kvcached.server.remote_store import mooncake_store
     from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess
     from tests.remote.cluster import MASTER_PORT, METADATA_PORT, PATIENT_REMOTE, Master, connected, remote_daemon, \
         status, wait_for, writes_done
@@ -106,7 +106,7 @@ def run(args) -> dict:
 
         # The store's own gets, from a bare client in this process (lending nothing: every byte
         # crosses from A's segment, as B's do).
-        store = _mooncake_store()
+        store = mooncake_store()
         assert store.setup("127.0.0.1", f"http://127.0.0.1:{METADATA_PORT}/metadata", 0, 16 << 20, "tcp", "",
                            f"127.0.0.1:{MASTER_PORT}") == 0
         # A ring of destinations, as B's restores land in other L2 pages each time: no reader gets

@@ -36,8 +36,15 @@ MAX_PAGES_PER_CALL = 4096           # a worker's header area: MAX_PAGES_PER_CALL
 CHECK_CHUNK_BYTES = 32 << 20        # a restore's gets are checked in chunks of this, while the next is got
 LOCAL_BUFFER_BYTES = 16 << 20       # the client's own transfer buffer (we send from registered memory)
 PROBE_TIMEOUT_S = 1.0
-CONNECT_TIMEOUT_S = 30.0
 EXIST = 1                           # batch_is_exist: 1 held, 0 not held, < 0 an error
+# Mooncake's error codes: -7xx are about one object (not found, its lease): a miss; -8xx (a
+# transfer failed) and -9xx (an RPC failed) are the store's or a host's: a failure, the breaker opens.
+FIRST_FAILURE_CODE = -800
+
+
+def store_failed(codes: list[int]) -> bool:
+    """Every one of a batch's results is a failure of the store, not a miss of one object."""
+    return bool(codes) and all(code <= FIRST_FAILURE_CODE for code in codes)
 
 
 class RemoteUnavailable(Exception):
@@ -69,7 +76,7 @@ class RemoteStore:
                  store_factory: Callable[[], Any] | None = None):
         self.settings = settings
         self.clock = clock
-        self._store_factory = store_factory or _mooncake_store
+        self._store_factory = store_factory or mooncake_store
         self._segment_address = _address(segment)
         self._segment_bytes = len(segment)
         self._lock = threading.Lock()
@@ -275,7 +282,7 @@ class RemoteStore:
                 got = store.batch_get_into_multi_buffers(names, pointers, [[HEADER_BYTES, bytes_per_page]] * len(names))
                 store_s += time.perf_counter() - started_s
                 num_got = next((i for i, size in enumerate(got) if size != HEADER_BYTES + bytes_per_page), len(got))
-                if num_got == 0 and first == 0 and all(size < 0 for size in got):
+                if num_got == 0 and first == 0 and store_failed(got):
                     raise RemoteUnavailable(f"batch_get_into_multi_buffers returned {got[0]}")
                 if num_got:
                     checks.append((num_got, self._checker.submit(check, first, num_got)))
@@ -324,7 +331,7 @@ class RemoteStore:
                     store.remove(names[i])
                     return stored
                 if code != 0:
-                    if stored == 0 and all(c != 0 for c in codes):
+                    if stored == 0 and store_failed(codes):
                         raise RemoteUnavailable(f"batch_put_from_multi_buffers returned {code}")
                     return stored
                 stored += 1
@@ -333,7 +340,8 @@ class RemoteStore:
         return stored
 
 
-def _mooncake_store() -> Any:
+def mooncake_store() -> Any:
+    """A new client of the store (the wheel is the ``remote`` extra, imported only with the tier on)."""
     from mooncake.store import MooncakeDistributedStore
 
     return MooncakeDistributedStore()
