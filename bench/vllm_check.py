@@ -91,6 +91,8 @@ def run_engine(args: argparse.Namespace) -> int:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.policy))
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
               block_size=args.block_size, enforce_eager=True, disable_log_stats=False, seed=0,
               enable_prefix_caching=not args.no_prefix_caching, **kwargs)
@@ -105,7 +107,10 @@ def run_engine(args: argparse.Namespace) -> int:
         sampling = SamplingParams(max_tokens=command.get("max_tokens", MAX_TOKENS), temperature=0.0, ignore_eos=True)
         started = time.monotonic()
         outputs, seconds = [], []
-        for p in command["prompts"]:
+        if command.get("together"):           # one batch: their times to first token, from vLLM's stats
+            outputs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], sampling, use_tqdm=False)
+            seconds = [o.metrics.first_token_latency if o.metrics is not None else None for o in outputs]
+        for p in command["prompts"] if not command.get("together") else ():
             begun = time.monotonic()
             outputs.append(llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0])
             seconds.append(time.monotonic() - begun)
@@ -133,9 +138,10 @@ class Engine:
 
     def __init__(self, model: str, socket_path: str | None, log_path: str, no_prefix_caching: bool = False,
                  start_timeout_s: float = 300.0, policy: str = "always", block_size: int = BLOCK_SIZE,
-                 max_model_len: int = 2048):
+                 max_model_len: int = 2048, max_num_batched_tokens: int = 0):
         args = [sys.executable, os.path.abspath(__file__), "engine", "--model", model, "--policy", policy,
-                "--block-size", str(block_size), "--max-model-len", str(max_model_len)]
+                "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+                "--max-num-batched-tokens", str(max_num_batched_tokens)]
         if socket_path:
             args += ["--socket", socket_path]
         if no_prefix_caching:
@@ -183,9 +189,11 @@ class Engine:
             raise RuntimeError(f"vLLM exited ({self.proc.wait()}) during {what} (log: {self.log.name})")
         return answer
 
-    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-        """Outputs, and the metrics' increments over this call."""
-        self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens}) + "\n")
+    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0, max_tokens: int = MAX_TOKENS,
+                 together: bool = False) -> dict[str, Any]:
+        """Outputs, and the metrics' increments over this call. One prompt after the other (the
+        time of each, ``seconds_each``), or together: one batch (each one's time to first token)."""
+        self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens, "together": together}) + "\n")
         self.proc.stdin.flush()
         answer = self._wait("generate", timeout_s)
         metrics = answer["metrics"]
@@ -539,8 +547,11 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_BLOCK_SIZE = 64
 REAL_MAX_MODEL_LEN = 4096
 REAL_PROMPT_TOKENS = 1280           # 1,216 of them restorable (19 blocks; vLLM computes the last token)
-LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 1152, 768)
+LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 960, 768)    # each one step (a chunk holds 1,024)
 RESTORE_ROUNDS = 8
+CHUNK_TOKENS = 1024                 # a step's tokens: a long prompt is prefilled in chunks of this many
+BUSY_PROMPT_TOKENS = 3 * CHUNK_TOKENS
+BUSY_ROUNDS = 4
 
 
 def convert_smollm2(path: str) -> str:
@@ -588,7 +599,10 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
                 engine's time per token (the plain vLLM's times on the same prompts: measured)
       restore   rounds of a fresh 1,280-token prompt: computed and saved, vLLM's own prefix cache
                 reset, then its time to first token restored from L2 (the daemon's decision), and
-                the plain vLLM's recomputing it, interleaved (which goes first alternates)"""
+                the plain vLLM's recomputing it, interleaved (which goes first alternates); then
+                the same prompt once more, now vLLM's own prefix-cache hit: what the restore's
+                time to first token would be with a load that costs nothing (the rest is the
+                restore's own: lookup, load, the steps between)"""
     import random
 
     from kvcached.core.cost_model import CostPriors
@@ -602,14 +616,18 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
                               "block_size": REAL_BLOCK_SIZE, "prompt_tokens": REAL_PROMPT_TOKENS,
                               "prefill_prior_s_per_token": CostPriors().recompute_s_per_token}
     try:
-        common = dict(block_size=REAL_BLOCK_SIZE, max_model_len=REAL_MAX_MODEL_LEN)
+        common = dict(block_size=REAL_BLOCK_SIZE, max_model_len=REAL_MAX_MODEL_LEN, max_num_batched_tokens=CHUNK_TOKENS)
         cached = Engine(model, daemon.socket_path, log("kvcached"), policy="", **common)
         try:
             plain = Engine(model, None, log("plain"), no_prefix_caching=True, **common)
             try:
                 cached.wait_attached(daemon)
                 result.update(_learn(cached, plain, daemon, [tokens(n) for n in LEARN_PROMPT_TOKENS]))
-                result.update(_restore_rounds(cached, plain, daemon, [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]))
+                round_prompts = [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]
+                result.update(_restore_rounds(cached, plain, daemon, round_prompts))
+                busy_prompts = [(tokens(REAL_PROMPT_TOKENS), tokens(BUSY_PROMPT_TOKENS), tokens(BUSY_PROMPT_TOKENS))
+                                for _ in range(BUSY_ROUNDS)]
+                result["busy"] = _busy_rounds(cached, daemon, busy_prompts)
             finally:
                 plain.close()
         finally:
@@ -650,13 +668,18 @@ def _restore_rounds(cached: Engine, plain: Engine, daemon: Daemon, round_prompts
             row[f"{which}_first_token"] = answer["outputs"][0]
             if which == "restore":
                 row["external_hit_tokens"] = external_hits(answer)
+        row["own_hit_ttft_s"] = round(cached.generate([prompt], max_tokens=1)["seconds_each"][0], 4)
+        row["restore_overhead_s"] = round(row["restore_ttft_s"] - row["own_hit_ttft_s"], 4)
         rows.append(row)
     restore = sorted(r["restore_ttft_s"] for r in rows)
     recompute = sorted(r["recompute_ttft_s"] for r in rows)
     engine = engine_status(daemon)
+    overhead = sorted(r["restore_overhead_s"] for r in rows)
     return {"rounds": rows, "restored_rounds": sum(r["external_hit_tokens"] >= 1000 for r in rows),
-            "restore_ttft_s_median": restore[len(restore) // 2], "recompute_ttft_s_median": recompute[len(recompute) // 2],
-            "restore_ttft_s_max": restore[-1], "first_tokens_equal": all(
+            "restore_ttft_s_median": restore[len(restore) // 2],
+            "recompute_ttft_s_median": recompute[len(recompute) // 2], "restore_ttft_s_max": restore[-1],
+            "restore_overhead_s_median": overhead[len(overhead) // 2], "restore_overhead_s_max": overhead[-1],
+            "first_tokens_equal": all(
                 r["restore_first_token"] == r["recompute_first_token"] for r in rows),
             "decisions_total": engine["decisions_total"], "prefill_line": engine["directions"]["prefill"],
             "h2d_line": engine["directions"]["h2d"]}
@@ -743,8 +766,9 @@ class Server:
         wanted = ("vllm:external_prefix_cache_hits_total", "vllm:kvcached_")
         values: dict[str, float] = {}
         for line in self._get("/metrics").decode().splitlines():
-            if line.startswith(wanted):
-                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            name = line.split("{")[0].split(" ")[0]
+            if line.startswith(wanted) and name.endswith("_total"):
+                value = float(line.rsplit(" ", 1)[1])
                 values[name] = values.get(name, 0) + value
         return values
 
@@ -798,6 +822,27 @@ def serve(workdir: str, model: str) -> dict[str, Any]:
             "second_external_hit_tokens": metrics.get("vllm:external_prefix_cache_hits_total", 0)}
 
 
+def _busy_rounds(cached: Engine, daemon: Daemon, round_prompts) -> dict[str, Any]:
+    """Restores while the engine is busy: the cached prompt (vLLM's own cache reset) in one batch
+    with a fresh 3,072-token prompt, prefilled in three 1,024-token steps. Against the same prompt,
+    then vLLM's own hit, in one batch with another fresh prompt: it computes its last 64 tokens in
+    the first step, its time to first token is one step. A restore needs at least one step more
+    (its load is reported at a step's end, then it is scheduled); each step a restore waits beyond
+    that is a whole step of the other prompt's prefill."""
+    rows = []
+    for prompt, busy, busy_again in round_prompts:
+        cached.generate([prompt], max_tokens=1)
+        wait_for_tier(daemon, prompt, "l2", (len(prompt) - 1) // REAL_BLOCK_SIZE * REAL_BLOCK_SIZE)
+        cached.reset_prefix_cache()
+        restore = cached.generate([prompt, busy], max_tokens=1, together=True)
+        own = cached.generate([prompt, busy_again], max_tokens=1, together=True)
+        rows.append({"restore_ttft_s": round(restore["seconds_each"][0], 4),
+                     "external_hit_tokens": external_hits(restore),
+                     "own_hit_ttft_s": round(own["seconds_each"][0], 4),
+                     "steps": round(restore["seconds_each"][0] / own["seconds_each"][0], 2)})
+    return {"rounds": rows, "restore_in_steps_max": max(r["steps"] for r in rows)}
+
+
 def _kvcached(answer: dict[str, Any]) -> dict[str, float]:
     return {k.removeprefix("vllm:kvcached_"): v for k, v in answer["delta"].items() if k.startswith("vllm:kvcached_")}
 
@@ -812,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--policy", default="always", help='the connector\'s restore policy ("": the daemon\'s)')
     engine.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     engine.add_argument("--max-model-len", type=int, default=2048)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=0, help="a step's tokens (0: vLLM's default)")
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the result here instead of bench/results/cpu/vllm.json")
     parser.add_argument("--part", choices=PARTS + ("all",), default="all", help="run one part only (tests)")

@@ -22,7 +22,8 @@ SHARED_TOKENS = 512          # the prompts' whole pages that kvcached can hold (
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "vllm.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "vllm_check.py"), "--part", "tiny", "--out", str(out)],
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "vllm_check.py"), "--part", "tiny",
+                           "--out", str(out)],
                           env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     assert done.returncode == 0, f"vllm_check failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     with open(out) as f:

@@ -21,9 +21,10 @@ from tests.integration.daemon_proc import REPO_ROOT, child_env  # noqa: E402
 
 CHECK_TIMEOUT_S = 1500
 LONG_PROMPT_TOKENS = 1000
-# Restores under vLLM had two modes, ~0.15 s and ~1.1 s; one mode: every restore's time to first
-# token (1,216 tokens from L2) stays under this (several times the fast mode on a loaded 2-core box).
-RESTORE_TTFT_BOUND_S = 0.6
+# Restores under vLLM had two modes, ~0.15 s and ~1.1 s; one mode: what every restore adds to the
+# time to first token of vLLM's own prefix-cache hit of the same prompt (lookup, load of 1,216
+# tokens from L2, the steps between) stays under this (the fast mode with margin on a loaded box).
+RESTORE_OVERHEAD_BOUND_S = 0.5
 
 pytestmark = pytest.mark.timeout(2 * CHECK_TIMEOUT_S + 120)
 
@@ -77,9 +78,10 @@ def test_long_cached_prompt_is_restored_where_restore_is_faster(real):
 
 def test_restores_have_one_latency_mode(real):
     """Every restore of the rounds (in a row, each of a fresh prompt) is in the fast mode: its time
-    to first token under RESTORE_TTFT_BOUND_S (the slow mode took ~1.1 s)."""
-    ttfts = [row["restore_ttft_s"] for row in real["rounds"]]
-    assert len(ttfts) >= 8 and max(ttfts) < RESTORE_TTFT_BOUND_S, ttfts
+    to first token exceeds that of vLLM's own prefix-cache hit of the same prompt (which computes
+    the same last 64 tokens) by less than RESTORE_OVERHEAD_BOUND_S (the slow mode added ~1 s)."""
+    overheads = [row["restore_overhead_s"] for row in real["rounds"]]
+    assert len(overheads) >= 8 and max(overheads) < RESTORE_OVERHEAD_BOUND_S, real["rounds"]
 
 
 def test_vllm_serve_with_the_readme_config_generates_what_plain_vllm_serve_does(served):
