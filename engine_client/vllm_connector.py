@@ -24,11 +24,13 @@ Worker, per step:
   register_kv_caches           vLLM's own per-layer tensors, as opaque blocks ("blocks" layout: the
                                CPU attention kernel packs K and V inside a block); the page format and
                                the block's byte shape are part of the namespace.
-  bind_connector_metadata      (just before the forward) a step marked with prompt tokens is timed
-                               (``ForwardTimer``) up to wait_for_save: a prefill sample for the
-                               daemon's cost model, sent with get_finished's report, so that its
-                               restore decisions follow this engine's real prefill time.
-  start_load_kv                the step's loads, asynchronous (``KVConnector.load``).
+  bind_connector_metadata      (just before the forward) the step's loads, asynchronous
+                               (``KVConnector.load``): their replies come in during the forward, so
+                               that get_finished, right after it, can report them done. A step marked
+                               with prompt tokens is timed (``ForwardTimer``) up to wait_for_save: a
+                               prefill sample for the daemon's cost model, sent with get_finished's
+                               report, so that its restore decisions follow this engine's prefill.
+  start_load_kv                nothing: the loads were sent at the binding.
   wait_for_layer_load          nothing to wait for: loads are asynchronous, reported by get_finished.
   save_kv_layer                nothing per layer: whole blocks are saved after the forward pass.
   wait_for_save                the step's saves, queued (``KVConnector.save``); never waited for.
@@ -556,16 +558,14 @@ class _SchedulerSide:
 
 class ForwardTimer:
     """The forward's time of each step the scheduler marked (``KVCachedMetadata.prefill_tokens``):
-    from the metadata's binding (vLLM binds it just before the forward) to ``wait_for_save`` (just
-    after it), less the load submissions in between (vLLM starts asynchronous loads right after
-    the forward launch). On CPU the forward runs on the host: host time. On a GPU the forward is
+    from the metadata's binding (vLLM binds it just before the forward; the step's loads are sent
+    first) to ``wait_for_save`` (just after it). On CPU the forward runs on the host: host time. On a GPU the forward is
     only launched by then: events on the current stream, read once the end one is done, never
     waited for. ``take()`` gives the (tokens, seconds) samples finished since the last call."""
 
     def __init__(self, device: torch.device):
         self.on_gpu = device.type == "cuda"
         self._step: tuple[int, float, Any] | None = None     # (tokens, host start, start event)
-        self._excluded_s = 0.0
         self._in_flight: collections.deque = collections.deque()   # (tokens, start event, end event)
         self._done: list[tuple[int, float]] = []
 
@@ -576,10 +576,7 @@ class ForwardTimer:
             if self.on_gpu:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
-            self._step, self._excluded_s = (num_tokens, time.perf_counter(), event), 0.0
-
-    def exclude(self, seconds: float) -> None:
-        self._excluded_s += seconds
+            self._step = (num_tokens, time.perf_counter(), event)
 
     def ended(self) -> None:
         if self._step is None:
@@ -587,7 +584,7 @@ class ForwardTimer:
         num_tokens, started_s, start_event = self._step
         self._step = None
         if start_event is None:
-            self._done.append((num_tokens, time.perf_counter() - started_s - self._excluded_s))
+            self._done.append((num_tokens, time.perf_counter() - started_s))
             return
         end_event = torch.cuda.Event(enable_timing=True)
         end_event.record()
@@ -615,6 +612,7 @@ class _WorkerSide:
                                                 policy=config.policy)
         self.kv_caches: list[torch.Tensor] | None = None
         self.forward_timer: ForwardTimer | None = None
+        self._loads_sent_for: KVCachedMetadata | None = None
         self._attacher: _Attacher[KVConnector] | None = None
         self.counts = _Counts()
         self._reported = collections.Counter()        # the connector's counters already counted
@@ -684,19 +682,16 @@ class _WorkerSide:
             else:
                 logger.error("kvcached: a preempted request's save did not end in time")
 
-    def forward_starts(self, meta: KVCachedMetadata) -> None:
-        if self.forward_timer is not None:
-            self.forward_timer.started(meta.prefill_tokens)
-
-    def start_load_kv(self, meta: KVCachedMetadata) -> None:
-        started_s = time.perf_counter()
-        try:
-            self._start_loads(meta)
-        finally:
-            if self.forward_timer is not None:
-                self.forward_timer.exclude(time.perf_counter() - started_s)
-
-    def _start_loads(self, meta: KVCachedMetadata) -> None:
+    def start_loads(self, meta: KVCachedMetadata) -> None:
+        """The step's loads, sent as vLLM binds the step's metadata, before the forward: their
+        match's reply comes in while the forward runs, and get_finished, right after it, queues
+        their copies (on CPU: does them) and reports them done, so that vLLM schedules the
+        requests in the next step. Sent after the forward (start_load_kv), the reply was not in
+        yet by get_finished, and each restore waited one more step: with other prompts in
+        prefill, a whole chunk's forward (the slow mode, ~1 s, of restores under vLLM)."""
+        if meta is self._loads_sent_for:        # bound again (a draft model's forward): sent already
+            return
+        self._loads_sent_for = meta
         connector = self.connector
         for load in meta.loads:
             if connector is None:
@@ -705,6 +700,10 @@ class _WorkerSide:
             self._loading[load.req_id] = load.block_ids
             connector.load(load.req_id, np.asarray(load.token_ids, dtype=np.int32), load.block_ids,
                            load.num_tokens, load.start_token)
+
+    def forward_starts(self, meta: KVCachedMetadata) -> None:
+        if self.forward_timer is not None:
+            self.forward_timer.started(meta.prefill_tokens)
 
     def wait_for_save(self, meta: KVCachedMetadata) -> None:
         if self.forward_timer is not None:
@@ -830,14 +829,16 @@ class KVCachedConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KVCachedMetadata):
-            self._worker.forward_starts(connector_metadata)       # vLLM binds just before the forward
+            # vLLM binds just before the forward: the loads go first, then the forward is timed.
+            self._worker.start_loads(connector_metadata)
+            self._worker.forward_starts(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVCachedMetadata)
         self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        return                  # the loads were sent as the metadata was bound (_WorkerSide.start_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
