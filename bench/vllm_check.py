@@ -550,7 +550,8 @@ REAL_PROMPT_TOKENS = 1280           # 1,216 of them restorable (19 blocks; vLLM 
 LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 960, 768)    # each one step (a chunk holds 1,024)
 RESTORE_ROUNDS = 8
 CHUNK_TOKENS = 1024                 # a step's tokens: a long prompt is prefilled in chunks of this many
-BUSY_PROMPT_TOKENS = 3 * CHUNK_TOKENS
+BUSY_PROMPTS = 4                   # prompts prefilled beside a restore: 3,072 tokens in all, three steps
+BUSY_PROMPT_TOKENS = 768
 BUSY_ROUNDS = 4
 
 
@@ -625,7 +626,8 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
                 result.update(_learn(cached, plain, daemon, [tokens(n) for n in LEARN_PROMPT_TOKENS]))
                 round_prompts = [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]
                 result.update(_restore_rounds(cached, plain, daemon, round_prompts))
-                busy_prompts = [(tokens(REAL_PROMPT_TOKENS), tokens(BUSY_PROMPT_TOKENS), tokens(BUSY_PROMPT_TOKENS))
+                busy_prompts = [(tokens(REAL_PROMPT_TOKENS), [tokens(BUSY_PROMPT_TOKENS)
+                                                              for _ in range(2 * BUSY_PROMPTS)])
                                 for _ in range(BUSY_ROUNDS)]
                 result["busy"] = _busy_rounds(cached, daemon, busy_prompts)
             finally:
@@ -824,18 +826,18 @@ def serve(workdir: str, model: str) -> dict[str, Any]:
 
 def _busy_rounds(cached: Engine, daemon: Daemon, round_prompts) -> dict[str, Any]:
     """Restores while the engine is busy: the cached prompt (vLLM's own cache reset) in one batch
-    with a fresh 3,072-token prompt, prefilled in three 1,024-token steps. Against the same prompt,
-    then vLLM's own hit, in one batch with another fresh prompt: it computes its last 64 tokens in
-    the first step, its time to first token is one step. A restore needs at least one step more
-    (its load is reported at a step's end, then it is scheduled); each step a restore waits beyond
-    that is a whole step of the other prompt's prefill."""
+    with four fresh 768-token prompts, prefilled in three 1,024-token steps, each with room for
+    the restored prompt's last 64 tokens. Against the same prompt, then vLLM's own hit, in one
+    batch with four other fresh prompts: it computes its last 64 tokens in the first step, its time
+    to first token is one step. A restore takes two (its load is reported at the first's end, it is
+    computed in the second); each step it waits beyond that is a whole step of the others' prefill."""
     rows = []
-    for prompt, busy, busy_again in round_prompts:
+    for prompt, busy in round_prompts:
         cached.generate([prompt], max_tokens=1)
         wait_for_tier(daemon, prompt, "l2", (len(prompt) - 1) // REAL_BLOCK_SIZE * REAL_BLOCK_SIZE)
         cached.reset_prefix_cache()
-        restore = cached.generate([prompt, busy], max_tokens=1, together=True)
-        own = cached.generate([prompt, busy_again], max_tokens=1, together=True)
+        restore = cached.generate([prompt, *busy[:BUSY_PROMPTS]], max_tokens=1, together=True)
+        own = cached.generate([prompt, *busy[BUSY_PROMPTS:]], max_tokens=1, together=True)
         rows.append({"restore_ttft_s": round(restore["seconds_each"][0], 4),
                      "external_hit_tokens": external_hits(restore),
                      "own_hit_ttft_s": round(own["seconds_each"][0], 4),
@@ -861,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the result here instead of bench/results/cpu/vllm.json")
     parser.add_argument("--part", choices=PARTS + ("all",), default="all", help="run one part only (tests)")
+    parser.add_argument("--rounds", type=int, default=RESTORE_ROUNDS, help="restore rounds of the real part")
     parser.add_argument("--smollm2", help="SmolLM2's converted checkpoint here (made there when missing; "
                                           "default: in the workdir)")
     args = parser.parse_args(argv)
@@ -877,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         if "tiny" in parts:
             result.update(check(workdir))
         if "real" in parts:
-            result["real_weights"] = real_weights(workdir, smollm2())
+            result["real_weights"] = real_weights(workdir, smollm2(), args.rounds)
         if "serve" in parts:
             result["serve"] = serve(workdir, smollm2())
     except BaseException:

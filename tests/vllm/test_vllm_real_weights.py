@@ -84,6 +84,16 @@ def test_restores_have_one_latency_mode(real):
     assert len(overheads) >= 8 and max(overheads) < RESTORE_OVERHEAD_BOUND_S, real["rounds"]
 
 
+def test_restores_beside_a_long_prefill_wait_one_step(real):
+    """Restores while four other prompts are prefilled in 1,024-token steps: each restore's time to
+    first token is within 2.5 steps (a step: vLLM's own hit of the same prompt beside another fresh
+    prompt, which computes it in the first step). A restore takes two: its load is reported at the
+    end of the first, it is computed in the second; the slow mode waited a third."""
+    busy = real["busy"]
+    assert all(row["external_hit_tokens"] >= LONG_PROMPT_TOKENS for row in busy["rounds"]), busy
+    assert busy["restore_in_steps_max"] < 2.5, busy
+
+
 def test_vllm_serve_with_the_readme_config_generates_what_plain_vllm_serve_does(served):
     """`vllm serve` started as the README says (its --kv-transfer-config, this build's workaround
     in place): two OpenAI-API completions over loopback sharing a 640-token prefix; the first's
