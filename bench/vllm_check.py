@@ -291,13 +291,20 @@ class Daemon:
                 self.kill()
 
 
+# The namespace salt vLLM's connector attaches with (no cache_salt key; vLLM-CPU's KV cache layout).
+# The daemon's status shows salts only as digests, so the helpers below bring the salt themselves.
+VLLM_CACHE_SALT = "vllm-LBHNC"
+
+
 def vllm_namespace(daemon: Daemon):
     """The geometry of the one namespace vLLM attached with (page format "blocks")."""
+    import dataclasses
+
     from proto.messages import KVGeometry
 
     spaces = [n for n in daemon.status()["namespaces"] if n["geometry"]["layout"] == "blocks"]
     assert len(spaces) == 1, spaces
-    return KVGeometry.from_wire(spaces[0]["geometry"])
+    return dataclasses.replace(KVGeometry.from_wire(spaces[0]["geometry"]), cache_salt=VLLM_CACHE_SALT)
 
 
 def overwrite_with_noise(daemon: Daemon, token_ids: list[int], seed: int) -> int:
