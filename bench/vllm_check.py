@@ -107,10 +107,7 @@ def run_engine(args: argparse.Namespace) -> int:
         sampling = SamplingParams(max_tokens=command.get("max_tokens", MAX_TOKENS), temperature=0.0, ignore_eos=True)
         started = time.monotonic()
         outputs, seconds = [], []
-        if command.get("together"):           # one batch: their times to first token, from vLLM's stats
-            outputs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], sampling, use_tqdm=False)
-            seconds = [o.metrics.first_token_latency if o.metrics is not None else None for o in outputs]
-        for p in command["prompts"] if not command.get("together") else ():
+        for p in command["prompts"]:
             begun = time.monotonic()
             outputs.append(llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0])
             seconds.append(time.monotonic() - begun)
@@ -189,11 +186,11 @@ class Engine:
             raise RuntimeError(f"vLLM exited ({self.proc.wait()}) during {what} (log: {self.log.name})")
         return answer
 
-    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0, max_tokens: int = MAX_TOKENS,
-                 together: bool = False) -> dict[str, Any]:
-        """Outputs, and the metrics' increments over this call. One prompt after the other (the
-        time of each, ``seconds_each``), or together: one batch (each one's time to first token)."""
-        self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens, "together": together}) + "\n")
+    def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0,
+                 max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        """Outputs (one prompt after the other: the time of each, ``seconds_each``), and the
+        metrics' increments over this call."""
+        self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         answer = self._wait("generate", timeout_s)
         metrics = answer["metrics"]
@@ -557,9 +554,6 @@ REAL_PROMPT_TOKENS = 1280           # 1,216 of them restorable (19 blocks; vLLM 
 LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 960, 768)    # each one step (a chunk holds 1,024)
 RESTORE_ROUNDS = 8
 CHUNK_TOKENS = 1024                 # a step's tokens: a long prompt is prefilled in chunks of this many
-BUSY_PROMPTS = 4                   # prompts prefilled beside a restore: 3,072 tokens in all, three steps
-BUSY_PROMPT_TOKENS = 768
-BUSY_ROUNDS = 4
 
 
 def convert_smollm2(path: str) -> str:
@@ -633,10 +627,6 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
                 result.update(_learn(cached, plain, daemon, [tokens(n) for n in LEARN_PROMPT_TOKENS]))
                 round_prompts = [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]
                 result.update(_restore_rounds(cached, plain, daemon, round_prompts))
-                busy_prompts = [(tokens(REAL_PROMPT_TOKENS), [tokens(BUSY_PROMPT_TOKENS)
-                                                              for _ in range(2 * BUSY_PROMPTS)])
-                                for _ in range(BUSY_ROUNDS)]
-                result["busy"] = _busy_rounds(cached, daemon, busy_prompts)
             finally:
                 plain.close()
         finally:
@@ -829,27 +819,6 @@ def serve(workdir: str, model: str) -> dict[str, Any]:
             "outputs_equal": [first["text"], second["text"]] == [a["text"] for a in plain_answers],
             "first_l2_tokens": in_l2, "metrics": metrics,
             "second_external_hit_tokens": metrics.get("vllm:external_prefix_cache_hits_total", 0)}
-
-
-def _busy_rounds(cached: Engine, daemon: Daemon, round_prompts) -> dict[str, Any]:
-    """Restores while the engine is busy: the cached prompt (vLLM's own cache reset) in one batch
-    with four fresh 768-token prompts, prefilled in three 1,024-token steps, each with room for
-    the restored prompt's last 64 tokens. Against the same prompt, then vLLM's own hit, in one
-    batch with four other fresh prompts: it computes its last 64 tokens in the first step, its time
-    to first token is one step. A restore takes two (its load is reported at the first's end, it is
-    computed in the second); each step it waits beyond that is a whole step of the others' prefill."""
-    rows = []
-    for prompt, busy in round_prompts:
-        cached.generate([prompt], max_tokens=1)
-        wait_for_tier(daemon, prompt, "l2", (len(prompt) - 1) // REAL_BLOCK_SIZE * REAL_BLOCK_SIZE)
-        cached.reset_prefix_cache()
-        restore = cached.generate([prompt, *busy[:BUSY_PROMPTS]], max_tokens=1, together=True)
-        own = cached.generate([prompt, *busy[BUSY_PROMPTS:]], max_tokens=1, together=True)
-        rows.append({"restore_ttft_s": round(restore["seconds_each"][0], 4),
-                     "external_hit_tokens": external_hits(restore),
-                     "own_hit_ttft_s": round(own["seconds_each"][0], 4),
-                     "steps": round(restore["seconds_each"][0] / own["seconds_each"][0], 2)})
-    return {"rounds": rows, "restore_in_steps_max": max(r["steps"] for r in rows)}
 
 
 def _kvcached(answer: dict[str, Any]) -> dict[str, float]:
