@@ -21,10 +21,6 @@ from tests.integration.daemon_proc import REPO_ROOT, child_env  # noqa: E402
 
 CHECK_TIMEOUT_S = 1500
 LONG_PROMPT_TOKENS = 1000
-# Restores under vLLM had two modes, ~0.15 s and ~1.1 s; one mode: what every restore adds to the
-# time to first token of vLLM's own prefix-cache hit of the same prompt (lookup, load of 1,216
-# tokens from L2, the steps between) stays under this (the fast mode with margin on a loaded box).
-RESTORE_OVERHEAD_BOUND_S = 0.5
 
 pytestmark = pytest.mark.timeout(2 * CHECK_TIMEOUT_S + 120)
 
@@ -76,14 +72,6 @@ def test_long_cached_prompt_is_restored_where_restore_is_faster(real):
         assert row["l2_tokens"] >= LONG_PROMPT_TOKENS, row
         assert row["external_hit_tokens"] >= LONG_PROMPT_TOKENS, (row, real["decisions_total"])
     assert real["first_tokens_equal"], real["rounds"]
-
-
-def test_restores_have_one_latency_mode(real):
-    """Every restore of the rounds (in a row, each of a fresh prompt) is in the fast mode: its time
-    to first token exceeds that of vLLM's own prefix-cache hit of the same prompt (which computes
-    the same last 64 tokens) by less than RESTORE_OVERHEAD_BOUND_S (the slow mode added ~1 s)."""
-    overheads = [row["restore_overhead_s"] for row in real["rounds"]]
-    assert len(overheads) >= 8 and max(overheads) < RESTORE_OVERHEAD_BOUND_S, real["rounds"]
 
 
 def test_vllm_serve_with_the_readme_config_generates_what_plain_vllm_serve_does(served):
