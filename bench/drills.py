@@ -44,6 +44,7 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       (SIGSTOP), then killed: requests miss within the default deadline (0.1 s),
                       the daemons reconnect; the host lending the memory SIGKILLed: no wrong byte,
                       recovery; the decision declines the store where recompute wins
+  e2e under burners   the end-to-end backup-then-restore test, 20 runs in a row with 6 CPU burners
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
@@ -731,9 +732,31 @@ def drill_remote() -> list[dict]:
     return rows
 
 
+def drill_e2e_under_burners(runs: int = 20, burners: int = 6) -> dict:
+    """The end-to-end test (engine A backs up, engine B restores bit for bit) ``runs`` times, one
+    after the other, with ``burners`` busy-looping processes sharing the CPUs all along."""
+    test = "tests/integration/test_end_to_end.py::test_engine_b_restores_what_engine_a_backed_up"
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+    passed, seconds = 0, []
+    try:
+        for _ in range(runs):
+            started = time.monotonic()
+            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                                    cwd=REPO_ROOT, env=child_env(), capture_output=True, timeout=900)
+            seconds.append(round(time.monotonic() - started, 1))
+            passed += result.returncode == 0
+    finally:
+        for proc in spinning:
+            proc.kill()
+            proc.wait()
+    return row("e2e_under_burners", f"{test.split('::')[1]} passes {runs} of {runs} runs under {burners} CPU "
+               f"burners ({os.cpu_count()} CPUs)", f"{passed} of {runs} passed", passed == runs,
+               run_seconds=seconds)
+
+
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
           "daemon_restart_small_shm", "daemon_restart_idle_engines", "warm_l3", "socket_takeover", "cost_model_heals", "l3_plants", "l3_rebuild_rss",
-          "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup", "remote")
+          "client_never_reads", "http_idle_flood", "flood_fairness", "oversized_l2", "sigint_startup", "remote", "e2e_under_burners")
 
 
 def run_drills(names: tuple[str, ...], repeats: int, workdir: str) -> list[dict]:
@@ -785,6 +808,8 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
         return drill_sigint_startup()
     if name == "remote":
         return drill_remote()
+    if name == "e2e_under_burners":
+        return [drill_e2e_under_burners()]
     return [drill_socket_takeover()]
 
 
