@@ -55,6 +55,7 @@ import argparse
 import dataclasses
 import hashlib
 import inspect
+import json
 import os
 import shutil
 import signal
@@ -68,7 +69,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import RESULTS_DIR, git_commit, print_table, write_result
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, connect
 from kvcached.server.shm import segment_name
@@ -323,7 +324,9 @@ def drill_restart_l2_hit() -> dict:
             time.sleep(0.01)
         new_inode = os.stat(segment).st_ino
         with open("/proc/self/maps") as maps:
-            mapped = {int(line.split()[4]) for line in maps if segment in line}
+            # the segment itself (old or new, "(deleted)" once unlinked), not its .hints/.gen- siblings
+            fields = [line.split(maxsplit=5) for line in maps]
+            mapped = {int(f[4]) for f in fields if len(f) == 6 and f[5].strip().removesuffix(" (deleted)") == segment}
         in_shm = [n for n in os.listdir("/dev/shm") if n == os.path.basename(segment)]
     finally:
         engine.close()
@@ -818,6 +821,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each stale-writer drill")
     parser.add_argument("--only", default=",".join(DRILLS), help=f"comma-separated, of {', '.join(DRILLS)}")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only these drills' rows in the existing drills.json (each such row "
+                             "records its own commit, date and command)")
     args = parser.parse_args()
     names = tuple(n for n in args.only.split(",") if n)
     unknown = [n for n in names if n not in DRILLS]
@@ -829,9 +835,31 @@ def main() -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows, ("drill", "pass", "measured"))
-    if not args.no_write:
-        print(write_result("drills", {"rows": rows}, machine="cpu"))
+    if args.no_write:
+        return 0
+    if args.merge:
+        rows = merged_rows(rows, names)
+    print(write_result("drills", {"rows": rows}, machine="cpu"))
     return 0
+
+
+def merged_rows(rows: list[dict], names: tuple[str, ...]) -> list[dict]:
+    """The existing drills.json's rows with those of ``names`` replaced by ``rows`` (in place of
+    the first one replaced). A drill that failed to run left a row labelled with its name."""
+    path = os.path.join(RESULTS_DIR, "cpu", "drills.json")
+    with open(path) as f:
+        existing = json.load(f)
+    stamp = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    replaced = {r["drill"] for r in rows} | set(names)
+    merged, placed = [], False
+    for old in existing["rows"]:
+        if old["drill"] not in replaced:
+            merged.append(old)
+        elif not placed:
+            merged += [{**r, **stamp} for r in rows]
+            placed = True
+    return merged if placed else merged + [{**r, **stamp} for r in rows]
 
 
 if __name__ == "__main__":
