@@ -845,17 +845,19 @@ def main() -> int:
 
 def merged_rows(rows: list[dict], names: tuple[str, ...]) -> list[dict]:
     """The existing drills.json's rows with those of ``names`` replaced by ``rows`` (in place of
-    the first one replaced). A drill that failed to run left a row labelled with its name."""
+    the first one replaced). A drill that failed to run left a row labelled with its name. Every
+    row says which commit, date and command it comes from."""
     path = os.path.join(RESULTS_DIR, "cpu", "drills.json")
     with open(path) as f:
         existing = json.load(f)
     stamp = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
     replaced = {r["drill"] for r in rows} | set(names)
+    earlier = {key: existing[key] for key in ("git_commit", "date", "command")}
     merged, placed = [], False
     for old in existing["rows"]:
         if old["drill"] not in replaced:
-            merged.append(old)
+            merged.append({**earlier, **old})
         elif not placed:
             merged += [{**r, **stamp} for r in rows]
             placed = True
