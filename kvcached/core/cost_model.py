@@ -29,8 +29,12 @@ A declined source sends no samples, so the evidence that declined it could never
 slow sample would decline a path for good). So a line counts the decisions (policy cost) that
 declined a source it prices since its last sample; at ``STALE_DECLINES`` its samples are dropped and
 it prices by its prior again, until the restores that prior takes measure it anew. A line that some
-decisions still take is sampled and never drops anything; one the model declines rightly costs at
-most one restore priced by the prior per ``STALE_DECLINES + 1`` decisions of its source.
+decisions still take is sampled and never drops anything. One the model declines rightly is
+re-probed less and less often: each drop that only one sample follows (the probe's, which declined
+the source again) doubles the declines the next drop waits for, up to ``STALE_DECLINES <<
+MAX_STALE_BACKOFF``; a second sample after a drop (the source taken again) starts over. So one slow
+sample is healed within ``STALE_DECLINES + 1`` decisions, and a rightly declined source costs a
+probe per 65, 129, 257, ... decisions.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ STORAGE_DIRECTIONS = ("s2h", "h2s", "r2h")
 MAX_SAMPLE_SIZE = 1 << 50
 MAX_SAMPLE_SECONDS = 3600.0
 STALE_DECLINES = 64                # decisions declining a line's source, no sample between: back to its prior
+MAX_STALE_BACKOFF = 4               # ... doubled per drop the probe confirmed, at most 2**this times
 # The lines a restore from each source is priced by (and samples): declining the source starves them.
 SOURCE_DIRECTIONS = {"peer": ("d2d",), "l2": ("h2d",), "l3": ("s2h", "h2d"), "remote": ("r2h", "h2d")}
 
@@ -89,6 +94,8 @@ class LineModel:
         self._ewma_fixed_s: float | None = None
         self.declines_since_sample = 0      # decisions that declined a source this line prices
         self.num_stale_resets = 0
+        self._confirmed_resets = 0          # drops in a row that only the probe's sample followed
+        self._samples_since_reset = 0
 
     def declined(self) -> bool:
         """Count one decision that declined a source this line prices; at ``STALE_DECLINES`` since
@@ -97,13 +104,21 @@ class LineModel:
         if not self.samples:
             return False
         self.declines_since_sample += 1
-        if self.declines_since_sample < STALE_DECLINES:
+        if self.declines_since_sample < self.stale_declines:
             return False
+        if self.num_stale_resets and self._samples_since_reset <= 1:
+            self._confirmed_resets += 1         # the probe since the last drop declined it again
         self.samples.clear()
         self.fixed_s, self.slope_s, self.mode, self._ewma_fixed_s = 0.0, self.prior_slope_s, "prior", None
         self.declines_since_sample = 0
         self.num_stale_resets += 1
+        self._samples_since_reset = 0
         return True
+
+    @property
+    def stale_declines(self) -> int:
+        """Declines without a sample that drop this line's samples now."""
+        return STALE_DECLINES << min(self._confirmed_resets, MAX_STALE_BACKOFF)
 
     def add(self, size: int, seconds: float) -> bool:
         """Take in one sample; False (ignored) when it is not one: below min_size, or not finite."""
@@ -112,6 +127,9 @@ class LineModel:
         self.samples.append((size, seconds))
         self.num_samples += 1
         self.declines_since_sample = 0
+        self._samples_since_reset += 1
+        if self._samples_since_reset > 1:
+            self._confirmed_resets = 0          # taken again since the last drop: re-probe as at first
         target = seconds - self.prior_slope_s * size
         self._ewma_fixed_s = target if self._ewma_fixed_s is None else \
             self._ewma_fixed_s + EWMA_ALPHA * (target - self._ewma_fixed_s)

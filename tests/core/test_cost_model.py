@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvcached.core.cost_model import (EWMA_ALPHA, STALE_DECLINES, WINDOW, CostModel, CostPriors, LineModel,
+from kvcached.core.cost_model import (EWMA_ALPHA, MAX_STALE_BACKOFF, STALE_DECLINES, WINDOW, CostModel, CostPriors, LineModel,
                                       fit_non_negative)
 
 ENGINE = 7
@@ -304,23 +304,41 @@ def test_one_slow_h2d_sample_stops_declining_l2_within_stale_declines(rng):
     assert model.counters["stale_line_resets_total"] == 1
 
 
-def test_a_path_rightly_declined_costs_at_most_one_restore_per_stale_declines_plus_one(rng):
+def test_a_path_rightly_declined_is_re_probed_less_and_less_often(rng):
     """A DMA that really takes 1 s: after its first sample the model takes it again only once its
-    samples went stale, one restore per STALE_DECLINES + 1 decisions, each of which measures it
-    slow again (the loss of the self-correction is bounded)."""
+    samples went stale, after STALE_DECLINES declines, then (once a probe measured it slow again)
+    twice, four times ... as many, at most STALE_DECLINES << MAX_STALE_BACKOFF: the loss of the
+    self-correction is bounded, and shrinks while the path stays slow."""
     model = CostModel()
-    restores = 0
-    num_decisions = 20 * (STALE_DECLINES + 1)
-    for _ in range(num_decisions):
+    restored_at = []
+    for decision in range(40 * (STALE_DECLINES + 1)):
         tokens = l2_hit_tokens(rng)
         if model.decide(ENGINE, BYTES_PER_TOKEN, 0, tokens, 0).choice == "l2":
-            restores += 1
+            restored_at.append(decision)
             model.add_engine_sample(ENGINE, "h2d", tokens * BYTES_PER_TOKEN, float(rng.uniform(0.9, 1.1)))
         else:
             model.add_engine_sample(ENGINE, "prefill", tokens, tokens * 50e-6 * float(rng.uniform(0.95, 1.05)))
-    assert restores == num_decisions // (STALE_DECLINES + 1)
-    # each restore but the first followed a reset; the last reset (the 1300th decision) awaits its restore
-    assert model.counters["stale_line_resets_total"] == restores
+    gaps = [b - a for a, b in zip(restored_at, restored_at[1:])]
+    # the first gap follows the first sample; each probe after it is confirmed at the drop after it
+    expected = [1 + (STALE_DECLINES << min(max(k - 1, 0), MAX_STALE_BACKOFF)) for k in range(len(gaps))]
+    assert restored_at[0] == 0 and gaps == expected and len(gaps) >= MAX_STALE_BACKOFF + 1, restored_at
+    assert model.counters["stale_line_resets_total"] in (len(gaps), len(gaps) + 1)
+
+
+def test_a_path_taken_again_after_a_probe_is_re_probed_as_at_first(rng):
+    """The back-off starts over once a source is taken again after a drop (a second sample): a
+    later slow sample is healed within STALE_DECLINES + 1 decisions again."""
+    line = CostModel().engine(ENGINE).h2d
+    line.add(1 << 20, 1.0)
+    for _ in range(3):                          # three drops, each confirmed by one slow probe
+        while not line.declined():
+            pass
+        line.add(1 << 20, 1.0)
+    assert line.stale_declines == STALE_DECLINES << 2     # the third probe counts at the next drop
+    line.add(1 << 20, 1e-3)                     # taken again: a second sample since the drop
+    assert line.stale_declines == STALE_DECLINES
+    drops = [line.declined() for _ in range(STALE_DECLINES)]
+    assert drops == [False] * (STALE_DECLINES - 1) + [True]
 
 
 def test_a_line_that_some_decisions_still_take_keeps_its_samples(rng):
