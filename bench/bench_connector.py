@@ -64,7 +64,7 @@ from bench.common import print_table, write_result
 from bench.peer_owner import PeerOwner
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 PAGE_SIZE = 16
 HEAD_DIM = 128

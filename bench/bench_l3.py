@@ -25,7 +25,7 @@ from bench.common import median, print_table, write_result
 from engine_client.cache_manager import CacheManager
 from engine_client.client import connect
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 QWEN3_8B = KVGeometry("qwen3-8b", num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
 SMALL = KVGeometry("small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=16)

@@ -69,7 +69,7 @@ def run(args) -> dict:
     from kvcached.core.l3_index import chain_page_keys, namespace_key
     from kvcached.core.remote import HEADER_BYTES, remote_key
     from kvcached.server.remote_store import mooncake_store
-    from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess
+    from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess
     from tests.remote.cluster import MASTER_PORT, METADATA_PORT, PATIENT_REMOTE, Master, connected, remote_daemon, \
         status, wait_for, writes_done
 

@@ -29,7 +29,7 @@ from bench.common import percentile, print_table, write_result
 from engine_client.client import DEFAULT_SPIN_S, connect
 from kvcached.config import DaemonConfig
 from proto.messages import KVGeometry, MsgKind
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 # Tiny pages so that 10,000 prefixes fit in a modest pool; the wire cost does not depend on them.
 GEOMETRY = KVGeometry("rpc-bench", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=16)

@@ -73,8 +73,8 @@ from bench.common import RESULTS_DIR, git_commit, print_table, write_result
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, connect
 from kvcached.server.shm import segment_name
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env, stop_process
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, stop_process
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_faults import start_holder

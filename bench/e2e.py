@@ -16,7 +16,7 @@ import torch
 
 from bench.common import write_result
 from engine_client.client import connect
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 from tests.integration.test_end_to_end import run_engine
 
 

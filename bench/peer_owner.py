@@ -45,7 +45,7 @@ class PeerOwner:
 
     def __init__(self, what: str, socket_path: str, *, model: str, seed: int, blocks: int, page_size: int = 16,
                  layers: int = 0, kv_heads: int = 0, head_dim: int = 128, start_timeout_s: float = 600.0):
-        from tests.integration.daemon_proc import REPO_ROOT, child_env
+        from kvcached.testing.daemon_proc import REPO_ROOT, child_env
 
         self.directory = tempfile.mkdtemp(prefix="kvpeer-")
         self.fills = 0

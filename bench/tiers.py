@@ -31,7 +31,7 @@ from bench.engine import Engine
 from engine_client.client import KVCacheClient, connect
 from engine_client.connector import ConnectorConfig, KVConnector
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration.daemon_proc import REPO_ROOT, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env
 
 RUN_TIMEOUT_S = 300
 # pytest-timeout's limit for these tests: the run's own, and the checks after it

@@ -20,7 +20,7 @@ from bench.engine.load import LoadState
 from engine_client.connector import BegunLookup, PendingLookup
 from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
 from tests.bench.engine.reference import hf_model, random_prompt
-from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
+from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 MODEL_ID = "engine-overlap-test"
 LOGITS_ATOL = 1e-4

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 
 @pytest.fixture

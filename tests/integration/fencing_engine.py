@@ -30,7 +30,7 @@ import torch
 
 from engine_client.cache_manager import CacheManager
 from engine_client.client import DaemonError, DaemonUnavailable, connect
-from tests.integration.engine_proc import GEOMETRY, random_kv_
+from kvcached.testing.engine_proc import GEOMETRY, random_kv_
 
 PREFIX_PAGES = 8
 

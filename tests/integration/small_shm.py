@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from engine_client.client import ConnectionState
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens, segment_mapped, wait_until
 
 L2_SIZE = "64MiB"

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from tests.integration.browser import Browser
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 from tests.integration.test_connector import N, P, Engine, random_tokens
 
 

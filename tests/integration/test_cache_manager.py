@@ -11,7 +11,7 @@ from engine_client.cache_manager import CacheManager, L1Full
 from engine_client.client import connect
 from engine_client.kv_transfer import KVTransfer
 from proto.messages import MsgKind
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.engine_proc import GEOMETRY
 
 PAGE = GEOMETRY.page_size
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 
 from engine_client.client import connect
-from tests.integration.daemon_proc import REPO_ROOT, child_env
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env
+from kvcached.testing.engine_proc import GEOMETRY
 
 
 def status_command(socket_path: str, *args: str) -> list[str]:

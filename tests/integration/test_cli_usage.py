@@ -20,7 +20,7 @@ import pytest
 
 import kvcached
 from kvcached.server.shm import hints_file_name, segment_name
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
 CLI = [sys.executable, "-m", "kvcached.cli"]
 

@@ -15,8 +15,8 @@ import numpy as np
 from engine_client.client import connect
 from kvcached.server.status import StatusClient
 from tests.conftest import SEED_VARIABLE
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.engine_proc import GEOMETRY
 
 NUM_REPORTING_ENGINES = 12            # each with a ~60 KB report: a ~0.7 MB status snapshot
 REPORT_HEX_BYTES = 30_000

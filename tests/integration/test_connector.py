@@ -14,7 +14,7 @@ from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
 from kvcached.server.status import render_table
 from tests.engine_client.blocks import random_bits
-from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
+from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 L, N, P, H, D = 3, 24, 16, 2, 32
 MODEL = "connector-test"

@@ -10,7 +10,7 @@ import torch
 
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ from bench.tiers import TierControl
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig
 from kvcached.server.status import render_table
-from tests.integration.daemon_proc import DaemonProcess, child_env, stop_process
+from kvcached.testing.daemon_proc import DaemonProcess, child_env, stop_process
 from tests.integration.test_connector import P, Engine, random_tokens
 
 L3_READ_DELAY_S = 0.5

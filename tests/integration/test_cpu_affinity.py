@@ -11,7 +11,7 @@ import pytest
 from engine_client.client import connect
 from kvcached.config import DaemonConfig
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 GEOMETRY = KVGeometry("affinity-model", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=16)
 ZMQ_IO_THREAD = "ZMQbg/IO/0"

@@ -12,12 +12,12 @@ import pytest
 
 from engine_client.client import connect
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
 
 def run_engine(socket_path: str, role: str, state_path: str, seed: int = 0, device: str = "cpu") -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.engine_proc", "--socket", socket_path, "--role", role,
+        [sys.executable, "-m", "kvcached.testing.engine_proc", "--socket", socket_path, "--role", role,
          "--state", state_path, "--seed", str(seed), "--device", device],
         env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{role} engine failed:\n{proc.stdout}\n{proc.stderr}"

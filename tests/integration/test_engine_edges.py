@@ -17,7 +17,7 @@ from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, DaemonUnavailable, connect
 from engine_client.connector import KVConnector
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from tests.integration.test_outages import engine_warnings, prefill_and_finish, random_tokens, wait_until
 
 DROP_WITHOUT_CLOSE = """

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine_client.client import connect
-from tests.integration.daemon_proc import DaemonProcess
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import DaemonProcess
+from kvcached.testing.engine_proc import GEOMETRY
 
 PAGE = GEOMETRY.page_size
 

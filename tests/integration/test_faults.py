@@ -16,7 +16,7 @@ import pytest
 from engine_client.client import DaemonUnavailable, connect
 from kvcached.server.shm import hints_file_name, segment_name
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
 GEOMETRY = KVGeometry("fault-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine_client.client import connect
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from tests.integration.fencing_engine import PREFIX_PAGES
 
 SESSION_TIMEOUT_S = 1.5          # the daemon's default
@@ -174,7 +174,7 @@ def test_an_engine_whose_session_is_not_known_valid_still_loads_and_saves(daemon
     holds, bit for bit, and saves the page L2 lacks: no time margin is asked of a session, the
     pages' write generations fence it (a busy host no longer turns the cache off); nothing leaks."""
     from engine_client.cache_manager import CacheManager
-    from tests.integration.engine_proc import GEOMETRY as E2E, random_kv_
+    from kvcached.testing.engine_proc import GEOMETRY as E2E, random_kv_
 
     seed = 77
     tokens = np.random.default_rng(seed).integers(0, 150_000, size=9 * E2E.page_size, dtype=np.int32)

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_client.client import connect
 from kvcached.server.status import StatusClient, format_tokens, render_table
 from tests.conftest import SEED_VARIABLE
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from tests.integration.test_connector import L, MODEL, N, P, Engine, LoadResult, random_tokens
 
 H, D = 2, 32

@@ -19,8 +19,8 @@ from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
 from proto.errors import ErrorCode
-from tests.integration.daemon_proc import DaemonProcess, commit_written
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import DaemonProcess, commit_written
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
 
 PAGE = GEOMETRY.page_size

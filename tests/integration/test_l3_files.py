@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.integration.daemon_proc import REPO_ROOT, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env
 from tests.integration.test_l3_rebuild import write_branchy_index
 
 OTHER_UID = 65534
@@ -154,7 +154,7 @@ def enospc_start(directory: str, seed: int) -> dict:
     rows, the tmpfs then filled up, a daemon started on it, the space freed, a daemon started
     again. Prints what was seen, as JSON."""
     from kvcached.server.status import StatusClient
-    from tests.integration.daemon_proc import DaemonProcess
+    from kvcached.testing.daemon_proc import DaemonProcess
 
     l3_path = os.path.join(directory, "l3.bin")
     size_bytes = write_branchy_index(l3_path, ENOSPC_ROWS, seed)
@@ -224,8 +224,8 @@ def failing_write_throughs(directory: str, seed: int) -> dict:
     prefixes backed up (each a write-through that cannot be written); then space freed, the pause
     waited out, and one more backed up. Prints the counters and the log's lines about it, as JSON."""
     from engine_client.client import connect
-    from tests.integration.daemon_proc import DaemonProcess
-    from tests.integration.engine_proc import GEOMETRY
+    from kvcached.testing.daemon_proc import DaemonProcess
+    from kvcached.testing.engine_proc import GEOMETRY
     from tests.integration.test_l3 import back_up_random, wait_for_write_through
 
     rng = np.random.default_rng(seed)

@@ -19,8 +19,8 @@ import torch
 from engine_client.client import connect
 from kvcached.core.l3_index import chain_page_keys, namespace_key
 from kvcached.server.status import StatusClient
-from tests.integration.daemon_proc import DaemonProcess
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import DaemonProcess
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_l3 import back_up_random, l2_l3, wait_for_write_through
 

@@ -13,7 +13,7 @@ import pytest
 
 from engine_client.client import ConnectionState, DaemonDown, DaemonUnavailable, connect
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
+from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 GEOMETRY = KVGeometry("async-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
 

@@ -23,8 +23,8 @@ from engine_client.client import ConnectionState, DaemonDown, connect
 from kvcached.server.shm import segment_name
 from proto import codec
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from tests.integration.daemon_proc import DaemonProcess, stop_process
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import DaemonProcess, stop_process
+from kvcached.testing.engine_proc import GEOMETRY
 
 PAGE = GEOMETRY.page_size
 

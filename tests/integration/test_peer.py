@@ -18,7 +18,7 @@ import torch
 
 from engine_client.client import connect
 from kvcached.server.shm import epoch_file_prefix
-from tests.integration.daemon_proc import DaemonProcess, REPO_ROOT, child_env
+from kvcached.testing.daemon_proc import DaemonProcess, REPO_ROOT, child_env
 from tests.integration.peer_engine import (NUM_BLOCKS, PAGE, PREFIX_PAGES, new_tensors, page_kv, prefixes,
                                            read_block, register)
 

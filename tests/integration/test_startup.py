@@ -14,7 +14,7 @@ import pytest
 
 from kvcached.server.shm import (MEMORY_HEADROOM_BYTES, epoch_file_prefix, generation_file_prefix, hints_file_name,
                                  memory_room_bytes, segment_name)
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 
 # "Done when": a stop signal at any moment of start-up ends the daemon within this.
 STOP_BOUND_S = 1.0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.integration.browser import Browser, chromium_path
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 from tests.integration.test_connector import MODEL, N, P, Engine, random_tokens
 from tests.integration.test_http import BYTES_PER_PAGE
 

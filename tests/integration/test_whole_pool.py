@@ -13,8 +13,8 @@ import torch
 from engine_client.client import connect
 from engine_client.shared_pool import SharedHostPool
 from proto.messages import KVGeometry
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_l3 import back_up_random
 

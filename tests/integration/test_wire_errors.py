@@ -14,7 +14,7 @@ from engine_client.client import DaemonError, connect
 from proto import codec
 from proto.errors import ErrorCode
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 
 GEOMETRY = KVGeometry("test-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 

@@ -1,5 +1,5 @@
 """Several "hosts" on one machine for the remote tier: a real ``mooncake_master`` and real daemons
-(``tests/integration/daemon_proc.py``), each with its own engines (``engine_proc.py``), all inside
+(``kvcached/testing/daemon_proc.py``), each with its own engines (``engine_proc.py``), all inside
 one network namespace that has only loopback (some of the store's listeners bind 0.0.0.0).
 
 A scenario (``tests/remote/scenarios.py``) runs as ``python -m tests.remote.scenarios NAME`` under
@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from tests.integration.daemon_proc import PATIENT_DAEMON, REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import PATIENT_DAEMON, REPO_ROOT, DaemonProcess, child_env
 
 MASTER_PORT = 50051
 METADATA_PORT = 8080
@@ -167,8 +167,8 @@ def writes_done(snapshot: dict[str, Any]) -> bool:
 
 def engine(daemon: DaemonProcess, role: str, state_path: str, seed: int = 0, *extra: str,
            timeout_s: float = 120.0) -> dict[str, Any]:
-    """One engine process (``tests/integration/engine_proc.py``) on this daemon; its JSON report."""
-    done = subprocess.run([sys.executable, "-m", "tests.integration.engine_proc", "--socket", daemon.socket_path,
+    """One engine process (``kvcached/testing/engine_proc.py``) on this daemon; its JSON report."""
+    done = subprocess.run([sys.executable, "-m", "kvcached.testing.engine_proc", "--socket", daemon.socket_path,
                            "--role", role, "--state", state_path, "--seed", str(seed), *extra],
                           capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=REPO_ROOT)
     if done.returncode != 0:

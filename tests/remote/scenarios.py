@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from kvcached.server.metrics import metric_families
 from kvcached.server.status import render_table
-from tests.integration.daemon_proc import stop_process
+from kvcached.testing.daemon_proc import stop_process
 from tests.remote.cluster import Master, connected, engine, remote_daemon, status, wait_for, writes_done
 
 ALWAYS = ("--restore-policy", "always")

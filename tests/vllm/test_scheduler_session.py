@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from engine_client.vllm_connector import VLLMConnectorConfig, _Attacher, open_lookups  # noqa: E402
 from proto.messages import KVGeometry  # noqa: E402
-from tests.integration.daemon_proc import DaemonProcess  # noqa: E402
+from kvcached.testing.daemon_proc import DaemonProcess  # noqa: E402
 
 GEOMETRY = KVGeometry("vllm-session-model", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32",
                       page_size=128, layout="blocks", block_shape=(2, 128, 512), cache_salt="vllm-LBHNC")

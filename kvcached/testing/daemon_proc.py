@@ -1,4 +1,4 @@
-"""Start and stop a real ``kvcached serve`` process for tests."""
+"""Start and stop a real ``kvcached serve`` process, for the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+# The directory that holds the kvcached package (the repository in a checkout): what child processes
+# get on their PYTHONPATH, so that they run this code and not another installed copy.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -1,0 +1,3 @@
+"""What the tests and the benchmarks share, shipped with the product so that neither imports the
+other: real daemon processes (``daemon_proc``), a minimal engine process (``engine_proc``), and the
+scenarios both drive."""
