@@ -45,8 +45,8 @@ def missing() -> str:
         return "the Mooncake Store wheel (pip install '.[remote]') is not installed"
     if master_binary() is None:
         return "mooncake_master is not installed"
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip (util-linux, iproute2) is missing"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is missing"
     probe = subprocess.run(_isolating(["true"]), capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot enter a network namespace: {probe.stderr.strip()[:200]}"
@@ -57,8 +57,18 @@ def _isolating(command: list[str]) -> list[str]:
     """command, run in a new network namespace with loopback up (root: unshare --net; else a user
     namespace mapping us to root)."""
     user = [] if os.geteuid() == 0 else ["--map-root-user"]
-    script = 'ip link set lo up && exec "$@"'
-    return ["unshare", "--net", *user, "bash", "-c", script, "isolated", *command]
+    script = '"$0" -c "$1" && shift && exec "$@"'
+    return ["unshare", "--net", *user, "bash", "-c", script, sys.executable, _LOOPBACK_UP, *command]
+
+
+# Sets the namespace's loopback up with the SIOCGIFFLAGS/SIOCSIFFLAGS ioctls, so that no iproute2 is
+# needed where the scenarios run.
+_LOOPBACK_UP = """
+import fcntl, socket, struct
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 1))
+"""
 
 
 def run_isolated(scenario: str, timeout_s: float = 240.0, **options: Any) -> dict[str, Any]:
