@@ -8,7 +8,7 @@ Ownership of L2 pages, per namespace, is a partition: every page is exactly one 
 tree-owned, free (in the allocator), private (reserved by an active lease for a backup, or by a
 pending tier move) or quarantined (private to a session that ended while its process may still be
 writing them; see "Fencing" in docs/architecture.md). Which pages a namespace may use at all
-follows from the chunks of the pool it owns (``chunks.py``; "The pool" in the architecture notes):
+follows from the chunks of the pool it owns (``chunks.py``; "Tiers" in docs/architecture.md):
 one geometry gets the whole pool, several share it, and a chunk changes hands only once every
 page of its old owner in it is free.
 """
