@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.integration.daemon_proc import DaemonProcess, child_env
+from kvcached.testing.daemon_proc import DaemonProcess, child_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO_ROOT, "README.md")
