@@ -130,6 +130,15 @@ class RemoteAsk(NamedTuple):
     end_page: int
 
 
+class PrefixHits(NamedTuple):
+    """A namespace's cached prefix of a path (``DaemonState.peek``): tokens per tier label, and
+    what to ask the remote store (None: nothing, or no remote tier)."""
+    namespace_id: int
+    geometry: KVGeometry
+    hit_tokens: dict[str, int]
+    remote_ask: RemoteAsk | None
+
+
 @dataclasses.dataclass(eq=False)
 class RemoteWrite:
     """A write-through of L2 pages [start_page, start_page + len(page_ids)) of a path to the remote
@@ -652,6 +661,28 @@ class DaemonState:
                                 remote_tokens=remote_tokens)
         return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
 
+    def peek(self, token_ids: np.ndarray, model_id: str | None = None, cache_salt: str = "",
+             geometry: KVGeometry | None = None) -> list[PrefixHits]:
+        """For routers that ask (POST /lookup): the hit per tier of a prefix in every namespace of
+        ``model_id`` whose salt is ``cache_salt``, or in the namespace of ``geometry``. Needs no
+        session and changes nothing a request could see: no lease, lock, reservation, LRU touch,
+        decision or count (the match may split a tree node at the hit's end, as every lookup does)."""
+        if geometry is not None:
+            namespace = self.geometry_to_namespace.get(geometry)
+            namespaces = [namespace] if namespace is not None else []
+        else:
+            namespaces = [ns for ns in self.namespaces.values()
+                          if ns.geometry.model_id == model_id and ns.geometry.cache_salt == cache_salt]
+        found = []
+        for namespace in namespaces:
+            page_size = namespace.geometry.page_size
+            path = token_ids[: len(token_ids) // page_size * page_size]
+            result = namespace.tree.match(path, touch=False)
+            ask = self._remote_ask_after(namespace, path, result) if self.remote_enabled else None
+            found.append(PrefixHits(namespace.namespace_id, namespace.geometry,
+                                    {tier.label: count for tier, count in result.hit_tokens.items()}, ask))
+        return found
+
     def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:
         """After a lookup (of this session, for these tokens) whose decision declined an L3 hit: the
         S2H move of the pages only L3 holds, when the cost model says a later request would restore
@@ -1068,10 +1099,16 @@ class DaemonState:
             return None
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
-        page_size = namespace.geometry.page_size
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        page_size = namespace.geometry.page_size
         num_pages = len(token_ids) // page_size
         result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False)
+        return self._remote_ask_after(namespace, token_ids, result)
+
+    def _remote_ask_after(self, namespace: Namespace, token_ids: np.ndarray, result) -> RemoteAsk | None:
+        """remote_ask, given the tree's match of the path's whole pages."""
+        page_size = namespace.geometry.page_size
+        num_pages = len(token_ids) // page_size
         l2_pages = result.hit_tokens[Tier.L2] // page_size
         if l2_pages >= num_pages or result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
             return None

@@ -1,4 +1,5 @@
-"""The daemon's HTTP listener: GET /metrics, GET /status, GET / (the live status page).
+"""The daemon's HTTP listener: GET /metrics, GET /status, GET / (the live status page), and
+POST /lookup for routers.
 
 aiohttp's HTTP server on an asyncio loop of its own, in a thread of its own: never the daemon's
 event loop or its socket thread. A request takes one status snapshot through ``snapshot()`` in a
@@ -16,8 +17,11 @@ on this loop, and the listener holds at most MAX_CONNECTIONS of them:
   prometheus_client from the snapshot (kvcached/server/metrics.py).
 - ``/status``: the snapshot as JSON, byte for byte what ``kvcached status --json`` prints.
 - ``/``: one self-contained HTML file (kvcached/server/status_page.html) that polls /status.
+- ``POST /lookup``: which prefix of a prompt each tier holds, changing nothing (the request, its
+  answer and its bounds: kvcached/server/lookup.py). Its body is read within
+  LOOKUP_BODY_TIMEOUT_S (else 408), so a slow sender cannot hold a connection busy for long.
 
-Anything else is 404; a method other than GET or HEAD is 405. A request whose Host header names
+Anything else is 404; a method other than GET or HEAD (POST for /lookup) is 405. A request whose Host header names
 neither a loopback name, the bound address, an IP address (when bound to all addresses) nor a
 name of ``allowed_hosts`` is 421: a web page whose name was rebound to this address (DNS
 rebinding) cannot read the status. Bind it to loopback unless the network it is on may read the
@@ -30,6 +34,7 @@ import asyncio
 import concurrent.futures
 import importlib.resources
 import ipaddress
+import json
 import logging
 import socket
 import sys
@@ -41,6 +46,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import choose_encoder
 
+from kvcached.server.lookup import (LOOKUP_BODY_TIMEOUT_S, MAX_LOOKUP_BODY_BYTES, LookupQuery, LookupRefused,
+                                   error_body)
 from kvcached.server.metrics import make_registry
 from kvcached.server.shm import StartupError
 from kvcached.server.status import status_json
@@ -160,9 +167,10 @@ class _BoundedServer(web.Server):
 
 class HttpListener:
     def __init__(self, sock: socket.socket, snapshot: Callable[[], dict[str, Any]], max_connections: int,
-                 host_check: HostCheck):
+                 host_check: HostCheck, lookup: Callable[[LookupQuery], dict[str, Any]] | None = None):
         self._socket = sock
         self._snapshot = snapshot
+        self._lookup = lookup
         self._registry = make_registry(snapshot)
         self._page = _page()
         self._host_check = host_check
@@ -178,8 +186,10 @@ class HttpListener:
 
     @classmethod
     def start(cls, endpoint: tuple[str, int], snapshot: Callable[[], dict[str, Any]],
-              max_connections: int = MAX_CONNECTIONS, allowed_hosts: Iterable[str] = ()) -> "HttpListener":
-        """Bind (OSError if the address is taken or not ours) and serve on a thread of its own."""
+              max_connections: int = MAX_CONNECTIONS, allowed_hosts: Iterable[str] = (),
+              lookup: Callable[[LookupQuery], dict[str, Any]] | None = None) -> "HttpListener":
+        """Bind (OSError if the address is taken or not ours) and serve on a thread of its own;
+        ``lookup`` answers POST /lookup (None: 404)."""
         host, port = endpoint
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -190,7 +200,7 @@ class HttpListener:
             sock.bind((host, port))
             sock.listen(128)
             sock.setblocking(False)
-            return cls(sock, snapshot, max_connections, HostCheck(host, allowed_hosts))
+            return cls(sock, snapshot, max_connections, HostCheck(host, allowed_hosts), lookup)
         except BaseException:
             sock.close()
             raise
@@ -246,6 +256,12 @@ class HttpListener:
         if not self._host_check.allows(request.headers.get("Host")):
             return _text(421, "misdirected request: this listener does not serve that host name "
                               "(kvcached serve --http-allow-host NAME)\n")
+        if request.path == "/lookup" and self._lookup is not None:
+            if request.method != "POST":
+                response = _text(405, "only POST, with a JSON body\n")
+                response.headers["Allow"] = "POST"
+                return response
+            return await self._answer_lookup(request)
         if request.method not in ("GET", "HEAD"):
             response = _text(405, "only GET and HEAD\n")
             response.headers["Allow"] = "GET, HEAD"
@@ -269,8 +285,45 @@ class HttpListener:
             return _text(500, "internal error (see the daemon's log)\n")
         return _response(status, body, content_type)
 
+    async def _answer_lookup(self, request: web.BaseRequest) -> web.Response:
+        assert self._lookup is not None
+        lookup = self._lookup
+
+        def answer(body: bytes) -> bytes:
+            return json.dumps(lookup(LookupQuery.parse(body))).encode()
+
+        try:
+            if request.content_type != "application/json":
+                raise LookupRefused(415, "send the body as Content-Type: application/json")
+            try:
+                body = await asyncio.wait_for(_read_body(request), LOOKUP_BODY_TIMEOUT_S)
+            except TimeoutError:
+                raise LookupRefused(408, f"the body did not arrive within {LOOKUP_BODY_TIMEOUT_S} s") from None
+            status, content = 200, await self._off_loop(answer, body)
+        except LookupRefused as exc:
+            status, content = exc.status, error_body(str(exc))
+        except TimeoutError as exc:
+            status, content = 503, error_body(str(exc))
+        except Exception:
+            logger.exception("HTTP /lookup failed")
+            status, content = 500, error_body("internal error (see the daemon's log)")
+        return _response(status, content, "application/json")
+
     async def _off_loop(self, work: Callable, *args: Any) -> Any:
         return await self._loop.run_in_executor(self._pool, work, *args)
+
+
+async def _read_body(request: web.BaseRequest) -> bytes:
+    """The request's body, refused (413) once it passes MAX_LOOKUP_BODY_BYTES."""
+    too_large = LookupRefused(413, f"the body is over max_lookup_body_bytes={MAX_LOOKUP_BODY_BYTES}")
+    if request.content_length is not None and request.content_length > MAX_LOOKUP_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > MAX_LOOKUP_BODY_BYTES:
+            raise too_large
+    return bytes(body)
 
 
 def _response(status: int, body: bytes, content_type: str) -> web.Response:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -48,6 +49,7 @@ from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_add
 from kvcached.server.io_workers import (IoExecutor, StorageFile, UnsafeFileError, WriteBackoff, read_pages,
                                        write_pages)
 from kvcached.server.liveness import PidWatcher, open_pidfd
+from kvcached.server.lookup import LookupQuery, LookupRefused
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.refusals import RefusalLog
 from kvcached.server.remote_store import RemoteSettings, RemoteStore, RemoteUnavailable
@@ -858,6 +860,44 @@ class Server:
             self.state_lock.release()
 
 
+    def http_lookup(self, query: LookupQuery, timeout_s: float) -> dict[str, Any]:
+        """From the HTTP listener's thread: POST /lookup's answer (kvcached/server/lookup.py). The
+        tiers are read under state_lock, waited for at most timeout_s (else TimeoutError); with a
+        remote tier, the store is then asked for the pages after each L2 hit, as an engine's
+        lookup asks it (one call, its own deadline; a failure or a late answer holds nothing)."""
+        if not self.state_lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the daemon's state was busy for timeout_s={timeout_s}")
+        try:
+            found = self.state.peek(query.token_ids, query.model_id, query.cache_salt, query.geometry)
+        finally:
+            self.state_lock.release()
+        if not found:
+            raise LookupRefused(404, query.describe())
+        answers = []
+        for entry in found:
+            hit_tokens = dict(entry.hit_tokens)
+            if self.remote is not None:
+                hit_tokens["remote"] = self._remote_hit_tokens(entry.remote_ask)
+            answers.append({"namespace_id": entry.namespace_id, "geometry": entry.geometry.to_wire(),
+                            "hit_tokens": hit_tokens})
+        hide_salts({"namespaces": answers})
+        return {"num_tokens": len(query.token_ids), "namespaces": answers}
+
+    def _remote_hit_tokens(self, ask: RemoteAsk | None) -> int:
+        """The prefix that L2 and the store hold together (0: not asked, or nothing after L2's hit)."""
+        assert self.remote is not None and self._loop is not None
+        if ask is None or not self.remote.available():
+            return 0
+        asking = self.remote.run("exist", self.remote.held_pages, ask.namespace_key, ask.token_ids, ask.page_size,
+                                 ask.start_page, ask.end_page, timeout_s=self.config.remote_exist_timeout_s)
+        try:
+            held = asyncio.run_coroutine_threadsafe(asking, self._loop).result(
+                self.config.remote_exist_timeout_s + HTTP_SNAPSHOT_TIMEOUT_S)
+        except (RemoteUnavailable, concurrent.futures.TimeoutError):
+            return 0
+        return (ask.start_page + held) * ask.page_size if held else 0
+
+
 class StartupStopped(Exception):
     """SIGTERM or SIGINT came while the daemon was starting; what it had made is removed."""
 
@@ -1024,7 +1064,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
 
 
 def _start_http(config: DaemonConfig, serving: list[Server]) -> HttpListener | None:
-    """The /metrics, /status and / listener, answering 503 until ``serving`` holds the server. An
+    """The /metrics, /status, / and /lookup listener, answering 503 until ``serving`` holds the server. An
     address that was asked for and cannot be bound stops the start; the default one, taken
     (another daemon on the host), is skipped with a warning."""
     endpoint = config.http_endpoint
@@ -1036,8 +1076,13 @@ def _start_http(config: DaemonConfig, serving: list[Server]) -> HttpListener | N
             raise TimeoutError("the daemon is starting (populating its L2 pool)")
         return serving[0].locked_status_snapshot(HTTP_SNAPSHOT_TIMEOUT_S)
 
+    def lookup(query: LookupQuery) -> dict[str, Any]:
+        if not serving:
+            raise TimeoutError("the daemon is starting (populating its L2 pool)")
+        return serving[0].http_lookup(query, HTTP_SNAPSHOT_TIMEOUT_S)
+
     try:
-        listener = HttpListener.start(endpoint, snapshot, allowed_hosts=config.http_allow_hosts)
+        listener = HttpListener.start(endpoint, snapshot, allowed_hosts=config.http_allow_hosts, lookup=lookup)
     except OSError as exc:
         where = format_http_address(endpoint)
         if config.http_required:

@@ -98,3 +98,45 @@ def test_contradictory_lookups_are_refused(body):
     """A lookup that would reserve, a locked group match, and a mistyped lock are refused at parse."""
     with pytest.raises(ProtocolError):
         Match.parse({"session_id": 1, "token_ids": b"\0" * 4, **body})
+
+
+def test_a_router_peek_needs_no_session_and_changes_nothing():
+    """peek (POST /lookup) answers the hit per tier in each namespace of the model and salt asked
+    for, or of the geometry asked for, with no session; every node keeps the LRU time and reuse
+    mark of its backup and no lock, and the leases and counters stay as they were."""
+    state = make_state(num_namespaces=2)
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    salted_geometry = dataclasses.replace(GEOMETRY, cache_salt="tenant-a")
+    salted, _ = state.attach(salted_geometry, pid=2)
+    rng = np.random.default_rng(5)
+    prefix, other = tokens(rng, 6), tokens(rng, 4)
+    backed_up_at = state.clock()
+    back_up(state, session.session_id, prefix)
+    back_up(state, salted.session_id, other)
+    state.clock.advance(1.0)
+    before = (state.metrics.snapshot(), len(state.leases))
+
+    def ids(token_bytes: bytes) -> np.ndarray:
+        return np.frombuffer(token_bytes, dtype="<i4")
+
+    for _ in range(3):
+        [hits] = state.peek(ids(prefix + tokens(rng, 1)[: 3 * 4]), model_id="m")    # 3 tokens more
+        assert hits.namespace_id == namespace.namespace_id and hits.hit_tokens == {"l2": 6 * PAGE}
+        [hits] = state.peek(ids(prefix[: 3 * PAGE * 4] + tokens(rng, 2)), geometry=GEOMETRY)
+        assert hits.hit_tokens == {"l2": 3 * PAGE} and hits.remote_ask is None
+    [hits] = state.peek(ids(other), model_id="m")
+    assert hits.namespace_id == namespace.namespace_id and hits.hit_tokens == {"l2": 0}
+    [hits] = state.peek(ids(other), model_id="m", cache_salt="tenant-a")
+    assert hits.geometry == salted_geometry and hits.hit_tokens == {"l2": 4 * PAGE}
+    assert state.peek(ids(prefix), model_id="other") == []
+    assert state.peek(ids(prefix), geometry=dataclasses.replace(GEOMETRY, tp_size=2)) == []
+
+    stack, num_nodes = list(namespace.tree._root.children.values()), 0
+    while stack:
+        node = stack.pop()
+        assert (node.last_access[Tier.L2], node.reused[Tier.L2], node.ref_count[Tier.L2]) == (backed_up_at, False, 0)
+        stack.extend(node.children.values())
+        num_nodes += 1
+    assert num_nodes == 2          # split at the 3-page hit: the hit is made of whole nodes
+    assert (state.metrics.snapshot(), len(state.leases)) == before
+    state.check_integrity()

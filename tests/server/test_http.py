@@ -201,3 +201,24 @@ def test_allowed_host_names_are_checked():
     for bad in ("a b", "http://x", "x:80", ""):
         with pytest.raises(ValueError, match="not a host name"):
             DaemonConfig.from_env({}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20, http_allow_hosts=[bad])
+
+
+def test_a_lookup_body_sent_too_slowly_is_refused(monkeypatch):
+    """A POST /lookup whose body does not arrive within the body timeout is answered 408 and its
+    connection freed; a lookup sent whole is answered by the lookup function."""
+    monkeypatch.setattr(http_module, "LOOKUP_BODY_TIMEOUT_S", 0.3)
+    listener = HttpListener.start(("127.0.0.1", 0), lambda: {}, lookup=lambda query: {"n": len(query.token_ids)})
+    host, port = listener.address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as connection:
+            connection.sendall(b"POST /lookup HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"model\": ")
+            reply = connection.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        request = urllib.request.Request(f"http://{listener.address}/lookup", method="POST",
+                                         data=b'{"model": "m", "token_ids": [1, 2, 3]}',
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.read() == b'{"n": 3}'
+    finally:
+        listener.close()
