@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SEED_VARIABLE
-from tests.integration.daemon_proc import DaemonProcess
+from kvcached.testing.daemon_proc import DaemonProcess
 from tests.integration.test_connector import MODEL, N, P, Engine, random_tokens
 from tests.integration.test_http import get, scrape, value, wait_for
 from kvcached.server.lookup import MAX_LOOKUP_BODY_BYTES, MAX_LOOKUP_TOKENS
