@@ -9,9 +9,9 @@
           engine's stream can wait for layer i's group alone (``Transfer.wait_layer_on``) while
           the next group's DMA runs. Whole (otherwise): one DMA per run of L2 pages, one
           scatter: the fewest host calls.
-          Queueing a load takes the host a few calls per group, not per layer: measured on the
-          H200 machine, ~0.2 ms per layer made the host, not the DMA, the bound of a layer-by-layer
-          load below ~1,000 tokens, and stalled the engine's other requests meanwhile.
+          Queueing a load takes the host a few calls per group, not per layer: queued layer by
+          layer, the host's calls, not the DMA, bound a short load, and stalled the engine's
+          other requests meanwhile.
           (A peer restore instead copies another engine's blocks, mapped into this process,
           straight into this engine's: one block-to-block launch, ``copy_from``.)
 
@@ -25,8 +25,8 @@ D2H runs beside a load's H2D. A transfer's first operation waits on an event of 
 writes blocks only once the work the engine queued before the load is done with them.
 
 L2 pages are page-major (a page holds every layer), so one group of layers of a run of pages is rows
-of its K (and of its V) spans, a page apart: a strided copy, ``cudaMemcpy2DAsync`` (``engine_client.cudart``), which ran
-at 0.93-0.99 of a flat DMA of the same bytes on the H200 machine; on CPU the same rows are copied
+of its K (and of its V) spans, a page apart: a strided copy, ``cudaMemcpy2DAsync`` (``engine_client.cudart``), which runs
+near the speed of a flat DMA of the same bytes (``connector`` in docs/benchmarks.md); on CPU the same rows are copied
 by torch through strided views. The pinned pool's chunks hold whole pages
 (``shared_pool.whole_page_chunk_bytes``), so a run cut where a chunk ends is cut between pages.
 

@@ -12,19 +12,17 @@ to and from it run as DMA at PCIe speed. The daemon fills the segment with posix
 pages exist; what is left per engine is to map them into this process (pre-fault) and to pin them.
 Both are done per chunk of `pin_chunk_bytes` (256 MiB) on a few threads: each thread pre-faults its
 chunk with MADV_POPULATE_WRITE and registers it, and the kernel and the driver do that work for
-different chunks at once. Measured on the H200 machine (bench/results/h200/pin.json), 16 GiB: one
-MAP_POPULATE plus one cudaHostRegister 1.24 s (a cudaHostRegister alone 1.78 s); 4 threads with
-256 MiB chunks 0.71 s (1 GiB chunks 0.79 s; without the pre-fault 1.49 s). tmpfs zeroes fallocated
-pages at first touch: the daemon touches its segment when it creates it (16 GiB: 5.9 s, once), so
-that the first engine to attach does not pay for it (1.08 s).
+different chunks at once, faster than one MAP_POPULATE and one cudaHostRegister of the whole
+range (``pin`` in docs/benchmarks.md has each way's time). tmpfs zeroes fallocated pages at first
+touch: the daemon touches its segment when it creates it, once, so that the first engine to attach
+does not pay for it.
 
 Registration can also run in the background (`pin_in_background=True`): `open` returns once the
-range is mapped (under 1 ms), and the chunks are pinned in ascending order while the engine goes
-on (the first after 0.06 s; all of 16 GiB after 0.64 s). No DMA may touch memory
+range is mapped, and the chunks are pinned in ascending order while the engine goes on. No DMA may touch memory
 that is not pinned yet, so the transfer engine calls `wait_pinned(start, end)` for the bytes it is
 about to copy, and splits its copies at chunk boundaries (`chunk_pieces`): one copy spanning two
-registrations fails with cudaErrorInvalidValue, while copies cut at the boundary run at the full
-54.5-54.9 GB/s of a cudaHostAlloc buffer.
+registrations fails with cudaErrorInvalidValue, while copies cut at the boundary run as fast as
+from a cudaHostAlloc buffer.
 """
 
 from __future__ import annotations
@@ -66,8 +64,8 @@ _MADV_POPULATE_WRITE = 23
 
 
 def default_pin_threads() -> int:
-    """Threads that pin a pool: a few. On the H200 machine 4 threads pinned 16 GiB fastest; 8 and 16
-    were slower (the faults and the registrations contend in the kernel and the driver)."""
+    """Threads that pin a pool: a few (at most 4). More are slower: the faults and the registrations
+    contend in the kernel and the driver (``pin`` in docs/benchmarks.md)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 

@@ -688,7 +688,7 @@ class _WorkerSide:
         their copies (on CPU: does them) and reports them done, so that vLLM schedules the
         requests in the next step. Sent after the forward (start_load_kv), the reply was not in
         yet by get_finished, and each restore waited one more step: with other prompts in
-        prefill, a whole chunk's forward (the slow mode, ~1 s, of restores under vLLM)."""
+        prefill, a whole chunk's forward (the slow latency mode of restores under vLLM)."""
         if meta is self._loads_sent_for:        # bound again (a draft model's forward): sent already
             return
         self._loads_sent_for = meta

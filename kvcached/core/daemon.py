@@ -724,8 +724,8 @@ class DaemonState:
         namespace has fewer free pages than wanted, free chunks of the pool included (the rest would
         be evicted), and the path was last used before the page L2 would evict next (its oldest
         evictable leaf). Under LRU its copy would be gone already; written, it would cost the
-        engine the path's DMA (on the H200 machine about 1 ms per 50 MB, which its next forward
-        waited behind) and L2 a page more recently used, for nothing."""
+        engine the path's DMA (which its next forward waits behind, on the device-to-host copy
+        engine) and L2 a page more recently used, for nothing."""
         if decision is None or (policy or self.cost.policy) != "cost" or decision.choice == "l3":
             return False
         if result.hit_tokens.get(Tier.L3, 0) <= result.hit_tokens[Tier.L2]:

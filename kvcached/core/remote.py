@@ -7,8 +7,8 @@ A page is stored under ``kvc/<namespace key>/<chained page key>`` (``l3_index.na
 including the page, so one key names one prefix's page of one geometry. Its value is a header
 of ``HEADER_BYTES`` (magic, namespace key, page key, payload length, the payload's XXH3-64), then
 the page's bytes. A reader publishes a page only if the header names the page it asked for and
-the payload's checksum matches (XXH3 rather than the L3 file's crc32: it runs at ~11 GB/s against
-~3.4 on the CPU machine, and a remote restore checks every byte it gets on the request's path): a page of another namespace, a torn or half-written value, or one
+the payload's checksum matches (XXH3 rather than the L3 file's crc32: it is several times faster on
+a CPU, and a remote restore checks every byte it gets on the request's path): a page of another namespace, a torn or half-written value, or one
 overwritten under the same key by a broken writer is dropped, never served.
 """
 

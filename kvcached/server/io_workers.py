@@ -6,8 +6,8 @@ Design notes:
 - One system-call loop per extent: a run where both the L2 pages and the slots are consecutive
   (`coalesce_extents`). A loop, because the kernel may move fewer bytes than asked.
 - A job's bytes go in slices of at most SLICE_BYTES (whole pages; a long extent is cut, short ones
-  are packed together), run in parallel on a small module-level pool: one thread's copy out of the
-  page cache ran at ~2.2 GB/s on the H200 machine. The pool is not the IoExecutor's: a slice never
+  are packed together), run in parallel on a small module-level pool: several threads copy out of the
+  page cache faster than one. The pool is not the IoExecutor's: a slice never
   waits for anything, so jobs waiting for their slices cannot deadlock it. A job returns or
   raises only after every slice it started has ended, so its pages are never freed or published
   under a live copy.

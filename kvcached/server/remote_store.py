@@ -2,8 +2,8 @@
 calls run on, their deadlines and the breaker (``kvcached/core/remote.py``).
 
 Every call runs on a worker of this module's pool, never on the socket thread or the event loop,
-and its caller waits at most its deadline: a store whose master is gone blocks 4-5 s per call, and
-gets from a host that died fail only after ~0.5-1 s each. A call past its deadline, or failed,
+and its caller waits at most its deadline: a store whose master is gone blocks for seconds per call,
+and gets from a host that died fail only after a long wait each. A call past its deadline, or failed,
 opens the breaker: until a probe (``health_check``, off every request's path) finds the store
 again, no request asks it, so an unreachable store costs a request a local miss and nothing more.
 A call past its deadline still runs on its worker; a get's destination pages stay reserved until

@@ -2,7 +2,7 @@
 
 The segment is one file under /dev/shm, mode 0600, created by the daemon, filled with
 ``posix_fallocate`` so that every page exists before an engine maps and pins it (pinning
-unpopulated shared memory is 15-20x slower per GiB), and removed at exit. A daemon killed
+unpopulated shared memory is many times slower per GiB), and removed at exit. A daemon killed
 with SIGKILL cannot remove it; the next daemon on the same socket holds the lock file and
 therefore knows any segment with its name is stale, and removes it.
 
@@ -161,10 +161,10 @@ _ZEROS = bytes(2 << 20)
 
 def _populate(fd: int, offset: int, length: int) -> None:
     """Allocate these pages and clear them now, in the daemon, rather than on the first engine's
-    attach: fallocated tmpfs pages are cleared at first touch, which was measured to make a first
-    attach of 16 GiB take 5.6 s instead of 1 s. Cleared with write(2), not through the daemon's
-    mapping, so that the daemon maps none of them: unmapping at exit costs nothing (0.4 s per GiB
-    populated through the mapping, measured on a loaded 2-core box)."""
+    attach: fallocated tmpfs pages are cleared at first touch, which would otherwise make the first
+    attach several times slower (``pin`` in docs/benchmarks.md). Cleared with write(2), not through
+    the daemon's mapping, so that the daemon maps none of them: unmapping at exit costs nothing
+    (unmapping pages populated through the mapping takes time in proportion to them)."""
     os.posix_fallocate(fd, offset, length)
     done = 0
     with memoryview(_ZEROS) as zeros:
