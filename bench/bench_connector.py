@@ -45,7 +45,7 @@ load lane: ``LoadResult.transfer_s``); ``raw_copy_ms`` is one device-to-device c
 bytes inside B, ``raw_dma_ms`` the pinned DMA. Target: the peer transfer (``transfer_ms``) of 3,500
 Qwen3-8B tokens in <= 1 ms, and the peer load (``ms``) faster than the L2 load at every size.
 
-    python -m bench.bench_connector                      # on the H200: bench/results/h200/connector.json
+    python -m bench.bench_connector                      # bench/results/<card>/connector.json
     python -m bench.bench_connector --tiers peer --name connector_peer     # the peer tier alone
     python -m bench.bench_connector --quick              # CPU smoke run: tiny geometries, no result file
 """

@@ -44,7 +44,7 @@ taken out). Every case runs its modes in the same run.
 Medians over the samples; each row's samples are in the file's "details". Rows have exactly the
 keys of ``ROW_KEYS`` (None where a key does not apply).
 
-    python -m bench.bench_overlap --l3-dir /var/tmp        # H200: bench/results/h200/overlap.json
+    python -m bench.bench_overlap --l3-dir /var/tmp        # bench/results/<card>/overlap.json
     python -m bench.bench_overlap --quick                  # CPU smoke run, tiny shape, no file
 """
 

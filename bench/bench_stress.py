@@ -51,7 +51,7 @@ the engine's own cache hits (0), the tokens loaded, and the daemon's integrity c
 With ``--engines N``, also N engine processes on the GPU sharing prefixes through one daemon,
 against the same engines without kvcached (``bench/stress_engines.py``; rows with engines = N).
 
-    python -m bench.bench_stress                     # bench/results/h100/stress.json (h200/ on an H200)
+    python -m bench.bench_stress                     # bench/results/<card>/stress.json
     python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # 8 Qwen3-4B engines
     python -m bench.bench_stress --quick             # CPU smoke run, tiny shape, no result file
     python -m bench.bench_stress --tiers none,l3-cold --policies cost --pin --name stress_pinned

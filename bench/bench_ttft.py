@@ -35,7 +35,7 @@ trip), ``to_copies`` (load to its copies queued: the match's round trip), ``copi
 the load seen done), ``to_token`` (done to the first token: the prefill not under the load), and
 ``device_copies`` (the device time of the load's copies, from their start on the load lane).
 
-    python -m bench.bench_ttft                                    # bench/results/h200/ttft.json (h100/ on an H100)
+    python -m bench.bench_ttft                                    # bench/results/<card>/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
     python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
 
@@ -53,7 +53,7 @@ rows go to policy.json: {"model", "tier", "tokens", "cost_ms", "restore_ms", "re
 "choice"} (choice: what the daemon chose for most timed requests), target cost_ms <= 1.05 x the
 faster of the two.
 
-    python -m bench.bench_ttft --policy cost                      # bench/results/h100/policy.json (h200/ on an H200)
+    python -m bench.bench_ttft --policy cost                      # bench/results/<card>/policy.json
     python -m bench.bench_ttft --policy cost --quick              # CPU smoke run
 """
 

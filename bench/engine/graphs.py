@@ -15,12 +15,8 @@ Forwards of up to ``DEFAULT_MAX_GRAPH_TOKENS`` (1,024) tokens replay graphs, whe
 whole prompts of 366 tokens and two restored suffixes make 792 tokens, which ran eagerly. Steps
 of restored suffixes alone were graphed and still bound by the host: their attention took two
 launches per request and layer, now one per layer for the batch (``attention.PagedPrefill``).
-In ``bench/results/h100/stress.json`` (H100, commit c793216, batch 4), with both changes, the GPU
-bounds the prefill steps with restores: under policy ``cost`` with a cold L3 (admission hints on),
-a step of two whole prompts and two restored suffixes took 10.5-18.1 ms of launches for 26.5-27.1
-ms of GPU span (means per round), and a step of four restored suffixes (L2 under ``always``, 120
-tokens) 7.0-7.5 ms for 10.7-10.8 ms; without kvcached (4 whole prompts, 1,464 tokens a step,
-eager) launch 21.8-33.4 ms, span 39.2-39.6 ms.
+With both, the GPU rather than the host bounds the prefill steps with restores (``stress`` in
+docs/benchmarks.md; each row's ``prefill_mean_ms`` has the launch and span times).
 Above 512 the sizes step by 128, so that the padding stays under a fifth of a batch's rows;
 forwards of more than 1,024 tokens (whole prompts of 1,000 tokens and more, 3 prompts of 366 at
 batch 4) stay eager.
