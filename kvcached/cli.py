@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--remote-get-timeout", "remote_get_timeout_s", type=float, metavar="SECONDS", help="a restore's gets "
         f"finish within this (default {defaults['remote_get_timeout_s'].default}) plus their bytes at "
         f"{defaults['remote_get_min_gibps'].default} GiB/s, or the request recomputes")
+    add("--kv-events", "kv_events", metavar="ENDPOINT", help="publish KV events for cache-aware routers "
+        "(vLLM's BlockStored, BlockRemoved, AllBlocksCleared of what L2, L3 and the remote tier gain and lose) on a "
+        "ZeroMQ PUB socket: tcp://*:PORT or ipc://PATH is bound, tcp://HOST:PORT connected to (an indexer that "
+        "binds); topics kv@NODE@MODEL (default: $KVCACHED_KV_EVENTS, else off)")
+    add("--kv-events-replay", "kv_events_replay", metavar="ENDPOINT", help="with --kv-events: bind a replay "
+        "socket there (a ROUTER, as vLLM's replay_endpoint) that sends the recent messages again from a sequence "
+        "number on")
+    add("--kv-events-node", "kv_events_node", metavar="NAME", help="this node's name in the events' topics "
+        "(default: the host name)")
     add("--log-level", "log_level", metavar="LEVEL",
         help=f"{', '.join(LOG_LEVELS)} (default {defaults['log_level'].default})")
     add("--http", "http_address", metavar="HOST:PORT", help="serve GET /metrics (Prometheus), /status (the "

@@ -41,6 +41,7 @@ SHM_DIR = "/dev/shm"
 # daemon on the host (another user's) runs without it rather than not at all.
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9464"
 _REMOTE_URL = re.compile(r"mooncake://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}")
+_ZMQ_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}|ipc://\S+")
 
 
 # CostPriors' field (the first word of its ValueError) -> the DaemonConfig field that sets it
@@ -100,6 +101,7 @@ ENV_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVCACHED_LOG_LEVEL": ("log_level", parse_log_level),
     "KVCACHED_HTTP": ("http_address", str),
     "KVCACHED_HTTP_ALLOW_HOST": ("http_allow_hosts", lambda text: parse_host_names(text.split(","))),
+    "KVCACHED_KV_EVENTS": ("kv_events", str),
 }
 
 
@@ -187,6 +189,11 @@ class DaemonConfig:
     remote_exist_timeout_s: float = 0.1       # a lookup's question "which following pages do you hold"
     remote_get_timeout_s: float = 0.2         # a restore's gets: this, plus remote_get_min_gibps of its bytes
     remote_get_min_gibps: float = 0.25
+    # KV events for cache-aware routers (kvcached/core/kv_events.py): "" off; tcp://*:PORT or ipc://PATH
+    # (bound), tcp://HOST:PORT (connected to: an indexer that binds), as vLLM's KVEventsConfig.endpoint.
+    kv_events: str = ""
+    kv_events_replay: str = ""          # "" none; else where the replay socket is bound
+    kv_events_node: str = ""            # this node's name in the events' topics, kv@NODE@MODEL ("": the host name)
 
     def __post_init__(self) -> None:
         # A path or an ipc:// URL, made absolute; too long for a socket address: ConfigError.
@@ -230,6 +237,17 @@ class DaemonConfig:
             self.cost_priors
         except ValueError as exc:
             raise ConfigError(str(exc), _COST_PRIOR_FIELDS[str(exc).split()[0]]) from None
+        for field in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(self, field)
+            if endpoint and (not _ZMQ_ENDPOINT.fullmatch(endpoint)
+                             or endpoint.startswith("tcp://") and int(endpoint.rsplit(":", 1)[1]) > 65535):
+                raise ConfigError(f"{field} must be tcp://*:PORT or ipc://PATH (bound), or tcp://HOST:PORT "
+                                  f"(connected to), got {endpoint!r}", field)
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError("kv_events_replay needs kv_events", "kv_events_replay")
+        if "@" in self.kv_events_node:
+            raise ConfigError(f"kv_events_node must not contain '@' (topics are kv@NODE@MODEL), got "
+                              f"{self.kv_events_node!r}", "kv_events_node")
         try:
             parse_http_address(self.http_address or DEFAULT_HTTP_ADDRESS)
         except ValueError as exc:

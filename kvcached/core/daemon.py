@@ -32,6 +32,7 @@ from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.generations import GenerationFiles, PageGenerations, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
+from kvcached.core.kv_events import REMOTE_WHERE, TIER_WHERE, EventBuffer, EventKind, TierEvent
 from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
                                     PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
@@ -163,7 +164,8 @@ class DaemonState:
                  peer_end_sink: Callable[[PeerExport], None] | None = None, cost_model: CostModel | None = None,
                  session_share: float = MAX_SESSION_RESERVED_SHARE, hints: AdmissionHints | None = None,
                  generation_files: GenerationFiles | None = None,
-                 remote_write_sink: Callable[[RemoteWrite], None] | None = None):
+                 remote_write_sink: Callable[[RemoteWrite], None] | None = None,
+                 kv_events: EventBuffer | None = None):
         """``l2_bytes``, ``l3_bytes``: the L2 segment and the L3 file (0: no L3), each shared by
         every namespace in chunks. ``max_namespaces``: distinct geometries served at once.
         ``session_timeout_s``: how long a session whose process the daemon cannot watch lives
@@ -179,7 +181,9 @@ class DaemonState:
         one slot per namespace. ``generation_files``: where each namespace's L2 page generations
         live (``proto.generations``; the I/O layer makes a file engines map), default private.
         ``remote_write_sink``: with a remote tier, where each committed path's write-through to
-        the store goes (the I/O layer sends it, then calls ``finish_remote_write``); None: no remote tier."""
+        the store goes (the I/O layer sends it, then calls ``finish_remote_write``); None: no remote tier.
+        ``kv_events``: where the KV events of tier changes are recorded (``kv_events.py``; the I/O
+        layer publishes them); None: none are."""
         if not max_namespaces >= 1:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         if not 0 < session_share <= 1:
@@ -224,6 +228,7 @@ class DaemonState:
         self.remote_writes: dict[int, RemoteWrite] = {}
         self._remote_write_ids = itertools.count(1)
         self._remote_namespace_keys: dict[int, str] = {}
+        self.kv_events = kv_events
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -302,13 +307,20 @@ class DaemonState:
             geometry=geometry,
             num_pages=num_pages,
             tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock,
-                            on_l2_root=functools.partial(self.hints.l2_root, hints_slot)),
+                            on_l2_root=functools.partial(self.hints.l2_root, hints_slot),
+                            on_residency=functools.partial(self._residency_event, geometry)
+                            if self._publishes_events(geometry) else None),
             l2_allocator=PageAllocator(num_pages, all_free=False),
             l3_allocator=PageAllocator(num_slots, all_free=False) if num_slots else None,
             hints_slot=hints_slot,
             generations=PageGenerations(generations_path, generation_words),
         )
         self.publish_cost_hints(namespace)
+        if self._publishes_events(geometry) and not any(
+                self._publishes_events(other) and other.model_id == geometry.model_id
+                for other in self.geometry_to_namespace):
+            # This model's first namespace in this run: what an earlier run published of it is gone.
+            self.kv_events.record(TierEvent(EventKind.CLEARED, geometry.model_id, geometry.page_size, None, b"", 0))
         self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
         if num_slots:
@@ -330,6 +342,9 @@ class DaemonState:
         if not idle:
             return False
         victim = min(idle, key=lambda ns: ns.idle_since)
+        if self._publishes_events(victim.geometry):
+            for node, tier in victim.tree.resident_nodes():
+                self._residency_event(victim.geometry, node, tier, -1)
         del self.namespaces[victim.namespace_id]
         del self.geometry_to_namespace[victim.geometry]
         self.hints.release(victim.hints_slot)
@@ -1167,6 +1182,11 @@ class DaemonState:
             namespace.tree.unlock(write.lock, Tier.L2)
         write.lock = None
         self.metrics.add("remote_pages_written", num_sent)
+        if num_sent and namespace is not None and self._publishes_events(namespace.geometry):
+            geometry = namespace.geometry
+            path = write.token_ids[: (write.start_page + num_sent) * geometry.page_size].astype("<i4").tobytes()
+            self.kv_events.record(TierEvent(EventKind.STORED, geometry.model_id, geometry.page_size, REMOTE_WHERE,
+                                            path, write.start_page))
 
     def plan_write_through(self, namespace: Namespace, token_ids: np.ndarray) -> TierMove | None:
         """H2S: copy the L2 pages of this path that L3 lacks into newly reserved L3 slots."""
@@ -1277,6 +1297,19 @@ class DaemonState:
         if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
             self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
         return gained
+
+    # ---- KV events (see kv_events.py) ---------------------------------------------------------
+
+    def _publishes_events(self, geometry: KVGeometry) -> bool:
+        """Events are recorded for one rank of a tensor-parallel group (rank 0): its ranks store the
+        same pages, and a router routes to the group, not to a rank."""
+        return self.kv_events is not None and geometry.tp_rank == 0
+
+    def _residency_event(self, geometry: KVGeometry, node: TreeNode, tier: Tier, delta: int) -> None:
+        path = node.path()
+        start_page = (len(path) - len(node.key)) // (4 * geometry.page_size)
+        self.kv_events.record(TierEvent(EventKind.STORED if delta > 0 else EventKind.REMOVED, geometry.model_id,
+                                        geometry.page_size, TIER_WHERE[tier], path, start_page))
 
     # ---- the persistent L3 index (see l3_index.py) -------------------------------------------
 

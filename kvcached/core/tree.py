@@ -72,6 +72,15 @@ class TreeNode:
         # owner -> int64 [num_pages, 2]: (block id, epoch) per page, block -1 where it holds none
         self.peer: dict[int, np.ndarray] | None = None
 
+    def path(self) -> bytes:
+        """The token bytes of the path from the root through this node (whole pages)."""
+        keys = []
+        node: TreeNode | None = self
+        while node is not None:
+            keys.append(node.key)
+            node = node.parent
+        return b"".join(reversed(keys))
+
     def holds_nothing(self) -> bool:
         return self.peer is None and all(ids is None for ids in self.page_ids.values())
 
@@ -116,9 +125,12 @@ class PeerHit(NamedTuple):
 class PrefixTree:
     def __init__(self, page_size: int, tiers: Sequence[Tier] = (Tier.L2, Tier.L3),
                  clock: Callable[[], float] = time.monotonic,
-                 on_l2_root: Callable[[bytes, int], None] | None = None):
+                 on_l2_root: Callable[[bytes, int], None] | None = None,
+                 on_residency: Callable[[TreeNode, Tier, int], None] | None = None):
         """``on_l2_root(first page, +1 or -1)``: called as a path's first page enters or leaves L2
-        (what ``kvcached.core.hints`` publishes: a request with no such first page has no L2 hit)."""
+        (what ``kvcached.core.hints`` publishes: a request with no such first page has no L2 hit).
+        ``on_residency(node, tier, +1 or -1)``: called as a node's pages enter or leave a tier, the
+        node still in the tree (``TreeNode.path`` names its pages); the KV events are recorded from it."""
         page_size = operator.index(page_size)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -130,6 +142,7 @@ class PrefixTree:
         self._clock = clock
         self._page_bytes = page_size * _TOKEN_BYTES
         self._on_l2_root = on_l2_root
+        self._on_residency = on_residency
         self._root = TreeNode(None, b"", 0, tiers, clock())
         for tier in tiers:
             self._root.page_ids[tier] = []    # the root holds no pages but counts as resident
@@ -305,6 +318,14 @@ class PrefixTree:
         # Ancestors keep a resident child (this path), so only the node itself can become evictable.
         self._push_if_evictable(node, tier)
 
+    def resident_nodes(self) -> Iterator[tuple[TreeNode, Tier]]:
+        """Every (node, tier) the node is resident in, each parent before its children."""
+        for node in self._iter_nodes():
+            if node is not self._root:
+                for tier in self.tiers:
+                    if node.page_ids[tier] is not None:
+                        yield node, tier
+
     # ---- insert --------------------------------------------------------------------------
 
     def insert(self, token_ids, tier: Tier, page_ids: Sequence[int],
@@ -437,7 +458,7 @@ class PrefixTree:
             node.page_ids[tier] = None
             parent = node.parent
             parent.num_resident_children[tier] -= 1
-            self._l2_root_changed(node, tier, -1)
+            self._residency_changed(node, tier, -1)
             self._remove_if_empty(node)
             if parent is not self._root:
                 self._push_if_evictable(parent, tier)
@@ -524,7 +545,7 @@ class PrefixTree:
                 self._num_reused_pages[tier] -= current.num_pages
             current.page_ids[tier] = None
             current.parent.num_resident_children[tier] -= 1
-            self._l2_root_changed(current, tier, -1)
+            self._residency_changed(current, tier, -1)
             cleared.append(current)
             stack.extend(current.children.values())
         parent = target.parent
@@ -835,10 +856,13 @@ class PrefixTree:
         if node.reused[tier]:                  # reused while it was here before (the node stayed)
             self._num_reused_pages[tier] += node.num_pages
         node.parent.num_resident_children[tier] += 1
-        self._l2_root_changed(node, tier, 1)
+        self._residency_changed(node, tier, 1)
 
-    def _l2_root_changed(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        """Node's residency in tier changed by delta: reported where it is a path's first page in L2."""
+    def _residency_changed(self, node: TreeNode, tier: Tier, delta: int) -> None:
+        """Node's residency in tier changed by delta: reported to on_residency, and to on_l2_root
+        where it is a path's first page in L2."""
+        if self._on_residency is not None:
+            self._on_residency(node, tier, delta)
         if tier is Tier.L2 and node.parent is self._root and self._on_l2_root is not None:
             self._on_l2_root(node.key[:self._page_bytes], delta)
 

@@ -30,6 +30,7 @@ import logging
 import os
 import inspect
 import signal
+import socket as socket_module
 import sqlite3
 import threading
 import time
@@ -46,8 +47,10 @@ from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_address
+from kvcached.core.kv_events import EventBuffer
 from kvcached.server.io_workers import (IoExecutor, StorageFile, UnsafeFileError, WriteBackoff, read_pages,
                                        write_pages)
+from kvcached.server.kv_events import KVEventPublisher
 from kvcached.server.liveness import PidWatcher, open_pidfd
 from kvcached.server.lookup import LookupQuery, LookupRefused
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
@@ -78,6 +81,9 @@ SHUTDOWN_LINGER_MS = 200
 HARD_FRAME_FACTOR = 4
 # A write-through waits this long, at most, for the index to forget its slots' old pages.
 INDEX_DELETE_TIMEOUT_S = 10.0
+# KV events recorded and not yet taken by the loop, at most (their paths' token bytes); beyond it
+# they are dropped and counted (a subscriber sees a gap in the sequence numbers).
+KV_EVENTS_BUFFER_BYTES = 64 << 20
 # An HTTP request waits this long, at most, for the state lock (then 503).
 HTTP_SNAPSHOT_TIMEOUT_S = 2.0
 # Replies queued for one peer that does not read them; beyond it they are dropped and counted
@@ -99,8 +105,10 @@ class Server:
     def __init__(self, config: DaemonConfig, state: DaemonState, socket: zmq.Socket,
                  segment: SharedSegment, storage: StorageFile | None = None,
                  executor: IoExecutor | None = None, index: L3IndexStore | None = None,
-                 epoch_files: EpochFiles | None = None, hints_path: str = "", remote: RemoteStore | None = None):
+                 epoch_files: EpochFiles | None = None, hints_path: str = "", remote: RemoteStore | None = None,
+                 kv_publisher: KVEventPublisher | None = None):
         self.config = config
+        self.kv_publisher = kv_publisher
         self.remote = remote
         self.hints_path = hints_path
         self.state = state
@@ -449,6 +457,16 @@ class Server:
         except zmq.ZMQError as exc:
             self.state.metrics.add("replies_dropped")
             logger.warning("could not reply to a peer: %s", exc)
+
+    def publish_kv_events(self) -> None:
+        """On the loop, scheduled by the first event recorded since the last call: every event
+        recorded meanwhile goes out in one batch per model (hashed and encoded here, off the lock)."""
+        if self.kv_publisher is None:
+            return
+        with self.state_lock:
+            events, dropped = self.state.kv_events.take()
+        if events or dropped:
+            self.kv_publisher.publish(events, dropped)
 
     async def _reap_loop(self) -> None:
         assert self.watcher is not None
@@ -843,6 +861,7 @@ class Server:
             "l3_index": self.index.status() if self.index else None,
             "io_threads": self.executor.max_workers if self.executor else 0,
             "remote": self.remote.status() if self.remote else None,
+            "kv_events": self.kv_publisher.status() if self.kv_publisher else None,
             "protocol_version": PROTOCOL_VERSION,
             "http": self.http_address,
         }
@@ -1005,6 +1024,10 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                                 config.remote_get_min_gibps * 2**30), segment.mapping)
             resources.callback(remote.close)           # its gets land in the segment: closed before it
             remote.probe_if_due()                      # connects in the background
+        # The KV events' buffer wakes the loop (from either thread) when an event lands in it empty.
+        serving_events: list[Server] = []
+        kv_events = EventBuffer(KV_EVENTS_BUFFER_BYTES, notify=lambda: loop.call_soon_threadsafe(
+            lambda: serving_events and serving_events[0].publish_kv_events())) if config.kv_events else None
         try:
             state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
@@ -1017,7 +1040,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                 hints=AdmissionHints(config.max_namespaces, hints_file.mapping),
                                 generation_files=generation_files,
                                 remote_write_sink=(lambda write: serving_remote[0]._queue_remote_write(write))
-                                if remote else None)
+                                if remote else None, kv_events=kv_events)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         resources.callback(state.hints.close)          # its views go before the file's mapping
@@ -1041,10 +1064,19 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         socket.bind(f"ipc://{config.socket_path}")
         resources.callback(directory.remove_socket)
         directory.socket_bound()
+        kv_publisher = _start_kv_events(config, context, resources)
 
         server = Server(config, state, socket, segment, storage, executor, index, epoch_files, hints_file.path,
-                        remote)
+                        remote, kv_publisher)
         serving_remote.append(server)
+        if kv_publisher is not None:
+            serving_events.append(server)
+            loop.call_soon(server.publish_kv_events)       # what restoring L3 recorded
+            if kv_publisher.replay is not None:
+                replay_fd = kv_publisher.replay.getsockopt(zmq.FD)
+                loop.add_reader(replay_fd, kv_publisher.serve_replay)
+                resources.callback(loop.remove_reader, replay_fd)
+                loop.call_soon(kv_publisher.serve_replay)
         resources.callback(server.close_wake_sockets)
         if listener is not None:
             server.http_address = listener.address
@@ -1061,6 +1093,25 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             on_ready(server)
         await server.run()
         logger.info("kvcached shutting down")
+
+
+def _start_kv_events(config: DaemonConfig, context: zmq.Context,
+                     resources: contextlib.ExitStack) -> KVEventPublisher | None:
+    """The KV events' sockets (--kv-events), closed before the context; an endpoint that cannot be
+    bound or connected to stops the start."""
+    if not config.kv_events:
+        return None
+    node = config.kv_events_node or socket_module.gethostname()
+    try:
+        publisher = KVEventPublisher(context, config.kv_events, node, config.kv_events_replay or None)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot publish KV events on {config.kv_events}"
+                           f"{' (replay ' + config.kv_events_replay + ')' if config.kv_events_replay else ''}: "
+                           f"{exc} (--kv-events)") from None
+    resources.callback(publisher.close)
+    logger.info("KV events on %s (topics kv@%s@MODEL%s)", config.kv_events, node,
+                f", replay on {config.kv_events_replay}" if config.kv_events_replay else "")
+    return publisher
 
 
 def _start_http(config: DaemonConfig, serving: list[Server]) -> HttpListener | None:
