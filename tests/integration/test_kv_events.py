@@ -18,8 +18,8 @@ import numpy as np
 import zmq
 
 from engine_client.client import connect
-from tests.integration.daemon_proc import REPO_ROOT, DaemonProcess, child_env, commit_written
-from tests.integration.engine_proc import GEOMETRY
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, commit_written
+from kvcached.testing.engine_proc import GEOMETRY
 from tests.integration.test_l3 import back_up_random
 
 PAGE = GEOMETRY.page_size

@@ -17,8 +17,8 @@ import msgspec  # noqa: E402
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 from engine_client.client import connect  # noqa: E402
-from tests.integration.daemon_proc import DaemonProcess, commit_written  # noqa: E402
-from tests.integration.engine_proc import GEOMETRY  # noqa: E402
+from kvcached.testing.daemon_proc import DaemonProcess, commit_written  # noqa: E402
+from kvcached.testing.engine_proc import GEOMETRY  # noqa: E402
 from tests.integration.test_kv_events import TOPIC, page_hashes, replay_all, wait_until_settled  # noqa: E402
 from tests.integration.test_l3 import back_up_random  # noqa: E402
 
