@@ -44,6 +44,8 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
+from kvcached.core import counters
+from proto.counters import Counts
 from proto.messages import RESTORE_POLICIES
 
 WINDOW = 32
@@ -216,7 +218,7 @@ class CostModel:
         self.storage = {"s2h": LineModel(storage_slope), "h2s": LineModel(storage_slope),
                         "r2h": LineModel(1.0 / priors.remote_bytes_per_s)}
         self.engines: dict[int, EngineModel] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = Counts(counters.COST_MODEL)
 
     def engine(self, engine_id: int) -> EngineModel:
         model = self.engines.get(engine_id)
@@ -294,7 +296,7 @@ class CostModel:
         for direction in sorted(directions):
             line = self.storage[direction] if direction in STORAGE_DIRECTIONS else engine.directions[direction]
             if line.declined():
-                self.counters["stale_line_resets_total"] += 1
+                self.counters.add(counters.STALE_LINE_RESETS)
 
     def l3_min_tokens(self, engine_id: int, bytes_per_token: int) -> int | None:
         """A bound below which no L3 restore can win for this engine: for fewer tokens beyond its

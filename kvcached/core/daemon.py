@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from kvcached.core import counters
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
@@ -43,6 +44,7 @@ from kvcached.core.tiers import IntegrityError, Tier
 from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
 from proto import hints
+from proto.counters import Counter
 from proto.hints import NEVER
 from proto.messages import KVGeometry
 from proto.replies import CommitReply, MatchReply
@@ -253,7 +255,7 @@ class DaemonState:
                           process_start_time=process_start_time)
         self.sessions[session_id] = session
         namespace.session_ids.add(session_id)
-        self.metrics.add("attaches")
+        self.metrics.add(counters.ATTACHES)
         logger.info("session %x attached: pid %d (%s), %s, namespace %d", session_id, pid,
                     "watched" if pid_watched else "heartbeats only", client_name or "-", namespace.namespace_id)
         if previous_session_id:
@@ -266,11 +268,11 @@ class DaemonState:
         quarantine = self.quarantines.get(previous_session_id)
         if previous is not None and previous is not session and previous.same_process(*identity):
             self._end_session(previous, reason="replaced by a new session of its process", quarantine=False)
-            self.metrics.add("sessions_replaced")
+            self.metrics.add(counters.SESSIONS_ENDED, 1, "replaced")
         elif quarantine is not None and quarantine.session.same_process(*identity):
             self._end_quarantine(previous_session_id, "reattach")
         elif previous is not None or quarantine is not None:
-            self.metrics.add("previous_session_refused")
+            self.metrics.add(counters.PREVIOUS_SESSION_REFUSED)
             logger.warning("session %x names session %x as its previous one, which belongs to another "
                            "process; ignored", session.session_id, previous_session_id)
 
@@ -357,7 +359,7 @@ class DaemonState:
             self._chunk_scan_not_before.pop((victim.namespace_id, tier), None)
         if victim.l3_checksums is not None:
             self._l3_index_sink(DropNamespace(victim.index_key))
-        self.metrics.add("namespaces_reclaimed")
+        self.metrics.add(counters.NAMESPACES_RECLAIMED)
         logger.info("namespace %d (%s) reclaimed: idle since %.1f s, %d L2 pages dropped", victim.namespace_id,
                     victim.geometry.model_id, self.clock() - victim.idle_since, victim.tree.owned_pages(Tier.L2))
         return True
@@ -382,7 +384,7 @@ class DaemonState:
         session.report = report
         for direction, size, seconds in cost_samples:
             if not self.cost.add_engine_sample(session.namespace_id, direction, size, seconds):
-                self.cost.counters["samples_ignored_total"] += 1
+                self.cost.counters.add(counters.SAMPLES_IGNORED)
         if cost_samples:
             self.publish_cost_hints(self.namespaces[session.namespace_id])
 
@@ -400,9 +402,9 @@ class DaemonState:
     def _decide(self, namespace: Namespace, *args, **kwargs) -> Decision:
         """``CostModel.decide`` for this namespace; where it dropped a stale line's samples, the hints
         are published again (a storage line is every namespace's)."""
-        resets = self.cost.counters["stale_line_resets_total"]
+        resets = self.cost.counters.value(counters.STALE_LINE_RESETS)
         decision = self.cost.decide(namespace.namespace_id, namespace.geometry.bytes_per_token, *args, **kwargs)
-        if self.cost.counters["stale_line_resets_total"] != resets:
+        if self.cost.counters.value(counters.STALE_LINE_RESETS) != resets:
             self.publish_cost_hints()
         return decision
 
@@ -418,7 +420,7 @@ class DaemonState:
         session = self.sessions.get(session_id)
         if session is not None:
             self._end_session(session, reason="ended: its process exited", quarantine=False)
-            self.metrics.add("sessions_ended_process_gone")
+            self.metrics.add(counters.SESSIONS_ENDED, 1, "ended_process_gone")
             return True
         if session_id in self.quarantines:
             self._end_quarantine(session_id, "process_gone")
@@ -443,8 +445,8 @@ class DaemonState:
             return 0.0
         for session in itertools.chain(self.sessions.values(), (q.session for q in self.quarantines.values())):
             session.last_seen = min(now, session.last_seen + credit_s)
-        self.metrics.add("daemon_pauses")
-        self.metrics.add("daemon_pause_seconds", credit_s)
+        self.metrics.add(counters.DAEMON_PAUSES)
+        self.metrics.add(counters.DAEMON_PAUSED_SECONDS, credit_s)
         logger.warning("the daemon did not run for %.3f s; sessions are credited that time", credit_s)
         return credit_s
 
@@ -459,10 +461,10 @@ class DaemonState:
             if session.pid_watched:
                 self._end_session(session, reason=f"silent for {self.session_grace_s} s (its process lives)",
                                   quarantine=True)
-                self.metrics.add("sessions_grace_exceeded")
+                self.metrics.add(counters.SESSIONS_ENDED, 1, "grace_exceeded")
             else:
                 self._end_session(session, reason="expired (missed heartbeats)", quarantine=True)
-                self.metrics.add("sessions_expired")
+                self.metrics.add(counters.SESSIONS_ENDED, 1, "expired")
         for session_id, quarantine in list(self.quarantines.items()):
             if not quarantine.session.pid_watched and now - quarantine.session.last_seen > self.session_grace_s:
                 self._end_quarantine(session_id, "grace")
@@ -486,9 +488,9 @@ class DaemonState:
             namespace.idle_since = self.clock()
         if quarantined:
             self.quarantines[session.session_id] = Quarantine(session, quarantined, reason)
-            self.metrics.add("quarantines")
-            self.metrics.add("pages_quarantined", len(quarantined))
-        self.metrics.add("leases_reclaimed", reclaimed)
+            self.metrics.add(counters.QUARANTINES)
+            self.metrics.add(counters.QUARANTINED_PAGES, len(quarantined))
+        self.metrics.add(counters.LEASES_ENDED, reclaimed, "reclaimed")
         logger.info("session %x %s; %d leases reclaimed, %d pages quarantined", session.session_id, reason,
                     reclaimed, len(quarantined))
         return reclaimed
@@ -496,7 +498,7 @@ class DaemonState:
     def _end_quarantine(self, session_id: int, cause: str) -> None:
         quarantine = self.quarantines.pop(session_id)
         self.namespaces[quarantine.session.namespace_id].l2_allocator.free(quarantine.page_ids)
-        self.metrics.add(f"quarantines_ended_{cause}")
+        self.metrics.add(counters.QUARANTINES_ENDED, 1, cause)
         logger.info("quarantine of session %x ended (%s): %d pages free", session_id, cause.replace("_", " "),
                     len(quarantine.page_ids))
 
@@ -558,11 +560,11 @@ class DaemonState:
         host_page_ids = list(result.page_ids[Tier.L2])
         hit_pages = hit_tokens // page_size
         model = namespace.geometry.model_id
-        self.metrics.add("matches", model=model)
-        self.metrics.add("match_tokens", num_pages * page_size, model=model)
-        self.metrics.add("hit_tokens_l2", hit_tokens, model=model)
+        self.metrics.add(counters.MATCHES, model=model)
+        self.metrics.add(counters.MATCH_TOKENS, num_pages * page_size, model=model)
+        self.metrics.add(counters.HIT_TOKENS, hit_tokens, "l2", model=model)
         if Tier.L3 in result.hit_tokens:
-            self.metrics.add("hit_tokens_l3", result.hit_tokens[Tier.L3], model=model)
+            self.metrics.add(counters.HIT_TOKENS, result.hit_tokens[Tier.L3], "l3", model=model)
 
         # Lock the hit before reserving: the reservation may evict, and must not evict our own hit.
         if locked_node is not None:
@@ -574,19 +576,19 @@ class DaemonState:
                 self._backup_evicted_before_reuse(namespace, result, decision, policy,
                                                   min(num_pages - hit_pages, allowed)):
             backup_skipped = "evicted_before_reuse"
-            self.metrics.add("backup_policy_skips")
+            self.metrics.add(counters.EVICTED_BEFORE_REUSE_SKIPS)
         elif reserve_backup and num_pages > hit_pages:
             wanted = num_pages - hit_pages
             if wanted > allowed:
-                self.metrics.add("reservations_capped")
+                self.metrics.add(counters.RESERVATIONS_CAPPED)
             backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             if backup_page_ids:
                 backup_generation = next(self._generation_ids)
                 namespace.generations.reserve(backup_page_ids, backup_generation)
-            self.metrics.add("backup_pages_reserved", len(backup_page_ids))
+            self.metrics.add(counters.RESERVED_PAGES, len(backup_page_ids))
         if session.session_id in self.peers.by_session:
             hits["peer"] = len(peer_block_ids) * page_size
-            self.metrics.add("hit_tokens_peer", hits["peer"])
+            self.metrics.add(counters.HIT_TOKENS, hits["peer"], "peer", model=model)
         if backup_skipped:
             decided["backup_skipped"] = backup_skipped
         host_page_generations = namespace.generations.published_of(host_page_ids)
@@ -662,13 +664,13 @@ class DaemonState:
             namespace = self.namespaces[session.namespace_id]
             peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
             hits["peer"] = peer_tokens
-            self.metrics.add("lookup_hit_tokens_peer", hits["peer"], model=geometry.model_id)
-        self.metrics.add("lookups", model=geometry.model_id)
-        self.metrics.add("lookup_tokens", len(token_ids), model=geometry.model_id)
-        self.metrics.add("lookup_hit_tokens_l2", hits["l2"], model=geometry.model_id)
+            self.metrics.add(counters.LOOKUP_HIT_TOKENS, hits["peer"], "peer", model=geometry.model_id)
+        self.metrics.add(counters.LOOKUPS, model=geometry.model_id)
+        self.metrics.add(counters.LOOKUP_TOKENS, len(token_ids), model=geometry.model_id)
+        self.metrics.add(counters.LOOKUP_HIT_TOKENS, hits["l2"], "l2", model=geometry.model_id)
         if remote_tokens and promote_l3 and not tp_group:
             hits["remote"] = remote_tokens
-            self.metrics.add("lookup_hit_tokens_remote", remote_tokens, model=geometry.model_id)
+            self.metrics.add(counters.LOOKUP_HIT_TOKENS, remote_tokens, "remote", model=geometry.model_id)
         else:
             remote_tokens = 0
         decision = self._decide(self.namespaces[session.namespace_id], local_hit_tokens, hits["l2"],
@@ -711,10 +713,10 @@ class DaemonState:
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         if not self.cost.later_restore_wins(namespace.namespace_id, namespace.geometry.bytes_per_token, l3_tokens):
-            self.cost.counters["background_promotion_skips_no_gain_total"] += 1
+            self.cost.counters.add(counters.BACKGROUND_PROMOTION_SKIPS, 1, "no_gain")
             return None
         if namespace.namespace_id in self._background_move_ids:
-            self.cost.counters["background_promotion_skips_busy_total"] += 1
+            self.cost.counters.add(counters.BACKGROUND_PROMOTION_SKIPS, 1, "busy")
             return None
         page_size = namespace.geometry.page_size
         token_ids = np.frombuffer(token_bytes, dtype="<i4")
@@ -728,7 +730,7 @@ class DaemonState:
                                min(l3_pages, l2_pages + allowed))
         if move is not None:
             self._background_move_ids[namespace.namespace_id] = move.op_id
-            self.cost.counters["background_promotions_total"] += 1
+            self.cost.counters.add(counters.BACKGROUND_PROMOTIONS)
         return move
 
     def _backup_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
@@ -765,7 +767,7 @@ class DaemonState:
     def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self._reserve(namespace, Tier.L2, num_pages)
         if not page_ids:
-            self.metrics.add("backup_reserve_failures")
+            self.metrics.add(counters.RESERVATION_FAILURES)
         return page_ids
 
     def _reserve(self, namespace: Namespace, tier: Tier, num_pages: int) -> list[int]:
@@ -924,7 +926,7 @@ class DaemonState:
                                 f"{namespace.namespace_id} ({namespace.geometry.model_id})")
         self._release_chunk(victim, tier, offer.chunk)
         self._assign_chunk(namespace, tier, offer.chunk)
-        self.metrics.add(f"chunks_taken_{tier.label}")
+        self.metrics.add(counters.CHUNKS_TAKEN, 1, tier.label)
         logger.info("%s chunk %d moved from namespace %d (%s, %s) to namespace %d (%s): %d cached pages evicted",
                     tier.label, offer.chunk, victim.namespace_id, victim.geometry.model_id,
                     "idle" if not victim.session_ids else "active", namespace.namespace_id,
@@ -933,12 +935,12 @@ class DaemonState:
     def _note_eviction(self, namespace: Namespace, tier: Tier, num_pages: int, cause: str) -> None:
         """Cached pages evicted to make room: counted per namespace and tier; the first eviction
         after PRESSURE_QUIET_S without any starts an episode, logged once."""
-        self.metrics.add(f"evicted_pages_{tier.label}", num_pages, model=namespace.geometry.model_id)
+        self.metrics.add(counters.EVICTED_PAGES, num_pages, tier.label, model=namespace.geometry.model_id)
         pressure = namespace.pressure[tier]
         now = self.clock()
         if pressure.last_eviction_at is None or now - pressure.last_eviction_at > PRESSURE_QUIET_S:
             pressure.episodes += 1
-            self.metrics.add(f"pressure_episodes_{tier.label}")
+            self.metrics.add(counters.PRESSURE_EPISODES, 1, tier.label)
             logger.warning("namespace %d (%s): %s is full, cached prefixes are evicted to make room (%s); it holds "
                            "%d pages of %d bytes now. Each eviction is counted (status: evicted_pages); a larger "
                            "--%s-size keeps more. Logged once until %.0f s pass without an eviction.",
@@ -961,12 +963,12 @@ class DaemonState:
         """A commit from a session that has ended is refused (session() raises): the engine may have
         written its pages after they were reclaimed. Counted apart from unknown sessions."""
         if session_id not in self.sessions and session_id in self._ended_session_ids:
-            self.metrics.add("commits_refused_session_ended")
+            self.metrics.add(counters.COMMITS_REFUSED)
 
     def release(self, session_id: int, lease_id: int) -> None:
         _, lease = self._lease_of(session_id, lease_id)
         self._end_lease(lease, LeaseState.RELEASED)
-        self.metrics.add("leases_released")
+        self.metrics.add(counters.LEASES_ENDED, 1, "released")
 
     def commit_backup(self, session_id: int, lease_id: int,
                       host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
@@ -998,9 +1000,9 @@ class DaemonState:
             new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
         path_tokens = lease.token_ids[:num_tokens]
         self._end_lease(lease, LeaseState.COMMITTED)
-        self.metrics.add("backup_commits")
-        self.metrics.add("backup_pages_committed", new_pages, model=namespace.geometry.model_id)
-        self.metrics.add("backup_pages_duplicate", duplicates)
+        self.metrics.add(counters.LEASES_COMMITTED)
+        self.metrics.add(counters.COMMITTED_PAGES, new_pages, model=namespace.geometry.model_id)
+        self.metrics.add(counters.DUPLICATE_PAGES, duplicates)
         write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
         if host_page_ids and new_pages and self.remote_enabled:
             self._plan_remote_write(namespace, path_tokens, lease.hit_pages)
@@ -1016,7 +1018,7 @@ class DaemonState:
             raise ProtocolError(ErrorCode.BAD_FRAME, "this session has registered its KV tensors already")
         export = self.peers.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
                                 session.process_start_time)
-        self.metrics.add("peer_registrations")
+        self.metrics.add(counters.PEER_REGISTRATIONS)
         self._publish_peers(session.namespace_id)
         logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
                     request.transport, request.device_id, request.num_blocks)
@@ -1035,8 +1037,8 @@ class DaemonState:
             return
         namespace = self.namespaces.get(export.namespace_id)
         if namespace is not None:
-            self.metrics.add("peer_blocks_forgotten", namespace.tree.peer_drop(export.peer_id))
-        self.metrics.add("peer_registrations_ended")
+            self.metrics.add(counters.PEER_BLOCKS_FORGOTTEN, namespace.tree.peer_drop(export.peer_id))
+        self.metrics.add(counters.PEER_REGISTRATIONS_ENDED)
         self._publish_peers(export.namespace_id)
         if notify and self._peer_end_sink is not None:
             self._peer_end_sink(export)
@@ -1060,15 +1062,15 @@ class DaemonState:
             raise ProtocolError(ErrorCode.BAD_PAGES, f"block id {max(names)} is beyond the registration's "
                                 f"{num_blocks} blocks")
         tree = self.namespaces[export.namespace_id].tree
-        self.metrics.add("peer_blocks_removed", tree.peer_remove(export.peer_id, request.removed))
+        self.metrics.add(counters.PEER_BLOCKS_REMOVED, tree.peer_remove(export.peer_id, request.removed))
         for run in request.runs:
             try:
                 added = tree.peer_put(np.frombuffer(run.token_ids, dtype="<i4"), export.peer_id, run.start_page,
                                       run.block_ids, run.epochs)
             except ValueError as exc:       # what came before in the message stands
                 raise ProtocolError(ErrorCode.BAD_PAGES, f"a peer run does not fit: {exc}") from None
-            self.metrics.add("peer_blocks_published", added)
-        self.metrics.add("peer_publications")
+            self.metrics.add(counters.PEER_BLOCKS_PUBLISHED, added)
+        self.metrics.add(counters.PEER_PUBLICATIONS)
 
     def peer_list(self, session_id: int) -> list[dict[str, Any]]:
         """The registrations the session may open (none unless it registered itself)."""
@@ -1147,7 +1149,7 @@ class DaemonState:
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
-            self._count_skip("r2h_no_space", "no free l2 page for a remote restore")
+            self._count_skip(counters.NO_SPACE_SKIPS, "r2h", "no free l2 page for a remote restore")
             return None
         count = len(private_page_ids)
         move = TierMove(
@@ -1181,7 +1183,7 @@ class DaemonState:
         if write.lock is not None and namespace is not None:
             namespace.tree.unlock(write.lock, Tier.L2)
         write.lock = None
-        self.metrics.add("remote_pages_written", num_sent)
+        self.metrics.add(counters.REMOTE_WRITTEN_PAGES, num_sent)
         if num_sent and namespace is not None and self._publishes_events(namespace.geometry):
             geometry = namespace.geometry
             path = write.token_ids[: (write.start_page + num_sent) * geometry.page_size].astype("<i4").tobytes()
@@ -1214,11 +1216,11 @@ class DaemonState:
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
-            self._count_skip(f"{direction}_no_space", f"no free {destination.label} page for a {what}")
+            self._count_skip(counters.NO_SPACE_SKIPS, direction, f"no free {destination.label} page for a {what}")
             return None
         count = len(private_page_ids)
         if count < end_page - start_page:       # cut short for want of room (callers cut to the allowance)
-            self.metrics.add(f"{direction}_pages_cut_no_space", end_page - start_page - count)
+            self.metrics.add(counters.IO_PAGES_CUT, end_page - start_page - count, direction)
         page_size = namespace.geometry.page_size
         move = TierMove(
             op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=source,
@@ -1232,11 +1234,12 @@ class DaemonState:
         self.moves[move.op_id] = move
         return move
 
-    def _count_skip(self, counter: str, message: str) -> None:
+    def _count_skip(self, counter: Counter, direction: str, message: str) -> None:
         """A copy to another tier not made: counted (status shows it), logged the first time."""
-        if not self.metrics.counters[counter]:
-            logger.warning("%s (counted as %s; each further one is counted, not logged)", message, counter)
-        self.metrics.add(counter)
+        if not self.metrics.counters.value(counter, direction):
+            logger.warning("%s (counted as %s; each further one is counted, not logged)", message,
+                           self.metrics.counters.key_of(counter, direction))
+        self.metrics.add(counter, 1, direction)
 
     def pending_moves(self, direction: str) -> int:
         return sum(move.direction == direction for move in self.moves.values())
@@ -1257,7 +1260,7 @@ class DaemonState:
             # An engine's page rewritten (or being rewritten) while it was read is not written through.
             intact = namespace.generations.num_leading_intact(move.source_page_ids, move.source_generations)
             if intact < num_valid:
-                self.metrics.add("pages_stale_generation", num_valid - intact)
+                self.metrics.add(counters.STALE_GENERATION_PAGES, num_valid - intact)
                 num_valid = intact
         if num_valid:
             move.transition(OpState.PUBLISHED)
@@ -1274,14 +1277,15 @@ class DaemonState:
             if move.destination is Tier.L3:
                 self._index_written(namespace, move, set(inserted.duplicate_page_ids))
             gained = inserted.new_pages
-            self.metrics.add(f"{move.direction}_pages_published", gained)
+            self.metrics.add(counters.IO_PUBLISHED_PAGES, gained, move.direction)
         else:
             move.transition(OpState.FAILED)
             allocator.free(move.private_page_ids)
             if skipped:     # never started (policy), not an I/O failure
-                self._count_skip(f"{move.direction}_policy_skips", f"a {move.direction} move was skipped (backlog)")
+                self._count_skip(counters.BACKLOG_SKIPS, move.direction,
+                                 f"a {move.direction} move was skipped (backlog)")
             elif not ok:
-                self.metrics.add(f"{move.direction}_failures")
+                self.metrics.add(counters.IO_FAILURES, 1, move.direction)
         move.private_page_ids = []
         for node, tier in move.locks:
             namespace.tree.unlock(node, tier)
@@ -1289,9 +1293,9 @@ class DaemonState:
         del self.moves[move.op_id]
         if self._background_move_ids.get(move.namespace_id) == move.op_id:
             del self._background_move_ids[move.namespace_id]
-            self.cost.counters["background_promoted_pages_total"] += gained
+            self.cost.counters.add(counters.BACKGROUND_PROMOTED_PAGES, gained)
         if move.remote and move.mismatch:
-            self.metrics.add("remote_checksum_mismatches")
+            self.metrics.add(counters.REMOTE_CHECKSUM_MISMATCHES)
             logger.warning("namespace %d: a page the remote store gave is not the page asked for (%s); not "
                            "served, the request recomputes it", move.namespace_id, move.mismatch)
         if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
@@ -1363,12 +1367,12 @@ class DaemonState:
         """A slot did not hold what its checksum says: drop that page (and what lies below it)
         from L3 and the index. While another move still locks it, it stays until read again."""
         slot = move.source_page_ids[page - move.start_page]
-        self.metrics.add("l3_checksum_mismatches")
+        self.metrics.add(counters.L3_CHECKSUM_MISMATCHES)
         freed = namespace.tree.discard(move.token_ids, Tier.L3, page)
         if freed:
             namespace.l3_allocator.free(freed)
             self._unindex_slots(namespace, freed)
-            self.metrics.add("l3_pages_dropped_corrupt", len(freed))
+            self.metrics.add(counters.L3_CORRUPT_PAGES, len(freed))
         logger.warning("namespace %d: L3 slot %d does not hold the page its index names (checksum mismatch); "
                        "not served, %d slots dropped", namespace.namespace_id, slot, len(freed))
 
@@ -1389,7 +1393,7 @@ class DaemonState:
             if reason is not None:
                 logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
                                reason)
-                self.metrics.add("l3_index_rows_dropped", len(entry.rows))
+                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(entry.rows))
                 if self._l3_index_sink is not None:
                     self._l3_index_sink(DropNamespace(layout.namespace_key))
                 continue
@@ -1423,9 +1427,9 @@ class DaemonState:
             dropped = plan.dropped_slot_ids + foreign_slots
             if dropped:
                 self._unindex_slots(namespace, dropped)
-                self.metrics.add("l3_index_rows_dropped", len(dropped))
+                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(dropped))
             restored += len(slot_ids)
-            self.metrics.add("l3_pages_restored", len(slot_ids))
+            self.metrics.add(counters.L3_RESTORED_PAGES, len(slot_ids))
             logger.info("L3 index: namespace %d (%s) back with %d pages in %d chunks; dropped %d rows past the file's "
                         "end or the bytes it kept, %d in chunks of another namespace, %d torn, %d whose parent "
                         "page is gone", namespace.namespace_id, layout.geometry.model_id, len(slot_ids),

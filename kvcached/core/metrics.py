@@ -2,14 +2,17 @@
 
 The status snapshot carries them as they are (``snapshot()``); the HTTP layer turns that
 snapshot into Prometheus metrics at scrape time (kvcached/server/metrics.py), so every number is
-counted once, here, and read by whoever asks.
+counted once, here, and read by whoever asks. What may be counted is declared in
+kvcached/core/counters.py; anything else raises where it is counted.
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 from typing import Any
+
+from kvcached.core import counters
+from proto.counters import Counter, Counts
 
 # Upper bounds (seconds) of every time histogram: 50 us (a request handled in the socket thread)
 # to 10 s (an L3 read of a long prefix from a slow disk), about three per decade.
@@ -42,33 +45,37 @@ class Histogram:
 
 
 class Metrics:
-    """Monotonic counters (also per model, where the caller names one) and time histograms."""
+    """Monotonic counters (also per model, where the caller names one) and time histograms, of the
+    counters ``kvcached.core.counters`` declares (DAEMON, HISTOGRAMS) only."""
 
     def __init__(self) -> None:
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.model_counters: dict[str, collections.Counter[str]] = {}
+        self.counters = Counts(counters.DAEMON)
+        self.model_counters: dict[str, Counts] = {}
         self.histograms: dict[str, Histogram] = {}
+        self._histogram_keys = Counts(counters.HISTOGRAMS)
 
-    def add(self, name: str, value: int | float = 1, model: str | None = None) -> None:
-        """Count under ``name``; with ``model``, under that model too (the total stays the sum)."""
-        self.counters[name] += value
+    def add(self, counter: Counter, value: int | float = 1, label: str = "", model: str | None = None) -> None:
+        """Count ``counter`` (of ``label``, the value of its label); with ``model``, under that model
+        too (the total stays the sum)."""
+        self.counters.add(counter, value, label)
         if model is not None:
-            counters = self.model_counters.get(model)
-            if counters is None:
-                counters = self.model_counters[model] = collections.Counter()
-            counters[name] += value
+            per_model = self.model_counters.get(model)
+            if per_model is None:
+                per_model = self.model_counters[model] = Counts(counters.DAEMON)
+            per_model.add(counter, value, label)
 
-    def observe(self, name: str, seconds: float) -> None:
-        histogram = self.histograms.get(name)
-        if histogram is None:
-            histogram = self.histograms[name] = Histogram()
-        histogram.observe(seconds)
+    def observe(self, histogram: Counter, seconds: float, label: str = "") -> None:
+        key = self._histogram_keys.key_of(histogram, label)
+        found = self.histograms.get(key)
+        if found is None:
+            found = self.histograms[key] = Histogram()
+        found.observe(seconds)
 
     def snapshot(self) -> dict[str, int | float]:
         return dict(sorted(self.counters.items()))
 
     def model_snapshot(self) -> dict[str, dict[str, int | float]]:
-        return {model: dict(sorted(counters.items())) for model, counters in sorted(self.model_counters.items())}
+        return {model: dict(sorted(counts.items())) for model, counts in sorted(self.model_counters.items())}
 
     def histogram_snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: histogram.snapshot() for name, histogram in sorted(self.histograms.items())}

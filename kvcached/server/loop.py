@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from kvcached.config import DaemonConfig
+from kvcached.core import counters
 from kvcached.core.cost_model import CostModel
 from kvcached.core.daemon import DaemonState, RemoteAsk, RemoteWrite
 from kvcached.core.hints import AdmissionHints
@@ -268,7 +269,7 @@ class Server:
                         work()
                     except Exception:       # our bug: the reply is out; the socket thread serves on
                         logger.exception("work after a reply failed")
-                        self.state.metrics.add("errors_internal")
+                        self.state.metrics.add(counters.INTERNAL_ERRORS)
         finally:
             self._after_reply.clear()       # a refused request's: it was not answered as they expect
 
@@ -284,7 +285,8 @@ class Server:
             started_s = time.perf_counter()
             self._requester = identity
             reply = handler(frame.body)
-            self.state.metrics.observe(f"request_seconds_{frame.kind.name.lower()}", time.perf_counter() - started_s)
+            self.state.metrics.observe(counters.REQUEST_SECONDS, time.perf_counter() - started_s,
+                                       frame.kind.name.lower())
             self._note_peer(identity, frame, reply)
             if inspect.isawaitable(reply):    # finishes after file I/O; other peers are served meanwhile
                 self._spawn_threadsafe(self._reply_later(identity, request_id, reply))
@@ -298,7 +300,7 @@ class Server:
             self._send(identity, MsgKind.ERROR, request_id, codec.error_body(exc.code, exc.message))
         except Exception as exc:  # our bug: report it to the peer, keep serving the others
             logger.exception("internal error while handling a request")
-            self.state.metrics.add("errors_internal")
+            self.state.metrics.add(counters.INTERNAL_ERRORS)
             self._send(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         return False
@@ -352,13 +354,13 @@ class Server:
         except Exception as exc:
             logger.exception("internal error while finishing a request")
             with self.state_lock:
-                self.state.metrics.add("errors_internal")
+                self.state.metrics.add(counters.INTERNAL_ERRORS)
             self._post(identity, MsgKind.ERROR, request_id,
                        codec.error_body(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
     def _refused(self, code: ErrorCode, message: str) -> None:
         """Count a refused request; logged at DEBUG, summarised per interval (RefusalLog). Under state_lock."""
-        self.state.metrics.add(f"errors_{code.name.lower()}")
+        self.state.metrics.add(counters.REFUSED_REQUESTS, 1, code.name.lower())
         self.refusals.note(code.name, message)
 
     def _post(self, identity: bytes, kind: MsgKind, request_id: int, body: dict[str, Any]) -> None:
@@ -411,18 +413,18 @@ class Server:
             ok = True
             end_to_end_s = time.perf_counter() - enqueued_s
             with self.state_lock:
-                metrics.add(f"{direction}_count")
-                metrics.add(f"{direction}_bytes", result.num_bytes)
-                metrics.add(f"{direction}_seconds", result.seconds)
-                metrics.add(f"{direction}_extents", result.num_extents)
-                metrics.add(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
-                metrics.add(f"{direction}_end_to_end_seconds", end_to_end_s)
+                metrics.add(counters.IO_MOVES, 1, direction)
+                metrics.add(counters.IO_BYTES, result.num_bytes, direction)
+                metrics.add(counters.IO_SERVICE_SECONDS_SUM, result.seconds, direction)
+                metrics.add(counters.IO_EXTENTS, result.num_extents, direction)
+                metrics.add(counters.IO_QUEUE_WAIT_SECONDS_SUM, max(0.0, end_to_end_s - result.seconds), direction)
+                metrics.add(counters.IO_END_TO_END_SECONDS_SUM, end_to_end_s, direction)
                 # What a request waiting for such a move would wait: queueing, the file I/O, the hand-back.
                 if self.state.cost.add_storage_sample(direction, result.num_bytes, end_to_end_s) and direction == "s2h":
                     self.state.publish_cost_hints()
-                metrics.observe(f"{direction}_service_seconds", result.seconds)
-                metrics.observe(f"{direction}_queue_wait_seconds", max(0.0, end_to_end_s - result.seconds))
-                metrics.observe(f"{direction}_end_to_end_seconds", end_to_end_s)
+                metrics.observe(counters.IO_SERVICE_SECONDS, result.seconds, direction)
+                metrics.observe(counters.IO_QUEUE_WAIT_SECONDS, max(0.0, end_to_end_s - result.seconds), direction)
+                metrics.observe(counters.IO_END_TO_END_SECONDS, end_to_end_s, direction)
         except (OSError, ValueError) as exc:
             if move.destination is Tier.L3:
                 with self.state_lock:
@@ -452,10 +454,10 @@ class Server:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             # The peer is not reading; we never block the loop on one engine.
-            self.state.metrics.add("replies_dropped")
+            self.state.metrics.add(counters.REPLIES_DROPPED)
             logger.warning("dropped a reply to a peer that is not reading")
         except zmq.ZMQError as exc:
-            self.state.metrics.add("replies_dropped")
+            self.state.metrics.add(counters.REPLIES_DROPPED)
             logger.warning("could not reply to a peer: %s", exc)
 
     def publish_kv_events(self) -> None:
@@ -588,7 +590,7 @@ class Server:
         if ask is None:
             return None
         if not self.remote.available():
-            self.remote.count("remote_skips_exist")
+            self.remote.count(counters.REMOTE_SKIPS, 1, "exist")
             return None
         return ask
 
@@ -604,9 +606,9 @@ class Server:
                                          timeout_s=self.config.remote_exist_timeout_s)
         except RemoteUnavailable:
             held = 0
-        self.remote.count("remote_exist_calls")
-        self.remote.count("remote_exist_seconds", time.perf_counter() - started_s)
-        self.remote.count("remote_exist_held_pages", held)
+        self.remote.count(counters.REMOTE_LOOKUPS)
+        self.remote.count(counters.REMOTE_LOOKUP_SECONDS, time.perf_counter() - started_s)
+        self.remote.count(counters.REMOTE_LOOKUP_HELD_PAGES, held)
         remote_tokens = (ask.start_page + held) * ask.page_size if held else 0
         with self.state_lock:
             if not request.lock:
@@ -639,11 +641,11 @@ class Server:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:
-            self.remote.count("remote_deadline_misses_get")
+            self.remote.count(counters.REMOTE_DEADLINE_MISSES, 1, "get")
             self.remote.note_failure("get", f"no pages within {timeout_s:.3f} s")
         with self.state_lock:
             published = move.num_published_pages if move.state is OpState.PUBLISHED else 0
-            self.state.metrics.add("remote_restores" if published else "remote_restore_fallbacks")
+            self.state.metrics.add(counters.REMOTE_RESTORES if published else counters.REMOTE_FALLBACKS)
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                        promoted_tokens=published * geometry.page_size,
                                        local_hit_tokens=request.local_hit_tokens, policy=request.policy,
@@ -683,10 +685,10 @@ class Server:
             metrics = self.state.metrics
             if ok:
                 move.num_verified_pages, move.mismatch = verified, mismatch
-                metrics.add("remote_get_calls")
-                metrics.add("remote_hit_pages", verified)
-                metrics.add("remote_bytes_read", verified * bytes_per_page)
-                metrics.observe("r2h_end_to_end_seconds", seconds)
+                metrics.add(counters.REMOTE_GET_CALLS)
+                metrics.add(counters.REMOTE_HIT_PAGES, verified)
+                metrics.add(counters.REMOTE_BYTES, verified * bytes_per_page, "read")
+                metrics.observe(counters.IO_END_TO_END_SECONDS, seconds, "r2h")
                 if verified == len(move.private_page_ids):     # what a match waiting for such a get waits
                     self.state.cost.add_storage_sample("r2h", num_bytes, seconds)
             self.state.finish_move(move, ok)
@@ -697,10 +699,10 @@ class Server:
         writes are in flight."""
         assert self.remote is not None
         if len(self.state.remote_writes) > self.config.max_pending_writes:
-            self.remote.count("remote_skips_put_backlog")
+            self.remote.count(counters.REMOTE_WRITE_BACKLOG_SKIPS)
             self.state.finish_remote_write(write, 0)
         elif not self.remote.available():
-            self.remote.count("remote_skips_put")
+            self.remote.count(counters.REMOTE_SKIPS, 1, "put")
             self.state.finish_remote_write(write, 0)
         else:
             self._spawn_threadsafe(self._run_remote_write(write))
@@ -728,7 +730,7 @@ class Server:
             pass
         finally:
             with self.state_lock:
-                self.state.metrics.add("remote_bytes_written", stored * write.bytes_per_page)
+                self.state.metrics.add(counters.REMOTE_BYTES, stored * write.bytes_per_page, "written")
                 self.state.finish_remote_write(write, stored)
 
     def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
@@ -747,7 +749,7 @@ class Server:
         def match_now(ok: bool) -> dict[str, Any]:
             # On failure (or a page whose checksum failed) the engine recomputes what L3 could not give.
             promoted_pages = move.num_published_pages
-            self.state.metrics.add("promotions" if promoted_pages else "restore_fallbacks")
+            self.state.metrics.add(counters.PROMOTIONS if promoted_pages else counters.PROMOTION_FALLBACKS)
             outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
                                        promoted_tokens=promoted_pages * page_size,
                                        local_hit_tokens=request.local_hit_tokens, policy=request.policy,
@@ -776,7 +778,7 @@ class Server:
                 self.state.finish_move(write_through, ok=False, skipped=True)
             elif not self.write_backoff.allows():
                 # Writes fail (a full disk, an I/O error): none is tried until the pause ends.
-                self.state.metrics.add("h2s_backoff_skips")
+                self.state.metrics.add(counters.WRITE_BACKOFF_SKIPS)
                 self.state.finish_move(write_through, ok=False, skipped=True)
             else:
                 self._spawn_threadsafe(self._run_move(write_through))
@@ -808,18 +810,21 @@ class Server:
         return to_wire(PeerListReply(self.state.peer_list(SessionRequest.parse(body).session_id)))
 
     def _io_status(self) -> dict[str, Any]:
-        counters = self.state.metrics.counters
+        totals = self.state.metrics.counters
         io = {}
-        for direction in ("h2s", "s2h"):
-            count, seconds, num_bytes = (counters[f"{direction}_{k}"] for k in ("count", "seconds", "bytes"))
+        for direction in counters.L3_DIRECTIONS:
+            count, seconds, num_bytes, extents = (totals.value(counter, direction) for counter in (
+                counters.IO_MOVES, counters.IO_SERVICE_SECONDS_SUM, counters.IO_BYTES, counters.IO_EXTENTS))
+            queue_wait_s = totals.value(counters.IO_QUEUE_WAIT_SECONDS_SUM, direction)
+            end_to_end_s = totals.value(counters.IO_END_TO_END_SECONDS_SUM, direction)
             io[direction] = {
                 "count": count, "bytes": num_bytes, "seconds": round(seconds, 6),
                 "gibps": round(num_bytes / seconds / 2**30, 3) if seconds > 0 else 0.0,
-                "extents": counters[f"{direction}_extents"],
-                "extents_per_io": round(counters[f"{direction}_extents"] / count, 3) if count else 0.0,
-                "failures": counters[f"{direction}_failures"],
-                "mean_queue_wait_s": round(counters[f"{direction}_queue_wait_seconds"] / count, 6) if count else 0.0,
-                "mean_end_to_end_s": round(counters[f"{direction}_end_to_end_seconds"] / count, 6) if count else 0.0,
+                "extents": extents,
+                "extents_per_io": round(extents / count, 3) if count else 0.0,
+                "failures": totals.value(counters.IO_FAILURES, direction),
+                "mean_queue_wait_s": round(queue_wait_s / count, 6) if count else 0.0,
+                "mean_end_to_end_s": round(end_to_end_s / count, 6) if count else 0.0,
             }
         io["in_flight"] = self.executor.num_inflight if self.executor else 0
         return io

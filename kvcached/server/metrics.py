@@ -8,9 +8,10 @@ counters live in ``kvcached.core.metrics.Metrics``, the engines' in their connec
 
 Names follow Prometheus conventions: ``kvcached_*_total`` counters, ``*_bytes``, ``*_seconds``
 histograms, labels ``tier`` (l2, l3), ``direction`` (h2d, d2h: engine DMA; d2d: a copy out of
-another engine's GPU memory; h2s, s2h: L3 file I/O), ``model``, ``engine``/``session``, ``reason``. docs/metrics.md lists them all. A counter
-the tables below do not name still reaches Prometheus, as ``kvcached_daemon_events_total{event}``
-or ``kvcached_engine_events_total{event}``, so a new counter is never lost, only unnamed.
+another engine's GPU memory; h2s, s2h: L3 file I/O), ``model``, ``engine``/``session``, ``reason``.
+The daemon's counters and histograms are exported as declared (kvcached/core/counters.py), every
+declared one, and nothing else: nothing is counted that no declaration names. docs/metrics.md
+lists them (its table of counters is ``python -m kvcached.server.metrics --write-docs``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvcached.core import counters
+from proto.counters import Counter
 
 
 class Rule(NamedTuple):
@@ -44,93 +48,6 @@ def _rule(pattern: str, metric: str | None, help: str = "", labels: tuple[str, .
           per_model: bool = False, **fixed: str) -> Rule:
     return Rule(re.compile(pattern), metric, help, labels, tuple(sorted(fixed.items())), per_model)
 
-
-# The daemon's counters (status "metrics"), first matching rule wins.
-DAEMON_COUNTERS = (
-    _rule("matches", "kvcached_matches", "Matches handled (requests that may lease pages)", per_model=True),
-    _rule("match_tokens", "kvcached_match_tokens", "Tokens (whole pages) of the prompts matched", per_model=True),
-    _rule("hit_tokens_(l2|l3)", "kvcached_hit_tokens", "Leading tokens of matched prompts the tier held (l2: "
-          "after any promotion from L3)", ("tier",), per_model=True),
-    _rule("lookups", "kvcached_lookups", "Lookups handled (side-effect free matches)", per_model=True),
-    _rule("lookup_tokens", "kvcached_lookup_tokens", "Tokens (whole pages) looked up", per_model=True),
-    _rule("lookup_hit_tokens_(l2|remote)", "kvcached_lookup_hit_tokens", "Leading tokens of looked-up prompts the "
-          "tier held (remote: L2 and the remote store together)", ("tier",), per_model=True),
-    _rule("evicted_pages_(l2|l3)", "kvcached_evicted_pages", "Pages evicted (LRU) to make room", ("tier",),
-          per_model=True),
-    _rule("backup_pages_committed", "kvcached_committed_pages", "Pages engines saved that entered L2 (new to "
-          "the tree)", per_model=True),
-    _rule("backup_pages_duplicate", "kvcached_duplicate_pages", "Saved pages another engine had committed "
-          "first (freed)"),
-    _rule("backup_pages_reserved", "kvcached_reserved_pages", "L2 pages reserved for engines' saves"),
-    _rule("backup_reserve_failures", "kvcached_reservation_failures", "Matches that wanted pages for saves and "
-          "got none"),
-    _rule("reservations_capped", "kvcached_reservations_capped", "Reservations cut to a session's share of a "
-          "namespace"),
-    _rule("promotions", "kvcached_promotions", "Matches served after an L3 -> L2 promotion"),
-    _rule("restore_fallbacks", "kvcached_fallbacks", "Matches whose L3 promotion failed (the engine recomputes)",
-          reason="promotion_failed"),
-    _rule("(h2s|s2h|r2h)_pages_published", "kvcached_io_published_pages", "Pages an L3 write (h2s), promotion "
-          "(s2h) or remote restore (r2h) added to its tier", ("direction",)),
-    _rule("(h2s|s2h)_pages_cut_no_space", "kvcached_io_pages_cut", "Pages an L3 write (h2s) or promotion (s2h) "
-          "left out for want of room in the tier it copies to (the pages before them were copied)",
-          ("direction",)),
-    _rule("(h2s|s2h)_bytes", "kvcached_io_bytes", "Bytes moved between L2 and the L3 file", ("direction",)),
-    _rule("(h2s|s2h)_extents", "kvcached_io_extents", "File extents (coalesced I/Os) of L3 moves",
-          ("direction",)),
-    _rule("(h2s|s2h|r2h)_failures", "kvcached_io_failures", "L3 moves and remote restores that failed (their "
-          "pages returned)", ("direction",)),
-    _rule("(h2s|s2h|r2h)_no_space", "kvcached_policy_skips", "Copies to another tier not made, by reason",
-          ("direction",), reason="no_space"),
-    _rule("(h2s|s2h)_policy_skips", "kvcached_policy_skips", "", ("direction",), reason="backlog"),
-    _rule("backup_policy_skips", "kvcached_policy_skips", "", direction="d2h", reason="evicted_before_reuse"),
-    _rule("(h2s|s2h)_(count|seconds|queue_wait_seconds|end_to_end_seconds)", None),   # the histograms
-    _rule("attaches", "kvcached_attaches", "Engine sessions attached"),
-    _rule("sessions_(expired|grace_exceeded|ended_process_gone|replaced)", "kvcached_sessions_ended",
-          "Sessions ended other than by detaching, by reason", ("reason",)),
-    _rule("previous_session_refused", "kvcached_previous_session_refused", "Attaches naming a previous session "
-          "of another process (ignored)"),
-    _rule("leases_(released|reclaimed)", "kvcached_leases_ended", "Leases ended, by how", ("how",)),
-    _rule("backup_commits", "kvcached_leases_ended", "", how="committed"),
-    _rule("commits_refused_session_ended", "kvcached_commits_refused", "Commits refused: the session had ended",
-          reason="session_ended"),
-    _rule("quarantines", "kvcached_quarantines", "Sessions whose private pages were quarantined"),
-    _rule("pages_quarantined", "kvcached_quarantined_pages", "Pages quarantined"),
-    _rule("quarantines_ended_(.+)", "kvcached_quarantines_ended", "Quarantines ended, by cause", ("reason",)),
-    _rule("namespaces_reclaimed", "kvcached_namespaces_reclaimed", "Idle namespaces whose space went to a new one"),
-    _rule("daemon_pauses", "kvcached_daemon_pauses", "Times the daemon did not run for a while (stopped, starved)"),
-    _rule("daemon_pause_seconds", "kvcached_daemon_paused_seconds", "Seconds the daemon did not run"),
-    _rule("l3_checksum_mismatches", "kvcached_l3_checksum_mismatches", "L3 pages read back with a wrong checksum"),
-    _rule("l3_pages_dropped_corrupt", "kvcached_l3_dropped_pages", "L3 pages dropped, by reason",
-          reason="corrupt"),
-    _rule("l3_index_rows_dropped", "kvcached_l3_dropped_pages", "", reason="index_unusable"),
-    _rule("l3_pages_restored", "kvcached_l3_restored_pages", "L3 pages rebuilt from the index at start"),
-    _rule("remote_hit_pages", "kvcached_remote_hit_pages", "Pages restored from the remote store into L2 (their "
-          "header and checksum checked)"),
-    _rule("remote_pages_written", "kvcached_remote_written_pages", "L2 pages written through to the remote store"),
-    _rule("remote_bytes_(read|written)", "kvcached_remote_bytes", "Page bytes read from and written to the "
-          "remote store", ("op",)),
-    _rule("remote_checksum_mismatches", "kvcached_remote_checksum_mismatches", "Values the remote store gave that "
-          "were not the page asked for (another page, torn, a wrong checksum): dropped, recomputed"),
-    _rule("remote_restores", "kvcached_remote_restores", "Matches served after a restore from the remote store"),
-    _rule("remote_restore_fallbacks", "kvcached_fallbacks", "", reason="remote_failed"),
-    _rule("remote_get_calls", "kvcached_remote_get_calls", "Restores whose gets the remote store answered"),
-    _rule("errors_internal", "kvcached_internal_errors", "Requests that hit a daemon bug (error reply)"),
-    _rule("errors_(.+)", "kvcached_refused_requests", "Requests refused with an error reply, by code", ("code",)),
-    _rule("replies_dropped", "kvcached_replies_dropped", "Replies not delivered (peer gone or not reading)"),
-)
-
-# The daemon's time histograms (status "histograms").
-DAEMON_HISTOGRAMS = (
-    _rule("(h2s|s2h)_service_seconds", "kvcached_io_service_seconds", "Time an L3 move spent in file I/O",
-          ("direction",)),
-    _rule("(h2s|s2h)_queue_wait_seconds", "kvcached_io_queue_wait_seconds", "Time an L3 move waited for an I/O "
-          "thread (end to end less service)", ("direction",)),
-    _rule("(h2s|s2h|r2h)_end_to_end_seconds", "kvcached_io_end_to_end_seconds", "Time from an L3 move's (or a "
-          "remote restore's) enqueue to its completion", ("direction",)),
-    _rule("request_seconds_(.+)", "kvcached_request_seconds", "Time the socket thread spent handling a request, "
-          "by kind", ("kind",)),
-    _rule("(.+)", "kvcached_daemon_seconds", "Other timings of the daemon", ("name",)),
-)
 
 # An engine connector's counters (status sessions[].report.connector.counters), per session.
 ENGINE_COUNTERS = (
@@ -203,47 +120,64 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Each declared counter family's help (one of its declarations carries it, the others have "").
+_HELP = {counter.metric: counter.help for counter in (*counters.DAEMON, *counters.REMOTE, *counters.COST_MODEL)
+         if counter.help}
+
+
+def _declared_counters(families: _Families, declared: Iterable[Counter], counts: dict[str, Any],
+                       by_model: dict[str, dict[str, Any]] | None = None) -> None:
+    """Every declared counter of ``declared``, its value in ``counts`` (a status dict of them; 0 where
+    absent). A ``per_model`` one (with ``by_model``) has a series per model that counted it, and one
+    with model "" for what was counted without a model (also 0 where none was). Declarations that
+    give a family the same labels are summed."""
+    sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for counter in declared:
+        if counter.metric is None:
+            continue
+        for label, key in counter.keys.items():
+            labels = counter.labels_of(label)
+            total = counts.get(key, 0)
+            samples = []
+            if counter.per_model and by_model is not None:
+                samples = [({"model": model, **labels}, values[key]) for model, values in by_model.items()
+                           if key in values]
+                unattributed = total - sum(value for _, value in samples)
+                if unattributed > 0 or not samples:
+                    samples.append(({"model": "", **labels}, unattributed))
+            else:
+                samples = [(labels, total)]
+            for sample_labels, value in samples:
+                sample_key = (counter.metric, tuple(sorted(sample_labels.items())))
+                sums[sample_key] = sums.get(sample_key, 0) + value
+    for (metric, labels), value in sums.items():
+        families.add(CounterMetricFamily, metric, _HELP[metric], dict(labels), value)
+
+
 def _daemon_counters(families: _Families, snapshot: dict[str, Any]) -> None:
     by_model = snapshot.get("metrics_by_model", {})
-    for name, value in snapshot.get("metrics", {}).items():
-        if not _number(value):
-            continue
-        found = _match(DAEMON_COUNTERS, name)
-        if found is None:
-            families.add(CounterMetricFamily, "kvcached_daemon_events", "Daemon counters without a metric "
-                         "of their own, by name", {"event": name}, value)
-            continue
-        rule, labels = found
-        if rule.metric is None:
-            continue
-        if not rule.per_model:
-            families.add(CounterMetricFamily, rule.metric, rule.help, labels, value)
-            continue
-        attributed = 0
-        for model, counters in by_model.items():
-            if name in counters:
-                families.add(CounterMetricFamily, rule.metric, rule.help, {"model": model, **labels}, counters[name])
-                attributed += counters[name]
-        if value - attributed > 0:         # counted without a model (none is named): still counted
-            families.add(CounterMetricFamily, rule.metric, rule.help, {"model": "", **labels}, value - attributed)
+    _declared_counters(families, counters.DAEMON, snapshot.get("metrics", {}), by_model)
     # Derived, per model: what matches asked for and L2 did not have (after promotion). Both
     # counters grow together, by a match's tokens and by at most as many hits: it never decreases.
-    for model, counters in by_model.items():
-        if "match_tokens" in counters:
+    match_tokens, hit_tokens_l2 = counters.MATCH_TOKENS.keys[""], counters.HIT_TOKENS.keys["l2"]
+    for model, values in by_model.items():
+        if match_tokens in values:
             families.add(CounterMetricFamily, "kvcached_miss_tokens", "Tokens of matched prompts L2 did not "
                          "hold after promotion: recomputed, unless the engine's own GPU cache held them",
-                         {"model": model}, counters["match_tokens"] - counters.get("hit_tokens_l2", 0))
+                         {"model": model}, values[match_tokens] - values.get(hit_tokens_l2, 0))
 
 
 def _histograms(families: _Families, snapshot: dict[str, Any]) -> None:
-    for name, histogram in snapshot.get("histograms", {}).items():
-        found = _match(DAEMON_HISTOGRAMS, name)
-        assert found is not None, "the last rule matches every name"
-        rule, labels = found
-        buckets = [(repr(float(le)), count) for le, count in zip(histogram["le"], histogram["cumulative"])]
-        buckets.append(("+Inf", histogram["count"]))
-        families.add(HistogramMetricFamily, rule.metric, rule.help, labels, buckets=buckets,
-                     sum_value=histogram["sum"])
+    observed = snapshot.get("histograms", {})
+    for declared in counters.HISTOGRAMS:
+        for label, key in declared.keys.items():
+            histogram = observed.get(key)
+            if histogram is None:
+                continue
+            buckets = [(repr(float(le)), count) for le, count in zip(histogram["le"], histogram["cumulative"])]
+            buckets.append(("+Inf", histogram["count"]))
+            families.add(HistogramMetricFamily, declared.metric, declared.help, declared.labels_of(label),
+                         buckets=buckets, sum_value=histogram["sum"])
 
 
 def _namespaces(families: _Families, snapshot: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -341,58 +275,15 @@ def _daemon(families: _Families, snapshot: dict[str, Any]) -> None:
                      1 if index.get("failed") else 0)
 
 
-# The remote store client's counters (status daemon.remote.counters).
-REMOTE_COUNTERS = (
-    _rule("remote_errors_(exist|get|put)", "kvcached_remote_errors", "Remote store calls that failed or missed "
-          "their deadline, by call", ("op",)),
-    _rule("remote_deadline_misses_(exist|get|put)", "kvcached_remote_deadline_misses", "Remote store calls not "
-          "answered within their deadline (the request went on with a local miss)", ("op",)),
-    _rule("remote_skips_(exist|get|put)(?:_backlog)?", "kvcached_remote_skips", "Remote store calls not made: "
-          "the store was unreachable (breaker open) or too many writes in flight", ("op",)),
-    _rule("remote_exist_calls", "kvcached_remote_lookups", "Lookups and matches that asked the remote store "
-          "which following pages it holds"),
-    _rule("remote_exist_seconds", "kvcached_remote_lookup_seconds", "Seconds those questions took (the latency "
-          "they add to a request)"),
-    _rule("remote_exist_held_pages", "kvcached_remote_lookup_held_pages", "Pages the remote store said it held"),
-    _rule("remote_connects", "kvcached_remote_connects", "Connections made to the remote store"),
-    _rule("remote_probe_failures", "kvcached_remote_probe_failures", "Probes of an unreachable remote store that "
-          "failed"),
-)
-
-
 def _remote(families: _Families, snapshot: dict[str, Any]) -> None:
     remote = snapshot.get("daemon", {}).get("remote")
     if not remote:
         return
     families.add(GaugeMetricFamily, "kvcached_remote_up", "1 while the remote store is connected and its breaker "
                  "closed (requests ask it)", {}, 1 if remote["connected"] and remote["state"] == "closed" else 0)
-    sums: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Rule, float]] = {}
-    for name, value in remote.get("counters", {}).items():
-        found = _match(REMOTE_COUNTERS, name)
-        if found is None or not _number(value):
-            continue
-        rule, labels = found
-        key = (rule.metric, tuple(sorted(labels.items())))
-        sums[key] = (rule, sums.get(key, (rule, 0))[1] + value)
-    for (metric, labels), (rule, value) in sums.items():
-        families.add(CounterMetricFamily, metric, rule.help, dict(labels), value)
+    _declared_counters(families, counters.REMOTE, remote.get("counters", {}))
 
 
-# The cost model's counters (status "cost_model", top level) -> (metric, help, labels).
-COST_MODEL_COUNTERS = {
-    "background_promotions_total": ("kvcached_background_promotions", "L3 hits a lookup declined, promoted to L2 "
-                                    "in the background (a later request restores them at DMA speed)", {}),
-    "background_promoted_pages_total": ("kvcached_background_promoted_pages", "Pages background promotions "
-                                        "added to L2", {}),
-    "background_promotion_skips_busy_total": ("kvcached_background_promotion_skips", "Background promotions not "
-                                              "started, by reason", {"reason": "busy"}),
-    "background_promotion_skips_no_gain_total": ("kvcached_background_promotion_skips", "", {"reason": "no_gain"}),
-    "stale_line_resets_total": ("kvcached_cost_model_stale_line_resets", "Lines that dropped their samples "
-                                "(back to the prior) after 64 decisions declined their source with no sample "
-                                "between", {}),
-    "samples_ignored_total": ("kvcached_cost_model_samples_ignored", "Timings engines reported that are no sample "
-                              "(a prefill under 16 tokens, a time out of range)", {}),
-}
 COST_MODEL_MODES = ("prior", "ewma", "fit")
 
 
@@ -439,12 +330,7 @@ def cost_model_metrics(families: _Families, snapshot: dict[str, Any]) -> None:
             families.add(GaugeMetricFamily, "kvcached_cost_model_mode", "1 for a line's mode: prior (no sample "
                          "yet), ewma (sizes barely vary: the fixed term learned), fit (both terms fitted)",
                          {**labels, "mode": mode}, 1 if line["mode"] == mode else 0)
-    for key, (metric, help, labels) in COST_MODEL_COUNTERS.items():
-        families.add(CounterMetricFamily, metric, help, labels, cost.get(key, 0))
-    for key, value in cost.items():         # a counter not named above still reaches Prometheus
-        if key.endswith("_total") and key not in COST_MODEL_COUNTERS and _number(value):
-            families.add(CounterMetricFamily, "kvcached_daemon_events", "Daemon counters without a metric of "
-                         "their own, by name", {"event": f"cost_model_{key.removesuffix('_total')}"}, value)
+    _declared_counters(families, counters.COST_MODEL, cost)
 
 
 def metric_families(snapshot: dict[str, Any]) -> list[Metric]:
@@ -478,3 +364,44 @@ def make_registry(snapshot: Callable[[], dict[str, Any]]) -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+# ---- docs/metrics.md's table of declared counters ------------------------------------------------
+
+DOCS_PATH = "docs/metrics.md"
+DOCS_BEGIN = "<!-- declared counters: generated by `python -m kvcached.server.metrics --write-docs` -->"
+DOCS_END = "<!-- end of declared counters -->"
+_DOCS_GROUPS = (("metrics", counters.DAEMON), ("histograms", counters.HISTOGRAMS),
+                ("daemon.remote.counters", counters.REMOTE), ("cost_model", counters.COST_MODEL))
+
+
+def docs_table() -> str:
+    """The table of every declared counter: its metric, labels, status key and help."""
+    rows = [DOCS_BEGIN, "", "| metric | type | labels | status key | what |", "|---|---|---|---|---|"]
+    for where, declared in _DOCS_GROUPS:
+        for counter in declared:
+            kind = "histogram" if counter.histogram else "counter" if counter.metric else "status only"
+            metric = "" if counter.metric is None else counter.metric if counter.histogram else f"{counter.metric}_total"
+            labels = [*(["model"] if counter.per_model else []), *(f"{k}={v}" for k, v in counter.fixed.items()),
+                      *([f"{counter.label} ({', '.join(counter.values)})"] if counter.label else [])]
+            key = counter.key.replace("{}", "{" + counter.label + "}")
+            rows.append(f"| {f'`{metric}`' if metric else ''} | {kind} | {', '.join(labels)} | `{where}.{key}` | "
+                        f"{counter.help} |")
+    return "\n".join([*rows, "", DOCS_END])
+
+
+def write_docs(path: str = DOCS_PATH) -> None:
+    with open(path) as file:
+        text = file.read()
+    begin, end = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+    with open(path, "w") as file:
+        file.write(text[:begin] + docs_table() + text[end:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--write-docs"]:
+        write_docs()
+    else:
+        print(docs_table())

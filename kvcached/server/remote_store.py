@@ -26,8 +26,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from kvcached.core import counters
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.remote import HEADER_BYTES, Breaker, header_mismatch, pack_header, remote_key
+from proto.counters import Counter, Counts
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ class RemoteStore:
         self._segment_bytes = len(segment)
         self._lock = threading.Lock()
         self.breaker = Breaker(is_open=True)    # not connected yet: the first probe connects
-        self.counters: dict[str, float] = {}
+        self.counters = Counts(counters.REMOTE)
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="kvcached-remote")
         self._probe = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcached-remote-probe")
@@ -94,9 +96,9 @@ class RemoteStore:
 
     # ---- counters and state -------------------------------------------------------------------
 
-    def count(self, name: str, value: float = 1) -> None:
+    def count(self, counter: Counter, value: float = 1, label: str = "") -> None:
         with self._lock:
-            self.counters[name] = self.counters.get(name, 0) + value
+            self.counters.add(counter, value, label)
 
     def available(self) -> bool:
         """Whether a request may ask the store now (connected, breaker closed)."""
@@ -112,18 +114,18 @@ class RemoteStore:
             was_open = self.breaker.is_open
             self.breaker.failed(self.clock())
             retry_s = self.breaker.open_until_s - self.clock()
-        self.count(f"remote_errors_{what}")
+        self.count(counters.REMOTE_ERRORS, 1, what)
         if not was_open:
             logger.warning("remote store: %s failed (%s); requests skip it for %.1f s, then it is probed", what,
                            why, retry_s)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            counters = dict(sorted(self.counters.items()))
+            counts = dict(sorted(self.counters.items()))
             return {"master": self.settings.master, "metadata_server": self.settings.metadata_server,
                     "segment_bytes": self.settings.segment_bytes, "connected": self._store is not None,
                     "exist_timeout_s": self.settings.exist_timeout_s, "get_timeout_s": self.settings.get_timeout_s,
-                    **self.breaker.status(self.clock()), "counters": counters}
+                    **self.breaker.status(self.clock()), "counters": counts}
 
     # ---- connecting and probing (off every request's path) ----------------------------------
 
@@ -150,7 +152,7 @@ class RemoteStore:
         except Exception as exc:        # concurrent.futures.TimeoutError included
             with self._lock:
                 self.breaker.failed(self.clock())
-            self.count("remote_probe_failures")
+            self.count(counters.REMOTE_PROBE_FAILURES)
             logger.debug("remote store probe failed: %s", exc)
             return
         with self._lock:
@@ -172,7 +174,7 @@ class RemoteStore:
                 raise RemoteUnavailable(f"register_buffer returned {code}")
         logger.info("remote store: connected to the master at %s (lending %d bytes)", self.settings.master,
                     self.settings.segment_bytes)
-        self.count("remote_connects")
+        self.count(counters.REMOTE_CONNECTS)
         return store
 
     def close(self) -> None:
@@ -206,7 +208,7 @@ class RemoteStore:
         with self._lock:
             store = self._store if self.breaker.allows(self.clock()) and not self._closed else None
         if store is None:
-            self.count(f"remote_skips_{what}")
+            self.count(counters.REMOTE_SKIPS, 1, what)
             raise RemoteUnavailable("the remote store is not reachable now")
         return self._pool.submit(fn, store, *args)
 
@@ -216,7 +218,7 @@ class RemoteStore:
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
         except asyncio.TimeoutError:
-            self.count(f"remote_deadline_misses_{what}")
+            self.count(counters.REMOTE_DEADLINE_MISSES, 1, what)
             self._failed(what, f"no answer within {timeout_s} s")
             raise RemoteUnavailable(f"{what}: no answer within timeout_s={timeout_s}") from None
         except Exception as exc:
@@ -298,7 +300,7 @@ class RemoteStore:
         finally:
             for _, pending in checks:           # the pages stay private until every check has run
                 concurrent.futures.wait([pending])
-            self.count("remote_get_store_seconds", store_s)
+            self.count(counters.REMOTE_GET_STORE_SECONDS, store_s)
 
     def put_pages(self, store: Any, namespace_key: str, token_ids: np.ndarray, page_size: int, start_page: int,
                   page_ids: list[int], bytes_per_page: int, intact: Callable[[], int]) -> int:

@@ -368,8 +368,9 @@ def test_an_address_asked_for_must_be_free(tmp_path):
 def test_dashboard_queries_metrics_the_daemon_exports(traffic):
     """Every metric the Grafana dashboard (deploy/grafana) queries is one the daemon exports: in
     the scrape after the traffic, or, for events the traffic did not cause, named by the
-    collector's tables (a counter with _total, a histogram with _bucket)."""
-    from kvcached.server.metrics import DAEMON_COUNTERS, DAEMON_HISTOGRAMS, ENGINE_COUNTERS
+    declarations (a counter with _total, a histogram with _bucket)."""
+    from kvcached.core import counters
+    from kvcached.server.metrics import ENGINE_COUNTERS
 
     _, t = traffic
     with open(os.path.join(REPO_ROOT, "deploy", "grafana", "kvcached-dashboard.json")) as f:
@@ -378,8 +379,9 @@ def test_dashboard_queries_metrics_the_daemon_exports(traffic):
     assert len(exprs) >= 20
     queried = {name for expr in exprs for name in re.findall(r"\b((?:kvcached|process)_[a-z0-9_]+)\b", expr)}
     scraped = {name for name, _ in scrape(t.url)}
-    declared = {f"{rule.metric}_total" for rule in (*DAEMON_COUNTERS, *ENGINE_COUNTERS) if rule.metric}
-    declared |= {f"{rule.metric}_{suffix}" for rule in DAEMON_HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+    declared = {f"{counter.metric}_total" for counter in (*counters.DAEMON, *counters.REMOTE, *counters.COST_MODEL,
+                                                          *ENGINE_COUNTERS) if counter.metric}
+    declared |= {f"{counter.metric}_{suffix}" for counter in counters.HISTOGRAMS for suffix in ("bucket", "sum", "count")}
     assert queried - scraped - declared == set()
     assert len(queried & scraped) >= 12, queried & scraped
 

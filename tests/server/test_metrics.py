@@ -1,5 +1,6 @@
 """The Prometheus collector over a real DaemonState's status, in-process: per-model counters,
-histograms, counters no rule names, the cost model."""
+histograms, every declared counter under its own family (and nothing undeclared counted), the
+cost model."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from kvcached.core import counters
 from kvcached.core.daemon import DaemonState
 from kvcached.core.metrics import SECONDS_BUCKETS, Metrics
 from kvcached.server.metrics import StatusCollector
+from proto.counters import Counter, Counts
 from proto.messages import KVGeometry
 
 GEOMETRIES = [KVGeometry(model, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=8)
@@ -79,7 +82,7 @@ def test_time_histograms_bucket_every_observation(rng):
     metrics = Metrics()
     values = np.concatenate([rng.exponential(0.01, size=500), np.asarray(SECONDS_BUCKETS), [20.0]])
     for seconds in values:
-        metrics.observe("h2s_service_seconds", float(seconds))
+        metrics.observe(counters.IO_SERVICE_SECONDS, float(seconds), "h2s")
     snapshot = {"histograms": metrics.histogram_snapshot()}
     samples = exported(snapshot)
     for bound in SECONDS_BUCKETS:
@@ -90,20 +93,67 @@ def test_time_histograms_bucket_every_observation(rng):
     assert value(samples, "kvcached_io_service_seconds_sum", direction="h2s") == pytest.approx(values.sum(), rel=1e-6)
 
 
-def test_counters_no_rule_names_are_still_exported(rng):
-    """A daemon counter and an engine counter that no table names reach /metrics under their own
-    name (kvcached_daemon_events_total, kvcached_engine_events_total), by the amount counted."""
-    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
-    session, _ = state.attach(GEOMETRIES[0], pid=7, client_name="eng")
+def test_counting_what_no_declaration_names_raises_and_counts_nothing(rng):
+    """A counter that is not declared (a string, or a Counter made outside kvcached/core/counters.py),
+    a label value its declaration does not list, and a declared counter of another group (the
+    remote client's, counted as the daemon's) each raise where they are counted, and count nothing."""
+    metrics = Metrics()
     amount = int(rng.integers(1, 1000))
-    state.metrics.add("a_counter_of_tomorrow", amount)
-    state.engine_report(session.session_id, {"connector": {"counters": {"new_engine_counter": amount + 1,
-                                                                        "loaded_pages": 3}}})
-    samples = exported(state.status())
-    assert value(samples, "kvcached_daemon_events_total", event="a_counter_of_tomorrow") == amount
-    assert value(samples, "kvcached_engine_events_total", event="new_engine_counter", engine="eng") == amount + 1
-    assert value(samples, "kvcached_engine_transfer_bytes_total", direction="h2d", engine="eng") \
-        == 3 * GEOMETRIES[0].bytes_per_page
+    tomorrow = Counter("a_counter_of_tomorrow", "kvcached_tomorrow", "not declared")
+    for counter, label in (("matches", ""), (tomorrow, ""), (counters.HIT_TOKENS, "l4"), (counters.HIT_TOKENS, ""),
+                           (counters.MATCHES, "l2"), (counters.REMOTE_CONNECTS, ""), (counters.REQUEST_SECONDS, "match")):
+        with pytest.raises(KeyError):
+            metrics.add(counter, amount, label, model="model-a")
+    for histogram, label in ((counters.REQUEST_SECONDS, "no_such_kind"), (counters.MATCHES, "")):
+        with pytest.raises(KeyError):
+            metrics.observe(histogram, 0.001, label)
+    assert metrics.snapshot() == {} and metrics.model_snapshot() == {} and metrics.histogram_snapshot() == {}
+
+
+def test_every_declared_counter_is_exported_under_its_own_family(rng):
+    """Each declared counter of each group (the daemon's, per model or not; the remote client's;
+    the cost model's), counted by a random amount through its declaration, is exported under its
+    declared family and labels, by that amount (the sum, where declarations share labels);
+    per-model ones split by model; no family is a catch-all of names (kvcached_*_events)."""
+    state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
+    metrics = state.metrics
+    remote = Counts(counters.REMOTE)
+    expected: dict[tuple[str, tuple], float] = {}
+
+    def expect(counter, label, amount, model=None):
+        labels = counter.labels_of(label) | ({"model": model} if model is not None else {})
+        key = (counter.metric + "_total", tuple(sorted(labels.items())))
+        expected[key] = expected.get(key, 0) + amount
+
+    for counter in counters.DAEMON + counters.COST_MODEL + counters.REMOTE:
+        for label in counter.keys:
+            amount = int(rng.integers(1, 1 << 20))
+            if counter in counters.REMOTE:
+                remote.add(counter, amount, label)
+            elif counter in counters.COST_MODEL:
+                state.cost.counters.add(counter, amount, label)
+            elif counter.per_model:
+                split = int(rng.integers(0, amount))
+                metrics.add(counter, split, label, model="model-a")
+                metrics.add(counter, amount - split, label)
+            else:
+                metrics.add(counter, amount, label)
+            if counter.metric is None:
+                continue
+            if counter.per_model:
+                expect(counter, label, split, "model-a")
+                expect(counter, label, amount - split, "")
+            else:
+                expect(counter, label, amount)
+    snapshot = state.status()
+    snapshot.setdefault("daemon", {})["remote"] = {"connected": True, "state": "closed", "counters": dict(remote)}
+    samples = exported(snapshot)
+    for (name, labels), amount in expected.items():
+        assert samples.get((name, labels)) == amount, (name, labels)
+    assert not [name for name, _ in samples if name.endswith("_events_total")]
+    exported_names = {name for name, _ in samples}
+    assert all(counter.metric + "_total" in exported_names
+               for counter in counters.DAEMON + counters.COST_MODEL + counters.REMOTE if counter.metric)
 
 
 def test_the_cost_model_is_exported_under_names_of_its_own(rng):
