@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--socket", "socket_path", help="socket path or ipc:// URL (default: $KVCACHED_SOCKET, else "
         f"$XDG_RUNTIME_DIR/kvcached/kvcached.sock, else /tmp/kvcached-<uid>/; here {_default_socket()})")
     add("--l2-size", "l2_bytes", type=_size, metavar="SIZE", help="the shared pinned host pool, e.g. 64g; "
-        "one model alone gets all of it, several share it; one that /dev/shm or memory cannot hold is refused at "
-        "start (default: 1 GiB or half of free /dev/shm, whichever is less)")
+        "one model alone gets all of it, several share it; one that --shm-dir or memory cannot hold is refused at "
+        "start (default: 1 GiB or half of --shm-dir's free space, whichever is less)")
     add("--l3-path", "l3_path", help="local file for the L3 tier, kept with its index (PATH.index) across "
         "restarts (default: a temporary file, empty at every start)")
     add("--l3-fresh", "l3_fresh", action="store_true", default=None,
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {format_size(defaults['l3_bytes'].default)}, a sparse file)")
     add("--l3-o-direct", "l3_o_direct", action="store_true", default=None,
         help="read and write the L3 file with O_DIRECT (bypass the page cache)")
+    add("--shm-dir", "shm_dir", metavar="DIR", help="the directory of the L2 pool's shared-memory files, "
+        "which every engine must see at the same path: a memory-backed one (a tmpfs) shared with the engines' "
+        f"pods or containers (default {defaults['shm_dir'].default})")
     add("--io-threads", "io_threads", type=int, help="L3 file I/O threads "
         f"(default {defaults['io_threads'].default})")
     add("--spin-us", "socket_spin_us", type=int, help="busy-poll the socket this many microseconds after a "

@@ -95,6 +95,7 @@ ENV_VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVCACHED_L2_SIZE": ("l2_bytes", parse_size),
     "KVCACHED_L3_PATH": ("l3_path", str),
     "KVCACHED_L3_SIZE": ("l3_bytes", parse_size),
+    "KVCACHED_SHM_DIR": ("shm_dir", str),
     "KVCACHED_L3_O_DIRECT": ("l3_o_direct", parse_bool),
     "KVCACHED_L3_FRESH": ("l3_fresh", parse_bool),
     "KVCACHED_MAX_NAMESPACES": ("max_namespaces", parse_int),
@@ -165,6 +166,8 @@ class DaemonConfig:
     socket_spin_us: int = 100           # busy-poll the socket this long after a request (0: never)
     socket_cpu: int | None = None       # run the socket thread and ZeroMQ's I/O thread on this CPU
     max_pending_writes: int = 64        # write-throughs to L3 in flight; beyond it, new pages skip L3
+    # Where the L2 segment and its small files live; engines open them by the paths the daemon
+    # names, so every engine must see this directory at the same path (deploy/k8s: one per node).
     shm_dir: str = SHM_DIR
     refusal_log_interval_s: float = 10.0   # refused requests: DEBUG each, one WARNING summary per interval
     # "": DEFAULT_HTTP_ADDRESS, skipped with a warning when taken; "off": none; HOST:PORT: that
@@ -206,6 +209,7 @@ class DaemonConfig:
         except ValueError as exc:
             raise ConfigError(str(exc), "log_level") from None
         checks = (
+            ("shm_dir", os.path.isabs(self.shm_dir), f"shm_dir must be an absolute path, got {self.shm_dir!r}"),
             ("l2_bytes", self.l2_bytes >= (2 << 20), f"l2_bytes must be at least 2 MiB, got {self.l2_bytes} bytes"),
             ("max_namespaces", 1 <= self.max_namespaces <= 1024, "max_namespaces must be in 1..1024"),
             ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.session_timeout_s,
@@ -308,8 +312,8 @@ class DaemonConfig:
                 values["socket_path"] = default_socket_path(env)
             except ValueError as exc:
                 raise ConfigError(str(exc), "socket_path") from None
-        values.setdefault("l2_bytes", default_l2_bytes())
         values.update(overrides)
+        values.setdefault("l2_bytes", default_l2_bytes(values.get("shm_dir", SHM_DIR)))
         try:
             return cls(**values)
         except ConfigError as exc:

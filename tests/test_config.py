@@ -95,3 +95,24 @@ def test_session_share_comes_from_its_flag_and_a_share_outside_0_to_1_is_refused
         with pytest.raises(ConfigError) as error:
             DaemonConfig.from_env(base, session_share=bad)
         assert error.value.field == "session_share"
+
+
+def test_the_shared_memory_directory_comes_from_its_variable_or_flag_and_must_be_absolute(tmp_path):
+    """KVCACHED_SHM_DIR and --shm-dir (which wins) set shm_dir, /dev/shm by default; the default L2
+    size is taken from that directory's free space; a relative directory is refused (engines open
+    the pool by the path the daemon names)."""
+    import pytest
+
+    from kvcached.config import ConfigError, default_l2_bytes
+
+    base = {"KVCACHED_SOCKET": "/tmp/kvt-config/kvcached.sock", "KVCACHED_L2_SIZE": "64MiB"}
+    assert DaemonConfig.from_env(base).shm_dir == "/dev/shm"
+    assert DaemonConfig.from_env({**base, "KVCACHED_SHM_DIR": str(tmp_path)}).shm_dir == str(tmp_path)
+    args = build_parser().parse_args(["serve", "--shm-dir", "/run/kvcached/shm"])
+    assert DaemonConfig.from_env({**base, "KVCACHED_SHM_DIR": str(tmp_path)},
+                                 shm_dir=args.shm_dir).shm_dir == "/run/kvcached/shm"
+    sized = DaemonConfig.from_env({"KVCACHED_SOCKET": base["KVCACHED_SOCKET"], "KVCACHED_SHM_DIR": str(tmp_path)})
+    assert sized.l2_bytes == default_l2_bytes(str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        DaemonConfig.from_env({**base, "KVCACHED_SHM_DIR": "shm"})
+    assert error.value.field == "shm_dir"

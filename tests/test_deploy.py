@@ -175,6 +175,59 @@ def test_k8s_pod_probes_status_and_runs_non_root():
     assert "hostIPC" in open(os.path.join(DEPLOY, "k8s", "README.md")).read()
 
 
+DAEMONSET_MANIFEST = os.path.join(DEPLOY, "k8s", "kvcached-daemonset.yaml")
+
+
+def test_k8s_daemonset_owns_the_node_directories_that_engine_pods_mount_at_its_paths():
+    """One daemon per node: a DaemonSet whose daemon keeps its socket directory's parent, its
+    shared-memory directory (--shm-dir, on the node's memory-backed /dev/shm) and its L3 in hostPath
+    volumes, which an init container makes as the daemon's uid, 0700; engine pods mount the same
+    node paths at the same paths (engines open the pool by the path the daemon names), as the same
+    uid, with a /dev/shm of their own; neither side needs hostIPC, hostPID or to run as root."""
+    docs = list(yaml.safe_load_all(open(DAEMONSET_MANIFEST)))
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    engines = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    [daemon] = daemonset["containers"]
+    [init] = daemonset["initContainers"]
+    [engine] = engines["containers"]
+    config = serve_config(daemon["args"], _env(daemon))
+    socket_dir = os.path.dirname(config.socket_path)
+    uid = daemonset["securityContext"]["runAsUser"]
+    assert uid != 0 and engines["securityContext"]["runAsUser"] == uid
+
+    def host_paths(pod: dict, container: dict) -> dict[str, str]:
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        return {path: volumes[name]["hostPath"]["path"] for path, name in _mounts(container).items()
+                if "hostPath" in volumes[name]}
+
+    daemon_paths, engine_paths = host_paths(daemonset, daemon), host_paths(engines, engine)
+    shared = {os.path.dirname(socket_dir), config.shm_dir}
+    assert config.shm_dir != "/dev/shm" and config.shm_dir.startswith("/dev/shm/")
+    assert {path: daemon_paths[path] for path in shared} == {path: engine_paths[path] for path in shared}
+    assert set(engine_paths) == shared and config.l3_path.startswith(tuple(daemon_paths))
+    assert init["command"][:8] == ["install", "-d", "-o", str(uid), "-g", str(uid), "-m", "0700"]
+    assert set(init["command"][8:]) == {socket_dir, config.shm_dir, os.path.dirname(config.l3_path)}
+    assert host_paths(daemonset, init) == daemon_paths
+    engine_volumes = {v["name"]: v for v in engines["volumes"]}
+    assert engine_volumes[_mounts(engine)["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert quantity_bytes(daemon["resources"]["limits"]["memory"]) > config.l2_bytes
+    assert _env(engine)["KVCACHED_SOCKET"] == config.socket_path
+    command = engine["command"]
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["socket"] == config.socket_path
+    for pod in (daemonset, engines):
+        assert not pod.get("hostIPC") and not pod.get("hostPID") and not pod.get("hostNetwork")
+    for container in (daemon, engine):
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert "runAsUser" not in container["securityContext"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    probes = {daemon[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")}
+    assert probes == {"/status"} and parse_http_address(config.http_address)[0] == "0.0.0.0"
+    readme = open(os.path.join(DEPLOY, "k8s", "README.md")).read()
+    assert "kvcached-daemonset.yaml" in readme and "hostPID" in readme
+
+
 # Options that would break the daemon (each with why, in the unit's comments).
 BREAKING_OPTIONS = {"PrivateDevices": "yes", "PrivateIPC": "yes", "ProtectProc": "invisible", "DynamicUser": "yes",
                     "MemoryDenyWriteExecute": "yes", "RemoveIPC": "yes"}

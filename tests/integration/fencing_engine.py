@@ -9,6 +9,7 @@ Commands (one per line), each answered by one JSON line on stdout:
   finish    finish the prepared request (its save's DMA and commit), then flush
   restore   prepare the prefix without backing it up and compare what was restored with the
             KV saved in the file named by --compare, page by page, bit for bit
+  prefix N  from now on, the prefix is the one made from seed N (as --prefix-seed makes it)
   exit      close the manager and exit
 The first line out, once attached, is {"attached": ...}.
 
@@ -101,6 +102,9 @@ def main() -> int:
             status = manager.client.status(check_integrity=True)
             say(restored_tokens=plan.restored_tokens, equal_pages=int(equal_pages), pages=len(expected),
                 integrity=status["integrity"])
+        elif command.startswith("prefix "):
+            tokens = prefix_tokens(int(command.split()[1]))
+            say(prefix=int(command.split()[1]))
         elif command == "exit":
             break
     manager.close()
