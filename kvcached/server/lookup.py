@@ -6,7 +6,9 @@ The request and its answer as data, no I/O (the listener reads the body, the ser
     {"namespace": {geometry as an engine sends it at ATTACH}, "token_ids": [...]}      that namespace
 
 answered 200 with ``{"num_tokens": N, "namespaces": [{"namespace_id", "geometry", "hit_tokens":
-{"l2", "l3"[, "remote"]}}]}``, each hit page-aligned, of the longest cached prefix of that tier.
+{"l2", "l3"[, "remote"]}}]}``, each hit page-aligned, of the longest cached prefix of that tier;
+with a remote tier, "remote" is the prefix L2 and the store hold together, the store asked (one
+call, its deadline) for the pages after L2's hit where L3 holds no more, as an engine's lookup.
 A model maps to one namespace per geometry (tensor-parallel rank, dtype, layout, revision): each
 is answered; a tensor-parallel engine holds a prefix where every rank's entry does (the least).
 A salted namespace (a tenant's) answers only a request that gives its salt, so a salt keeps its

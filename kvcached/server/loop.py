@@ -901,25 +901,26 @@ class Server:
         for entry in found:
             hit_tokens = dict(entry.hit_tokens)
             if self.remote is not None:
-                hit_tokens["remote"] = self._remote_hit_tokens(entry.remote_ask)
+                hit_tokens["remote"] = self._remote_hit_tokens(entry.remote_ask, hit_tokens["l2"])
             answers.append({"namespace_id": entry.namespace_id, "geometry": entry.geometry.to_wire(),
                             "hit_tokens": hit_tokens})
         hide_salts({"namespaces": answers})
         return {"num_tokens": len(query.token_ids), "namespaces": answers}
 
-    def _remote_hit_tokens(self, ask: RemoteAsk | None) -> int:
-        """The prefix that L2 and the store hold together (0: not asked, or nothing after L2's hit)."""
+    def _remote_hit_tokens(self, ask: RemoteAsk | None, l2_tokens: int) -> int:
+        """The prefix that L2 and the store hold together: L2's hit where the store is not asked
+        (nothing after it, or L3 holds more) or cannot answer."""
         assert self.remote is not None and self._loop is not None
         if ask is None or not self.remote.available():
-            return 0
+            return l2_tokens
         asking = self.remote.run("exist", self.remote.held_pages, ask.namespace_key, ask.token_ids, ask.page_size,
                                  ask.start_page, ask.end_page, timeout_s=self.config.remote_exist_timeout_s)
         try:
             held = asyncio.run_coroutine_threadsafe(asking, self._loop).result(
                 self.config.remote_exist_timeout_s + HTTP_SNAPSHOT_TIMEOUT_S)
         except (RemoteUnavailable, concurrent.futures.TimeoutError):
-            return 0
-        return (ask.start_page + held) * ask.page_size if held else 0
+            return l2_tokens
+        return (ask.start_page + held) * ask.page_size
 
 
 class StartupStopped(Exception):

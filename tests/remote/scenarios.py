@@ -165,7 +165,45 @@ def decision(options: dict[str, Any]) -> dict[str, Any]:
         master.cleanup()
 
 
+def router_lookup(options: dict[str, Any]) -> dict[str, Any]:
+    """X on host A saves; B's daemon, whose namespace of that model an engine opened and left
+    without loading anything, answers a router's POST /lookup of each saved prefix."""
+    import urllib.request
+
+    import torch
+
+    from engine_client.client import connect
+    from kvcached.testing.engine_proc import GEOMETRY
+
+    master = Master().start()
+    a, b = remote_daemon().start(), remote_daemon(extra_args=("--http", "127.0.0.1:0")).start()
+    state = os.path.join(tempfile.mkdtemp(prefix="kvt-remote-"), "saved.pt")
+    try:
+        for daemon in (a, b):
+            wait_for(daemon, connected, "connected to the store")
+        saved = _save_on(a, state, seed=int(options.get("seed", 1)))
+        with connect(b.socket_path, timeout_s=5.0) as client:
+            client.attach(GEOMETRY)
+        before = status(b)
+        answers = []
+        for prefix in torch.load(state, weights_only=False):
+            body = json.dumps({"model": GEOMETRY.model_id, "token_ids": prefix["tokens"].tolist()}).encode()
+            request = urllib.request.Request(f"{b.http_url()}/lookup", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                [entry] = json.loads(response.read())["namespaces"]
+            answers.append({"tokens": len(prefix["tokens"]), "hit_tokens": entry["hit_tokens"]})
+        after = status(b)
+        return {"saved": saved, "answers": answers,
+                "b_metrics_before": _metrics(before), "b_metrics_after": _metrics(after)}
+    finally:
+        for daemon in (a, b):
+            daemon.cleanup()
+        master.cleanup()
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "router_lookup": router_lookup,
     "restore_across_hosts": restore_across_hosts,
     "master_killed": master_killed,
     "contributor_killed": contributor_killed,

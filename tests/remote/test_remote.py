@@ -77,3 +77,15 @@ def test_the_remote_decision_declines_where_recompute_wins():
     assert all(d["choice"] == "remote" and d["num_tokens"] == d["hit_tokens"]["remote"] for d in taken), taken
     assert report["slow_get_calls"] == 0
     assert report["slow_skips"]["lookup"]["remote"] == len(declined)
+
+
+def test_a_router_lookup_counts_the_pages_the_store_holds():
+    """POST /lookup on host B, which holds none of host A's saved prefixes in L2 or L3, answers for
+    each the whole pages the store holds after B's (empty) L2 hit as its remote hit, and changes no
+    counter of B's (but the pauses of a loaded machine, counted as they happen): no lookup, match,
+    get or promotion."""
+    report = run_isolated("router_lookup")
+    for answer in report["answers"]:
+        assert answer["hit_tokens"] == {"l2": 0, "l3": 0, "remote": answer["tokens"] // 16 * 16}, report["answers"]
+    own = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("daemon_pause")}  # noqa: E731
+    assert own(report["b_metrics_after"]) == own(report["b_metrics_before"])     # the box's pauses aside
