@@ -12,6 +12,12 @@ it returns (the daemon's move ends only then), so a late get never lands in page
 Gets land in place: the daemon's L2 segment is registered with the client, and a page's value is
 got into two buffers, its header (into this module's registered header area) and its bytes (into
 the L2 page reserved for it). Puts send the same two parts from the same places.
+
+The daemon maps its L2 segment in (``MADV_POPULATE_WRITE``, on a thread of its own at start, low
+priority): the segment is populated without the daemon's mapping (``shm.py``), so a get would
+otherwise take a page fault for every 4 KiB of a page it receives, on the request's path, which
+slows a get into pages not touched since start well below the store's own get rate (bench_remote
+records both). The cost moves to start and to exit (the daemon then unmaps what it mapped).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -38,6 +45,9 @@ MAX_PAGES_PER_CALL = 4096           # a worker's header area: MAX_PAGES_PER_CALL
 CHECK_CHUNK_BYTES = 32 << 20        # a restore's gets are checked in chunks of this, while the next is got
 LOCAL_BUFFER_BYTES = 16 << 20       # the client's own transfer buffer (we send from registered memory)
 PROBE_TIMEOUT_S = 1.0
+MAP_SLICE_BYTES = 64 << 20          # the segment is mapped in slices of this (close waits at most one)
+MAP_NICENESS = 10                   # the mapping thread's: engines' and requests' threads go first
+_MADV_POPULATE_WRITE = 23           # Linux 5.14; elsewhere gets fault pages in themselves
 EXIST = 1                           # batch_is_exist: 1 held, 0 not held, < 0 an error
 # Mooncake's error codes: -7xx are about one object (not found, its lease): a miss; -8xx (a
 # transfer failed) and -9xx (an RPC failed) are the store's or a host's: a failure, the breaker opens.
@@ -93,6 +103,8 @@ class RemoteStore:
         self._local = threading.local()
         self._next_area = 0
         self._closed = False
+        self._mapper = threading.Thread(target=self._map_segment, name="kvcached-remote-map", daemon=True)
+        self._mapper.start()
 
     # ---- counters and state -------------------------------------------------------------------
 
@@ -161,6 +173,31 @@ class RemoteStore:
         if was_failing:
             logger.warning("remote store at %s reachable again", self.settings.master)
 
+    def _map_segment(self) -> None:
+        """Thread: map the L2 segment's pages into this process, slice by slice, until done or
+        closed (see the module's note)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MAP_NICENESS)
+        except (AttributeError, OSError):
+            pass
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+        except (OSError, AttributeError):
+            return
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+        started_s = time.perf_counter()
+        for offset in range(0, self._segment_bytes, MAP_SLICE_BYTES):
+            if self._closed:
+                return
+            length = min(MAP_SLICE_BYTES, self._segment_bytes - offset)
+            if madvise(self._segment_address + offset, length, _MADV_POPULATE_WRITE) != 0:
+                logger.info("remote store: the L2 segment stays unmapped until gets touch it (madvise: %s)",
+                            os.strerror(ctypes.get_errno()))
+                return
+        self.count("remote_segment_map_seconds", time.perf_counter() - started_s)
+
     def _connect(self) -> Any:
         store = self._store_factory()
         code = store.setup(self.settings.local_host, self.settings.metadata_server, self.settings.segment_bytes,
@@ -182,6 +219,7 @@ class RemoteStore:
         the client; before the L2 mapping is closed."""
         with self._lock:
             self._closed = True
+        self._mapper.join()
         self._probe.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._checker.shutdown(wait=True)
@@ -252,8 +290,9 @@ class RemoteStore:
                   page_ids: list[int], bytes_per_page: int) -> tuple[int, str]:
         """Worker: get pages start_page.. of the path into L2 pages page_ids, in place; the leading
         pages whose values hold their header and checksum, and why the next one did not. Pipelined:
-        the gets go in chunks of about CHECK_CHUNK_BYTES, and a chunk is checked on a checker
-        thread while the next one is got (the store's calls release the GIL)."""
+        the gets go in chunks of about CHECK_CHUNK_BYTES, and a chunk is checked on the checker
+        threads (split among them) while the next one is got (the store's calls and XXH3 release
+        the GIL)."""
         keys = chain_page_keys(token_ids, page_size, start_page + len(page_ids))[start_page:]
         area = self._header_area()
         area_address = _address(area)
@@ -269,7 +308,7 @@ class RemoteStore:
                     return i - first, why
             return num_pages, ""
 
-        checks: list[tuple[int, concurrent.futures.Future]] = []     # (pages got, their check)
+        checks: list[tuple[int, concurrent.futures.Future]] = []     # (pages, their check), in page order
         store_s = 0.0
         try:
             for first in range(0, len(keys), chunk):
@@ -286,8 +325,10 @@ class RemoteStore:
                 num_got = next((i for i, size in enumerate(got) if size != HEADER_BYTES + bytes_per_page), len(got))
                 if num_got == 0 and first == 0 and store_failed(got):
                     raise RemoteUnavailable(f"batch_get_into_multi_buffers returned {got[0]}")
-                if num_got:
-                    checks.append((num_got, self._checker.submit(check, first, num_got)))
+                piece = max(1, -(-num_got // NUM_WORKERS))     # checked on every checker at once
+                for start in range(first, first + num_got, piece):
+                    num_pages = min(piece, first + num_got - start)
+                    checks.append((num_pages, self._checker.submit(check, start, num_pages)))
                 if num_got < len(got):     # gone meanwhile (evicted, its host died) or short: a miss from here
                     break
             verified = 0

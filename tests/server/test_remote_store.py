@@ -4,6 +4,7 @@ breaker and its probe, in-place gets checked page by page."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.remote import HEADER_BYTES, pack_header, remote_key
-from kvcached.server.remote_store import RemoteSettings, RemoteStore, RemoteUnavailable
+from kvcached.server.remote_store import MAP_SLICE_BYTES, RemoteSettings, RemoteStore, RemoteUnavailable
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
 PAGE_BYTES = 4096
@@ -147,3 +148,32 @@ def test_gets_land_in_place_and_only_leading_checked_pages_count(rng):
     with pytest.raises(RemoteUnavailable):
         store.get_pages(fake, NAMESPACE, tokens, PAGE_TOKENS, 0, page_ids, PAGE_BYTES)
     store.close()
+
+
+def mapped_bytes(path: str) -> int:
+    """How many bytes of this process's mapping of the file at path are mapped in (its Rss)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.endswith(" " + path)]
+    assert len(starts) == 1, f"{len(starts)} mappings of {path}"
+    return next(int(line.split()[1]) for line in lines[starts[0] + 1:] if line.startswith("Rss:")) << 10
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a shared-memory filesystem")
+def test_the_l2_segment_is_mapped_in_before_gets_land_in_it(tmp_path):
+    """The daemon populates its L2 segment without mapping it; with the remote tier on, the
+    segment's pages are mapped into the daemon in the background (a get landing in an unmapped
+    page would fault for every 4 KiB of it on the request's path)."""
+    from kvcached.server.shm import SharedSegment
+
+    segment = SharedSegment.create("/dev/shm", f"kvt-remote-map-{os.getpid()}", 3 * MAP_SLICE_BYTES // 2)
+    try:
+        assert mapped_bytes(segment.path) == 0
+        store = make(segment.mapping, FakeStore())
+        deadline = time.monotonic() + 20.0
+        while mapped_bytes(segment.path) < segment.size_bytes:
+            assert time.monotonic() < deadline, f"{mapped_bytes(segment.path)} of {segment.size_bytes} bytes mapped"
+            time.sleep(0.02)
+        store.close()
+    finally:
+        segment.close()
