@@ -16,6 +16,12 @@ comes from is forced (``bench/tiers.py``):
            connector now with peer restores on) copies them out of A's GPU memory (L2 holds them
            too: under "always" the peer is taken because it covers as much and is listed first, the
            faster source). Its KV is checked against A's.
+  remote   the remote tier (issue 43): another host's daemon lends a Mooncake Store its memory (a
+           real mooncake_master, ``bench.tiers.RemoteHost``); this engine's daemon has the remote
+           tier on, no L3, and lends nothing; it wrote both prefixes through to the store, and its L2
+           is emptied before each request: the store is asked (lookup and match), the pages are got
+           over TCP into L2, checked, then DMA + scatter. Runs in a network namespace of loopback
+           only, entered first (``unshare --net``; where that is refused, in place, noted).
 
 Checked at every point: each request's own GPU-cache hit is 0 and it loads every whole page of
 its prefix (from L3: promoted); the restored KV equals bit for bit what the engine's own prefill
@@ -38,6 +44,7 @@ the load seen done), ``to_token`` (done to the first token: the prefill not unde
     python -m bench.bench_ttft                                    # bench/results/<card>/ttft.json
     python -m bench.bench_ttft --points 'qwen3-8b=3500,8000' --tiers none,l2
     python -m bench.bench_ttft --quick                            # CPU smoke run, tiny shape, no file
+    python -m bench.bench_ttft --tiers none,l2,remote --name remote_ttft   # needs the store's wheel
 
 ``--policy`` is the restore policy of the engine's connector: "always" (the default: every request
 restores its prefix from the forced tier, the rows above), "never" (the same requests recompute
@@ -64,6 +71,9 @@ import dataclasses
 import gc
 import inspect
 import logging
+import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -73,8 +83,8 @@ import torch
 from bench.common import exit_on_sigterm, gc_paused, median, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, Request, load_model
 from bench.peer_owner import PeerOwner
-from bench.tiers import (TIERS, KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request,
-                         settle)
+from bench.tiers import (TIERS, KVDaemon, RemoteHost, TierControl, attach_kvcached, detach_kvcached, prefix_kv,
+                         run_request, settle)
 from engine_client.connector import ConnectorConfig
 
 logger = logging.getLogger(__name__)
@@ -385,54 +395,77 @@ def start_peer_owner(run: Run, points: list[Point], socket_path: str) -> tuple[P
     return owner, kv
 
 
+def remote_lend_bytes(model, token_counts: list[int]) -> int:
+    """The store's memory for tier remote: every prompt the run saves (both prefixes of each point,
+    their suffixes' pages too) twice over, so that the store evicts none of them."""
+    bytes_per_token = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+    return max(2 * sum(2 * (n + 4 * SUFFIX_TOKENS) for n in token_counts) * bytes_per_token, 64 << 20)
+
+
 def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool) -> None:
     """One daemon for these tiers; each point's engine gets a connector, saves both prefixes, then
-    each tier is timed from them (peer last, on a connector with peer restores on)."""
+    each tier is timed from them (peer last, on a connector with peer restores on). Tier remote
+    alone: a daemon with the remote tier on and no L3, beside the other host (``RemoteHost``)."""
     if run.over_budget(f"{points[0].model_name}, tiers {','.join(tiers)}"):
         return
     model = points[0].engine.model
     l2_bytes, l3_bytes = daemon_sizes(model, [p.num_tokens for p in points])
-    with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
-        control = owner = None
+    if tiers == ["remote"]:
         try:
-            owner_kv: dict = {}
-            if "peer" in tiers:
+            with RemoteHost(remote_lend_bytes(model, [p.num_tokens for p in points])) as host:
+                from tests.remote.cluster import STORE_ENV
+
+                with KVDaemon(l2_bytes, 0, extra_args=host.daemon_args(), env=STORE_ENV) as daemon:
+                    restore_points(run, points, tiers, daemon)
+        except Exception as exc:        # recorded; the other tiers go on
+            run.fail(f"{points[0].model_name}: the remote store", exc)
+        return
+    with KVDaemon(l2_bytes, l3_bytes, o_direct=o_direct, l3_dir=run.args.l3_dir) as daemon:
+        restore_points(run, points, tiers, daemon)
+
+
+def restore_points(run: Run, points: list[Point], tiers: list[str], daemon: KVDaemon) -> None:
+    """``run_restores`` on its daemon."""
+    control = owner = None
+    try:
+        owner_kv: dict = {}
+        if "peer" in tiers:
+            try:
+                owner, owner_kv = start_peer_owner(run, points, daemon.socket_path)
+            except Exception as exc:        # the other tiers go on
+                run.fail(f"{points[0].model_name}: engine A for tier peer", exc)
+        for point in points:
+            what = f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"
+            if run.over_budget(what):
+                continue
+            try:
+                attach = dict(model_id=point.model_name, model_revision=f"random-seed-{run.args.seed}",
+                              client_name=f"ttft-{point.model_name}-{point.num_tokens}")
+                connector = attach_kvcached(point.engine, daemon.socket_path, policy=run.args.policy, **attach)
                 try:
-                    owner, owner_kv = start_peer_owner(run, points, daemon.socket_path)
-                except Exception as exc:        # the other tiers go on
-                    run.fail(f"{points[0].model_name}: engine A for tier peer", exc)
-            for point in points:
-                what = f"{point.model_name} {point.num_tokens} tokens, tiers {','.join(tiers)}"
-                if run.over_budget(what):
-                    continue
-                try:
-                    attach = dict(model_id=point.model_name, model_revision=f"random-seed-{run.args.seed}",
-                                  client_name=f"ttft-{point.model_name}-{point.num_tokens}")
-                    connector = attach_kvcached(point.engine, daemon.socket_path, policy=run.args.policy, **attach)
-                    try:
-                        if control is None:
-                            control = TierControl(daemon, connector.geometry)
-                        saved_kv, own_cache = save_prefixes(point, control)
-                        for tier in tiers:
-                            if tier != "peer":
-                                run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
-                        if id(point) in owner_kv:
-                            detach_kvcached(point.engine)
-                            config = ConnectorConfig(peer=True, promote_l3=False, policy=run.args.policy)
-                            connector = attach_kvcached(point.engine, daemon.socket_path, config=config, **attach)
-                            wait_for(lambda: connector.poll() or connector.stats().get("peers_opened", 0),
-                                     "engine A to be opened")
-                            run.add(time_tier(run, point, "peer", control, owner_kv[id(point)], own_cache,
-                                              run.args.policy))
-                    finally:
+                    if control is None:
+                        control = TierControl(daemon, connector.geometry)
+                    saved_kv, own_cache = save_prefixes(point, control)
+                    for tier in tiers:
+                        if tier != "peer":
+                            run.add(time_tier(run, point, tier, control, saved_kv, own_cache, run.args.policy))
+                    if id(point) in owner_kv:
                         detach_kvcached(point.engine)
-                except Exception as exc:        # recorded; the other points go on
-                    run.fail(what, exc)
-        finally:
-            if control is not None:
-                control.close()
-            if owner is not None:
-                owner.close()
+                        config = ConnectorConfig(peer=True, promote_l3=False, policy=run.args.policy)
+                        connector = attach_kvcached(point.engine, daemon.socket_path, config=config, **attach)
+                        wait_for(lambda: connector.poll() or connector.stats().get("peers_opened", 0),
+                                 "engine A to be opened")
+                        run.add(time_tier(run, point, "peer", control, owner_kv[id(point)], own_cache,
+                                          run.args.policy))
+                finally:
+                    detach_kvcached(point.engine)
+            except Exception as exc:        # recorded; the other points go on
+                run.fail(what, exc)
+    finally:
+        if control is not None:
+            control.close()
+        if owner is not None:
+            owner.close()
 
 
 def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
@@ -570,7 +603,7 @@ def policy_tier_row(point: Point, tier: str, policy: str, samples: PolicySamples
     engine = point.engine
     restores = policy != "never"
     expected_loaded = point.timed_loaded_tokens if restores else 0
-    expected_promoted = expected_loaded if tier.startswith("l3") else 0
+    expected_promoted = expected_loaded if tier.startswith("l3") or tier == "remote" else 0    # into L2 first
     expected_from_peer = expected_loaded if tier == "peer" else 0
     forced = policy == "cost" or (all(n == expected_loaded for n in samples.loaded)
                                   and all(n == expected_promoted for n in samples.promoted)
@@ -734,8 +767,10 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
             run.fail(what, exc)
     if args.policy == "cost":
         warm = [t for t in tiers if t in ("l2", "l3")]
-        if "peer" in tiers and "tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)" not in run.notes:
-            run.notes.append("tier peer: no policy rows (the policy matrix is l2, l3, l3-cold)")
+        for tier in ("peer", "remote"):
+            note = f"tier {tier}: no policy rows (the policy matrix is l2, l3, l3-cold)"
+            if tier in tiers and note not in run.notes:
+                run.notes.append(note)
         for point in points:
             if warm:
                 run_policy(run, point, warm, o_direct=False)
@@ -747,6 +782,30 @@ def run_model(run: Run, model_name: str, token_counts: list[int]) -> None:
         run_restores(run, points, warm, o_direct=False)
     if points and "l3-cold" in tiers:
         run_restores(run, points, ["l3-cold"], o_direct=True)
+    if points and "remote" in tiers:
+        run_restores(run, points, ["remote"], o_direct=False)
+
+
+ISOLATED_ENV = "KVCACHED_BENCH_ISOLATED"
+
+
+def isolate_for_the_store(argv: list[str]) -> int | None:
+    """Tier remote: rerun this benchmark in a network namespace of loopback only (the store's
+    processes listen on 0.0.0.0 too); its exit status, or None to go on here: already inside, or
+    the namespace refused (noted in the result as KVCACHED_BENCH_ISOLATED=refused: ...)."""
+    if os.environ.get(ISOLATED_ENV):
+        return None
+    from tests.remote.cluster import STORE_ENV, _isolating, missing
+
+    why = missing()
+    if why.startswith("cannot enter a network namespace"):
+        os.environ.update({**STORE_ENV, ISOLATED_ENV: f"refused: {why}"})
+        print(f"tier remote runs in place: {why}", flush=True)
+        return None
+    if why:
+        raise SystemExit(f"tier remote cannot run: {why}")
+    env = {**os.environ, **STORE_ENV, ISOLATED_ENV: "1"}
+    return subprocess.run(_isolating([sys.executable, "-m", "bench.bench_ttft", *argv]), env=env).returncode
 
 
 def main() -> None:
@@ -754,7 +813,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--points", default=DEFAULT_POINTS,
                         help=f"SHAPE=TOKENS,...;... in run order (default {DEFAULT_POINTS!r})")
-    parser.add_argument("--tiers", default=",".join(TIERS), help="of none,l2,l3,l3-cold,peer")
+    parser.add_argument("--tiers", default=",".join(t for t in TIERS if t != "remote"),
+                        help=f"of {','.join(TIERS)} (default: all but remote, which needs the store's wheel)")
     parser.add_argument("--samples", type=int, default=8, help="timed requests per point and tier (median)")
     parser.add_argument("--warmup", type=int, default=2, help="alternations of the two prefixes, untimed")
     parser.add_argument("--hf-warmup", type=int, default=2)
@@ -775,6 +835,10 @@ def main() -> None:
     unknown = set(args.tiers.split(",")) - set(TIERS)
     if unknown:
         raise SystemExit(f"--tiers: unknown {sorted(unknown)}, not of {TIERS}")
+    if "remote" in args.tiers.split(",") and args.policy != "cost":
+        status = isolate_for_the_store(sys.argv[1:])
+        if status is not None:
+            raise SystemExit(status)
     if args.quick:
         if args.points == DEFAULT_POINTS:
             args.points = QUICK_POINTS
@@ -787,6 +851,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plan = parse_points(args.points)
     run = Run(args, device, dtype, plan)
+    if os.environ.get(ISOLATED_ENV, "1") != "1":
+        run.notes.append(f"tier remote: not in a network namespace of its own ({os.environ[ISOLATED_ENV]})")
     try:
         for model_name, token_counts in plan:
             if not run.over_budget(f"{model_name} (all of it)"):

@@ -13,6 +13,9 @@ by taking every page L2 can free in one reservation and giving it back: the daem
 L2 leaves to fill it, and only their L2 residency goes, so a prefix written through to L3 is then
 held by L3 alone, and the engine's next load of it is an L3 -> L2 promotion, then a DMA. A cold
 L3 read is a daemon started with ``--l3-o-direct`` whose L3 file's page cache is dropped as well.
+The remote tier is another host's memory: a Mooncake master and a daemon lending the store its
+memory (``RemoteHost``), and the engine's daemon with the remote tier on, no L3 and lending none,
+so that what its L2 lost comes back from the store over TCP; forced by emptying its L2 likewise.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from kvcached.testing.daemon_proc import DaemonProcess
 logger = logging.getLogger(__name__)
 
 # none: recompute; l3: warm page cache; l3-cold: O_DIRECT; peer: another engine's GPU cache
-# (bench.peer_owner), copied GPU to GPU
-TIERS = ("none", "l2", "l3", "l3-cold", "peer")
+# (bench.peer_owner), copied GPU to GPU; remote: the Mooncake Store, another host's memory
+TIERS = ("none", "l2", "l3", "l3-cold", "peer", "remote")
 ARENA_ALIGN_BYTES = 2 << 20
 SETTLE_TIMEOUT_S = 120.0
 
@@ -48,19 +51,21 @@ def align_up(num_bytes: int, alignment: int = ARENA_ALIGN_BYTES) -> int:
 
 class KVDaemon:
     """A ``kvcached serve`` process for a run: one namespace (it holds the whole L2), L3 in a
-    file of a directory of its own (removed by ``stop``), started empty."""
+    file of a directory of its own (removed by ``stop``; none where l3_bytes is 0), started empty."""
 
     def __init__(self, l2_bytes: int, l3_bytes: int, *, o_direct: bool = False, l3_dir: str | None = None,
-                 start_timeout_s: float = 120.0, extra_args: tuple[str, ...] = ()):
+                 start_timeout_s: float = 120.0, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         self.o_direct = o_direct
         self.l3_dir = tempfile.mkdtemp(prefix="kvl3-", dir=l3_dir)
         self.l3_path = os.path.join(self.l3_dir, "l3.bin")
-        extra = ["--max-namespaces", "1", "--l3-path", self.l3_path, "--l3-fresh",
-                 "--l3-size", str(align_up(l3_bytes)), "--log-level", "WARNING"]
+        extra = ["--max-namespaces", "1", "--log-level", "WARNING", "--l3-size", str(align_up(l3_bytes))]
+        if l3_bytes:
+            extra += ["--l3-path", self.l3_path, "--l3-fresh"]
         if o_direct:
             extra.append("--l3-o-direct")
         extra += extra_args
-        self.process = DaemonProcess(l2_size=str(align_up(l2_bytes)), extra_args=tuple(extra))
+        self.process = DaemonProcess(l2_size=str(align_up(l2_bytes)), extra_args=tuple(extra), env=env)
         try:
             self.process.start(timeout_s=start_timeout_s)
         except BaseException:
@@ -80,6 +85,44 @@ class KVDaemon:
             shutil.rmtree(self.l3_dir, ignore_errors=True)
 
     def __enter__(self) -> "KVDaemon":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class RemoteHost:
+    """The remote tier's other host: a real ``mooncake_master`` and a daemon lending the store
+    ``lend_bytes`` of its memory, where every value the engine's daemon writes through lands
+    (``tests/remote/cluster.py``). Its processes must run in a network namespace of loopback only
+    (some of the store's listeners bind 0.0.0.0): ``bench.bench_ttft`` enters one."""
+
+    def __init__(self, lend_bytes: int):
+        from tests.remote.cluster import Master, connected, remote_daemon, wait_for
+
+        self.master = Master(client_ttl_s=10).start()
+        self.lender = remote_daemon(segment=str(align_up(lend_bytes)), extra_args=("--log-level", "WARNING"))
+        try:
+            self.lender.start()
+            wait_for(self.lender, connected, "the lending daemon connected to the store", timeout_s=60.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def daemon_args(self) -> tuple[str, ...]:
+        """A daemon's arguments for the remote tier on this store, lending none of its memory (every
+        restore crosses TCP from the lender's segment), with deadlines a busy host keeps."""
+        from tests.remote.cluster import MASTER_URL, PATIENT_REMOTE
+
+        return ("--remote", MASTER_URL, "--remote-segment-size", "0", *PATIENT_REMOTE)
+
+    def stop(self) -> None:
+        try:
+            self.lender.cleanup()
+        finally:
+            self.master.cleanup()
+
+    def __enter__(self) -> "RemoteHost":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -162,11 +205,14 @@ class TierControl:
             raise
         self._rng = np.random.default_rng(0x7133)
 
-    def hits(self, token_ids) -> dict[str, int]:
+    def hits(self, token_ids, remote: bool = False) -> dict[str, int]:
         """Leading tokens of token_ids each tier holds (whole pages); changes nothing (a plain
-        lookup starts no background promotion either)."""
-        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32)).result()
-        return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0)}
+        lookup starts no background promotion either). remote: the store is asked too (a lookup
+        of the lower tiers, promote_l3, on a daemon without L3: nothing to promote), "remote" the
+        leading tokens L2 and the store hold together."""
+        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32), promote_l3=remote).result()
+        return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0),
+                "remote": reply.hit_tokens.get("remote", 0)}
 
     def evict_l2(self) -> int:
         """Evict every L2 page no lease holds (L3 keeps its copies): reserve as many pages as L2
@@ -211,29 +257,32 @@ class TierControl:
             os.close(fd)
 
     def wait_idle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
-        """Until the daemon has no L2 <-> L3 move pending (write-throughs done)."""
+        """Until the daemon has no L2 <-> L3 move pending (write-throughs done, to the remote store
+        too)."""
         deadline = time.monotonic() + timeout_s
         while True:
             pending = self.client.status()["pending"]
-            if pending["h2s"] == 0 and pending["s2h"] == 0:
+            if pending["h2s"] == 0 and pending["s2h"] == 0 and pending.get("h2r", 0) == 0:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"daemon L3 moves still pending after {timeout_s} s: {pending}")
+                raise TimeoutError(f"daemon L3 moves or remote writes still pending after {timeout_s} s: {pending}")
             time.sleep(0.002)
 
     def force(self, tier: str, token_ids, num_tokens: int) -> dict[str, int]:
         """Make the next load of token_ids' first num_tokens tokens come from ``tier`` ("l2": as it
-        is; "l3", "l3-cold": L2 emptied, and for "l3-cold" L3's page cache too); raises unless the
-        tiers then hold it so. Returns the hits per tier it checked."""
-        if tier in ("l3", "l3-cold"):
+        is; "l3", "l3-cold": L2 emptied, and for "l3-cold" L3's page cache too; "remote": L2
+        emptied on a daemon without L3, the store holding it); raises unless the tiers then hold
+        it so. Returns the hits per tier it checked."""
+        if tier in ("l3", "l3-cold", "remote"):
             self.evict_l2()
             if tier == "l3-cold":
                 self.drop_l3_page_cache()
         elif tier != "l2":
-            raise ValueError(f"no tier {tier!r} to force (one of l2, l3, l3-cold)")
-        hits = self.hits(token_ids)
+            raise ValueError(f"no tier {tier!r} to force (one of l2, l3, l3-cold, remote)")
+        hits = self.hits(token_ids, remote=tier == "remote")
         wanted = {"l2": hits["l2"] >= num_tokens,
-                  "l3": hits["l2"] == 0 and hits["l3"] >= num_tokens}[tier[:2]]
+                  "l3": hits["l2"] == 0 and hits["l3"] >= num_tokens,
+                  "re": hits["l2"] == 0 and hits["l3"] == 0 and hits["remote"] >= num_tokens}[tier[:2]]
         if not wanted:
             raise RuntimeError(f"could not force tier {tier} for {num_tokens} tokens: hits {hits}")
         return hits

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvcached.testing.daemon_proc import REPO_ROOT, child_env
+from tests.remote.cluster import missing as remote_missing
 
 RUN_TIMEOUT_S = 300
 # pytest-timeout's limit for these tests: the run's own, and the checks after it
@@ -159,3 +160,21 @@ def test_bench_overlap_quick_measures_every_case_with_its_checks_passing(tmp_pat
         row = rows[(case, "l2")]
         assert all(row[k] > 0 for k in ("ttft_ms", "serial_ttft_ms", "load_ms", "suffix_prefill_ms")), row
         assert abs(row["layer_prefill_ms"] - row["suffix_prefill_ms"] / 2) < 1e-3, row     # 2 layers
+
+
+@pytest.mark.skipif(bool(remote_missing()), reason=remote_missing() or "runs")
+def test_bench_ttft_quick_remote_tier_restores_from_the_store_bit_for_bit(tmp_path):
+    """Tier remote (a real mooncake_master, another daemon lending the store its memory, the
+    engine's daemon without L3 and lending none, in a network namespace): every timed request's L2
+    was emptied, so each loads every whole page of its prefix from the store into L2 first
+    (promoted), its KV bit for bit the saved KV, the check request's logits bit for bit the own
+    cache hit's; recompute and L2 timed in the same run beside it."""
+    result = run_quick("bench.bench_ttft", tmp_path, "--points", "tiny=40", "--no-hf", "--samples", "2",
+                       "--warmup", "1", "--tiers", "none,l2,remote")
+    rows = {row["tier"]: row for row in result["rows"]}
+    assert sorted(rows) == ["l2", "none", "remote"] and not result["failures"], result
+    remote = rows["remote"]
+    assert remote["tier_forced"] and remote["kv_equal"] and remote["integrity"] == "ok", remote
+    assert remote["logits_equal_own_cache"] and remote["outputs_equal"] and len(remote["samples_ms"]) == 2, remote
+    assert remote["loaded_tokens"] == remote["promoted_tokens"] == [32] * 4, remote
+    assert remote["choices"] == ["remote"] * 2, remote
