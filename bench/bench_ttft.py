@@ -792,13 +792,13 @@ ISOLATED_ENV = "KVCACHED_BENCH_ISOLATED"
 def isolate_for_the_store(argv: list[str]) -> int | None:
     """Tier remote: rerun this benchmark in a network namespace of loopback only (the store's
     processes listen on 0.0.0.0 too); its exit status, or None to go on here: already inside, or
-    the namespace refused (noted in the result as KVCACHED_BENCH_ISOLATED=refused: ...)."""
+    no namespace to be had (no unshare, or refused; the result's notes say so)."""
     if os.environ.get(ISOLATED_ENV):
         return None
     from tests.remote.cluster import STORE_ENV, _isolating, missing
 
     why = missing()
-    if why.startswith("cannot enter a network namespace"):
+    if why.startswith(("unshare", "cannot enter a network namespace")):       # (a machine with no network)
         os.environ.update({**STORE_ENV, ISOLATED_ENV: f"refused: {why}"})
         print(f"tier remote runs in place: {why}", flush=True)
         return None

@@ -22,6 +22,12 @@
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost, 16 samples: the cost model's choices -> policy.json
 #   trace      trace_restore: where restored requests' TTFT goes           -> trace.log only
+#   remote     bench_ttft --tiers none,l2,remote: TTFT from the remote tier (a real Mooncake Store
+#              over loopback TCP, another daemon lending it the memory) against recompute and L2
+#              -> remote_ttft.json. Not in the default stages: it needs .whl/ (carried) to hold the
+#              store's wheel (mooncake-transfer-engine-non-cuda) beside pyzmq's (xxhash's too where
+#              the machine lacks it), and the .deb files of libibverbs1 and what it loads that the
+#              machine lacks (unpacked into /tmp/ib, on LD_LIBRARY_PATH for this stage only).
 # Results go to bench/results/h200/ (h100/ on an H100) and to $OUT with each stage's log, plus $OUT/env.txt. Each
 # stage runs under `timeout`, which sends SIGTERM to the stage's process group (the daemons it
 # started included), then SIGKILL 15 s later; result files are written after every row, so a stage
@@ -115,5 +121,23 @@ fi
 if want trace; then
     if [[ -n $QUICK ]]; then stage trace 60 python3 -m bench.trace_restore --quick
     else stage trace 90 python3 -m bench.trace_restore --tokens ${TRACE_TOKENS:-350,3500,8000} --repeats 2; fi
+fi
+if want remote; then
+    (
+        for deb in .whl/*.deb; do [[ -e $deb ]] && dpkg -x "$deb" /tmp/ib; done
+        export LD_LIBRARY_PATH=/tmp/ib/usr/lib/x86_64-linux-gnu:/tmp/ib/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        MOONCAKE=$(python3 -c 'import mooncake, os; print(os.path.dirname(mooncake.__file__))' 2>/dev/null)
+        [[ -n $MOONCAKE ]] && chmod +x "$MOONCAKE/mooncake_master"
+        # What the store's binaries cannot load here (the .deb files to add to .whl/), then the import.
+        { echo "== remote: preflight"; for binary in "$MOONCAKE"/store*.so "$MOONCAKE/mooncake_master"; do
+              [[ -e $binary ]] && ldd "$binary" | grep 'not found' | sed "s|^|$(basename "$binary"): |"; done
+          python3 -c 'import xxhash, zmq; from mooncake.store import MooncakeDistributedStore; print("store client imports")'
+        } 2>&1 | tee -a "$OUT/remote.log"
+        POINTS=(); [[ -z $QUICK ]] && POINTS=(--points "${REMOTE_POINTS:-qwen3-8b=1000,3500,8000}")
+        REMOTE_S=$(left_s)
+        stage remote "$REMOTE_S" python3 -m bench.bench_ttft --tiers none,l2,remote "${POINTS[@]}" --no-hf \
+            --l3-dir "$L3_DIR" --budget-s $((REMOTE_S - 90)) $(name remote_ttft)
+    )
+    keep remote_ttft
 fi
 echo "done in $((SECONDS - START_S))s; files: $(ls "$OUT" | tr '\n' ' ')"
