@@ -1,16 +1,10 @@
-"""The daemon's whole state, with no I/O: namespaces, sessions, leases and metrics.
+"""The daemon's whole state, with no I/O: one facade over small owners.
 
 The server loop decodes a request, calls one method here and sends back what it returns, or
 the ``ProtocolError`` it raises. Nothing here blocks or touches a socket, so every rule below
-is tested in-process.
-
-Ownership of L2 pages, per namespace, is a partition: every page is exactly one of
-tree-owned, free (in the allocator), private (reserved by an active lease for a backup, or by a
-pending tier move) or quarantined (private to a session that ended while its process may still be
-writing them; see "Fencing" in docs/architecture.md). Which pages a namespace may use at all
-follows from the chunks of the pool it owns (``chunks.py``; "Tiers" in docs/architecture.md):
-one geometry gets the whole pool, several share it, and a chunk changes hands only once every
-page of its old owner in it is free.
+is tested in-process. The owners: the namespaces (``namespaces.py``), the pool of chunks
+(``pool.py``), L3 persistence (``l3_persistence.py``); integrity (``integrity.py``) and the status
+snapshot (``snapshot.py``) read them all.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import itertools
 import logging
 import secrets
@@ -27,23 +20,24 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from kvcached.core import counters
+from kvcached.core import counters, integrity, snapshot
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.generations import GenerationFiles, PageGenerations, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
 from kvcached.core.kv_events import REMOTE_WHERE, TIER_WHERE, EventBuffer, EventKind, TierEvent
-from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
-                                    PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
+from kvcached.core.l3_index import IndexChange, SavedNamespace, namespace_key
+from kvcached.core.l3_persistence import L3Persistence
 from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
 from kvcached.core.metrics import Metrics
+from kvcached.core.namespaces import Namespace
+from kvcached.core.pool import Pool
 from kvcached.core.residency import PeerExport, PeerRegistry
 from kvcached.core.tier_ops import OpState, TierMove
-from kvcached.core.tiers import IntegrityError, Tier
+from kvcached.core.tiers import Tier
 from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
-from proto import hints
 from proto.counters import Counter
 from proto.hints import NEVER
 from proto.messages import KVGeometry
@@ -63,63 +57,6 @@ MAX_SESSION_RESERVED_SHARE = 0.5
 # Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
 # from a request naming a session that never existed.
 MAX_ENDED_SESSIONS = 4096
-# A namespace that evicted cached pages to make room is "under pressure" until it has gone this
-# long without evicting; each such episode is logged once.
-PRESSURE_QUIET_S = 60.0
-# A search of the other namespaces for a chunk to take that found none is not repeated for this
-# long by the same namespace and tier (it walks their trees); meanwhile it evicts its own pages.
-CHUNK_SCAN_INTERVAL_S = 1.0
-
-
-@dataclasses.dataclass
-class Pressure:
-    """Evictions a namespace suffered to make room in one tier (its own LRU pages, or the pages of
-    a chunk another namespace took)."""
-
-    evicted_pages: int = 0
-    episodes: int = 0
-    last_eviction_at: float | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Namespace:
-    namespace_id: int
-    geometry: KVGeometry
-    num_pages: int                                 # L2 page ids 0..num_pages-1 span the whole segment
-    tree: PrefixTree
-    l2_allocator: PageAllocator
-    l3_allocator: PageAllocator | None = None      # None: no L3 for this namespace
-    session_ids: set[int] = dataclasses.field(default_factory=set)
-    idle_since: float | None = None                # when its last session ended; None while attached
-    index_key: str = ""                            # with a persistent L3 index: namespace_key(geometry)
-    l3_checksums: np.ndarray | None = None         # with a persistent L3 index: crc32 per L3 slot held
-    # Pages it may use now per tier: those of the chunks it owns (chunks.py).
-    capacity: dict[Tier, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(Tier, 0))
-    pressure: dict[Tier, Pressure] = dataclasses.field(default_factory=lambda: {t: Pressure() for t in Tier})
-    hints_slot: int = -1                           # its slot of the admission hints
-    generations: PageGenerations | None = None     # the write generation of each L2 page
-
-    def allocator(self, tier: Tier) -> PageAllocator:
-        allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator
-        assert allocator is not None, f"namespace {self.namespace_id} has no {tier.label}"
-        return allocator
-
-
-class ChunkOffer(NamedTuple):
-    """A chunk another namespace could give up: its pages are free or cached and unlocked."""
-
-    namespace: Namespace
-    chunk: int
-    newest_access: float       # the LRU time of its most recently used page; -inf if it caches none
-    # (holds a reused page, LRU time of its newest such page, else of its newest page): the page
-    # its owner's evict() would keep longest, as PrefixTree.next_eviction_rank ranks them
-    newest_rank: tuple[bool, float] = (False, -np.inf)
-
-
-def session_tag(session_id: int) -> str:
-    """How status names a session: session ids are capabilities (a peer that knows one can detach
-    that engine or release its leases), so status shows a digest, never the id."""
-    return hashlib.blake2b(session_id.to_bytes(8, "little"), digest_size=6).hexdigest()
 
 
 class RemoteAsk(NamedTuple):
@@ -192,14 +129,9 @@ class DaemonState:
             raise ValueError(f"session_share must be in (0, 1], got {session_share}")
         self.session_share = session_share
         self.max_namespaces = max_namespaces
-        self.chunks: dict[Tier, ChunkMap] = {Tier.L2: ChunkMap(l2_bytes)}
-        if l3_bytes > 0:
-            self.chunks[Tier.L3] = ChunkMap(l3_bytes)
         self.moves: dict[int, TierMove] = {}
         self._move_ids = itertools.count(1)
         self._namespace_ids = itertools.count()
-        # (namespace id, tier) -> when it may search the other namespaces for a chunk again
-        self._chunk_scan_not_before: dict[tuple[int, Tier], float] = {}
         if session_grace_s < session_timeout_s:
             raise ValueError(f"session_grace_s ({session_grace_s}) must be at least session_timeout_s "
                              f"({session_timeout_s})")
@@ -209,15 +141,17 @@ class DaemonState:
         self._ended_session_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
+        self.metrics = Metrics()
+        self.pool = Pool(l2_bytes, l3_bytes, self.namespaces, self.metrics, clock, self._held_page_ids,
+                         lambda namespace, slot_ids: self.l3.unindex_slots(namespace, slot_ids))
+        self.l3 = L3Persistence(l3_index_sink if l3_bytes > 0 else None, self.metrics, clock)
         self.geometry_to_namespace: dict[KVGeometry, Namespace] = {}
         self.sessions: dict[int, Session] = {}
         self.leases: dict[int, Lease] = {}
-        self.metrics = Metrics()
         self._lease_ids = itertools.count(1)
         self._generation_ids = itertools.count(1)       # write generations: never 0, never reused
         self._generation_files = generation_files if generation_files is not None else PrivateGenerations()
         self._running_at = clock()
-        self._l3_index_sink = l3_index_sink if Tier.L3 in self.chunks else None
         self.peers = PeerRegistry()
         self._peer_end_sink = peer_end_sink
         self.cost = cost_model if cost_model is not None else CostModel()
@@ -232,6 +166,10 @@ class DaemonState:
         self._remote_namespace_keys: dict[int, str] = {}
         self.kv_events = kv_events
 
+    @property
+    def chunks(self) -> dict[Tier, ChunkMap]:
+        return self.pool.chunks
+
     # ---- sessions -----------------------------------------------------------------------
 
     def attach(self, geometry: KVGeometry, pid: int, client_name: str = "", *, pid_watched: bool = False,
@@ -244,7 +182,7 @@ class DaemonState:
         if namespace is None:
             namespace = self._create_namespace(geometry)
             for tier in namespace.tree.tiers:
-                self._assign_free_chunks(namespace, tier)
+                self.pool.assign_free_chunks(namespace, tier)
         namespace.idle_since = None
         now = self.clock()
         session_id = secrets.randbits(62) + 1
@@ -278,15 +216,10 @@ class DaemonState:
 
     def _create_namespace(self, geometry: KVGeometry) -> Namespace:
         """A namespace that owns no chunk yet (attach gives it the free ones; it gains more as it
-        reserves pages: _make_room)."""
+        reserves pages: Pool.reserve)."""
         bytes_per_page = geometry.bytes_per_page
         if not self.namespaces:
-            # The first geometry: where its page is larger than a chunk (a small pool: chunks are
-            # 1/64 of it), the pool is cut in chunks of whole pages of it instead (none straddles
-            # two); nothing is in the pool yet.
-            for tier, chunks in self.chunks.items():
-                if bytes_per_page > chunks.chunk_bytes:
-                    self.chunks[tier] = ChunkMap(chunks.space_bytes, min(bytes_per_page, chunks.space_bytes))
+            self.pool.fit_first_page(bytes_per_page)
         l2_chunks = self.chunks[Tier.L2]
         if bytes_per_page > l2_chunks.chunk_bytes:
             raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
@@ -326,7 +259,7 @@ class DaemonState:
         self.namespaces[namespace.namespace_id] = namespace
         self.geometry_to_namespace[geometry] = namespace
         if num_slots:
-            self._index_namespace(namespace)
+            self.l3.index_namespace(namespace)
         logger.info("namespace %d: %s, pages of %d bytes: up to %d in L2 and %d in L3 (the whole pool, shared with "
                     "the other namespaces)", namespace.namespace_id, geometry, bytes_per_page, num_pages, num_slots)
         return namespace
@@ -353,12 +286,8 @@ class DaemonState:
         victim.generations.close_all()
         self._generation_files.close(victim.namespace_id)
         self.cost.forget_engine(victim.namespace_id)
-        for tier, chunks in self.chunks.items():
-            for chunk in chunks.owned_by(victim.namespace_id):
-                chunks.owner[chunk] = None
-            self._chunk_scan_not_before.pop((victim.namespace_id, tier), None)
-        if victim.l3_checksums is not None:
-            self._l3_index_sink(DropNamespace(victim.index_key))
+        self.pool.forget(victim)
+        self.l3.drop_namespace(victim)
         self.metrics.add(counters.NAMESPACES_RECLAIMED)
         logger.info("namespace %d (%s) reclaimed: idle since %.1f s, %d L2 pages dropped", victim.namespace_id,
                     victim.geometry.model_id, self.clock() - victim.idle_since, victim.tree.owned_pages(Tier.L2))
@@ -581,7 +510,7 @@ class DaemonState:
             wanted = num_pages - hit_pages
             if wanted > allowed:
                 self.metrics.add(counters.RESERVATIONS_CAPPED)
-            backup_page_ids = self._reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
+            backup_page_ids = self.pool.reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
             if backup_page_ids:
                 backup_generation = next(self._generation_ids)
                 namespace.generations.reserve(backup_page_ids, backup_generation)
@@ -750,9 +679,7 @@ class DaemonState:
         last_used = result.previous_access.get(Tier.L3)
         if last_used is None:
             return False
-        room = namespace.allocator(Tier.L2).num_free + sum(
-            len(self._pages_if_gained(namespace, Tier.L2, chunk)) for chunk in self.chunks[Tier.L2].free_chunks())
-        if room >= wanted:
+        if self.pool.free_room(namespace, Tier.L2) >= wanted:
             return False
         oldest = namespace.tree.oldest_evictable_access(Tier.L2)
         return oldest is not None and last_used < oldest
@@ -763,143 +690,6 @@ class DaemonState:
         pages for a session (a match's backup pages or its L3 promotion)."""
         held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
         return max(0, int(namespace.num_pages * self.session_share) - held)
-
-    def _reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
-        page_ids = self._reserve(namespace, Tier.L2, num_pages)
-        if not page_ids:
-            self.metrics.add(counters.RESERVATION_FAILURES)
-        return page_ids
-
-    def _reserve(self, namespace: Namespace, tier: Tier, num_pages: int) -> list[int]:
-        """Best effort: make room if needed (_make_room), then reserve as many pages as are free, up
-        to num_pages (possibly none). Locked nodes are never evicted."""
-        allocator = namespace.allocator(tier)
-        if allocator.num_free < num_pages:
-            self._make_room(namespace, tier, num_pages)
-        count = min(num_pages, allocator.num_free)
-        if count == 0:
-            return []
-        page_ids = allocator.allocate(count)
-        assert page_ids is not None
-        return page_ids
-
-    # ---- the pool: chunks moving between namespaces (chunks.py) ----------------------------
-
-    def _make_room(self, namespace: Namespace, tier: Tier, num_pages: int) -> None:
-        """Until num_pages are free: gain chunks (free ones, those of idle namespaces, colder ones
-        of active namespaces: _gain_chunk), then evict the namespace's own LRU leaves."""
-        allocator = namespace.allocator(tier)
-        while allocator.num_free < num_pages and self._gain_chunk(namespace, tier):
-            pass
-        if allocator.num_free < num_pages:
-            evicted = namespace.tree.evict(tier, num_pages - allocator.num_free)
-            if evicted:
-                allocator.free(evicted)
-                if tier is Tier.L3:
-                    self._unindex_slots(namespace, evicted)
-                self._note_eviction(namespace, tier, len(evicted), "its own least recently used pages")
-
-    def _gain_chunk(self, namespace: Namespace, tier: Tier) -> bool:
-        """Give the namespace more of the tier, if it can be had and yields pages: every free chunk,
-        else the coldest chunk another namespace can give up (_chunk_to_take). Returns whether it
-        gained any."""
-        if self._assign_free_chunks(namespace, tier):
-            return True
-        now = self.clock()
-        scan_key = (namespace.namespace_id, tier)
-        if now < self._chunk_scan_not_before.get(scan_key, -np.inf):
-            return False
-        offer = self._chunk_to_take(namespace, tier)
-        if offer is None:
-            self._chunk_scan_not_before[scan_key] = now + CHUNK_SCAN_INTERVAL_S
-            return False
-        self._take_chunk(offer, namespace, tier)
-        return True
-
-    def _pages_if_gained(self, namespace: Namespace, tier: Tier, chunk: int) -> range:
-        return self.chunks[tier].usable_pages(chunk, namespace.namespace_id, namespace.geometry.bytes_per_page,
-                                              namespace.allocator(tier).num_pages)
-
-    def _assign_free_chunks(self, namespace: Namespace, tier: Tier) -> int:
-        """Every free chunk of the tier that yields pages becomes the namespace's (a new namespace
-        gets them at once: one geometry alone holds the whole pool). Returns how many."""
-        free = [chunk for chunk in self.chunks[tier].free_chunks() if self._pages_if_gained(namespace, tier, chunk)]
-        for chunk in free:
-            self._assign_chunk(namespace, tier, chunk)
-        return len(free)
-
-    def _assign_chunk(self, namespace: Namespace, tier: Tier, chunk: int) -> None:
-        """A free chunk becomes the namespace's: its pages there join its free pages."""
-        chunks = self.chunks[tier]
-        assert chunks.owner[chunk] is None, f"chunk {chunk} of {tier.label} is owned already"
-        chunks.owner[chunk] = namespace.namespace_id
-        pages = self._pages_if_gained(namespace, tier, chunk)
-        namespace.allocator(tier).free_range(pages.start, pages.stop)
-        namespace.capacity[tier] += len(pages)
-
-    def _release_chunk(self, namespace: Namespace, tier: Tier, chunk: int) -> None:
-        """The namespace gives a chunk back to the pool; every page of it there must be free."""
-        chunks = self.chunks[tier]
-        assert chunks.owner[chunk] == namespace.namespace_id
-        pages = self._pages_if_gained(namespace, tier, chunk)
-        if tier is Tier.L2:     # another namespace may write these bytes now: no reader here trusts them
-            namespace.generations.revoke(np.arange(pages.start, pages.stop))
-        namespace.allocator(tier).take_range(pages.start, pages.stop)
-        namespace.capacity[tier] -= len(pages)
-        chunks.owner[chunk] = None
-
-    def _chunk_to_take(self, namespace: Namespace, tier: Tier) -> ChunkOffer | None:
-        """The chunk of another namespace that this one may take: of an idle namespace (no session)
-        the coldest; else the coldest of an active one that ranks below the page this namespace
-        would evict instead (``PrefixTree.next_eviction_rank``: never reused below reused, older
-        below newer), or any, when it has nothing to evict: a chunk holding reused pages only for
-        a namespace whose next eviction is reused too, and newer; a chunk of pages never reused
-        for one whose next eviction is reused, or from a namespace holding more chunks than it.
-        So one-use pages never take a chunk holding a page its owner reused, and share the rest
-        of the pool evenly between active namespaces; reused pages take what ranks below them.
-        Only chunks that hold no private, quarantined or locked page of their owner, and that
-        give this namespace at least one page."""
-        own_next = namespace.tree.next_eviction_rank(tier)
-        own_chunks = len(self.chunks[tier].owned_by(namespace.namespace_id))
-        best: tuple[tuple[bool, tuple[bool, float]], ChunkOffer] | None = None
-        for other in self.namespaces.values():
-            if other is namespace or tier not in other.tree.tiers:
-                continue
-            idle = not other.session_ids
-            larger = len(self.chunks[tier].owned_by(other.namespace_id)) > own_chunks
-            for offer in self._chunk_offers(other, tier):
-                if not self._pages_if_gained(namespace, tier, offer.chunk):
-                    continue
-                if not idle and own_next is not None and not (
-                        offer.newest_rank < own_next if offer.newest_rank[0] else own_next[0] or larger):
-                    continue
-                rank = (not idle, offer.newest_rank)
-                if best is None or rank < best[0]:
-                    best = (rank, offer)
-        return best[1] if best is not None else None
-
-    def _chunk_offers(self, namespace: Namespace, tier: Tier) -> list[ChunkOffer]:
-        """The chunks the namespace could give up now, each with the LRU time of its newest page."""
-        chunks = self.chunks[tier]
-        owned = chunks.owned_by(namespace.namespace_id)
-        if not owned:
-            return []
-        bytes_per_page = namespace.geometry.bytes_per_page
-        newest = np.full(chunks.num_chunks, -np.inf)
-        newest_reused = np.full(chunks.num_chunks, -np.inf)
-        blocked = np.zeros(chunks.num_chunks, dtype=bool)
-        resident = namespace.tree.resident_pages(tier)
-        held = np.array(self._held_page_ids(namespace, tier), dtype=np.int64)
-        for page_end in (0, 1):          # a page counts for the chunk of its first and of its last byte
-            chunk_ids = ((resident.page_ids + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes
-            np.maximum.at(newest, chunk_ids, resident.last_access)
-            np.maximum.at(newest_reused, chunk_ids[resident.reused], resident.last_access[resident.reused])
-            blocked[chunk_ids[resident.locked]] = True
-            blocked[((held + page_end) * bytes_per_page - page_end) // chunks.chunk_bytes] = True
-        has_reused = newest_reused > -np.inf
-        return [ChunkOffer(namespace, chunk, float(newest[chunk]),
-                           (True, float(newest_reused[chunk])) if has_reused[chunk] else (False, float(newest[chunk])))
-                for chunk in owned if not blocked[chunk]]
 
     def _held_page_ids(self, namespace: Namespace, tier: Tier) -> list[int]:
         """The namespace's pages in the tier that are private (leases, pending moves) or quarantined."""
@@ -912,42 +702,6 @@ class DaemonState:
                      for p in q.page_ids]
         return held
 
-    def _take_chunk(self, offer: ChunkOffer, namespace: Namespace, tier: Tier) -> None:
-        """Move a chunk from its owner to ``namespace``: the owner's cached pages in it are evicted
-        (with what lies below them: residency is prefix-closed), then it changes hands."""
-        victim = offer.namespace
-        pages = self._pages_if_gained(victim, tier, offer.chunk)
-        evicted = victim.tree.discard_pages(tier, pages)
-        if evicted:
-            victim.allocator(tier).free(evicted)
-            if tier is Tier.L3:
-                self._unindex_slots(victim, evicted)
-            self._note_eviction(victim, tier, len(evicted), f"a chunk of the pool went to namespace "
-                                f"{namespace.namespace_id} ({namespace.geometry.model_id})")
-        self._release_chunk(victim, tier, offer.chunk)
-        self._assign_chunk(namespace, tier, offer.chunk)
-        self.metrics.add(counters.CHUNKS_TAKEN, 1, tier.label)
-        logger.info("%s chunk %d moved from namespace %d (%s, %s) to namespace %d (%s): %d cached pages evicted",
-                    tier.label, offer.chunk, victim.namespace_id, victim.geometry.model_id,
-                    "idle" if not victim.session_ids else "active", namespace.namespace_id,
-                    namespace.geometry.model_id, len(evicted))
-
-    def _note_eviction(self, namespace: Namespace, tier: Tier, num_pages: int, cause: str) -> None:
-        """Cached pages evicted to make room: counted per namespace and tier; the first eviction
-        after PRESSURE_QUIET_S without any starts an episode, logged once."""
-        self.metrics.add(counters.EVICTED_PAGES, num_pages, tier.label, model=namespace.geometry.model_id)
-        pressure = namespace.pressure[tier]
-        now = self.clock()
-        if pressure.last_eviction_at is None or now - pressure.last_eviction_at > PRESSURE_QUIET_S:
-            pressure.episodes += 1
-            self.metrics.add(counters.PRESSURE_EPISODES, 1, tier.label)
-            logger.warning("namespace %d (%s): %s is full, cached prefixes are evicted to make room (%s); it holds "
-                           "%d pages of %d bytes now. Each eviction is counted (status: evicted_pages); a larger "
-                           "--%s-size keeps more. Logged once until %.0f s pass without an eviction.",
-                           namespace.namespace_id, namespace.geometry.model_id, tier.label, cause,
-                           namespace.capacity[tier], namespace.geometry.bytes_per_page, tier.label, PRESSURE_QUIET_S)
-        pressure.last_eviction_at = now
-        pressure.evicted_pages += num_pages
 
     def _lease_of(self, session_id: int, lease_id: int) -> tuple[Session, Lease]:
         session = self.session(session_id)
@@ -1145,7 +899,7 @@ class DaemonState:
         locks = [(result.last_node[Tier.L2], Tier.L2)] if result.last_node[Tier.L2] is not None else []
         for node, tier in locks:
             namespace.tree.lock(node, tier)
-        private_page_ids = self._reserve(namespace, Tier.L2, end_page - start_page)
+        private_page_ids = self.pool.reserve(namespace, Tier.L2, end_page - start_page)
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
@@ -1212,7 +966,7 @@ class DaemonState:
         for node, tier in locks:
             namespace.tree.lock(node, tier)
         direction, what = ("h2s", "write-through") if destination is Tier.L3 else ("s2h", "promotion")
-        private_page_ids = self._reserve(namespace, destination, end_page - start_page)
+        private_page_ids = self.pool.reserve(namespace, destination, end_page - start_page)
         if not private_page_ids:
             for node, tier in locks:
                 namespace.tree.unlock(node, tier)
@@ -1255,7 +1009,7 @@ class DaemonState:
         namespace = self.namespaces[move.namespace_id]
         allocator = namespace.allocator(move.destination)
         gained = 0
-        num_valid = self._num_verified_pages(namespace, move) if ok else 0
+        num_valid = self.l3.num_verified_pages(namespace, move) if ok else 0
         if num_valid and move.destination is Tier.L3:
             # An engine's page rewritten (or being rewritten) while it was read is not written through.
             intact = namespace.generations.num_leading_intact(move.source_page_ids, move.source_generations)
@@ -1275,7 +1029,7 @@ class DaemonState:
                 allocator.free(inserted.duplicate_page_ids)
             move.num_published_pages = num_valid
             if move.destination is Tier.L3:
-                self._index_written(namespace, move, set(inserted.duplicate_page_ids))
+                self.l3.index_written(namespace, move, set(inserted.duplicate_page_ids))
             gained = inserted.new_pages
             self.metrics.add(counters.IO_PUBLISHED_PAGES, gained, move.direction)
         else:
@@ -1299,7 +1053,7 @@ class DaemonState:
             logger.warning("namespace %d: a page the remote store gave is not the page asked for (%s); not "
                            "served, the request recomputes it", move.namespace_id, move.mismatch)
         if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
-            self._drop_corrupt_l3_page(namespace, move, move.start_page + num_valid)
+            self.l3.drop_corrupt_page(namespace, move, move.start_page + num_valid)
         return gained
 
     # ---- KV events (see kv_events.py) ---------------------------------------------------------
@@ -1315,144 +1069,13 @@ class DaemonState:
         self.kv_events.record(TierEvent(EventKind.STORED if delta > 0 else EventKind.REMOVED, geometry.model_id,
                                         geometry.page_size, TIER_WHERE[tier], path, start_page))
 
-    # ---- the persistent L3 index (see l3_index.py) -------------------------------------------
-
-    def _index_namespace(self, namespace: Namespace) -> None:
-        if self._l3_index_sink is None:
-            return
-        assert namespace.l3_allocator is not None
-        namespace.index_key = namespace_key(namespace.geometry)
-        namespace.l3_checksums = np.zeros(namespace.l3_allocator.num_pages, dtype=np.uint32)
-        self._l3_index_sink(PutNamespace(NamespaceLayout(namespace.index_key, namespace.geometry,
-                                                         namespace.geometry.bytes_per_page)))
-
-    def _unindex_slots(self, namespace: Namespace, slot_ids: list[int]) -> None:
-        if namespace.l3_checksums is not None:
-            self._l3_index_sink(DeleteSlots(namespace.index_key, list(slot_ids)))
-
-    def _index_written(self, namespace: Namespace, move: TierMove, duplicate_slot_ids: set[int]) -> None:
-        """Rows for the slots a write-through just gave the tree (not for duplicates: freed)."""
-        if namespace.l3_checksums is None:
-            return
-        assert len(move.page_checksums) == len(move.source_page_ids), "h2s finished without its checksums"
-        assert len(move.page_keys) >= move.start_page + len(move.source_page_ids), "h2s finished without its keys"
-        page_size = namespace.geometry.page_size
-        rows = []
-        for i, slot in enumerate(move.private_page_ids[:move.num_published_pages]):
-            if slot in duplicate_slot_ids:
-                continue
-            page = move.start_page + i
-            rows.append(SlotRow(slot, move.page_keys[page], move.page_keys[page - 1] if page else ROOT_KEY,
-                                move.token_ids[page * page_size:(page + 1) * page_size].tobytes(),
-                                move.page_checksums[i]))
-            namespace.l3_checksums[slot] = move.page_checksums[i]
-        if rows:
-            self._l3_index_sink(PutSlots(namespace.index_key, rows))
-
-    def _num_verified_pages(self, namespace: Namespace, move: TierMove) -> int:
-        """Of a finished move, the leading pages that may be published: for a promotion with a
-        persistent index, those whose bytes read match their recorded checksums."""
-        if move.remote:
-            return move.num_verified_pages
-        if move.destination is not Tier.L2 or namespace.l3_checksums is None:
-            return len(move.private_page_ids)
-        assert len(move.page_checksums) == len(move.source_page_ids), "s2h finished without its checksums"
-        expected = namespace.l3_checksums[move.source_page_ids].tolist()
-        for i, (read, written) in enumerate(zip(move.page_checksums, expected)):
-            if read != written:
-                return i
-        return len(move.private_page_ids)
-
-    def _drop_corrupt_l3_page(self, namespace: Namespace, move: TierMove, page: int) -> None:
-        """A slot did not hold what its checksum says: drop that page (and what lies below it)
-        from L3 and the index. While another move still locks it, it stays until read again."""
-        slot = move.source_page_ids[page - move.start_page]
-        self.metrics.add(counters.L3_CHECKSUM_MISMATCHES)
-        freed = namespace.tree.discard(move.token_ids, Tier.L3, page)
-        if freed:
-            namespace.l3_allocator.free(freed)
-            self._unindex_slots(namespace, freed)
-            self.metrics.add(counters.L3_CORRUPT_PAGES, len(freed))
-        logger.warning("namespace %d: L3 slot %d does not hold the page its index names (checksum mismatch); "
-                       "not served, %d slots dropped", namespace.namespace_id, slot, len(freed))
+    # ---- the persistent L3 index (l3_persistence.py) ------------------------------------------
 
     def restore_l3(self, saved: list[SavedNamespace], l3_bytes_kept: int) -> int:
-        """At start, before any engine attached: rebuild each namespace of a persistent index from
-        its rows, and give it back the chunks of the file its slots lie in. Namespaces with more
-        rows go first; a row whose slot lies (now) in a chunk another namespace took back, past
-        the file's end, or in bytes the file did not keep, is dropped, as is what cannot be trusted
-        (torn rows, rows whose parent is gone) and what no longer fits at all (another page size,
-        more namespaces than served). What is dropped leaves the index and is logged.
-        ``l3_bytes_kept``: how much of the file kept its content. Returns the number of L3 pages
-        restored."""
-        assert not self.namespaces, "restore_l3 runs before the first attach"
-        restored = 0
-        for entry in sorted(saved, key=lambda e: (-len(e.rows), e.layout.namespace_key)):
-            layout = entry.layout
-            reason = self._l3_layout_unusable(layout, l3_bytes_kept)
-            if reason is not None:
-                logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
-                               reason)
-                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(entry.rows))
-                if self._l3_index_sink is not None:
-                    self._l3_index_sink(DropNamespace(layout.namespace_key))
-                continue
-            namespace = self._create_namespace(layout.geometry)
-            namespace.idle_since = self.clock()
-            chunks = self.chunks[Tier.L3]
-            bytes_per_page = layout.bytes_per_page
-            usable_slots = min(namespace.l3_allocator.num_pages, l3_bytes_kept // bytes_per_page)
-            rows, foreign_slots = [], []
-            for row in entry.rows:
-                if 0 <= row.slot < usable_slots and any(chunks.owner[chunk] is not None for chunk in
-                                                        chunks.chunks_of_page(row.slot, bytes_per_page)):
-                    foreign_slots.append(row.slot)       # another namespace's rows claimed that chunk first
-                else:
-                    rows.append(row)
-            plan = plan_rebuild(rows, namespace.geometry.page_size, usable_slots)
-            slot_ids = [slot for run in plan.runs for slot in run.slot_ids]
-            for chunk in sorted({c for slot in slot_ids for c in chunks.chunks_of_page(slot, bytes_per_page)}):
-                self._assign_chunk(namespace, Tier.L3, chunk)
-            namespace.l3_allocator.take(slot_ids)
-            # Each run goes below the node its parent run made: no path from the root is built.
-            branch_nodes: dict[bytes, TreeNode] = {}
-            for run in plan.runs:
-                parent = None if run.parent_key == ROOT_KEY else branch_nodes[run.parent_key]
-                node = namespace.tree.insert_child(parent, Tier.L3, run.token_bytes, run.slot_ids)
-                if run.end_key in plan.branch_keys:
-                    branch_nodes[run.end_key] = node
-                if namespace.l3_checksums is not None:
-                    namespace.l3_checksums[run.slot_ids] = run.checksums
-            del branch_nodes
-            dropped = plan.dropped_slot_ids + foreign_slots
-            if dropped:
-                self._unindex_slots(namespace, dropped)
-                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(dropped))
-            restored += len(slot_ids)
-            self.metrics.add(counters.L3_RESTORED_PAGES, len(slot_ids))
-            logger.info("L3 index: namespace %d (%s) back with %d pages in %d chunks; dropped %d rows past the file's "
-                        "end or the bytes it kept, %d in chunks of another namespace, %d torn, %d whose parent "
-                        "page is gone", namespace.namespace_id, layout.geometry.model_id, len(slot_ids),
-                        len(chunks.owned_by(namespace.namespace_id)), plan.num_beyond, len(foreign_slots),
-                        plan.num_torn, plan.num_orphans)
-        return restored
-
-    def _l3_layout_unusable(self, layout: NamespaceLayout, l3_bytes_kept: int) -> str | None:
-        """Why a saved namespace cannot be rebuilt at all now, or None."""
-        l3_chunks = self.chunks.get(Tier.L3)
-        if l3_chunks is None:
-            return "this daemon has no L3"
-        if len(self.namespaces) >= self.max_namespaces:
-            return f"the index holds more namespaces than the {self.max_namespaces} served now (--max-namespaces)"
-        if layout.geometry in self.geometry_to_namespace:
-            return "another namespace of the index has the same geometry"
-        if layout.bytes_per_page != layout.geometry.bytes_per_page:
-            return f"its pages of {layout.bytes_per_page} bytes do not match its geometry's"
-        if layout.bytes_per_page > min(l3_chunks.chunk_bytes, self.chunks[Tier.L2].chunk_bytes):
-            return "one of its pages is larger than a chunk of the pool now (a smaller --l2-size or --l3-size)"
-        if l3_bytes_kept < layout.bytes_per_page:
-            return f"the L3 file kept only {l3_bytes_kept} bytes"
-        return None
+        """At start, before any engine attached: rebuild the namespaces of a persistent L3 index
+        (``L3Persistence.restore``). Returns the number of L3 pages restored."""
+        return self.l3.restore(saved, l3_bytes_kept, self.pool, self._create_namespace, self.geometry_to_namespace,
+                               self.max_namespaces)
 
     def _end_lease(self, lease: Lease, new_state: LeaseState, quarantined: list[int] | None = None) -> None:
         """quarantined: a list that takes the lease's private pages instead of the allocator."""
@@ -1476,172 +1099,8 @@ class DaemonState:
     # ---- integrity and status -------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        for lease in self.leases.values():
-            if lease.state is not LeaseState.ACTIVE:
-                raise IntegrityError(f"lease {lease.lease_id} is {lease.state} but still tracked")
-            session = self.sessions.get(lease.session_id)
-            if session is None or lease.lease_id not in session.lease_ids:
-                raise IntegrityError(f"lease {lease.lease_id} has no live session that knows it")
-        for session in self.sessions.values():
-            for lease_id in session.lease_ids:
-                if lease_id not in self.leases:
-                    raise IntegrityError(f"session {session.session_id:x} holds unknown lease {lease_id}")
-        for tier, chunks in self.chunks.items():
-            for chunk, owner in enumerate(chunks.owner):
-                if owner is not None and (owner not in self.namespaces
-                                          or tier not in self.namespaces[owner].tree.tiers):
-                    raise IntegrityError(f"{tier.label} chunk {chunk} belongs to namespace {owner}, which has no "
-                                         f"{tier.label}")
-        for namespace in self.namespaces.values():
-            self._check_namespace(namespace)
-
-    def _check_namespace(self, namespace: Namespace) -> None:
-        owned_by_tier = namespace.tree.check_integrity()
-        head = self.hints.head(namespace.hints_slot)
-        if head["tag"] != namespace.namespace_id + 1:
-            raise IntegrityError(f"namespace {namespace.namespace_id}: its hints slot {namespace.hints_slot} is "
-                                 f"tagged {head['tag']}")
-        expected_roots = np.zeros(self.hints.num_buckets, dtype=np.int64)
-        for key, child in namespace.tree.root.children.items():
-            if child.is_resident(Tier.L2):
-                expected_roots[hints.bucket(key, self.hints.num_buckets)] += 1
-        if not np.array_equal(expected_roots, self.hints.l2_roots(namespace.hints_slot)):
-            raise IntegrityError(f"namespace {namespace.namespace_id}: the published first pages in L2 differ from "
-                                 "the tree's")
-        expected_refs: dict[Tier, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-        nodes_by_id = {}
-        private_by_tier: dict[Tier, list[int]] = collections.defaultdict(list)
-        quarantined_list = [p for q in self.quarantines.values() if q.session.namespace_id == namespace.namespace_id
-                            for p in q.page_ids]
-
-        def expect_lock(node, tier: Tier) -> None:
-            while node is not None and node.parent is not None:
-                expected_refs[tier][id(node)] += 1
-                nodes_by_id[id(node)] = node
-                node = node.parent
-
-        for lease in self.leases.values():
-            if lease.namespace_id == namespace.namespace_id:
-                private_by_tier[Tier.L2].extend(lease.private_page_ids)
-                expect_lock(lease.locked_node, Tier.L2)
-        for move in self.moves.values():
-            if move.namespace_id == namespace.namespace_id:
-                if move.state is not OpState.PENDING:
-                    raise IntegrityError(f"move {move.op_id} is {move.state} but still tracked")
-                private_by_tier[move.destination].extend(move.private_page_ids)
-                for node, tier in move.locks:
-                    expect_lock(node, tier)
-        for write in self.remote_writes.values():
-            if write.namespace_id == namespace.namespace_id:
-                expect_lock(write.lock, Tier.L2)
-
-        for tier, owned in owned_by_tier.items():
-            allocator = namespace.allocator(tier)
-            allocator.check_integrity()
-            free = allocator.free_page_ids()
-            private = set(private_by_tier[tier])
-            quarantined = set(quarantined_list) if tier is Tier.L2 else set()
-            where = f"namespace {namespace.namespace_id} {tier.label}"
-            if len(private) != len(private_by_tier[tier]):
-                raise IntegrityError(f"{where}: a private page is reserved twice")
-            if tier is Tier.L2 and len(quarantined) != len(quarantined_list):
-                raise IntegrityError(f"{where}: a page is quarantined twice")
-            sets = (("owned", owned), ("free", free), ("private", private), ("quarantined", quarantined))
-            for (a_name, a), (b_name, b) in itertools.combinations(sets, 2):
-                both = a & b
-                if both:
-                    raise IntegrityError(f"{where}: pages both {a_name} and {b_name}: {sorted(both)[:8]}")
-            # Its pages are those of the chunks it owns, exactly: none beyond them, none lost.
-            usable = self.chunks[tier].page_ids_of(namespace.namespace_id, namespace.geometry.bytes_per_page,
-                                                   allocator.num_pages)
-            if len(usable) != namespace.capacity[tier]:
-                raise IntegrityError(f"{where}: capacity {namespace.capacity[tier]} != {len(usable)} pages in its "
-                                     "chunks")
-            total = len(owned) + len(free) + len(private) + len(quarantined)
-            if total != len(usable):
-                raise IntegrityError(f"{where}: owned {len(owned)} + free {len(free)} + private {len(private)} "
-                                     f"+ quarantined {len(quarantined)} != capacity {len(usable)}")
-            for name, page_ids in sets:
-                outside = page_ids - usable
-                if outside:
-                    raise IntegrityError(f"{where}: {name} pages outside its chunks: {sorted(outside)[:8]}")
-            for node_id, count in expected_refs[tier].items():
-                node = nodes_by_id[node_id]
-                if node.ref_count[tier] != count:
-                    raise IntegrityError(f"{where}: node ref_count {node.ref_count[tier]} != {count} locks held "
-                                         "by leases and pending moves")
-            if not expected_refs[tier] and namespace.tree.protected_pages(tier) != 0:
-                raise IntegrityError(f"{where}: pages are protected but nothing locks them")
-
-    def _tier_status(self, namespace: Namespace, tier: Tier) -> dict[str, int]:
-        private = sum(len(m.private_page_ids) for m in self.moves.values()
-                      if m.namespace_id == namespace.namespace_id and m.destination is tier)
-        if tier is Tier.L2:
-            private += sum(len(l.private_page_ids) for l in self.leases.values()
-                           if l.namespace_id == namespace.namespace_id)
-        quarantined = sum(len(q.page_ids) for q in self.quarantines.values()
-                          if q.session.namespace_id == namespace.namespace_id) if tier is Tier.L2 else 0
-        allocator = namespace.allocator(tier)
-        pressure = namespace.pressure[tier]
-        return {
-            "capacity_pages": namespace.capacity[tier],
-            "chunks": len(self.chunks[tier].owned_by(namespace.namespace_id)),
-            "free_pages": allocator.num_free,
-            "owned_pages": namespace.tree.owned_pages(tier),
-            "protected_pages": namespace.tree.protected_pages(tier),
-            "evictable_pages": namespace.tree.evictable_pages(tier),
-            "private_pages": private,
-            "quarantined_pages": quarantined,
-            "evicted_pages": pressure.evicted_pages,
-            "pressure_episodes": pressure.episodes,
-            "under_pressure": (pressure.last_eviction_at is not None
-                               and self.clock() - pressure.last_eviction_at <= PRESSURE_QUIET_S),
-        }
-
-    def _peer_status(self, session: Session) -> dict[str, Any]:
-        export = self.peers.by_session.get(session.session_id)
-        if export is None:
-            return {}
-        tree = self.namespaces[export.namespace_id].tree
-        return {"peer": {"transport": export.request.transport, "device_id": export.request.device_id,
-                         "num_blocks": export.request.num_blocks, "published_blocks": tree.peer_blocks(export.peer_id),
-                         "readers_may_open": len(self.peers.readable_by(export))}}
+        integrity.check_integrity(self)
 
     def status(self) -> dict[str, Any]:
-        namespaces = []
-        for namespace in self.namespaces.values():
-            tree = namespace.tree
-            namespaces.append({
-                "namespace_id": namespace.namespace_id,
-                "geometry": namespace.geometry.to_wire(),
-                "bytes_per_page": namespace.geometry.bytes_per_page,
-                "sessions": len(namespace.session_ids),
-                "tiers": {tier.label: self._tier_status(namespace, tier) for tier in tree.tiers},
-                "tree_nodes": tree.num_nodes,
-            })
-        return {
-            "sessions": [
-                {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
-                 "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
-                 "age_s": round(self.clock() - s.attached_at, 3), "idle_s": round(self.clock() - s.last_seen, 3),
-                 "pid_watched": s.pid_watched, "report": s.report, **self._peer_status(s)}
-                for s in self.sessions.values()
-            ],
-            "quarantines": [
-                {"session": session_tag(session_id), "pid": q.session.pid, "client_name": q.session.client_name,
-                 "namespace_id": q.session.namespace_id, "pages": len(q.page_ids), "reason": q.reason,
-                 "pid_watched": q.session.pid_watched, "idle_s": round(self.clock() - q.session.last_seen, 3)}
-                for session_id, q in self.quarantines.items()
-            ],
-            "leases": len(self.leases),
-            "pending": {"h2s": self.pending_moves("h2s"), "s2h": self.pending_moves("s2h"),
-                        "r2h": self.pending_moves("r2h"), "h2r": len(self.remote_writes)},
-            "namespaces": namespaces,
-            "cost_model": self.cost.status({ns.namespace_id: ns.geometry.model_id for ns in self.namespaces.values()}),
-            "pool": {tier.label: {"chunk_bytes": chunks.chunk_bytes, "chunks": chunks.num_chunks,
-                                  "free_chunks": len(chunks.free_chunks())}
-                     for tier, chunks in self.chunks.items()},
-            "metrics": self.metrics.snapshot(),
-            "metrics_by_model": self.metrics.model_snapshot(),
-            "histograms": self.metrics.histogram_snapshot(),
-        }
+        return snapshot.status(self)
+

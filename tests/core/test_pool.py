@@ -10,8 +10,9 @@ import logging
 import numpy as np
 import pytest
 
-from kvcached.core.daemon import CHUNK_SCAN_INTERVAL_S, MAX_SESSION_RESERVED_SHARE, PRESSURE_QUIET_S, DaemonState
+from kvcached.core.daemon import MAX_SESSION_RESERVED_SHARE, DaemonState
 from kvcached.core.l3_index import namespace_key
+from kvcached.core.pool import CHUNK_SCAN_INTERVAL_S, PRESSURE_QUIET_S
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.messages import KVGeometry
 from tests.core.test_daemon_state import FakeClock
@@ -111,7 +112,7 @@ def test_a_second_geometry_takes_the_coldest_chunks_of_an_idle_first_one(clock, 
 
     second, second_ns = state.attach(ODD, pid=2)
     assert second_ns.capacity[Tier.L2] == 0
-    with caplog.at_level(logging.WARNING, logger="kvcached.core.daemon"):
+    with caplog.at_level(logging.WARNING, logger="kvcached.core.pool"):
         second_pages = back_up(state, second.session_id, tokens(rng, 100))
     assert state.chunks[Tier.L2].owner == [second_ns.namespace_id] * 2 + [first_ns.namespace_id] * 2
     assert all(chunk_of(p, ODD) <= {0, 1} for p in second_pages) and len(second_pages) == 100
@@ -221,7 +222,7 @@ def test_pressure_is_logged_once_per_episode_and_shown_in_status(clock, rng, cap
     and the next eviction starts (and logs) a second episode."""
     state = new_state(clock, l2_bytes=2 << 20)
     session, namespace = state.attach(SMALL, pid=1)
-    with caplog.at_level(logging.WARNING, logger="kvcached.core.daemon"):
+    with caplog.at_level(logging.WARNING, logger="kvcached.core.pool"):
         back_up(state, session.session_id, tokens(rng, 128))
         assert not l2_status(state, SMALL)["under_pressure"]
         for _ in range(3):
