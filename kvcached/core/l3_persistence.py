@@ -31,7 +31,7 @@ class L3Persistence:
     def __init__(self, sink: Callable[[IndexChange], None] | None, metrics: Metrics, clock: Callable[[], float]):
         """``sink``: where every change of L3 residency is reported, in order; None: L3 is temporary."""
         self._sink = sink
-        self._metrics = metrics
+        self.metrics = metrics
         self._clock = clock
 
     def drop_namespace(self, namespace: Namespace) -> None:
@@ -89,12 +89,12 @@ class L3Persistence:
         """A slot did not hold what its checksum says: drop that page (and what lies below it)
         from L3 and the index. While another move still locks it, it stays until read again."""
         slot = move.source_page_ids[page - move.start_page]
-        self._metrics.add(counters.L3_CHECKSUM_MISMATCHES)
+        self.metrics.add(counters.L3_CHECKSUM_MISMATCHES)
         freed = namespace.tree.discard(move.token_ids, Tier.L3, page)
         if freed:
             namespace.l3_allocator.free(freed)
             self.unindex_slots(namespace, freed)
-            self._metrics.add(counters.L3_CORRUPT_PAGES, len(freed))
+            self.metrics.add(counters.L3_CORRUPT_PAGES, len(freed))
         logger.warning("namespace %d: L3 slot %d does not hold the page its index names (checksum mismatch); "
                        "not served, %d slots dropped", namespace.namespace_id, slot, len(freed))
 
@@ -118,7 +118,7 @@ class L3Persistence:
             if reason is not None:
                 logger.warning("L3 index: %d pages of %s dropped: %s", len(entry.rows), layout.geometry.model_id,
                                reason)
-                self._metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(entry.rows))
+                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(entry.rows))
                 if self._sink is not None:
                     self._sink(DropNamespace(layout.namespace_key))
                 continue
@@ -152,9 +152,9 @@ class L3Persistence:
             dropped = plan.dropped_slot_ids + foreign_slots
             if dropped:
                 self.unindex_slots(namespace, dropped)
-                self._metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(dropped))
+                self.metrics.add(counters.L3_INDEX_ROWS_DROPPED, len(dropped))
             restored += len(slot_ids)
-            self._metrics.add(counters.L3_RESTORED_PAGES, len(slot_ids))
+            self.metrics.add(counters.L3_RESTORED_PAGES, len(slot_ids))
             logger.info("L3 index: namespace %d (%s) back with %d pages in %d chunks; dropped %d rows past the file's "
                         "end or the bytes it kept, %d in chunks of another namespace, %d torn, %d whose parent "
                         "page is gone", namespace.namespace_id, layout.geometry.model_id, len(slot_ids),

@@ -50,7 +50,7 @@ class Pool:
         if l3_bytes > 0:
             self.chunks[Tier.L3] = ChunkMap(l3_bytes)
         self._namespaces = namespaces
-        self._metrics = metrics
+        self.metrics = metrics
         self._clock = clock
         self._held_page_ids = held_page_ids
         self._on_l3_evicted = on_l3_evicted
@@ -81,7 +81,7 @@ class Pool:
     def reserve_l2(self, namespace: Namespace, num_pages: int) -> list[int]:
         page_ids = self.reserve(namespace, Tier.L2, num_pages)
         if not page_ids:
-            self._metrics.add(counters.RESERVATION_FAILURES)
+            self.metrics.add(counters.RESERVATION_FAILURES)
         return page_ids
 
     def reserve(self, namespace: Namespace, tier: Tier, num_pages: int) -> list[int]:
@@ -227,7 +227,7 @@ class Pool:
                                 f"{namespace.namespace_id} ({namespace.geometry.model_id})")
         self._release_chunk(victim, tier, offer.chunk)
         self.assign_chunk(namespace, tier, offer.chunk)
-        self._metrics.add(counters.CHUNKS_TAKEN, 1, tier.label)
+        self.metrics.add(counters.CHUNKS_TAKEN, 1, tier.label)
         logger.info("%s chunk %d moved from namespace %d (%s, %s) to namespace %d (%s): %d cached pages evicted",
                     tier.label, offer.chunk, victim.namespace_id, victim.geometry.model_id,
                     "idle" if not victim.session_ids else "active", namespace.namespace_id,
@@ -236,12 +236,12 @@ class Pool:
     def _note_eviction(self, namespace: Namespace, tier: Tier, num_pages: int, cause: str) -> None:
         """Cached pages evicted to make room: counted per namespace and tier; the first eviction
         after PRESSURE_QUIET_S without any starts an episode, logged once."""
-        self._metrics.add(counters.EVICTED_PAGES, num_pages, tier.label, model=namespace.geometry.model_id)
+        self.metrics.add(counters.EVICTED_PAGES, num_pages, tier.label, model=namespace.geometry.model_id)
         pressure = namespace.pressure[tier]
         now = self._clock()
         if pressure.last_eviction_at is None or now - pressure.last_eviction_at > PRESSURE_QUIET_S:
             pressure.episodes += 1
-            self._metrics.add(counters.PRESSURE_EPISODES, 1, tier.label)
+            self.metrics.add(counters.PRESSURE_EPISODES, 1, tier.label)
             logger.warning("namespace %d (%s): %s is full, cached prefixes are evicted to make room (%s); it holds "
                            "%d pages of %d bytes now. Each eviction is counted (status: evicted_pages); a larger "
                            "--%s-size keeps more. Logged once until %.0f s pass without an eviction.",
