@@ -20,8 +20,8 @@ from kvcached.testing.daemon_proc import DaemonProcess
 from tests.integration.fencing_engine import PREFIX_PAGES
 from tests.integration.test_fencing import Engine, session_names, wait_until
 
-SESSION_TIMEOUT_S = 1.0
-GRACE_S = 2.0
+SESSION_TIMEOUT_S = 1.5          # the daemon's default
+GRACE_S = 3.0
 # sh -c POD_SETUP pod NODE_DIR COMMAND...: in a new mount namespace (private propagation), the
 # node's /tmp and /dev/shm give way to empty tmpfs of the pod's own; then only the volumes of
 # NODE_DIR (reached through a descriptor opened before /tmp was covered) are bound back, at the
