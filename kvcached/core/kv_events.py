@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Generator, Iterable, NamedTuple
 
 import msgpack
 import numpy as np
 
-from kvcached.core.l3_index import chain_page_keys
+from kvcached.core.l3_index import ROOT_KEY, page_key
 from kvcached.core.tiers import Tier
 
 OWNERSHIP = "kvcached"
@@ -142,27 +142,91 @@ def block_hash(page_key: bytes) -> int:
     return int.from_bytes(page_key, "big") & _HASH_MASK
 
 
-def _event_body(event: TierEvent) -> dict[str, Any]:
+class KeyCache:
+    """The page keys of recently encoded paths, keyed by page size and the path's bytes (the keys
+    are a function of these alone), at most ``max_bytes`` of
+    paths (least recently used first out): an eviction names the pages a store named before, and an
+    extension's parent is the last page of a path stored before, so most keys are hashed once."""
+
+    def __init__(self, max_bytes: int = 16 << 20):
+        self.max_bytes = max_bytes
+        self._keys: collections.OrderedDict[tuple[int, bytes], list[bytes]] = collections.OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+
+    def get(self, page_size: int, path: bytes) -> list[bytes] | None:
+        keys = self._keys.get((page_size, path))
+        if keys is not None:
+            self._keys.move_to_end((page_size, path))
+            self.hits += 1
+        return keys
+
+    def put(self, page_size: int, path: bytes, keys: list[bytes]) -> None:
+        if (page_size, path) in self._keys or len(path) > self.max_bytes:
+            return
+        self._keys[page_size, path] = keys
+        self._bytes += len(path)
+        while self._bytes > self.max_bytes:
+            (_, oldest), _ = self._keys.popitem(last=False)
+            self._bytes -= len(oldest)
+
+
+def _page_keys(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, list[bytes]]:
+    """The keys of the path's pages (from the cache where it can); yields after each
+    ``pages_per_slice`` pages hashed (a path's keys chain from its first page)."""
+    keys = cache.get(event.page_size, event.path)
+    if keys is not None:
+        return keys
+    page_bytes = event.page_size * _TOKEN_BYTES
+    known = cache.get(event.page_size, event.path[:event.start_page * page_bytes]) if event.start_page else None
+    keys = list(known) if known is not None else []
+    parent = keys[-1] if keys else ROOT_KEY
+    for page in range(len(keys), event.end_page):
+        parent = page_key(parent, event.path[page * page_bytes:(page + 1) * page_bytes])
+        keys.append(parent)
+        if (page + 1) % pages_per_slice == 0:
+            yield
+    cache.put(event.page_size, event.path, keys)
+    return keys
+
+
+def _event_body(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, dict[str, Any]]:
+    """The event's map."""
     if event.kind is EventKind.CLEARED:
         return {"type": event.kind.value}
     assert event.where is not None
-    tokens = np.frombuffer(event.path, dtype="<i4")
-    keys = chain_page_keys(tokens, event.page_size, event.end_page)
+    keys = yield from _page_keys(event, cache, pages_per_slice)
     hashes = [block_hash(key) for key in keys[event.start_page:]]
     if event.kind is EventKind.REMOVED:
         return {"type": event.kind.value, "block_hashes": hashes, "medium": event.where.medium,
                 "locality": event.where.locality, "ownership": OWNERSHIP}
+    tokens = np.frombuffer(event.path, dtype="<i4", offset=event.start_page * event.page_size * _TOKEN_BYTES)
     return {"type": event.kind.value, "block_hashes": hashes,
             "parent_block_hash": block_hash(keys[event.start_page - 1]) if event.start_page else None,
-            "token_ids": tokens[event.start_page * event.page_size:].tolist(), "block_size": event.page_size,
+            "token_ids": tokens.tolist(), "block_size": event.page_size,
             "lora_id": None, "medium": event.where.medium, "lora_name": None,
             "locality": event.where.locality, "ownership": OWNERSHIP}
 
 
-def encode_batches(events: Iterable[TierEvent], ts: float) -> list[tuple[str, bytes]]:
-    """One ``KVEventBatch`` per model, in the order each model first appears: (model_id, payload)."""
+def encode_in_slices(events: Iterable[TierEvent], ts: float, cache: KeyCache | None = None,
+                     pages_per_slice: int = 16) -> Generator[None, None, list[tuple[str, bytes]]]:
+    """One ``KVEventBatch`` per model, in the order each model first appears: (model_id, payload),
+    returned once done; yields after each ``pages_per_slice`` pages hashed, so that its caller can
+    serve requests between slices."""
+    cache = cache if cache is not None else KeyCache()
     per_model: dict[str, list[dict[str, Any]]] = {}
     for event in events:
-        per_model.setdefault(event.model_id, []).append(_event_body(event))
+        body = yield from _event_body(event, cache, pages_per_slice)
+        per_model.setdefault(event.model_id, []).append(body)
     return [(model_id, msgpack.packb([ts, bodies, None], use_bin_type=True))
             for model_id, bodies in per_model.items()]
+
+
+def encode_batches(events: Iterable[TierEvent], ts: float) -> list[tuple[str, bytes]]:
+    """``encode_in_slices`` at once."""
+    slices = encode_in_slices(events, ts)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value

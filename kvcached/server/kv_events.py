@@ -9,7 +9,8 @@ for ``tcp://*:PORT`` (any wildcard) and ``ipc://PATH``, and connects to any othe
 (an indexer that binds), vLLM's rule. PUB never blocks: a subscriber that does not keep up loses
 what goes beyond the high-water mark (ZeroMQ drops it), and can ask the replay socket (a ROUTER:
 request ``[b"", start seq]``, as vLLM's) for the last ``REPLAY_BATCHES`` messages from that number
-on, then an end marker (seq -1). Used by the event loop's thread only.
+on, then an end marker (seq -1). Both sockets belong to the daemon's socket thread, which hashes and
+sends events a slice at a time while no request waits (``Server._socket_loop``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import zmq
 
-from kvcached.core.kv_events import TierEvent, encode_batches
+from kvcached.core.kv_events import KeyCache, TierEvent, encode_in_slices
 
 logger = logging.getLogger(__name__)
 
 SNDHWM_MESSAGES = 100_000           # vLLM's default high-water mark
 REPLAY_BATCHES = 10_000             # messages the replay socket can send again (vLLM's buffer_steps)
+# Pages hashed between two looks at the daemon's socket: a request waits for one slice at most.
+PAGES_PER_SLICE = 16
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -46,6 +49,7 @@ class KVEventPublisher:
         self.sent_events = 0
         self.lost_events = 0                # dropped by the state's buffer
         self._topics: dict[str, bytes] = {}
+        self.key_cache = KeyCache()
         self._replay_buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
         self.pub = context.socket(zmq.PUB)
         self.replay: zmq.Socket | None = None
@@ -70,16 +74,19 @@ class KVEventPublisher:
             topic = self._topics[model_id] = f"kv@{self.node}@{model_id}".encode()
         return topic
 
-    def publish(self, events: Iterable[TierEvent], dropped: int, ts: float | None = None) -> None:
-        """Send one batch per model of ``events``; ``dropped`` events recorded meanwhile were lost."""
+    def publish(self, events: Iterable[TierEvent], dropped: int, ts: float | None = None) -> Iterator[None]:
+        """Send one batch per model of ``events`` (``dropped`` events recorded meanwhile were lost),
+        a slice of the work per step of the iterator: the caller serves requests between steps."""
         if dropped:
             self.lost_events += dropped
             self.seq += 1                   # the gap that tells subscribers
             logger.warning("KV events: %d dropped (the buffer was full); sequence number %d skipped", dropped,
                            self.seq - 1)
         events = list(events)
+        batches = yield from encode_in_slices(events, time.time() if ts is None else ts, self.key_cache,
+                                                 PAGES_PER_SLICE)
         self.sent_events += len(events)
-        for model_id, payload in encode_batches(events, time.time() if ts is None else ts):
+        for model_id, payload in batches:
             topic, seq = self.topic(model_id), self.seq.to_bytes(8, "big")
             try:
                 self.pub.send_multipart([topic, seq, payload], flags=zmq.NOBLOCK)

@@ -34,7 +34,7 @@ import socket as socket_module
 import sqlite3
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import zmq
 
@@ -132,6 +132,7 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._socket_thread: threading.Thread | None = None
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._kv_slices: Iterator[None] | None = None       # socket thread: the KV events being sent
         # Socket thread: what a handler leaves for after its reply is sent (``_handle``), such as
         # planning a background promotion: it does not change the reply, so no engine waits for it.
         self._after_reply: list[Callable[[], None]] = []
@@ -205,6 +206,9 @@ class Server:
             poller = zmq.Poller()
             poller.register(self.socket, zmq.POLLIN)
             poller.register(self._wake_receiver, zmq.POLLIN)
+            replay = self.kv_publisher.replay if self.kv_publisher is not None else None
+            if replay is not None:
+                poller.register(replay, zmq.POLLIN)
             spin_s = self.config.socket_spin_us / 1e6
             spin_until = 0.0
             if self.config.socket_cpu is not None:
@@ -222,8 +226,19 @@ class Server:
                     if not ready:
                         os.sched_yield()
                         continue
+                elif self._kv_events_due():
+                    # KV events are hashed and sent a slice at a time while no request waits, on
+                    # this thread: a request waits for one slice at most, never for a lock or the GIL.
+                    ready = dict(poller.poll(0))
+                    if not ready:
+                        self._publish_kv_slice()
+                        continue
                 else:
                     ready = dict(poller.poll())
+                if replay is not None and replay in ready:
+                    self.kv_publisher.serve_replay()
+                    if len(ready) == 1:
+                        continue
                 spin_until = time.perf_counter() + spin_s
                 if self._wake_receiver in ready:
                     while self._wake_receiver.poll(0):
@@ -460,15 +475,28 @@ class Server:
             self.state.metrics.add(counters.REPLIES_DROPPED)
             logger.warning("could not reply to a peer: %s", exc)
 
-    def publish_kv_events(self) -> None:
-        """On the loop, scheduled by the first event recorded since the last call: every event
-        recorded meanwhile goes out in one batch per model (hashed and encoded here, off the lock)."""
-        if self.kv_publisher is None:
-            return
-        with self.state_lock:
-            events, dropped = self.state.kv_events.take()
-        if events or dropped:
-            self.kv_publisher.publish(events, dropped)
+    def _kv_events_due(self) -> bool:
+        """Events to hash and send (socket thread)."""
+        return self._kv_slices is not None or (self.kv_publisher is not None and len(self.state.kv_events) > 0)
+
+    def _publish_kv_slice(self) -> None:
+        """Socket thread, while no request waits: one slice of the KV events' work (events recorded
+        since the last take are taken under the lock; hashing and sending go on without it)."""
+        assert self.kv_publisher is not None
+        if self._kv_slices is None:
+            with self.state_lock:
+                events, dropped = self.state.kv_events.take()
+            if not events and not dropped:
+                return
+            self._kv_slices = self.kv_publisher.publish(events, dropped)
+        try:
+            next(self._kv_slices)
+        except StopIteration:
+            self._kv_slices = None
+        except Exception:       # our bug: those events are lost (a gap); requests are served on
+            self._kv_slices = None
+            logger.exception("publishing KV events failed")
+            self.state.metrics.add("errors_internal")
 
     async def _reap_loop(self) -> None:
         assert self.watcher is not None
@@ -1030,10 +1058,11 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                                 config.remote_get_min_gibps * 2**30), segment.mapping)
             resources.callback(remote.close)           # its gets land in the segment: closed before it
             remote.probe_if_due()                      # connects in the background
-        # The KV events' buffer wakes the loop (from either thread) when an event lands in it empty.
+        # The KV events' buffer wakes the socket thread (which sends them) when an event lands in it
+        # empty; recorded on that thread itself, it finds them after the request it handles.
         serving_events: list[Server] = []
-        kv_events = EventBuffer(KV_EVENTS_BUFFER_BYTES, notify=lambda: loop.call_soon_threadsafe(
-            lambda: serving_events and serving_events[0].publish_kv_events())) if config.kv_events else None
+        kv_events = EventBuffer(KV_EVENTS_BUFFER_BYTES, notify=lambda: serving_events and (
+            serving_events[0]._wake_socket_thread())) if config.kv_events else None
         try:
             state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
@@ -1077,12 +1106,6 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         serving_remote.append(server)
         if kv_publisher is not None:
             serving_events.append(server)
-            loop.call_soon(server.publish_kv_events)       # what restoring L3 recorded
-            if kv_publisher.replay is not None:
-                replay_fd = kv_publisher.replay.getsockopt(zmq.FD)
-                loop.add_reader(replay_fd, kv_publisher.serve_replay)
-                resources.callback(loop.remove_reader, replay_fd)
-                loop.call_soon(kv_publisher.serve_replay)
         resources.callback(server.close_wake_sockets)
         if listener is not None:
             server.http_address = listener.address

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kvcached.core.daemon import DaemonState
-from kvcached.core.kv_events import REMOTE_WHERE, TIER_WHERE, EventBuffer, EventKind, TierEvent, encode_batches
+from kvcached.core.kv_events import (REMOTE_WHERE, TIER_WHERE, EventBuffer, EventKind, KeyCache, TierEvent,
+                                    encode_batches, encode_in_slices)
 from kvcached.core.tiers import Tier
 from proto.messages import KVGeometry
 
@@ -186,3 +187,24 @@ def test_a_negative_bound_is_refused(max_buffered_bytes):
     """A buffer bound below 0 is a programming error of the caller: ValueError."""
     with pytest.raises(ValueError):
         EventBuffer(max_buffered_bytes)
+
+
+def test_keys_from_the_cache_equal_those_hashed_afresh(rng):
+    """A shared KeyCache serves a removal the keys its store hashed and an extension its parent's,
+    and what it serves equals what a fresh encoding hashes; one path under two page sizes is two
+    entries, never one's keys for the other."""
+    path = tokens(rng, 6)
+    events = [event(EventKind.STORED, path[:4 * 4 * PAGE], 0), event(EventKind.STORED, path, 4),
+              event(EventKind.REMOVED, path, 2), TierEvent(EventKind.STORED, "m", 2 * PAGE, L2, path, 1)]
+    cache = KeyCache()
+    shared = []
+    for one in events:
+        slices = encode_in_slices([one], 1.0, cache, pages_per_slice=1)
+        try:
+            while True:
+                next(slices)
+        except StopIteration as done:
+            shared.append(done.value)
+    assert cache.hits == 2
+    assert shared == [encode_batches([one], 1.0) for one in events]
+    assert msgpack.unpackb(shared[3][0][1])[1][0]["block_hashes"] != chained_hashes(path, 6)[1:]

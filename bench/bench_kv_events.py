@@ -1,0 +1,138 @@
+"""What publishing KV events costs a lookup: two daemons, one with --kv-events (a subscriber
+reading every message) and one without, under the same load, in alternating rounds.
+
+Each iteration commits a new random prefix (its pages stored in L2, older ones evicted once L2 is
+full: events of both kinds), then times one lookup of a cached prefix from another process's point
+of view (the client's round trip). With events on, the daemon hashes and sends the commit's and
+evictions' events on its event loop while the socket thread serves that lookup.
+
+    python -m bench.bench_kv_events [--rounds 6] [--iterations 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from bench.common import exit_on_sigterm, median, percentile, print_table, write_result
+from engine_client.client import connect
+from kvcached.testing.daemon_proc import DaemonProcess, commit_written
+from proto.messages import KVGeometry
+
+GEOMETRY = KVGeometry("events-bench", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
+LOOKUP_PAGES = 128           # a 2,048-token prompt
+COMMIT_PAGES = 64            # each iteration's new prefix: 64 pages stored, as many evicted once L2 is full
+L2_SIZE = "8MiB"             # 1,024 pages of 8 KiB
+
+
+class Subscriber(threading.Thread):
+    """Reads every message the daemon publishes (a router that keeps up)."""
+
+    def __init__(self, endpoint: str):
+        super().__init__(daemon=True)
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.connect(endpoint)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.messages = 0
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            if self.socket.poll(100):
+                self.socket.recv_multipart()
+                self.messages += 1
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.join()
+        self.socket.close(0)
+
+
+def run_round(client, rng, lookup_tokens: np.ndarray, iterations: int) -> list[float]:
+    samples = []
+    for _ in range(iterations):
+        tokens = rng.integers(0, 150_000, size=COMMIT_PAGES * GEOMETRY.page_size, dtype=np.int32)
+        commit_written(client, client.match(tokens, reserve_backup=True))      # the commit is not waited for
+        started = time.perf_counter()
+        reply = client.lookup_async(lookup_tokens).result()
+        samples.append(time.perf_counter() - started)
+        assert reply.hit_tokens["l2"] == len(lookup_tokens), reply.hit_tokens
+    assert client.flush() == []
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    exit_on_sigterm()
+    rng = np.random.default_rng(args.seed)
+    directory = tempfile.mkdtemp(prefix="kvb-ev-", dir="/tmp")
+    endpoint = f"ipc://{directory}/events"
+    daemons = {"off": DaemonProcess(l2_size=L2_SIZE, extra_args=("--l3-size", "0")),
+               "on": DaemonProcess(l2_size=L2_SIZE, extra_args=("--l3-size", "0", "--kv-events", endpoint))}
+    subscriber = None
+    clients = {}
+    try:
+        for daemon in daemons.values():
+            daemon.start()
+        subscriber = Subscriber(endpoint)
+        subscriber.start()
+        lookup_tokens = rng.integers(0, 150_000, size=LOOKUP_PAGES * GEOMETRY.page_size, dtype=np.int32)
+        for name, daemon in daemons.items():
+            client = clients[name] = connect(daemon.socket_path, timeout_s=10.0)
+            client.attach(GEOMETRY)
+            commit_written(client, client.match(lookup_tokens, reserve_backup=True))
+            # A match that hits it makes it reused: eviction takes the never-reused new prefixes first.
+            client.release(client.match(lookup_tokens).lease_id)
+            assert client.flush() == []
+        samples: dict[str, list[float]] = {name: [] for name in daemons}
+        load_before = os.getloadavg()[0]
+        for round_index in range(args.rounds):
+            order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
+            for name in order:
+                samples[name] += run_round(clients[name], rng, lookup_tokens, args.iterations)
+        load_after = os.getloadavg()[0]
+        time.sleep(0.5)
+        status = clients["on"].status()["daemon"]["kv_events"]
+        rows = [{"events": name, "lookups": len(s), "median_us": median(s) * 1e6,
+                 "p90_us": percentile(s, 90) * 1e6, "p99_us": percentile(s, 99) * 1e6} for name, s in samples.items()]
+        print_table(rows, ["events", "lookups", "median_us", "p90_us", "p99_us"])
+        off, on = (samples[name] for name in ("off", "on"))
+        summary = {
+            "lookup_us_median_off": median(off) * 1e6, "lookup_us_median_on": median(on) * 1e6,
+            "median_ratio_on_to_off": median(on) / median(off),
+            "lookup_us_p99_off": percentile(off, 99) * 1e6, "lookup_us_p99_on": percentile(on, 99) * 1e6,
+            "p99_ratio_on_to_off": percentile(on, 99) / percentile(off, 99),
+            "messages_published": status["messages"], "events_published": status["events"],
+            "events_lost": status["lost_events"], "messages_received": subscriber.messages,
+            "load_average_1m_before_after": [load_before, load_after],
+        }
+        print(summary)
+        path = write_result("kv_events", {
+            "config": {"rounds": args.rounds, "iterations": args.iterations, "lookup_pages": LOOKUP_PAGES,
+                       "commit_pages": COMMIT_PAGES, "l2_size": L2_SIZE, "page_size": GEOMETRY.page_size,
+                       "seed": args.seed},
+            "summary": summary, "rows": rows}, machine="cpu")
+        print(f"wrote {path}")
+    finally:
+        for client in clients.values():
+            client.close()
+        if subscriber is not None:
+            subscriber.stop()
+        for daemon in daemons.values():
+            daemon.cleanup()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
