@@ -3,8 +3,9 @@ reading every message) and one without, under the same load, in alternating roun
 
 Each iteration commits a new random prefix (its pages stored in L2, older ones evicted once L2 is
 full: events of both kinds), then times one lookup of a cached prefix from another process's point
-of view (the client's round trip). With events on, the daemon hashes and sends the commit's and
-evictions' events on its event loop while the socket thread serves that lookup.
+of view (the client's round trip), and the daemon's CPU time per iteration. With events on, the
+daemon's socket thread hashes and sends the commit's and evictions' events a slice at a time
+between requests.
 
     python -m bench.bench_kv_events [--rounds 6] [--iterations 300]
 """
@@ -55,6 +56,13 @@ class Subscriber(threading.Thread):
         self.socket.close(0)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_round(client, rng, lookup_tokens: np.ndarray, iterations: int) -> list[float]:
     samples = []
     for _ in range(iterations):
@@ -96,11 +104,15 @@ def main() -> None:
             client.release(client.match(lookup_tokens).lease_id)
             assert client.flush() == []
         samples: dict[str, list[float]] = {name: [] for name in daemons}
+        daemon_cpu_s = dict.fromkeys(daemons, 0.0)
         load_before = os.getloadavg()[0]
         for round_index in range(args.rounds):
             order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
             for name in order:
+                cpu_before = cpu_seconds(daemons[name].proc.pid)
                 samples[name] += run_round(clients[name], rng, lookup_tokens, args.iterations)
+                time.sleep(0.2)     # the events of the round's last iterations are sent
+                daemon_cpu_s[name] += cpu_seconds(daemons[name].proc.pid) - cpu_before
         load_after = os.getloadavg()[0]
         time.sleep(0.5)
         status = clients["on"].status()["daemon"]["kv_events"]
@@ -113,6 +125,8 @@ def main() -> None:
             "median_ratio_on_to_off": median(on) / median(off),
             "lookup_us_p99_off": percentile(off, 99) * 1e6, "lookup_us_p99_on": percentile(on, 99) * 1e6,
             "p99_ratio_on_to_off": percentile(on, 99) / percentile(off, 99),
+            "daemon_cpu_us_per_iteration_off": daemon_cpu_s["off"] / len(off) * 1e6,
+            "daemon_cpu_us_per_iteration_on": daemon_cpu_s["on"] / len(on) * 1e6,
             "messages_published": status["messages"], "events_published": status["events"],
             "events_lost": status["lost_events"], "messages_received": subscriber.messages,
             "load_average_1m_before_after": [load_before, load_after],

@@ -142,83 +142,124 @@ def block_hash(page_key: bytes) -> int:
     return int.from_bytes(page_key, "big") & _HASH_MASK
 
 
+class PathHashes(NamedTuple):
+    """A path's block hashes, page by page, and its last page's key (a longer path chains from it)."""
+
+    hashes: np.ndarray          # uint64
+    last_key: bytes
+
+
 class KeyCache:
-    """The page keys of recently encoded paths, keyed by page size and the path's bytes (the keys
-    are a function of these alone), at most ``max_bytes`` of
-    paths (least recently used first out): an eviction names the pages a store named before, and an
-    extension's parent is the last page of a path stored before, so most keys are hashed once."""
+    """The hashes of recently encoded paths, keyed by page size and the path's bytes (the hashes
+    are a function of these alone), at most ``max_bytes`` of paths (least recently used first out):
+    an eviction names the pages a store named before, and an extension's parent is the last page of
+    a path stored before, so most pages are hashed once."""
 
     def __init__(self, max_bytes: int = 16 << 20):
         self.max_bytes = max_bytes
-        self._keys: collections.OrderedDict[tuple[int, bytes], list[bytes]] = collections.OrderedDict()
+        self._paths: collections.OrderedDict[tuple[int, bytes], PathHashes] = collections.OrderedDict()
         self._bytes = 0
         self.hits = 0
 
-    def get(self, page_size: int, path: bytes) -> list[bytes] | None:
-        keys = self._keys.get((page_size, path))
-        if keys is not None:
-            self._keys.move_to_end((page_size, path))
+    def get(self, page_size: int, path: bytes) -> PathHashes | None:
+        known = self._paths.get((page_size, path))
+        if known is not None:
+            self._paths.move_to_end((page_size, path))
             self.hits += 1
-        return keys
+        return known
 
-    def put(self, page_size: int, path: bytes, keys: list[bytes]) -> None:
-        if (page_size, path) in self._keys or len(path) > self.max_bytes:
+    def put(self, page_size: int, path: bytes, known: PathHashes) -> None:
+        if (page_size, path) in self._paths or len(path) > self.max_bytes:
             return
-        self._keys[page_size, path] = keys
+        self._paths[page_size, path] = known
         self._bytes += len(path)
         while self._bytes > self.max_bytes:
-            (_, oldest), _ = self._keys.popitem(last=False)
+            (_, oldest), _ = self._paths.popitem(last=False)
             self._bytes -= len(oldest)
 
 
-def _page_keys(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, list[bytes]]:
-    """The keys of the path's pages (from the cache where it can); yields after each
+def _path_hashes(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, PathHashes]:
+    """The block hashes of the path's pages (from the cache where it can); yields after each
     ``pages_per_slice`` pages hashed (a path's keys chain from its first page)."""
-    keys = cache.get(event.page_size, event.path)
-    if keys is not None:
-        return keys
+    known = cache.get(event.page_size, event.path)
+    if known is not None:
+        return known
     page_bytes = event.page_size * _TOKEN_BYTES
-    known = cache.get(event.page_size, event.path[:event.start_page * page_bytes]) if event.start_page else None
-    keys = list(known) if known is not None else []
-    parent = keys[-1] if keys else ROOT_KEY
-    for page in range(len(keys), event.end_page):
+    prefix = cache.get(event.page_size, event.path[:event.start_page * page_bytes]) if event.start_page else None
+    first_page = len(prefix.hashes) if prefix is not None else 0
+    parent = prefix.last_key if prefix is not None else ROOT_KEY
+    keys: list[bytes] = []
+    for page in range(first_page, event.end_page):
         parent = page_key(parent, event.path[page * page_bytes:(page + 1) * page_bytes])
         keys.append(parent)
-        if (page + 1) % pages_per_slice == 0:
+        if len(keys) % pages_per_slice == 0:
             yield
-    cache.put(event.page_size, event.path, keys)
-    return keys
+    # vLLM's int of each key (block_hash), all in one pass: the last 8 bytes, big-endian.
+    hashes = np.frombuffer(b"".join(keys), dtype=">u8")[1::2].astype(np.uint64)
+    if prefix is not None:
+        hashes = np.concatenate([prefix.hashes, hashes])
+    known = PathHashes(hashes, parent)
+    cache.put(event.page_size, event.path, known)
+    return known
 
 
-def _event_body(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, dict[str, Any]]:
-    """The event's map."""
+# msgpack as msgspec writes vLLM's structs: each int in its shortest form, a map's keys in field order.
+_PACKER = msgpack.Packer(use_bin_type=True)
+_KEYS = {key: _PACKER.pack(key) for key in ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                            "lora_id", "medium", "lora_name", "locality", "ownership")}
+
+
+def _pack_ints(values: np.ndarray, per_slice: int) -> Generator[None, None, bytes]:
+    """A msgpack array of these ints, as msgpack packs their list; yields after each ``per_slice``
+    (arrays concatenate: one header, then each element's own encoding)."""
+    parts = [_PACKER.pack_array_header(len(values))]
+    for start in range(0, len(values), per_slice):
+        chunk = values[start:start + per_slice].tolist()
+        parts.append(_PACKER.pack(chunk)[len(_PACKER.pack_array_header(len(chunk))):])
+        if start + per_slice < len(values):
+            yield
+    return b"".join(parts)
+
+
+def _pack_map(fields: list[tuple[str, bytes]]) -> bytes:
+    return _PACKER.pack_map_header(len(fields)) + b"".join(_KEYS[key] + value for key, value in fields)
+
+
+def _event_body(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Generator[None, None, bytes]:
+    """The event's map, packed."""
+    kind = _PACKER.pack(event.kind.value)
     if event.kind is EventKind.CLEARED:
-        return {"type": event.kind.value}
+        return _pack_map([("type", kind)])
     assert event.where is not None
-    keys = yield from _page_keys(event, cache, pages_per_slice)
-    hashes = [block_hash(key) for key in keys[event.start_page:]]
+    path_hashes = (yield from _path_hashes(event, cache, pages_per_slice)).hashes
+    hashes = _PACKER.pack(path_hashes[event.start_page:].tolist())
+    where = [("medium", _PACKER.pack(event.where.medium)), ("locality", _PACKER.pack(event.where.locality)),
+             ("ownership", _PACKER.pack(OWNERSHIP))]
     if event.kind is EventKind.REMOVED:
-        return {"type": event.kind.value, "block_hashes": hashes, "medium": event.where.medium,
-                "locality": event.where.locality, "ownership": OWNERSHIP}
+        return _pack_map([("type", kind), ("block_hashes", hashes), *where])
     tokens = np.frombuffer(event.path, dtype="<i4", offset=event.start_page * event.page_size * _TOKEN_BYTES)
-    return {"type": event.kind.value, "block_hashes": hashes,
-            "parent_block_hash": block_hash(keys[event.start_page - 1]) if event.start_page else None,
-            "token_ids": tokens.tolist(), "block_size": event.page_size,
-            "lora_id": None, "medium": event.where.medium, "lora_name": None,
-            "locality": event.where.locality, "ownership": OWNERSHIP}
+    parent = int(path_hashes[event.start_page - 1]) if event.start_page else None
+    none = _PACKER.pack(None)
+    token_ids = yield from _pack_ints(tokens, pages_per_slice * event.page_size)
+    return _pack_map([("type", kind), ("block_hashes", hashes), ("parent_block_hash", _PACKER.pack(parent)),
+                      ("token_ids", token_ids),
+                      ("block_size", _PACKER.pack(event.page_size)), ("lora_id", none), where[0],
+                      ("lora_name", none), where[1], where[2]])
 
 
 def encode_in_slices(events: Iterable[TierEvent], ts: float, cache: KeyCache | None = None,
                      pages_per_slice: int = 16) -> Generator[None, None, list[tuple[str, bytes]]]:
     """One ``KVEventBatch`` per model, in the order each model first appears: (model_id, payload),
-    returned once done; yields after each ``pages_per_slice`` pages hashed, so that its caller can
-    serve requests between slices."""
+    returned once done; yields after each ``pages_per_slice`` pages hashed and after each event
+    packed, so that its caller can serve requests between slices."""
     cache = cache if cache is not None else KeyCache()
-    per_model: dict[str, list[dict[str, Any]]] = {}
+    per_model: dict[str, list[bytes]] = {}
     for event in events:
         body = yield from _event_body(event, cache, pages_per_slice)
         per_model.setdefault(event.model_id, []).append(body)
-    return [(model_id, msgpack.packb([ts, bodies, None], use_bin_type=True))
+        yield
+    head = _PACKER.pack_array_header(3) + _PACKER.pack(float(ts))
+    return [(model_id, head + _PACKER.pack_array_header(len(bodies)) + b"".join(bodies) + _PACKER.pack(None))
             for model_id, bodies in per_model.items()]
 
 

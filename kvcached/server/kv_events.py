@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 SNDHWM_MESSAGES = 100_000           # vLLM's default high-water mark
 REPLAY_BATCHES = 10_000             # messages the replay socket can send again (vLLM's buffer_steps)
-# Pages hashed between two looks at the daemon's socket: a request waits for one slice at most.
-PAGES_PER_SLICE = 16
+# Pages hashed (or their token ids packed) between two looks at the daemon's socket: a request
+# waits for one slice at most.
+PAGES_PER_SLICE = 8
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 

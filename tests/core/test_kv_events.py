@@ -208,3 +208,21 @@ def test_keys_from_the_cache_equal_those_hashed_afresh(rng):
     assert cache.hits == 2
     assert shared == [encode_batches([one], 1.0) for one in events]
     assert msgpack.unpackb(shared[3][0][1])[1][0]["block_hashes"] != chained_hashes(path, 6)[1:]
+
+
+
+def test_token_ids_packed_in_slices_are_msgpacks_own_encoding(rng):
+    """A store's token ids packed a slice at a time (one array header, then the slices' elements)
+    are byte for byte msgpack's packing of the whole list, at every size around the slice's."""
+    for num_pages in (1, 2, 3, 5, 17, 40):
+        path = tokens(rng, num_pages)
+        for pages_per_slice in (1, 2, 16):
+            slices = encode_in_slices([event(EventKind.STORED, path, 0)], 1.0, KeyCache(), pages_per_slice)
+            try:
+                while True:
+                    next(slices)
+            except StopIteration as done:
+                (_, payload), = done.value
+            stored = msgpack.unpackb(payload)[1][0]
+            assert stored["token_ids"] == np.frombuffer(path, dtype="<i4").tolist()
+            assert payload == msgpack.packb([1.0, [stored], None])
