@@ -133,6 +133,10 @@ REMOTE_RESTORES = Counter("remote_restores", "kvcached_remote_restores", "Matche
                           "remote store")
 REMOTE_GET_CALLS = Counter("remote_get_calls", "kvcached_remote_get_calls", "Restores whose gets the remote store "
                            "answered")
+KV_EVENTS_SENT = Counter("kv_events_sent", "kvcached_kv_events_sent", "KV events (BlockStored, BlockRemoved, "
+                         "AllBlocksCleared) taken to be published on the --kv-events socket")
+KV_EVENTS_DROPPED = Counter("kv_events_dropped", "kvcached_kv_events_dropped", "KV events dropped because their "
+                            "buffer was full (a gap in the sequence numbers tells subscribers)")
 INTERNAL_ERRORS = Counter("errors_internal", "kvcached_internal_errors", "Requests that hit a daemon bug (error reply)")
 REFUSED_REQUESTS = Counter("errors_{}", "kvcached_refused_requests", "Requests refused with an error reply, by code",
                            "code", REFUSAL_CODES)

@@ -486,6 +486,8 @@ class Server:
         if self._kv_slices is None:
             with self.state_lock:
                 events, dropped = self.state.kv_events.take()
+                self.state.metrics.add(counters.KV_EVENTS_SENT, len(events))
+                self.state.metrics.add(counters.KV_EVENTS_DROPPED, dropped)
             if not events and not dropped:
                 return
             self._kv_slices = self.kv_publisher.publish(events, dropped)
@@ -496,7 +498,7 @@ class Server:
         except Exception:       # our bug: those events are lost (a gap); requests are served on
             self._kv_slices = None
             logger.exception("publishing KV events failed")
-            self.state.metrics.add("errors_internal")
+            self.state.metrics.add(counters.INTERNAL_ERRORS)
 
     async def _reap_loop(self) -> None:
         assert self.watcher is not None
