@@ -1,13 +1,17 @@
 """KV events for cache-aware routers: which prefixes the daemon's tiers gained and lost, in the
 format vLLM's engines publish (``vllm/distributed/kv_events.py``), so that an indexer of a vLLM
 fleet (llm-d's, Dynamo's router) learns which node holds a prefix in host memory. Pure logic: the
-state records its tier changes into an ``EventBuffer``; the I/O layer
-(``kvcached/server/kv_events.py``) takes them once per loop iteration, encodes and sends them.
+state records its tier changes into an ``EventBuffer``; the I/O layer (the daemon's socket thread,
+``kvcached/server/kv_events.py``) takes them, then hashes, encodes and sends them a slice at a time
+between requests (``encode_in_slices``).
 
 Wire format, as vLLM's msgspec classes encode it: a batch is the msgpack array ``[ts, [event, ...],
 data_parallel_rank]`` (``KVEventBatch``, array_like; the rank is nil here); an event is a map whose
 first key ``"type"`` names it (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), then its
-fields in vLLM's order, those at their default left out (omit_defaults).
+fields in vLLM's order, those at their default left out (omit_defaults). AllBlocksCleared is sent
+when a model's first namespace appears (what an earlier run published of it is gone); a namespace
+reclaimed for another model sends the removal of each page it held instead (so that the model's
+other namespaces, of other salts say, keep theirs in a router).
 
 Where a page is (``medium``, ``locality``), vLLM's names for its own offloading tiers: L2, the host
 memory pool, is ("CPU", "LOCAL"); L3, the local file, ("STORAGE", "LOCAL") as vLLM's file tier;
