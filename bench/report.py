@@ -136,7 +136,7 @@ def vllm(result: dict) -> list[Table]:
 
 # Tables per benchmark (the result file's "benchmark" field); each also gets its targets, if any.
 TABLES: dict[str, Callable[[dict], list[Table]]] = {
-    "ttft": ttft, "policy": policy, "connector": connector, "stress": stress, "stress_engines": stress,
+    "ttft": ttft, "remote_ttft": ttft, "policy": policy, "connector": connector, "stress": stress, "stress_engines": stress,
     "overlap": overlap, "rpc": rpc, "rpc_gap12": rpc, "pin": pin, "drills": drills, "vllm": vllm,
 }
 
