@@ -196,7 +196,8 @@ class RemoteStore:
                 logger.info("remote store: the L2 segment stays unmapped until gets touch it (madvise: %s)",
                             os.strerror(ctypes.get_errno()))
                 return
-        self.count("remote_segment_map_seconds", time.perf_counter() - started_s)
+        logger.info("remote store: the L2 segment (%d bytes) mapped in %.1f s", self._segment_bytes,
+                    time.perf_counter() - started_s)
 
     def _connect(self) -> Any:
         store = self._store_factory()

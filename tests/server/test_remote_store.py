@@ -160,10 +160,12 @@ def mapped_bytes(path: str) -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a shared-memory filesystem")
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_the_l2_segment_is_mapped_in_before_gets_land_in_it(tmp_path):
     """The daemon populates its L2 segment without mapping it; with the remote tier on, the
     segment's pages are mapped into the daemon in the background (a get landing in an unmapped
-    page would fault for every 4 KiB of it on the request's path)."""
+    page would fault for every 4 KiB of it on the request's path), and the thread doing it ends
+    cleanly."""
     from kvcached.server.shm import SharedSegment
 
     segment = SharedSegment.create("/dev/shm", f"kvt-remote-map-{os.getpid()}", 3 * MAP_SLICE_BYTES // 2)
