@@ -1037,6 +1037,14 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         listener = _start_http(config, serving)
         if listener is not None:
             resources.callback(listener.close)         # first: no snapshot is taken of a closing daemon
+        context = zmq.Context()
+        resources.callback(context.term)
+        if config.socket_cpu is not None:
+            # Set before the first socket starts the I/O thread; the socket thread joins it there.
+            context.set(zmq.THREAD_AFFINITY_CPU_ADD, config.socket_cpu)
+        # The KV events' endpoint too is bound before the pool is populated (one that cannot be
+        # fails the start at once).
+        kv_publisher = _start_kv_events(config, context, resources)
         signals.check()
         segment = SharedSegment.create(config.shm_dir, segment_name(config.socket_path), config.l2_bytes,
                                        progress=progress, check_stop=signals.check)
@@ -1086,11 +1094,6 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
             index.start()
         signals.check()
 
-        context = zmq.Context()
-        resources.callback(context.term)
-        if config.socket_cpu is not None:
-            # Set before the first socket starts the I/O thread; the socket thread joins it there.
-            context.set(zmq.THREAD_AFFINITY_CPU_ADD, config.socket_cpu)
         socket = context.socket(zmq.ROUTER)
         resources.callback(socket.close, SHUTDOWN_LINGER_MS)     # bounded: context.term() waits for it
         socket.setsockopt(zmq.LINGER, 0)
@@ -1101,7 +1104,6 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
         socket.bind(f"ipc://{config.socket_path}")
         resources.callback(directory.remove_socket)
         directory.socket_bound()
-        kv_publisher = _start_kv_events(config, context, resources)
 
         server = Server(config, state, socket, segment, storage, executor, index, epoch_files, hints_file.path,
                         remote, kv_publisher)
