@@ -1,7 +1,7 @@
 """What publishing KV events costs a lookup: two daemons, one with --kv-events (a subscriber
 reading every message) and one without, under the same load, in alternating rounds.
 
-Each iteration commits a new random prefix (its pages stored in L2, older ones evicted once L2 is
+The daemons take turns iteration by iteration. Each iteration commits a new random prefix (its pages stored in L2, older ones evicted once L2 is
 full: events of both kinds), then times one lookup of a cached prefix from another process's point
 of view (the client's round trip), and the daemon's CPU time per iteration. With events on, the
 daemon's socket thread hashes and sends the commit's and evictions' events a slice at a time
@@ -63,17 +63,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_round(client, rng, lookup_tokens: np.ndarray, iterations: int) -> list[float]:
-    samples = []
-    for _ in range(iterations):
-        tokens = rng.integers(0, 150_000, size=COMMIT_PAGES * GEOMETRY.page_size, dtype=np.int32)
-        commit_written(client, client.match(tokens, reserve_backup=True))      # the commit is not waited for
-        started = time.perf_counter()
-        reply = client.lookup_async(lookup_tokens).result()
-        samples.append(time.perf_counter() - started)
-        assert reply.hit_tokens["l2"] == len(lookup_tokens), reply.hit_tokens
-    assert client.flush() == []
-    return samples
+def one_iteration(client, rng, lookup_tokens: np.ndarray) -> float:
+    """Commit a new prefix (not waited for), then time a lookup of the cached one."""
+    tokens = rng.integers(0, 150_000, size=COMMIT_PAGES * GEOMETRY.page_size, dtype=np.int32)
+    commit_written(client, client.match(tokens, reserve_backup=True))
+    started = time.perf_counter()
+    reply = client.lookup_async(lookup_tokens).result()
+    elapsed = time.perf_counter() - started
+    assert reply.hit_tokens["l2"] == len(lookup_tokens), reply.hit_tokens
+    return elapsed
 
 
 def main() -> None:
@@ -107,12 +105,18 @@ def main() -> None:
         daemon_cpu_s = dict.fromkeys(daemons, 0.0)
         load_before = os.getloadavg()[0]
         for round_index in range(args.rounds):
-            order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-            for name in order:
-                cpu_before = cpu_seconds(daemons[name].proc.pid)
-                samples[name] += run_round(clients[name], rng, lookup_tokens, args.iterations)
-                time.sleep(0.2)     # the events of the round's last iterations are sent
-                daemon_cpu_s[name] += cpu_seconds(daemons[name].proc.pid) - cpu_before
+            cpu_before = {name: cpu_seconds(daemon.proc.pid) for name, daemon in daemons.items()}
+            for iteration in range(args.iterations):
+                # The two daemons alternate iteration by iteration (and which goes first): a change
+                # of the machine's load hits both alike.
+                order = ("off", "on") if (round_index + iteration) % 2 == 0 else ("on", "off")
+                for name in order:
+                    samples[name].append(one_iteration(clients[name], rng, lookup_tokens))
+            for client in clients.values():
+                assert client.flush() == []
+            time.sleep(0.2)         # the events of the round's last iterations are sent
+            for name, daemon in daemons.items():
+                daemon_cpu_s[name] += cpu_seconds(daemon.proc.pid) - cpu_before[name]
         load_after = os.getloadavg()[0]
         time.sleep(0.5)
         status = clients["on"].status()["daemon"]["kv_events"]
