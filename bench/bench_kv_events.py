@@ -16,7 +16,7 @@ import argparse
 import os
 import shutil
 import tempfile
-import threading
+import multiprocessing
 import time
 
 import numpy as np
@@ -33,27 +33,18 @@ COMMIT_PAGES = 64            # each iteration's new prefix: 64 pages stored, as 
 L2_SIZE = "8MiB"             # 1,024 pages of 8 KiB
 
 
-class Subscriber(threading.Thread):
-    """Reads every message the daemon publishes (a router that keeps up)."""
-
-    def __init__(self, endpoint: str):
-        super().__init__(daemon=True)
-        self.socket = zmq.Context.instance().socket(zmq.SUB)
-        self.socket.connect(endpoint)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.messages = 0
-        self.stopping = False
-
-    def run(self) -> None:
-        while not self.stopping:
-            if self.socket.poll(100):
-                self.socket.recv_multipart()
-                self.messages += 1
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.join()
-        self.socket.close(0)
+def subscribe(endpoint: str, received, stop) -> None:
+    """A router of its own (another process, as routers are): reads every message the daemon
+    publishes until ``stop`` is set; ``received`` counts them."""
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.connect(endpoint)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    while not stop.is_set():
+        if socket.poll(100):
+            socket.recv_multipart()
+            with received.get_lock():
+                received.value += 1
+    socket.close(0)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,7 +82,8 @@ def main() -> None:
     try:
         for daemon in daemons.values():
             daemon.start()
-        subscriber = Subscriber(endpoint)
+        received, stop = multiprocessing.Value("q", 0), multiprocessing.Event()
+        subscriber = multiprocessing.Process(target=subscribe, args=(endpoint, received, stop), daemon=True)
         subscriber.start()
         lookup_tokens = rng.integers(0, 150_000, size=LOOKUP_PAGES * GEOMETRY.page_size, dtype=np.int32)
         for name, daemon in daemons.items():
@@ -132,7 +124,7 @@ def main() -> None:
             "daemon_cpu_us_per_iteration_off": daemon_cpu_s["off"] / len(off) * 1e6,
             "daemon_cpu_us_per_iteration_on": daemon_cpu_s["on"] / len(on) * 1e6,
             "messages_published": status["messages"], "events_published": status["events"],
-            "events_lost": status["lost_events"], "messages_received": subscriber.messages,
+            "events_lost": status["lost_events"], "messages_received": received.value,
             "load_average_1m_before_after": [load_before, load_after],
         }
         print(summary)
@@ -146,7 +138,8 @@ def main() -> None:
         for client in clients.values():
             client.close()
         if subscriber is not None:
-            subscriber.stop()
+            stop.set()
+            subscriber.join(5)
         for daemon in daemons.values():
             daemon.cleanup()
         shutil.rmtree(directory, ignore_errors=True)
