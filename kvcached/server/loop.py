@@ -133,6 +133,7 @@ class Server:
         self._socket_thread: threading.Thread | None = None
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._kv_slices: Iterator[None] | None = None       # socket thread: the KV events being sent
+        self._socket_thread_id: int | None = None
         # Socket thread: what a handler leaves for after its reply is sent (``_handle``), such as
         # planning a background promotion: it does not change the reply, so no engine waits for it.
         self._after_reply: list[Callable[[], None]] = []
@@ -202,6 +203,7 @@ class Server:
         self._wake_receiver.close(0)
 
     def _socket_loop(self) -> None:
+        self._socket_thread_id = threading.get_ident()
         try:
             poller = zmq.Poller()
             poller.register(self.socket, zmq.POLLIN)
@@ -474,6 +476,12 @@ class Server:
         except zmq.ZMQError as exc:
             self.state.metrics.add(counters.REPLIES_DROPPED)
             logger.warning("could not reply to a peer: %s", exc)
+
+    def kv_events_recorded(self) -> None:
+        """The KV events' buffer got its first event (under state_lock): the socket thread sends
+        them, woken here unless it recorded them itself (it looks at the buffer after each request)."""
+        if threading.get_ident() != self._socket_thread_id:
+            self._wake_socket_thread()
 
     def _kv_events_due(self) -> bool:
         """Events to hash and send (socket thread)."""
@@ -1068,11 +1076,10 @@ async def serve(config: DaemonConfig, on_ready: Callable[[Server], None] | None 
                                                 config.remote_get_min_gibps * 2**30), segment.mapping)
             resources.callback(remote.close)           # its gets land in the segment: closed before it
             remote.probe_if_due()                      # connects in the background
-        # The KV events' buffer wakes the socket thread (which sends them) when an event lands in it
-        # empty; recorded on that thread itself, it finds them after the request it handles.
+        # The KV events' buffer tells the server when an event lands in it empty (kv_events_recorded).
         serving_events: list[Server] = []
         kv_events = EventBuffer(KV_EVENTS_BUFFER_BYTES, notify=lambda: serving_events and (
-            serving_events[0]._wake_socket_thread())) if config.kv_events else None
+            serving_events[0].kv_events_recorded())) if config.kv_events else None
         try:
             state = DaemonState(segment.size_bytes, max_namespaces=config.max_namespaces,
                                 session_timeout_s=config.session_timeout_s,
