@@ -9,12 +9,10 @@ snapshot (``snapshot.py``) read them all.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
 import logging
-import secrets
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -22,23 +20,23 @@ import numpy as np
 
 from kvcached.core import counters, integrity, snapshot
 from kvcached.core.allocator import PageAllocator
-from kvcached.core.chunks import ChunkMap
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
 from kvcached.core.generations import GenerationFiles, PageGenerations, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
-from kvcached.core.kv_events import REMOTE_WHERE, TIER_WHERE, EventBuffer, EventKind, TierEvent
-from kvcached.core.l3_index import IndexChange, SavedNamespace, namespace_key
+from kvcached.core.kv_events import TIER_WHERE, EventBuffer, EventKind, TierEvent
+from kvcached.core.l3_index import IndexChange, SavedNamespace
 from kvcached.core.l3_persistence import L3Persistence
-from kvcached.core.leases import Lease, LeaseState, Quarantine, Session
+from kvcached.core.leases import LeaseState, Session
 from kvcached.core.metrics import Metrics
 from kvcached.core.namespaces import Namespace
 from kvcached.core.pool import Pool
 from kvcached.core.residency import PeerExport, PeerRegistry
-from kvcached.core.tier_ops import OpState, TierMove
+from kvcached.core.sessions import SessionTable
+from kvcached.core.tier_ops import TierMove
+from kvcached.core.tiering import RemoteAsk, RemoteWrite, Tiering
 from kvcached.core.tiers import Tier
 from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
-from proto.counters import Counter
 from proto.hints import NEVER
 from proto.messages import KVGeometry
 from proto.replies import CommitReply, MatchReply
@@ -54,20 +52,6 @@ MAX_PAGES_PER_TIER = 1 << 20
 # reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
 # session keeps what it holds while it lives. The default; ``session_share`` sets another.
 MAX_SESSION_RESERVED_SHARE = 0.5
-# Ids of ended sessions remembered, so that a late commit from one is told (and counted) apart
-# from a request naming a session that never existed.
-MAX_ENDED_SESSIONS = 4096
-
-
-class RemoteAsk(NamedTuple):
-    """What the I/O layer asks the remote store before a lookup or match: which of pages
-    [start_page, end_page) of this path it holds (their keys chain from page 0)."""
-    namespace_id: int
-    namespace_key: str
-    page_size: int
-    token_ids: np.ndarray               # the path, whole pages (a copy)
-    start_page: int
-    end_page: int
 
 
 class PrefixHits(NamedTuple):
@@ -77,23 +61,6 @@ class PrefixHits(NamedTuple):
     geometry: KVGeometry
     hit_tokens: dict[str, int]
     remote_ask: RemoteAsk | None
-
-
-@dataclasses.dataclass(eq=False)
-class RemoteWrite:
-    """A write-through of L2 pages [start_page, start_page + len(page_ids)) of a path to the remote
-    store. Its L2 pages are locked (never evicted nor handed out) until ``finish_remote_write``;
-    the writer sends a page only while its generation is the one recorded here."""
-    write_id: int
-    namespace_id: int
-    namespace_key: str
-    page_size: int
-    bytes_per_page: int
-    token_ids: np.ndarray
-    start_page: int
-    page_ids: list[int]
-    generations: list[int]
-    lock: TreeNode | None
 
 
 class DaemonState:
@@ -129,16 +96,7 @@ class DaemonState:
             raise ValueError(f"session_share must be in (0, 1], got {session_share}")
         self.session_share = session_share
         self.max_namespaces = max_namespaces
-        self.moves: dict[int, TierMove] = {}
-        self._move_ids = itertools.count(1)
         self._namespace_ids = itertools.count()
-        if session_grace_s < session_timeout_s:
-            raise ValueError(f"session_grace_s ({session_grace_s}) must be at least session_timeout_s "
-                             f"({session_timeout_s})")
-        self.session_timeout_s = session_timeout_s
-        self.session_grace_s = session_grace_s
-        self.quarantines: dict[int, Quarantine] = {}        # by the ended session's id
-        self._ended_session_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
         self.metrics = Metrics()
@@ -146,29 +104,29 @@ class DaemonState:
                          lambda namespace, slot_ids: self.l3.unindex_slots(namespace, slot_ids))
         self.l3 = L3Persistence(l3_index_sink if l3_bytes > 0 else None, self.metrics, clock)
         self.geometry_to_namespace: dict[KVGeometry, Namespace] = {}
-        self.sessions: dict[int, Session] = {}
-        self.leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
         self._generation_ids = itertools.count(1)       # write generations: never 0, never reused
         self._generation_files = generation_files if generation_files is not None else PrivateGenerations()
-        self._running_at = clock()
-        self.peers = PeerRegistry()
-        self._peer_end_sink = peer_end_sink
         self.cost = cost_model if cost_model is not None else CostModel()
-        self._background_move_ids: dict[int, int] = {}      # namespace id -> its background promotion
         self.hints = hints if hints is not None else AdmissionHints(max_namespaces)
         if self.hints.num_slots < max_namespaces:
             raise ValueError(f"the admission hints have {self.hints.num_slots} slots for {max_namespaces} namespaces")
         self.hints.set_policy(self.cost.policy)
-        self._remote_write_sink = remote_write_sink
-        self.remote_writes: dict[int, RemoteWrite] = {}
-        self._remote_write_ids = itertools.count(1)
-        self._remote_namespace_keys: dict[int, str] = {}
         self.kv_events = kv_events
+        self.peers = PeerRegistry(self.namespaces, self.metrics, self.hints, peer_end_sink)
+        self.session_table = SessionTable(self.namespaces, self.metrics, clock, session_timeout_s=session_timeout_s,
+                                          session_grace_s=session_grace_s, session_share=session_share,
+                                          on_session_end=self.peers.end)
+        self.tiering = Tiering(self.namespaces, self.metrics, self.pool, self.l3, self.cost, self._generation_ids,
+                               remote_write_sink, kv_events, self._publishes_events)
 
-    @property
-    def chunks(self) -> dict[Tier, ChunkMap]:
-        return self.pool.chunks
+    # What the owners hold, by the names the server and the tests read.
+    chunks = property(lambda self: self.pool.chunks)
+    sessions = property(lambda self: self.session_table.sessions)
+    leases = property(lambda self: self.session_table.leases)
+    quarantines = property(lambda self: self.session_table.quarantines)
+    moves = property(lambda self: self.tiering.moves)
+    remote_writes = property(lambda self: self.tiering.remote_writes)
+    remote_enabled = property(lambda self: self.tiering.remote_enabled)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -183,36 +141,10 @@ class DaemonState:
             namespace = self._create_namespace(geometry)
             for tier in namespace.tree.tiers:
                 self.pool.assign_free_chunks(namespace, tier)
-        namespace.idle_since = None
-        now = self.clock()
-        session_id = secrets.randbits(62) + 1
-        while session_id in self.sessions:
-            session_id = secrets.randbits(62) + 1
-        session = Session(session_id, namespace.namespace_id, pid, client_name, now, now,
-                          pid_watched=pid_watched, pid_namespace_id=pid_namespace_id,
-                          process_start_time=process_start_time)
-        self.sessions[session_id] = session
-        namespace.session_ids.add(session_id)
-        self.metrics.add(counters.ATTACHES)
-        logger.info("session %x attached: pid %d (%s), %s, namespace %d", session_id, pid,
-                    "watched" if pid_watched else "heartbeats only", client_name or "-", namespace.namespace_id)
-        if previous_session_id:
-            self._end_previous_session(session, previous_session_id)
+        session = self.session_table.open(namespace, pid, client_name, pid_watched=pid_watched,
+                                          pid_namespace_id=pid_namespace_id, process_start_time=process_start_time,
+                                          previous_session_id=previous_session_id)
         return session, namespace
-
-    def _end_previous_session(self, session: Session, previous_session_id: int) -> None:
-        identity = (session.pid, session.pid_namespace_id, session.process_start_time)
-        previous = self.sessions.get(previous_session_id)
-        quarantine = self.quarantines.get(previous_session_id)
-        if previous is not None and previous is not session and previous.same_process(*identity):
-            self._end_session(previous, reason="replaced by a new session of its process", quarantine=False)
-            self.metrics.add(counters.SESSIONS_ENDED, 1, "replaced")
-        elif quarantine is not None and quarantine.session.same_process(*identity):
-            self._end_quarantine(previous_session_id, "reattach")
-        elif previous is not None or quarantine is not None:
-            self.metrics.add(counters.PREVIOUS_SESSION_REFUSED)
-            logger.warning("session %x names session %x as its previous one, which belongs to another "
-                           "process; ignored", session.session_id, previous_session_id)
 
     def _create_namespace(self, geometry: KVGeometry) -> Namespace:
         """A namespace that owns no chunk yet (attach gives it the free ones; it gains more as it
@@ -269,8 +201,7 @@ class DaemonState:
         new geometry can be served; its chunks go back to the pool and its cached pages are lost.
         Returns whether one was reclaimed."""
         # A namespace with quarantined pages is not idle: a stale writer may still write them.
-        busy = {move.namespace_id for move in self.moves.values()}
-        busy.update(write.namespace_id for write in self.remote_writes.values())
+        busy = self.tiering.busy_namespace_ids()
         busy.update(q.session.namespace_id for q in self.quarantines.values())
         idle = [ns for ns in self.namespaces.values()
                 if not ns.session_ids and ns.namespace_id not in busy and ns.idle_since is not None]
@@ -294,14 +225,7 @@ class DaemonState:
         return True
 
     def session(self, session_id: int) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            if session_id in self._ended_session_ids:
-                raise ProtocolError(ErrorCode.NOT_ATTACHED, f"session {session_id:x} has ended (detached, "
-                                    "expired or replaced); attach again")
-            raise ProtocolError(ErrorCode.NOT_ATTACHED, f"no session {session_id:x} (never attached, detached or expired)")
-        session.last_seen = self.clock()
-        return session
+        return self.session_table.get(session_id)
 
     def heartbeat(self, session_id: int) -> None:
         self.session(session_id)
@@ -338,98 +262,20 @@ class DaemonState:
         return decision
 
     def detach(self, session_id: int) -> int:
-        """End a session and reclaim its leases; returns how many leases were reclaimed. The engine
-        detaches once its transfers are drained, so the pages are free at once."""
-        session = self.session(session_id)
-        return self._end_session(session, reason="detached", quarantine=False)
+        """End a session and reclaim its leases; returns how many leases were reclaimed."""
+        return self.session_table.detach(session_id)
 
     def process_gone(self, session_id: int) -> bool:
-        """The watched process of a session (live or quarantined) has exited: nothing of it can
-        write any more, so its pages are free at once. Returns whether the session was known."""
-        session = self.sessions.get(session_id)
-        if session is not None:
-            self._end_session(session, reason="ended: its process exited", quarantine=False)
-            self.metrics.add(counters.SESSIONS_ENDED, 1, "ended_process_gone")
-            return True
-        if session_id in self.quarantines:
-            self._end_quarantine(session_id, "process_gone")
-            return True
-        return False
+        return self.session_table.process_gone(session_id)
 
     def watches(self, session_id: int) -> bool:
-        """Whether the exit of this session's process still matters (process_gone): a watched
-        session that is live, or whose pages are quarantined."""
-        session = self.sessions.get(session_id)
-        return (session.pid_watched if session is not None
-                else session_id in self.quarantines and self.quarantines[session_id].session.pid_watched)
+        return self.session_table.watches(session_id)
 
     def note_running(self, max_gap_s: float) -> float:
-        """Called at least every ``max_gap_s`` while the daemon runs (the reaper): a longer gap is
-        time the daemon was stopped or starved, in which it could see no heartbeat, so it is
-        credited to every session and quarantine (their clocks stop). Returns the seconds credited."""
-        now = self.clock()
-        credit_s = now - self._running_at - max_gap_s
-        self._running_at = now
-        if credit_s <= 0:
-            return 0.0
-        for session in itertools.chain(self.sessions.values(), (q.session for q in self.quarantines.values())):
-            session.last_seen = min(now, session.last_seen + credit_s)
-        self.metrics.add(counters.DAEMON_PAUSES)
-        self.metrics.add(counters.DAEMON_PAUSED_SECONDS, credit_s)
-        logger.warning("the daemon did not run for %.3f s; sessions are credited that time", credit_s)
-        return credit_s
+        return self.session_table.note_running(max_gap_s)
 
     def expire_sessions(self) -> list[int]:
-        """End every session silent for too long (session_timeout_s, or session_grace_s when its
-        process is watched), quarantining what it could still write; end the quarantines of
-        unwatched processes silent for session_grace_s. Returns the ids of the sessions ended."""
-        now = self.clock()
-        expired = [s for s in self.sessions.values()
-                   if now - s.last_seen > (self.session_grace_s if s.pid_watched else self.session_timeout_s)]
-        for session in expired:
-            if session.pid_watched:
-                self._end_session(session, reason=f"silent for {self.session_grace_s} s (its process lives)",
-                                  quarantine=True)
-                self.metrics.add(counters.SESSIONS_ENDED, 1, "grace_exceeded")
-            else:
-                self._end_session(session, reason="expired (missed heartbeats)", quarantine=True)
-                self.metrics.add(counters.SESSIONS_ENDED, 1, "expired")
-        for session_id, quarantine in list(self.quarantines.items()):
-            if not quarantine.session.pid_watched and now - quarantine.session.last_seen > self.session_grace_s:
-                self._end_quarantine(session_id, "grace")
-        return [s.session_id for s in expired]
-
-    def _end_session(self, session: Session, reason: str, quarantine: bool) -> int:
-        """quarantine: its process may still write its private pages (they go to a Quarantine)."""
-        reclaimed = 0
-        quarantined: list[int] = []
-        for lease_id in sorted(session.lease_ids):
-            self._end_lease(self.leases[lease_id], LeaseState.RECLAIMED, quarantined if quarantine else None)
-            reclaimed += 1
-        del self.sessions[session.session_id]
-        self._end_peer_export(session.session_id)
-        self._ended_session_ids[session.session_id] = None
-        while len(self._ended_session_ids) > MAX_ENDED_SESSIONS:
-            self._ended_session_ids.popitem(last=False)
-        namespace = self.namespaces[session.namespace_id]
-        namespace.session_ids.discard(session.session_id)
-        if not namespace.session_ids:
-            namespace.idle_since = self.clock()
-        if quarantined:
-            self.quarantines[session.session_id] = Quarantine(session, quarantined, reason)
-            self.metrics.add(counters.QUARANTINES)
-            self.metrics.add(counters.QUARANTINED_PAGES, len(quarantined))
-        self.metrics.add(counters.LEASES_ENDED, reclaimed, "reclaimed")
-        logger.info("session %x %s; %d leases reclaimed, %d pages quarantined", session.session_id, reason,
-                    reclaimed, len(quarantined))
-        return reclaimed
-
-    def _end_quarantine(self, session_id: int, cause: str) -> None:
-        quarantine = self.quarantines.pop(session_id)
-        self.namespaces[quarantine.session.namespace_id].l2_allocator.free(quarantine.page_ids)
-        self.metrics.add(counters.QUARANTINES_ENDED, 1, cause)
-        logger.info("quarantine of session %x ended (%s): %d pages free", session_id, cause.replace("_", " "),
-                    len(quarantine.page_ids))
+        return self.session_table.expire_sessions()
 
     # ---- match, release, commit ----------------------------------------------------------
 
@@ -462,8 +308,8 @@ class DaemonState:
         local_hit_tokens = min(local_hit_tokens, len(token_ids)) // page_size * page_size
 
         result = namespace.tree.match(token_ids, own_pages=local_hit_tokens // page_size)
-        allowed = self._reservable_pages(session, namespace)
-        peer_id, peer_block_ids, peer_epochs = self._peer_candidate(session, namespace, token_ids)
+        allowed = self.session_table.reservable_pages(session, namespace)
+        peer_id, peer_block_ids, peer_epochs = self.peers.candidate(session.session_id, namespace, token_ids)
         if decision is None and (promote_l3 or peer_block_ids or recompute):
             decision = self._decide(namespace, local_hit_tokens, result.hit_tokens[Tier.L2],
                                     result.hit_tokens.get(Tier.L3, 0) if promote_l3 or recompute else 0, policy,
@@ -471,13 +317,13 @@ class DaemonState:
                                     peer_tokens=len(peer_block_ids) * page_size,
                                     remote_tokens=remote_tokens if promote_l3 or recompute else 0)
             if decision.choice == "remote" and allowed > 0 and not recompute:
-                move = self._plan_remote_move(namespace, result, token_ids, remote_tokens // page_size, allowed)
+                move = self.tiering.plan_remote_move(namespace, result, token_ids, remote_tokens // page_size, allowed)
                 if move is not None:
                     move.decision = decision
                     return move
             if decision.choice == "l3" and allowed > 0 and not recompute:
                 start_page = result.hit_tokens[Tier.L2] // page_size
-                move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
+                move = self.tiering.plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
                                        min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
                 if move is not None:
                     move.decision = decision
@@ -525,18 +371,8 @@ class DaemonState:
             return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
                               peer_epochs, **decided, host_page_generations=host_page_generations)
 
-        lease = Lease(
-            lease_id=next(self._lease_ids),
-            session_id=session_id,
-            namespace_id=namespace.namespace_id,
-            token_ids=token_ids[: (hit_pages + len(backup_page_ids)) * page_size],
-            locked_node=locked_node,
-            hit_pages=hit_pages,
-            private_page_ids=backup_page_ids,
-            generation=backup_generation,
-        )
-        self.leases[lease.lease_id] = lease
-        session.lease_ids.add(lease.lease_id)
+        lease = self.session_table.grant(session, namespace, token_ids[: (hit_pages + len(backup_page_ids)) * page_size],
+                                         locked_node, hit_pages, backup_page_ids, backup_generation)
         return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
                           peer_id, peer_block_ids, peer_epochs, **decided,
                           host_page_generations=host_page_generations, backup_generation=backup_generation)
@@ -591,7 +427,7 @@ class DaemonState:
             # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
             # in a lookup: the match that takes the lease names them).
             namespace = self.namespaces[session.namespace_id]
-            peer_tokens = len(self._peer_candidate(session, namespace, token_ids)[1]) * geometry.page_size
+            peer_tokens = len(self.peers.candidate(session.session_id, namespace, token_ids)[1]) * geometry.page_size
             hits["peer"] = peer_tokens
             self.metrics.add(counters.LOOKUP_HIT_TOKENS, hits["peer"], "peer", model=geometry.model_id)
         self.metrics.add(counters.LOOKUPS, model=geometry.model_id)
@@ -624,7 +460,7 @@ class DaemonState:
             page_size = namespace.geometry.page_size
             path = token_ids[: len(token_ids) // page_size * page_size]
             result = namespace.tree.match(path, touch=False)
-            ask = self._remote_ask_after(namespace, path, result) if self.remote_enabled else None
+            ask = self.tiering.remote_ask_after(namespace, path, result) if self.remote_enabled else None
             found.append(PrefixHits(namespace.namespace_id, namespace.geometry,
                                     {tier.label: count for tier, count in result.hit_tokens.items()}, ask))
         return found
@@ -644,23 +480,8 @@ class DaemonState:
         if not self.cost.later_restore_wins(namespace.namespace_id, namespace.geometry.bytes_per_token, l3_tokens):
             self.cost.counters.add(counters.BACKGROUND_PROMOTION_SKIPS, 1, "no_gain")
             return None
-        if namespace.namespace_id in self._background_move_ids:
-            self.cost.counters.add(counters.BACKGROUND_PROMOTION_SKIPS, 1, "busy")
-            return None
-        page_size = namespace.geometry.page_size
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
-        token_ids = token_ids[: len(token_ids) // page_size * page_size]
-        result = namespace.tree.match(token_ids, touch=False)
-        l2_pages, l3_pages = result.hit_tokens[Tier.L2] // page_size, result.hit_tokens.get(Tier.L3, 0) // page_size
-        allowed = self._reservable_pages(session, namespace)
-        if l3_pages <= l2_pages or allowed <= 0:
-            return None
-        move = self._plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, l2_pages,
-                               min(l3_pages, l2_pages + allowed))
-        if move is not None:
-            self._background_move_ids[namespace.namespace_id] = move.op_id
-            self.cost.counters.add(counters.BACKGROUND_PROMOTIONS)
-        return move
+        return self.tiering.promote_in_background(namespace, token_bytes,
+                                                  self.session_table.reservable_pages(session, namespace))
 
     def _backup_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
                                      wanted: int) -> bool:
@@ -693,44 +514,19 @@ class DaemonState:
 
     def _held_page_ids(self, namespace: Namespace, tier: Tier) -> list[int]:
         """The namespace's pages in the tier that are private (leases, pending moves) or quarantined."""
-        held = [p for m in self.moves.values() if m.namespace_id == namespace.namespace_id and m.destination is tier
-                for p in m.private_page_ids]
-        if tier is Tier.L2:
-            held += [p for lease in self.leases.values() if lease.namespace_id == namespace.namespace_id
-                     for p in lease.private_page_ids]
-            held += [p for q in self.quarantines.values() if q.session.namespace_id == namespace.namespace_id
-                     for p in q.page_ids]
-        return held
-
-
-    def _lease_of(self, session_id: int, lease_id: int) -> tuple[Session, Lease]:
-        session = self.session(session_id)
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.state is not LeaseState.ACTIVE:
-            raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id} is not active (already released, "
-                                "committed or reclaimed, or never granted)")
-        if lease.session_id != session_id:
-            raise ProtocolError(ErrorCode.NOT_LEASED, f"lease {lease_id} belongs to another session")
-        return session, lease
-
-    def _count_commit_of_ended(self, session_id: int) -> None:
-        """A commit from a session that has ended is refused (session() raises): the engine may have
-        written its pages after they were reclaimed. Counted apart from unknown sessions."""
-        if session_id not in self.sessions and session_id in self._ended_session_ids:
-            self.metrics.add(counters.COMMITS_REFUSED)
+        held = self.tiering.held_page_ids(namespace, tier)
+        return held + self.session_table.held_page_ids(namespace) if tier is Tier.L2 else held
 
     def release(self, session_id: int, lease_id: int) -> None:
-        _, lease = self._lease_of(session_id, lease_id)
-        self._end_lease(lease, LeaseState.RELEASED)
-        self.metrics.add(counters.LEASES_ENDED, 1, "released")
+        self.session_table.release(session_id, lease_id)
 
     def commit_backup(self, session_id: int, lease_id: int,
                       host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
         """Publish the backed-up pages (a prefix of the lease's reservation) and end the lease.
 
         Also returns the write-through of the committed path to L3, when there is one to run."""
-        self._count_commit_of_ended(session_id)
-        _, lease = self._lease_of(session_id, lease_id)
+        self.session_table.count_commit_of_ended(session_id)
+        _, lease = self.session_table.lease_of(session_id, lease_id)
         namespace = self.namespaces[lease.namespace_id]
         for page_id in host_page_ids:
             if not 0 <= page_id < namespace.num_pages:
@@ -753,13 +549,13 @@ class DaemonState:
             lease.private_page_ids = [p for p in lease.private_page_ids if p not in kept]
             new_pages, duplicates = inserted.new_pages, len(inserted.duplicate_page_ids)
         path_tokens = lease.token_ids[:num_tokens]
-        self._end_lease(lease, LeaseState.COMMITTED)
+        self.session_table.end_lease(lease, LeaseState.COMMITTED)
         self.metrics.add(counters.LEASES_COMMITTED)
         self.metrics.add(counters.COMMITTED_PAGES, new_pages, model=namespace.geometry.model_id)
         self.metrics.add(counters.DUPLICATE_PAGES, duplicates)
-        write_through = self.plan_write_through(namespace, path_tokens) if host_page_ids else None
+        write_through = self.tiering.plan_write_through(namespace, path_tokens) if host_page_ids else None
         if host_page_ids and new_pages and self.remote_enabled:
-            self._plan_remote_write(namespace, path_tokens, lease.hit_pages)
+            self.tiering.plan_remote_write(namespace, path_tokens, lease.hit_pages)
         return CommitReply(new_pages, duplicates), write_through
 
     # ---- peer restores (kvcached/core/residency.py) --------------------------------------------
@@ -767,100 +563,29 @@ class DaemonState:
     def peer_register(self, session_id: int, request: PeerRegister) -> PeerExport:
         """Register the session's KV tensors for engines of its namespace to copy blocks from. Not
         listed until ``peer_ready`` names its epoch file (the I/O layer makes it)."""
-        session = self.session(session_id)
-        if session_id in self.peers.by_session:
-            raise ProtocolError(ErrorCode.BAD_FRAME, "this session has registered its KV tensors already")
-        export = self.peers.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
-                                session.process_start_time)
-        self.metrics.add(counters.PEER_REGISTRATIONS)
-        self._publish_peers(session.namespace_id)
-        logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
-                    request.transport, request.device_id, request.num_blocks)
-        return export
+        return self.peers.register(self.session(session_id), request)
 
     def peer_ready(self, export: PeerExport, epochs_path: str, epochs_offset_bytes: int) -> None:
         export.epochs_path, export.epochs_offset_bytes = epochs_path, epochs_offset_bytes
 
     def peer_unregister(self, session_id: int) -> None:
         """Undo a registration whose epoch file could not be made (its session lives on)."""
-        self._end_peer_export(session_id, notify=False)
-
-    def _end_peer_export(self, session_id: int, notify: bool = True) -> None:
-        export = self.peers.remove(session_id)
-        if export is None:
-            return
-        namespace = self.namespaces.get(export.namespace_id)
-        if namespace is not None:
-            self.metrics.add(counters.PEER_BLOCKS_FORGOTTEN, namespace.tree.peer_drop(export.peer_id))
-        self.metrics.add(counters.PEER_REGISTRATIONS_ENDED)
-        self._publish_peers(export.namespace_id)
-        if notify and self._peer_end_sink is not None:
-            self._peer_end_sink(export)
-
-    def _publish_peers(self, namespace_id: int) -> None:
-        namespace = self.namespaces.get(namespace_id)
-        if namespace is not None:
-            self.hints.set_peers(namespace.hints_slot, sum(export.namespace_id == namespace_id
-                                                           for export in self.peers.by_session.values()))
+        self.peers.end(session_id, notify=False)
 
     def peer_publish(self, session_id: int, request: PeerPublish) -> None:
         """What entered and left the session's GPU cache: removals first, then each run."""
         self.session(session_id)
-        export = self.peers.by_session.get(session_id)
-        if export is None:
-            raise ProtocolError(ErrorCode.NOT_ATTACHED, "this session has not registered its KV tensors "
-                                "(PEER_REGISTER) or its registration ended")
-        num_blocks = export.request.num_blocks
-        names = list(request.removed) + [b for run in request.runs for b in run.block_ids]
-        if names and max(names) >= num_blocks:
-            raise ProtocolError(ErrorCode.BAD_PAGES, f"block id {max(names)} is beyond the registration's "
-                                f"{num_blocks} blocks")
-        tree = self.namespaces[export.namespace_id].tree
-        self.metrics.add(counters.PEER_BLOCKS_REMOVED, tree.peer_remove(export.peer_id, request.removed))
-        for run in request.runs:
-            try:
-                added = tree.peer_put(np.frombuffer(run.token_ids, dtype="<i4"), export.peer_id, run.start_page,
-                                      run.block_ids, run.epochs)
-            except ValueError as exc:       # what came before in the message stands
-                raise ProtocolError(ErrorCode.BAD_PAGES, f"a peer run does not fit: {exc}") from None
-            self.metrics.add(counters.PEER_BLOCKS_PUBLISHED, added)
-        self.metrics.add(counters.PEER_PUBLICATIONS)
+        self.peers.publish(session_id, request)
 
     def peer_list(self, session_id: int) -> list[dict[str, Any]]:
         """The registrations the session may open (none unless it registered itself)."""
         self.session(session_id)
-        reader = self.peers.by_session.get(session_id)
-        return [export.to_wire() for export in self.peers.readable_by(reader)] if reader is not None else []
+        return self.peers.list_for(session_id)
 
-    def _peer_candidate(self, session: Session, namespace: Namespace, token_ids: np.ndarray
-                        ) -> tuple[int, list[int], list[int]]:
-        """The longest run of another engine's blocks this session may copy, for the leading pages
-        of token_ids: (peer id, blocks, epochs), or (0, [], []). The first registered wins a tie."""
-        reader = self.peers.by_session.get(session.session_id)
-        if reader is None:
-            return 0, [], []
-        owners = [export.peer_id for export in self.peers.readable_by(reader)]
-        if not owners:
-            return 0, [], []
-        hits = namespace.tree.peer_hits(token_ids, owners)
-        if not hits:
-            return 0, [], []
-        peer_id = max(owners, key=lambda owner: len(hits[owner].block_ids) if owner in hits else 0)
-        return peer_id, hits[peer_id].block_ids, hits[peer_id].epochs
-
-    # ---- moves between tiers (L3) ------------------------------------------------------------
-
-    # ---- the remote tier (kvcached/core/remote.py) -------------------------------------------
-
-    @property
-    def remote_enabled(self) -> bool:
-        return self._remote_write_sink is not None
+    # ---- tiering (tiering.py) -----------------------------------------------------------------
 
     def remote_namespace_key(self, namespace: Namespace) -> str:
-        key = self._remote_namespace_keys.get(namespace.namespace_id)
-        if key is None:
-            key = self._remote_namespace_keys[namespace.namespace_id] = namespace_key(namespace.geometry)
-        return key
+        return self.tiering.remote_namespace_key(namespace)
 
     def remote_ask(self, session_id: int, token_bytes: bytes) -> RemoteAsk | None:
         """Which pages to ask the remote store about for this prompt: those after its L2 hit, when L3
@@ -874,187 +599,16 @@ class DaemonState:
         page_size = namespace.geometry.page_size
         num_pages = len(token_ids) // page_size
         result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False)
-        return self._remote_ask_after(namespace, token_ids, result)
-
-    def _remote_ask_after(self, namespace: Namespace, token_ids: np.ndarray, result) -> RemoteAsk | None:
-        """remote_ask, given the tree's match of the path's whole pages."""
-        page_size = namespace.geometry.page_size
-        num_pages = len(token_ids) // page_size
-        l2_pages = result.hit_tokens[Tier.L2] // page_size
-        if l2_pages >= num_pages or result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
-            return None
-        return RemoteAsk(namespace.namespace_id, self.remote_namespace_key(namespace), page_size,
-                         token_ids[: num_pages * page_size].copy(), l2_pages, num_pages)
-
-    def _plan_remote_move(self, namespace: Namespace, result, token_ids: np.ndarray, remote_pages: int,
-                          allowed: int) -> TierMove | None:
-        """R2H: private L2 pages for the pages after the L2 hit that the store holds (at most
-        ``allowed``), the L2 prefix they go below locked; None where L3 holds more than L2 now or
-        no page is free."""
-        page_size = namespace.geometry.page_size
-        start_page = result.hit_tokens[Tier.L2] // page_size
-        end_page = min(remote_pages, start_page + allowed)
-        if end_page <= start_page or result.hit_tokens.get(Tier.L3, 0) > result.hit_tokens[Tier.L2]:
-            return None
-        locks = [(result.last_node[Tier.L2], Tier.L2)] if result.last_node[Tier.L2] is not None else []
-        for node, tier in locks:
-            namespace.tree.lock(node, tier)
-        private_page_ids = self.pool.reserve(namespace, Tier.L2, end_page - start_page)
-        if not private_page_ids:
-            for node, tier in locks:
-                namespace.tree.unlock(node, tier)
-            self._count_skip(counters.NO_SPACE_SKIPS, "r2h", "no free l2 page for a remote restore")
-            return None
-        count = len(private_page_ids)
-        move = TierMove(
-            op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=Tier.L2,
-            destination=Tier.L2, token_ids=token_ids[: (start_page + count) * page_size].copy(),
-            start_page=start_page, source_page_ids=[], private_page_ids=private_page_ids, locks=locks, remote=True)
-        namespace.generations.revoke(private_page_ids)      # the daemon writes them: no reader trusts them yet
-        self.moves[move.op_id] = move
-        return move
-
-    def _plan_remote_write(self, namespace: Namespace, token_ids: np.ndarray, start_page: int) -> None:
-        """After a commit: send the path's L2 pages from start_page on to the remote store."""
-        page_size = namespace.geometry.page_size
-        result = namespace.tree.match(token_ids, touch=False)
-        l2_pages = result.hit_tokens[Tier.L2] // page_size
-        node = result.last_node[Tier.L2]
-        if l2_pages <= start_page or node is None:
-            return
-        namespace.tree.lock(node, Tier.L2)
-        page_ids = list(result.page_ids[Tier.L2][start_page:l2_pages])
-        write = RemoteWrite(next(self._remote_write_ids), namespace.namespace_id, self.remote_namespace_key(namespace),
-                            page_size, namespace.geometry.bytes_per_page, token_ids[: l2_pages * page_size].copy(),
-                            start_page, page_ids, namespace.generations.published_of(page_ids), node)
-        self.remote_writes[write.write_id] = write
-        self._remote_write_sink(write)
+        return self.tiering.remote_ask_after(namespace, token_ids, result)
 
     def finish_remote_write(self, write: RemoteWrite, num_sent: int) -> None:
-        """A write-through to the store ended (``num_sent`` pages stored): its pages are unlocked."""
-        del self.remote_writes[write.write_id]
-        namespace = self.namespaces.get(write.namespace_id)
-        if write.lock is not None and namespace is not None:
-            namespace.tree.unlock(write.lock, Tier.L2)
-        write.lock = None
-        self.metrics.add(counters.REMOTE_WRITTEN_PAGES, num_sent)
-        if num_sent and namespace is not None and self._publishes_events(namespace.geometry):
-            geometry = namespace.geometry
-            path = write.token_ids[: (write.start_page + num_sent) * geometry.page_size].astype("<i4").tobytes()
-            self.kv_events.record(TierEvent(EventKind.STORED, geometry.model_id, geometry.page_size, REMOTE_WHERE,
-                                            path, write.start_page))
-
-    def plan_write_through(self, namespace: Namespace, token_ids: np.ndarray) -> TierMove | None:
-        """H2S: copy the L2 pages of this path that L3 lacks into newly reserved L3 slots."""
-        if namespace.l3_allocator is None:
-            return None
-        page_size = namespace.geometry.page_size
-        result = namespace.tree.match(token_ids, own_pages=len(token_ids) // page_size)     # a copy, no use
-        l2_pages = result.hit_tokens[Tier.L2] // page_size
-        l3_pages = result.hit_tokens[Tier.L3] // page_size
-        if l3_pages >= l2_pages:
-            return None
-        return self._plan_move(namespace, result, token_ids, Tier.L2, Tier.L3, l3_pages, l2_pages)
-
-    def _plan_move(self, namespace: Namespace, result, token_ids: np.ndarray, source: Tier,
-                   destination: Tier, start_page: int, end_page: int) -> TierMove | None:
-        # Lock the source pages and the destination's resident prefix before reserving: the
-        # reservation may evict, and must not evict what this move reads or inserts below.
-        locks = [(node, tier) for node, tier in ((result.last_node[source], source),
-                                                 (result.last_node[destination], destination))
-                 if node is not None]
-        for node, tier in locks:
-            namespace.tree.lock(node, tier)
-        direction, what = ("h2s", "write-through") if destination is Tier.L3 else ("s2h", "promotion")
-        private_page_ids = self.pool.reserve(namespace, destination, end_page - start_page)
-        if not private_page_ids:
-            for node, tier in locks:
-                namespace.tree.unlock(node, tier)
-            self._count_skip(counters.NO_SPACE_SKIPS, direction, f"no free {destination.label} page for a {what}")
-            return None
-        count = len(private_page_ids)
-        if count < end_page - start_page:       # cut short for want of room (callers cut to the allowance)
-            self.metrics.add(counters.IO_PAGES_CUT, end_page - start_page - count, direction)
-        page_size = namespace.geometry.page_size
-        move = TierMove(
-            op_id=next(self._move_ids), namespace_id=namespace.namespace_id, source=source,
-            destination=destination, token_ids=token_ids[: (start_page + count) * page_size].copy(),
-            start_page=start_page, source_page_ids=result.page_ids[source][start_page:start_page + count],
-            private_page_ids=private_page_ids, locks=locks)
-        if destination is Tier.L2:      # the daemon writes them: no reader trusts them until stamped
-            namespace.generations.revoke(private_page_ids)
-        else:                           # the daemon reads them: the generations they must keep throughout
-            move.source_generations = namespace.generations.published_of(move.source_page_ids)
-        self.moves[move.op_id] = move
-        return move
-
-    def _count_skip(self, counter: Counter, direction: str, message: str) -> None:
-        """A copy to another tier not made: counted (status shows it), logged the first time."""
-        if not self.metrics.counters.value(counter, direction):
-            logger.warning("%s (counted as %s; each further one is counted, not logged)", message,
-                           self.metrics.counters.key_of(counter, direction))
-        self.metrics.add(counter, 1, direction)
+        self.tiering.finish_remote_write(write, num_sent)
 
     def pending_moves(self, direction: str) -> int:
-        return sum(move.direction == direction for move in self.moves.values())
+        return self.tiering.pending_moves(direction)
 
     def finish_move(self, move: TierMove, ok: bool, skipped: bool = False) -> int:
-        """Publish a completed move's pages in the tree, or return them on failure.
-
-        With a persistent L3 index, a promotion publishes only its leading pages whose bytes
-        read match the checksums recorded when they were written; the first page that does not
-        is dropped from L3 (with what lies below it) and counted, and the rest of the prefix is
-        left to recompute. Returns the number of pages the destination tier gained. Once
-        published, the pages belong to the tree: nothing that happens to a session later frees them."""
-        namespace = self.namespaces[move.namespace_id]
-        allocator = namespace.allocator(move.destination)
-        gained = 0
-        num_valid = self.l3.num_verified_pages(namespace, move) if ok else 0
-        if num_valid and move.destination is Tier.L3:
-            # An engine's page rewritten (or being rewritten) while it was read is not written through.
-            intact = namespace.generations.num_leading_intact(move.source_page_ids, move.source_generations)
-            if intact < num_valid:
-                self.metrics.add(counters.STALE_GENERATION_PAGES, num_valid - intact)
-                num_valid = intact
-        if num_valid:
-            move.transition(OpState.PUBLISHED)
-            published = move.private_page_ids[:num_valid]
-            if move.destination is Tier.L2:
-                namespace.generations.stamp(published, next(self._generation_ids))
-            if num_valid < len(move.private_page_ids):
-                allocator.free(move.private_page_ids[num_valid:])
-            inserted = namespace.tree.insert(move.token_ids, move.destination, published,
-                                             start_page=move.start_page)
-            if inserted.duplicate_page_ids:      # someone published the same pages meanwhile
-                allocator.free(inserted.duplicate_page_ids)
-            move.num_published_pages = num_valid
-            if move.destination is Tier.L3:
-                self.l3.index_written(namespace, move, set(inserted.duplicate_page_ids))
-            gained = inserted.new_pages
-            self.metrics.add(counters.IO_PUBLISHED_PAGES, gained, move.direction)
-        else:
-            move.transition(OpState.FAILED)
-            allocator.free(move.private_page_ids)
-            if skipped:     # never started (policy), not an I/O failure
-                self._count_skip(counters.BACKLOG_SKIPS, move.direction,
-                                 f"a {move.direction} move was skipped (backlog)")
-            elif not ok:
-                self.metrics.add(counters.IO_FAILURES, 1, move.direction)
-        move.private_page_ids = []
-        for node, tier in move.locks:
-            namespace.tree.unlock(node, tier)
-        move.locks = []
-        del self.moves[move.op_id]
-        if self._background_move_ids.get(move.namespace_id) == move.op_id:
-            del self._background_move_ids[move.namespace_id]
-            self.cost.counters.add(counters.BACKGROUND_PROMOTED_PAGES, gained)
-        if move.remote and move.mismatch:
-            self.metrics.add(counters.REMOTE_CHECKSUM_MISMATCHES)
-            logger.warning("namespace %d: a page the remote store gave is not the page asked for (%s); not "
-                           "served, the request recomputes it", move.namespace_id, move.mismatch)
-        if ok and move.destination is Tier.L2 and num_valid < len(move.source_page_ids):
-            self.l3.drop_corrupt_page(namespace, move, move.start_page + num_valid)
-        return gained
+        return self.tiering.finish_move(move, ok, skipped)
 
     # ---- KV events (see kv_events.py) ---------------------------------------------------------
 
@@ -1076,25 +630,6 @@ class DaemonState:
         (``L3Persistence.restore``). Returns the number of L3 pages restored."""
         return self.l3.restore(saved, l3_bytes_kept, self.pool, self._create_namespace, self.geometry_to_namespace,
                                self.max_namespaces)
-
-    def _end_lease(self, lease: Lease, new_state: LeaseState, quarantined: list[int] | None = None) -> None:
-        """quarantined: a list that takes the lease's private pages instead of the allocator."""
-        lease.transition(new_state)
-        namespace = self.namespaces[lease.namespace_id]
-        if lease.locked_node is not None:
-            namespace.tree.unlock(lease.locked_node, Tier.L2)
-        # Unwritten pages: the lease's writer may no longer claim them (a claim read earlier is
-        # the residual window, bounded by the quarantine; see Fencing).
-        namespace.generations.revoke(lease.private_page_ids)
-        if quarantined is not None:
-            quarantined.extend(lease.private_page_ids)
-        elif lease.private_page_ids:
-            namespace.l2_allocator.free(lease.private_page_ids)
-        lease.private_page_ids = []
-        del self.leases[lease.lease_id]
-        session = self.sessions.get(lease.session_id)
-        if session is not None:
-            session.lease_ids.discard(lease.lease_id)
 
     # ---- integrity and status -------------------------------------------------------------
 
