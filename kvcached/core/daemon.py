@@ -2,15 +2,17 @@
 
 The server loop decodes a request, calls one method here and sends back what it returns, or
 the ``ProtocolError`` it raises. Nothing here blocks or touches a socket, so every rule below
-is tested in-process. The owners: the namespaces (``namespaces.py``), the pool of chunks
-(``pool.py``), L3 persistence (``l3_persistence.py``); integrity (``integrity.py``) and the status
-snapshot (``snapshot.py``) read them all.
+is tested in-process. The facade keeps the request verbs (attach, lookup, match, commit) and
+composes the owners, each with its own state: the namespaces (``namespace_table.py``,
+``namespaces.py``), the pool of chunks (``pool.py``), sessions and the one lease lifecycle
+(``sessions.py``), tiering (``tiering.py``: moves, write-through, promotion, checksums), L3
+persistence (``l3_persistence.py``), peer registrations (``residency.py``); the invariants
+(``integrity.py``) and the status snapshot (``snapshot.py``) read them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -19,15 +21,15 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core import counters, integrity, snapshot
-from kvcached.core.allocator import PageAllocator
 from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
-from kvcached.core.generations import GenerationFiles, PageGenerations, PrivateGenerations
+from kvcached.core.generations import GenerationFiles, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
-from kvcached.core.kv_events import TIER_WHERE, EventBuffer, EventKind, TierEvent
+from kvcached.core.kv_events import EventBuffer
 from kvcached.core.l3_index import IndexChange, SavedNamespace
 from kvcached.core.l3_persistence import L3Persistence
 from kvcached.core.leases import LeaseState, Session
 from kvcached.core.metrics import Metrics
+from kvcached.core.namespace_table import NamespaceTable
 from kvcached.core.namespaces import Namespace
 from kvcached.core.pool import Pool
 from kvcached.core.residency import PeerExport, PeerRegistry
@@ -35,7 +37,6 @@ from kvcached.core.sessions import SessionTable
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiering import RemoteAsk, RemoteWrite, Tiering
 from kvcached.core.tiers import Tier
-from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
 from proto.hints import NEVER
 from proto.messages import KVGeometry
@@ -44,9 +45,6 @@ from proto.schema import PeerPublish, PeerRegister
 
 logger = logging.getLogger(__name__)
 
-# Pages (or slots) per namespace and tier, at most: a geometry with tiny pages would otherwise
-# make allocators, the tree and the integrity check hold tens of millions of ids.
-MAX_PAGES_PER_TIER = 1 << 20
 # Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
 # at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
 # reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
@@ -96,22 +94,24 @@ class DaemonState:
             raise ValueError(f"session_share must be in (0, 1], got {session_share}")
         self.session_share = session_share
         self.max_namespaces = max_namespaces
-        self._namespace_ids = itertools.count()
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
         self.metrics = Metrics()
         self.pool = Pool(l2_bytes, l3_bytes, self.namespaces, self.metrics, clock, self._held_page_ids,
                          lambda namespace, slot_ids: self.l3.unindex_slots(namespace, slot_ids))
         self.l3 = L3Persistence(l3_index_sink if l3_bytes > 0 else None, self.metrics, clock)
-        self.geometry_to_namespace: dict[KVGeometry, Namespace] = {}
         self._generation_ids = itertools.count(1)       # write generations: never 0, never reused
-        self._generation_files = generation_files if generation_files is not None else PrivateGenerations()
         self.cost = cost_model if cost_model is not None else CostModel()
         self.hints = hints if hints is not None else AdmissionHints(max_namespaces)
         if self.hints.num_slots < max_namespaces:
             raise ValueError(f"the admission hints have {self.hints.num_slots} slots for {max_namespaces} namespaces")
         self.hints.set_policy(self.cost.policy)
         self.kv_events = kv_events
+        self.namespace_table = NamespaceTable(
+            self.namespaces, max_namespaces, self.metrics, clock, self.pool, self.l3, self.hints, self.cost,
+            generation_files if generation_files is not None else PrivateGenerations(), kv_events,
+            self._busy_namespace_ids, self.publish_cost_hints)
+        self.geometry_to_namespace = self.namespace_table.geometry_to_namespace
         self.peers = PeerRegistry(self.namespaces, self.metrics, self.hints, peer_end_sink)
         self.session_table = SessionTable(self.namespaces, self.metrics, clock, session_timeout_s=session_timeout_s,
                                           session_grace_s=session_grace_s, session_share=session_share,
@@ -138,91 +138,13 @@ class DaemonState:
         up, every transfer into its pages drained: it ends, or its quarantine does."""
         namespace = self.geometry_to_namespace.get(geometry)
         if namespace is None:
-            namespace = self._create_namespace(geometry)
+            namespace = self.namespace_table.create(geometry)
             for tier in namespace.tree.tiers:
                 self.pool.assign_free_chunks(namespace, tier)
         session = self.session_table.open(namespace, pid, client_name, pid_watched=pid_watched,
                                           pid_namespace_id=pid_namespace_id, process_start_time=process_start_time,
                                           previous_session_id=previous_session_id)
         return session, namespace
-
-    def _create_namespace(self, geometry: KVGeometry) -> Namespace:
-        """A namespace that owns no chunk yet (attach gives it the free ones; it gains more as it
-        reserves pages: Pool.reserve)."""
-        bytes_per_page = geometry.bytes_per_page
-        if not self.namespaces:
-            self.pool.fit_first_page(bytes_per_page)
-        l2_chunks = self.chunks[Tier.L2]
-        if bytes_per_page > l2_chunks.chunk_bytes:
-            raise ProtocolError(ErrorCode.GEOMETRY_MISMATCH,
-                                f"one page of this geometry ({bytes_per_page} bytes) is larger than a chunk of the "
-                                f"L2 pool ({l2_chunks.chunk_bytes} bytes); start the daemon with a larger --l2-size")
-        if len(self.namespaces) >= self.max_namespaces and not self._reclaim_idle_namespace():
-            raise ProtocolError(ErrorCode.OUT_OF_SPACE,
-                                f"all {self.max_namespaces} namespaces have attached engines; "
-                                "start the daemon with a larger --max-namespaces")
-        num_pages = min(l2_chunks.space_bytes // bytes_per_page, MAX_PAGES_PER_TIER)
-        l3_chunks = self.chunks.get(Tier.L3)
-        num_slots = (min(l3_chunks.space_bytes // bytes_per_page, MAX_PAGES_PER_TIER)
-                     if l3_chunks is not None and bytes_per_page <= l3_chunks.chunk_bytes else 0)
-        tiers = (Tier.L2, Tier.L3) if num_slots else (Tier.L2,)
-        namespace_id = next(self._namespace_ids)
-        hints_slot = self.hints.assign(namespace_id)
-        generations_path, generation_words = self._generation_files.create(namespace_id, num_pages)
-        namespace = Namespace(
-            namespace_id=namespace_id,
-            geometry=geometry,
-            num_pages=num_pages,
-            tree=PrefixTree(geometry.page_size, tiers=tiers, clock=self.clock,
-                            on_l2_root=functools.partial(self.hints.l2_root, hints_slot),
-                            on_residency=functools.partial(self._residency_event, geometry)
-                            if self._publishes_events(geometry) else None),
-            l2_allocator=PageAllocator(num_pages, all_free=False),
-            l3_allocator=PageAllocator(num_slots, all_free=False) if num_slots else None,
-            hints_slot=hints_slot,
-            generations=PageGenerations(generations_path, generation_words),
-        )
-        self.publish_cost_hints(namespace)
-        if self._publishes_events(geometry) and not any(
-                self._publishes_events(other) and other.model_id == geometry.model_id
-                for other in self.geometry_to_namespace):
-            # This model's first namespace in this run: what an earlier run published of it is gone.
-            self.kv_events.record(TierEvent(EventKind.CLEARED, geometry.model_id, geometry.page_size, None, b"", 0))
-        self.namespaces[namespace.namespace_id] = namespace
-        self.geometry_to_namespace[geometry] = namespace
-        if num_slots:
-            self.l3.index_namespace(namespace)
-        logger.info("namespace %d: %s, pages of %d bytes: up to %d in L2 and %d in L3 (the whole pool, shared with "
-                    "the other namespaces)", namespace.namespace_id, geometry, bytes_per_page, num_pages, num_slots)
-        return namespace
-
-    def _reclaim_idle_namespace(self) -> bool:
-        """Drop the namespace idle longest (no session, no pending move, no quarantine), so that a
-        new geometry can be served; its chunks go back to the pool and its cached pages are lost.
-        Returns whether one was reclaimed."""
-        # A namespace with quarantined pages is not idle: a stale writer may still write them.
-        busy = self.tiering.busy_namespace_ids()
-        busy.update(q.session.namespace_id for q in self.quarantines.values())
-        idle = [ns for ns in self.namespaces.values()
-                if not ns.session_ids and ns.namespace_id not in busy and ns.idle_since is not None]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda ns: ns.idle_since)
-        if self._publishes_events(victim.geometry):
-            for node, tier in victim.tree.resident_nodes():
-                self._residency_event(victim.geometry, node, tier, -1)
-        del self.namespaces[victim.namespace_id]
-        del self.geometry_to_namespace[victim.geometry]
-        self.hints.release(victim.hints_slot)
-        victim.generations.close_all()
-        self._generation_files.close(victim.namespace_id)
-        self.cost.forget_engine(victim.namespace_id)
-        self.pool.forget(victim)
-        self.l3.drop_namespace(victim)
-        self.metrics.add(counters.NAMESPACES_RECLAIMED)
-        logger.info("namespace %d (%s) reclaimed: idle since %.1f s, %d L2 pages dropped", victim.namespace_id,
-                    victim.geometry.model_id, self.clock() - victim.idle_since, victim.tree.owned_pages(Tier.L2))
-        return True
 
     def session(self, session_id: int) -> Session:
         return self.session_table.get(session_id)
@@ -505,12 +427,10 @@ class DaemonState:
         oldest = namespace.tree.oldest_evictable_access(Tier.L2)
         return oldest is not None and last_used < oldest
 
-    def _reservable_pages(self, session: Session, namespace: Namespace) -> int:
-        """How many more L2 pages this session may reserve: ``session_share`` of the namespace's
-        pages, less the private pages of all its leases. One cap for every path that reserves L2
-        pages for a session (a match's backup pages or its L3 promotion)."""
-        held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
-        return max(0, int(namespace.num_pages * self.session_share) - held)
+    def _busy_namespace_ids(self) -> set[int]:
+        """Namespaces not idle without a session: a move or remote write pending, or pages
+        quarantined (a stale writer may still write them)."""
+        return self.tiering.busy_namespace_ids() | {q.session.namespace_id for q in self.quarantines.values()}
 
     def _held_page_ids(self, namespace: Namespace, tier: Tier) -> list[int]:
         """The namespace's pages in the tier that are private (leases, pending moves) or quarantined."""
@@ -610,25 +530,15 @@ class DaemonState:
     def finish_move(self, move: TierMove, ok: bool, skipped: bool = False) -> int:
         return self.tiering.finish_move(move, ok, skipped)
 
-    # ---- KV events (see kv_events.py) ---------------------------------------------------------
-
     def _publishes_events(self, geometry: KVGeometry) -> bool:
-        """Events are recorded for one rank of a tensor-parallel group (rank 0): its ranks store the
-        same pages, and a router routes to the group, not to a rank."""
-        return self.kv_events is not None and geometry.tp_rank == 0
-
-    def _residency_event(self, geometry: KVGeometry, node: TreeNode, tier: Tier, delta: int) -> None:
-        path = node.path()
-        start_page = (len(path) - len(node.key)) // (4 * geometry.page_size)
-        self.kv_events.record(TierEvent(EventKind.STORED if delta > 0 else EventKind.REMOVED, geometry.model_id,
-                                        geometry.page_size, TIER_WHERE[tier], path, start_page))
+        return self.namespace_table.publishes_events(geometry)
 
     # ---- the persistent L3 index (l3_persistence.py) ------------------------------------------
 
     def restore_l3(self, saved: list[SavedNamespace], l3_bytes_kept: int) -> int:
         """At start, before any engine attached: rebuild the namespaces of a persistent L3 index
         (``L3Persistence.restore``). Returns the number of L3 pages restored."""
-        return self.l3.restore(saved, l3_bytes_kept, self.pool, self._create_namespace, self.geometry_to_namespace,
+        return self.l3.restore(saved, l3_bytes_kept, self.pool, self.namespace_table.create, self.geometry_to_namespace,
                                self.max_namespaces)
 
     # ---- integrity and status -------------------------------------------------------------
