@@ -45,6 +45,7 @@ def check_integrity(state: DaemonState) -> None:
 
 def _check_namespace(state: DaemonState, namespace: Namespace) -> None:
     owned_by_tier = namespace.tree.check_integrity()
+    namespace.peers.check_integrity()
     head = state.hints.head(namespace.hints_slot)
     if head["tag"] != namespace.namespace_id + 1:
         raise IntegrityError(f"namespace {namespace.namespace_id}: its hints slot {namespace.hints_slot} is "

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvcached.core.allocator import PageAllocator
 from kvcached.core.generations import PageGenerations
+from kvcached.core.residency import PeerResidency
 from kvcached.core.tiers import Tier
 from kvcached.core.tree import PrefixTree
 from proto.messages import KVGeometry
@@ -48,6 +49,10 @@ class Namespace:
     pressure: dict[Tier, Pressure] = dataclasses.field(default_factory=lambda: {t: Pressure() for t in Tier})
     hints_slot: int = -1                           # its slot of the admission hints
     generations: PageGenerations | None = None     # the write generation of each L2 page
+    peers: PeerResidency = dataclasses.field(init=False)     # engines' GPU-cache blocks on the tree's nodes
+
+    def __post_init__(self) -> None:
+        self.peers = PeerResidency(self.tree)
 
     def allocator(self, tier: Tier) -> PageAllocator:
         allocator = self.l2_allocator if tier is Tier.L2 else self.l3_allocator

@@ -51,9 +51,9 @@ def _peer_status(state: DaemonState, session: Session) -> dict[str, Any]:
     export = state.peers.by_session.get(session.session_id)
     if export is None:
         return {}
-    tree = state.namespaces[export.namespace_id].tree
+    peers = state.namespaces[export.namespace_id].peers
     return {"peer": {"transport": export.request.transport, "device_id": export.request.device_id,
-                     "num_blocks": export.request.num_blocks, "published_blocks": tree.peer_blocks(export.peer_id),
+                     "num_blocks": export.request.num_blocks, "published_blocks": peers.blocks(export.peer_id),
                      "readers_may_open": len(state.peers.readable_by(export))}}
 
 def status(state: DaemonState) -> dict[str, Any]:

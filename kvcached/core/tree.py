@@ -24,12 +24,10 @@ Design notes
   time equals its current last_access there; stale entries (an older time, or the other class)
   are skipped when popped, and a heap is rebuilt once it holds many more entries than the tree
   has nodes.
-- Peer residency: which blocks of which engine's own GPU cache hold a node's pages, each with
-  the epoch it was filled at (``peer_put``; the engine's word, checked by readers against the
-  block's live epoch). Per node and owner an array ``[num_pages, 2]`` of (block, epoch), -1 where
-  that engine holds no block: an engine's cache need not be prefix-closed, a hit is its leading
-  run. Each owner's block is in one place at most (``_peer_block_nodes`` finds it; a split moves
-  the upper half's entries to the new node). A node with peer residency stays in the tree.
+- Peer residency (``residency.py``) lives on the nodes too: ``node.peer`` maps an engine to its
+  (block, epoch) per page of the node. The tree makes the paths it needs (``grow_path``), splits
+  its entries with the node (telling ``on_peer_moved`` which blocks went to the upper half) and
+  keeps a node that holds any.
 """
 
 from __future__ import annotations
@@ -115,13 +113,6 @@ class InsertResult(NamedTuple):
     last_node: TreeNode | None
 
 
-class PeerHit(NamedTuple):
-    """An engine's blocks holding the leading pages of a prefix, with their epochs."""
-
-    block_ids: list[int]
-    epochs: list[int]
-
-
 class PrefixTree:
     def __init__(self, page_size: int, tiers: Sequence[Tier] = (Tier.L2, Tier.L3),
                  clock: Callable[[], float] = time.monotonic,
@@ -154,13 +145,19 @@ class PrefixTree:
             (t, reused): [] for t in tiers for reused in (False, True)}
         self._num_reused_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
         self._heap_seq = itertools.count()
-        self._peer_block_nodes: dict[int, dict[int, TreeNode]] = {}     # owner -> block -> its node
+        # Told (owner, block ids, node) as a split moves peer entries to the new upper node.
+        self.on_peer_moved: Callable[[int, list[int], TreeNode], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
     @property
     def root(self) -> TreeNode:
         return self._root
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of token ids (a key's unit)."""
+        return self._page_bytes
 
     @property
     def num_nodes(self) -> int:
@@ -214,7 +211,7 @@ class PrefixTree:
         last_access: list[float] = []
         reused: list[bool] = []
         locked: list[bool] = []
-        for node in self._iter_nodes():
+        for node in self.nodes():
             node_page_ids = node.page_ids[tier]
             if node is self._root or not node_page_ids:
                 continue
@@ -234,7 +231,7 @@ class PrefixTree:
         A touched hit node is reused in its tier where it reaches beyond ``own_pages``, the
         leading pages the caller holds itself (its own GPU cache; a write-through copying the
         path): a copy nobody reads from is not used."""
-        data = self._token_bytes(token_ids)
+        data = self.token_bytes(token_ids)
         page_bytes = self._page_bytes
         end = len(data)
         node = self._root
@@ -252,7 +249,7 @@ class PrefixTree:
                 continue
             # The edge matches only partly: split it at the last matching page boundary, so
             # every hit is made of whole nodes.
-            num_common = self._num_common_pages(data, pos, key)
+            num_common = self.num_common_pages(data, pos, key)
             child = self._split(child, num_common)
             path.append(child)
             pos += num_common * page_bytes
@@ -320,7 +317,7 @@ class PrefixTree:
 
     def resident_nodes(self) -> Iterator[tuple[TreeNode, Tier]]:
         """Every (node, tier) the node is resident in, each parent before its children."""
-        for node in self._iter_nodes():
+        for node in self.nodes():
             if node is not self._root:
                 for tier in self.tiers:
                     if node.page_ids[tier] is not None:
@@ -342,7 +339,7 @@ class PrefixTree:
             raise ValueError(f"start_page must be >= 0, got {start_page}")
         new_page_ids = [operator.index(p) for p in page_ids]
         total_pages = start_page + len(new_page_ids)
-        data = self._token_bytes(token_ids)
+        data = self.token_bytes(token_ids)
         page_bytes = self._page_bytes
         if len(data) < total_pages * page_bytes:
             raise ValueError(f"token_ids cover {len(data) // page_bytes} pages, "
@@ -380,7 +377,7 @@ class PrefixTree:
                 new_pages += total_pages - page
                 node = child
                 break
-            num_common = self._num_common_pages(data, pos, child.key)
+            num_common = self.num_common_pages(data, pos, child.key)
             if num_common < child.num_pages:
                 child = self._split(child, num_common)
             if child.is_resident(tier):
@@ -459,7 +456,7 @@ class PrefixTree:
             parent = node.parent
             parent.num_resident_children[tier] -= 1
             self._residency_changed(node, tier, -1)
-            self._remove_if_empty(node)
+            self.remove_if_empty(node)
             if parent is not self._root:
                 self._push_if_evictable(parent, tier)
         return freed
@@ -473,7 +470,7 @@ class PrefixTree:
         resident in `tier`, or it (or anything below it) is locked there."""
         tier = self._check_tier(tier)
         from_page = operator.index(from_page)
-        data = self._token_bytes(token_ids)
+        data = self.token_bytes(token_ids)
         page_bytes = self._page_bytes
         if not 0 <= from_page < len(data) // page_bytes:
             return []
@@ -483,7 +480,7 @@ class PrefixTree:
             child = node.children.get(data[pos:pos + page_bytes])
             if child is None:
                 return []
-            num_common = self._num_common_pages(data, pos, child.key)
+            num_common = self.num_common_pages(data, pos, child.key)
             if page + child.num_pages <= from_page:
                 if num_common < child.num_pages:
                     return []
@@ -550,105 +547,18 @@ class PrefixTree:
             stack.extend(current.children.values())
         parent = target.parent
         for current in reversed(cleared):       # deepest first: a node goes once its children have
-            self._remove_if_empty(current)
+            self.remove_if_empty(current)
         if parent is not self._root and parent.parent is not None:
             self._push_if_evictable(parent, tier)
         return freed
 
-    # ---- peer residency ------------------------------------------------------------------
+    # ---- paths made for peer residency (residency.py) -----------------------------------------
 
-    def peer_put(self, token_ids, owner: int, start_page: int, block_ids: Sequence[int],
-                 epochs: Sequence[int]) -> int:
-        """Record that ``owner``'s blocks hold pages [start_page, start_page + len(block_ids)) of
-        token_ids (block_ids[i] page start_page + i, filled at epochs[i]). A block recorded
-        elsewhere for this owner moves here; a page this owner held in another block is now this
-        one's. The path is made as needed. Returns the pages recorded; ValueError (nothing
-        changed) when token_ids do not cover them or a block is named twice."""
-        start_page = operator.index(start_page)
-        block_ids = [operator.index(b) for b in block_ids]
-        epochs = [operator.index(e) for e in epochs]
-        total_pages = start_page + len(block_ids)
-        data = self._token_bytes(token_ids)
-        if start_page < 0 or len(epochs) != len(block_ids) or len(data) < total_pages * self._page_bytes:
-            raise ValueError(f"pages [{start_page}, {total_pages}) with {len(epochs)} epochs for "
-                             f"{len(block_ids)} blocks do not fit {len(data) // self._page_bytes} pages of tokens")
-        if len(set(block_ids)) != len(block_ids) or any(b < 0 for b in block_ids):
-            raise ValueError("peer block ids must be distinct and >= 0")
-        if not block_ids:
-            return 0
-        where = self._peer_block_nodes.setdefault(owner, {})
-        self._peer_forget(owner, [b for b in block_ids if b in where])
-        entries = np.array([block_ids, epochs], dtype=np.int64).T
-        for node, first_page in self._peer_path(data[:total_pages * self._page_bytes], total_pages):
-            lo, hi = max(start_page, first_page), min(total_pages, first_page + node.num_pages)
-            if lo >= hi:
-                continue
-            if node.peer is None:
-                node.peer = {}
-            held = node.peer.get(owner)
-            if held is None:
-                held = node.peer[owner] = np.full((node.num_pages, 2), -1, dtype=np.int64)
-            part = held[lo - first_page: hi - first_page]
-            for replaced in part[:, 0][part[:, 0] >= 0].tolist():
-                del where[replaced]
-            part[:] = entries[lo - start_page: hi - start_page]
-            for block_id in part[:, 0].tolist():
-                where[block_id] = node
-        return len(block_ids)
-
-    def peer_remove(self, owner: int, block_ids: Sequence[int]) -> int:
-        """Forget these blocks of ``owner`` (unknown ones are skipped); returns how many were known."""
-        where = self._peer_block_nodes.get(owner, {})
-        known = list(dict.fromkeys(b for b in block_ids if b in where))
-        self._peer_forget(owner, known)
-        return len(known)
-
-    def peer_drop(self, owner: int) -> int:
-        """Forget everything of ``owner``; returns the blocks forgotten."""
-        block_ids = list(self._peer_block_nodes.get(owner, ()))
-        self._peer_forget(owner, block_ids)
-        self._peer_block_nodes.pop(owner, None)
-        return len(block_ids)
-
-    def peer_blocks(self, owner: int) -> int:
-        """How many of ``owner``'s blocks are recorded."""
-        return len(self._peer_block_nodes.get(owner, ()))
-
-    def peer_hits(self, token_ids, owners) -> dict[int, PeerHit]:
-        """Per owner among ``owners`` that holds any, its blocks for the leading pages of token_ids
-        (whole pages, from the first: up to its first page not held). Changes nothing."""
-        data = self._token_bytes(token_ids)
-        page_bytes = self._page_bytes
-        running = {owner: ([], []) for owner in owners if self._peer_block_nodes.get(owner)}
-        done: dict[int, tuple[list[int], list[int]]] = {}
-        node, pos = self._root, 0
-        while running and pos < len(data):
-            child = node.children.get(data[pos:pos + page_bytes])
-            if child is None:
-                break
-            common = min(self._num_common_pages(data, pos, child.key), child.num_pages)
-            for owner in list(running):
-                held = child.peer.get(owner) if child.peer is not None else None
-                if held is None:
-                    done[owner] = running.pop(owner)
-                    continue
-                part = held[:common]
-                absent = part[:, 0] < 0
-                count = int(np.argmax(absent)) if absent.any() else common
-                running[owner][0].extend(part[:count, 0].tolist())
-                running[owner][1].extend(part[:count, 1].tolist())
-                if count < common:
-                    done[owner] = running.pop(owner)
-            if common < child.num_pages:
-                break
-            pos += common * page_bytes
-            node = child
-        done.update(running)
-        return {owner: PeerHit(blocks, epochs) for owner, (blocks, epochs) in done.items() if blocks}
-
-    def _peer_path(self, data: bytes, total_pages: int) -> list[tuple[TreeNode, int]]:
-        """The nodes of data's path down to page total_pages, made where missing (holding nothing in
-        any tier) and split where data leaves an edge; each with the index of its first page."""
+    def grow_path(self, data: bytes, total_pages: int) -> list[tuple[TreeNode, int]]:
+        """The nodes of data's path (token bytes, whole pages) down to page total_pages, made where
+        missing (holding nothing in any tier) and split where data leaves an edge; each with the
+        index of its first page. A node made here that ends up holding nothing must be dropped
+        (``remove_if_empty``)."""
         page_bytes = self._page_bytes
         node, page, path = self._root, 0, []
         while page < total_pages:
@@ -660,36 +570,13 @@ class PrefixTree:
                 self._num_nodes += 1
                 path.append((child, page))
                 break
-            num_common = self._num_common_pages(data, pos, child.key)
+            num_common = self.num_common_pages(data, pos, child.key)
             if num_common < child.num_pages and page + num_common < total_pages:
                 child = self._split(child, num_common)      # data leaves this edge: branch off there
             path.append((child, page))
             page += min(num_common, child.num_pages)
             node = child
         return path
-
-    def _peer_forget(self, owner: int, block_ids: Sequence[int]) -> None:
-        """Forget these recorded blocks of ``owner`` (distinct): one pass over each node that holds
-        some (an engine withdraws or moves hundreds of blocks at once), then the nodes left holding
-        nothing are dropped."""
-        if not block_ids:
-            return
-        where = self._peer_block_nodes[owner]
-        by_node: dict[int, tuple[TreeNode, list[int]]] = {}
-        for block_id in block_ids:
-            node = where.pop(block_id)
-            by_node.setdefault(id(node), (node, []))[1].append(block_id)
-        emptied = []
-        for node, blocks in by_node.values():
-            held = node.peer[owner]
-            held[np.isin(held[:, 0], blocks)] = -1
-            if (held[:, 0] < 0).all():
-                del node.peer[owner]
-                if not node.peer:
-                    node.peer = None
-                    emptied.append(node)
-        for node in emptied:                # an emptied ancestor goes with its last emptied child
-            self._remove_if_empty(node)
 
     # ---- integrity -----------------------------------------------------------------------
 
@@ -704,8 +591,7 @@ class PrefixTree:
         reused_pages = dict.fromkeys(self.tiers, 0)
         num_page_ids = dict.fromkeys(self.tiers, 0)
         num_nodes = 0
-        peer_entries: collections.Counter[int] = collections.Counter()
-        for node in self._iter_nodes():
+        for node in self.nodes():
             num_resident_children = dict.fromkeys(self.tiers, 0)
             for map_key, child in node.children.items():
                 if child.parent is not node:
@@ -738,11 +624,6 @@ class PrefixTree:
             for owner, held in (node.peer or {}).items():
                 if held.shape != (node.num_pages, 2) or not (held[:, 0] >= 0).any():
                     raise IntegrityError(f"{node!r} holds a malformed or empty peer entry of owner {owner}")
-                where = self._peer_block_nodes.get(owner, {})
-                for block_id in held[:, 0][held[:, 0] >= 0].tolist():
-                    if where.get(block_id) is not node:
-                        raise IntegrityError(f"{node!r}: block {block_id} of owner {owner} is recorded elsewhere")
-                    peer_entries[owner] += 1
             for tier in self.tiers:
                 node_page_ids = node.page_ids[tier]
                 if node.ref_count[tier] > parent.ref_count[tier]:
@@ -767,10 +648,6 @@ class PrefixTree:
                     reused_pages[tier] += node.num_pages
         if num_nodes != self._num_nodes:
             raise IntegrityError(f"num_nodes {self._num_nodes} != recount {num_nodes}")
-        for owner, where in self._peer_block_nodes.items():
-            if len(where) != peer_entries[owner]:
-                raise IntegrityError(f"owner {owner}: {len(where)} blocks recorded, {peer_entries[owner]} in the tree "
-                                     "(a block held twice, or a record of a node that left the tree)")
         for tier in self.tiers:
             if len(owned[tier]) != num_page_ids[tier]:
                 raise IntegrityError(f"{num_page_ids[tier] - len(owned[tier])} page ids appear "
@@ -788,14 +665,14 @@ class PrefixTree:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _token_bytes(self, token_ids) -> bytes:
+    def token_bytes(self, token_ids) -> bytes:
         tokens = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
         if tokens.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
         num_aligned = len(tokens) - len(tokens) % self.page_size
         return tokens[:num_aligned].tobytes()
 
-    def _num_common_pages(self, data: bytes, pos: int, key: bytes) -> int:
+    def num_common_pages(self, data: bytes, pos: int, key: bytes) -> int:
         """Whole pages shared by data[pos:] and key (the first page is known to match)."""
         num_bytes = min(len(key), len(data) - pos)
         if data.startswith(key[:num_bytes], pos):
@@ -830,9 +707,8 @@ class PrefixTree:
                 top, bottom = held[:num_pages].copy(), held[num_pages:].copy()
                 if (top[:, 0] >= 0).any():
                     upper_peer[owner] = top
-                    where = self._peer_block_nodes[owner]
-                    for block_id in top[:, 0][top[:, 0] >= 0].tolist():
-                        where[block_id] = upper
+                    if self.on_peer_moved is not None:
+                        self.on_peer_moved(owner, top[:, 0][top[:, 0] >= 0].tolist(), upper)
                 if (bottom[:, 0] >= 0).any():
                     lower_peer[owner] = bottom
             upper.peer, node.peer = upper_peer or None, lower_peer or None
@@ -866,7 +742,7 @@ class PrefixTree:
         if tier is Tier.L2 and node.parent is self._root and self._on_l2_root is not None:
             self._on_l2_root(node.key[:self._page_bytes], delta)
 
-    def _remove_if_empty(self, node: TreeNode) -> None:
+    def remove_if_empty(self, node: TreeNode) -> None:
         """Drop node, then its emptied ancestors, while they hold nothing in any tier. A node
         dropped already (with a child that emptied it) has no parent: nothing to do."""
         while node.parent is not None and not node.children and node.holds_nothing():
@@ -894,7 +770,7 @@ class PrefixTree:
             self._rebuild_evict_heap(tier, reused)
 
     def _rebuild_evict_heap(self, tier: Tier, reused: bool) -> None:
-        heap = [(node.last_access[tier], next(self._heap_seq), node) for node in self._iter_nodes()
+        heap = [(node.last_access[tier], next(self._heap_seq), node) for node in self.nodes()
                 if self._is_evictable(node, tier) and node.reused[tier] == reused]
         heapq.heapify(heap)
         self._evict_heaps[tier, reused] = heap
@@ -902,12 +778,12 @@ class PrefixTree:
     def _check_evict_heap(self, tier: Tier) -> None:
         fresh = {id(node) for reused in (False, True) for last_access, _, node in self._evict_heaps[tier, reused]
                  if self._is_current(last_access, node, tier, reused)}
-        for node in self._iter_nodes():
+        for node in self.nodes():
             if self._is_evictable(node, tier) and id(node) not in fresh:
                 raise IntegrityError(f"evictable {node!r} has no current entry in the "
                                      f"{tier.label} eviction heap")
 
-    def _iter_nodes(self) -> Iterator[TreeNode]:
+    def nodes(self) -> Iterator[TreeNode]:
         stack = [self._root]
         while stack:
             node = stack.pop()
@@ -923,7 +799,7 @@ class PrefixTree:
             child = node.children.get(data[pos:pos + page_bytes])
             if child is None or child.page_ids[tier] is None:
                 break
-            num_common = self._num_common_pages(data, pos, child.key)
+            num_common = self.num_common_pages(data, pos, child.key)
             pos += num_common * page_bytes
             if num_common < child.num_pages:
                 break

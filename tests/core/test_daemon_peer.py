@@ -168,7 +168,7 @@ def test_a_session_end_takes_its_registration_and_residency(state, ended, rng, e
         state.expire_sessions()
     state.check_integrity()
     assert ended == [export_a]
-    assert namespace.tree.peer_blocks(export_a.peer_id) == 0 and namespace.tree.num_nodes == 0
+    assert namespace.peers.blocks(export_a.peer_id) == 0 and namespace.tree.num_nodes == 0
     assert state.lookup(b.session_id, tokens.tobytes()).hit_tokens["peer"] == 0
     assert state.peer_list(b.session_id) == []
 
