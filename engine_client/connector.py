@@ -100,6 +100,8 @@ from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Trans
 from engine_client.layout import KVLayout, describe_layout
 from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
 from engine_client.shared_pool import SharedHostPool
+from proto import counters
+from proto.counters import Counts
 from proto.errors import ErrorCode
 from proto.messages import RESTORE_POLICIES, KVGeometry
 from proto.hints import HintsView
@@ -223,8 +225,7 @@ class PendingLookup:
         """cancel() a lookup whose reply did not come in time: counted (lookup_failures_no_reply)
         and logged once."""
         if self._decision is None:
-            self._lookup._failed("lookup_failures_no_reply",
-                                 DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
+            self._lookup._failed("no_reply", DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
             self.cancel()
 
     def decision(self, timeout_s: float | None = None) -> RestoreDecision:
@@ -271,7 +272,7 @@ class BegunLookup:
         if request.predicted and not self._cancelled:
             if not self._counted:
                 self._counted = True
-                self._connector.counters["lookup_choice_recompute"] += 1
+                self._connector.counters.add(counters.ENGINE_LOOKUP_CHOICES, 1, "recompute")
             return RestoreDecision("recompute", self._local_hit_tokens, {}, {})
         if request.match is not None and not self._cancelled:
             self._connector._take_reply(request, self._connector.config.reply_timeout_s if timeout_s is None
@@ -282,9 +283,9 @@ class BegunLookup:
             return RestoreDecision("", 0, {}, {})
         if not self._counted:
             self._counted = True
-            counters = self._connector.counters
-            counters[f"lookup_choice_{request.decision.choice}"] += 1
-            counters["lookup_hit_tokens"] += request.decision.num_tokens
+            counts = self._connector.counters
+            counts.add(counters.ENGINE_LOOKUP_CHOICES, 1, request.decision.choice)
+            counts.add(counters.ENGINE_LOOKUP_HIT_TOKENS, request.decision.num_tokens)
         return request.decision
 
     def cancel(self) -> None:
@@ -301,7 +302,7 @@ class BegunLookup:
     def give_up(self, waited_s: float) -> None:
         """cancel() a match whose reply did not come in time, counted (lookup_failures_no_reply)."""
         if not self._cancelled and self._request.match is not None and not self._request.predicted:
-            self._connector.lookups._failed("lookup_failures_no_reply",
+            self._connector.lookups._failed("no_reply",
                                             DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
         self.cancel()
 
@@ -316,20 +317,20 @@ class PrefixLookup:
         self.tp_group = tp_group
         self.promote_l3 = promote_l3
         self.policy = policy
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = Counts(counters.ENGINE)
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray, local_hit_tokens: int = 0) -> PendingLookup:
         """``local_hit_tokens``: leading tokens the engine holds itself; the daemon decides for the rest."""
-        self.counters["lookups"] += 1
+        self.counters.add(counters.ENGINE_LOOKUPS)
         try:
             pending = self.client.lookup_async(token_ids, tp_group=self.tp_group, local_hit_tokens=local_hit_tokens,
                                                policy=self.policy, promote_l3=self.promote_l3)
             return PendingLookup(self, pending, len(token_ids))
         except DaemonDown:                  # the client logs the outage once
-            self.counters["lookup_failures_daemon_down"] += 1
+            self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, "daemon_down")
             return PendingLookup(self, None, len(token_ids))
         except DaemonUnavailable as exc:
-            self._failed("lookup_failures_unavailable", exc)
+            self._failed("unavailable", exc)
             return PendingLookup(self, None, len(token_ids))
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None,
@@ -344,22 +345,23 @@ class PrefixLookup:
         try:
             reply = pending.result(timeout_s)
         except DaemonDown:
-            self.counters["lookup_failures_daemon_down"] += 1
+            self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, "daemon_down")
             return failed
         except DaemonUnavailable as exc:
-            self._failed("lookup_failures_unavailable", exc)
+            self._failed("unavailable", exc)
             return failed
         except DaemonError as exc:
-            self._failed("lookup_failures_refused", exc)
+            self._failed("refused", exc)
             return failed
-        self.counters[f"lookup_choice_{reply.choice}"] += 1
-        self.counters["lookup_hit_tokens"] += reply.restore_tokens
+        self.counters.add(counters.ENGINE_LOOKUP_CHOICES, 1, reply.choice)
+        self.counters.add(counters.ENGINE_LOOKUP_HIT_TOKENS, reply.restore_tokens)
         return RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
 
-    def _failed(self, counter: str, exc: Exception) -> None:
-        if not self.counters[counter]:
-            logger.warning("lookup failed (counted as %s, reported once): %s", counter, exc)
-        self.counters[counter] += 1
+    def _failed(self, cause: str, exc: Exception) -> None:
+        if not self.counters.value(counters.ENGINE_LOOKUP_FAILURES, cause):
+            logger.warning("lookup failed (counted as %s, reported once): %s",
+                           self.counters.key_of(counters.ENGINE_LOOKUP_FAILURES, cause), exc)
+        self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, cause)
 
 
 # ---- per request --------------------------------------------------------------------------------
@@ -465,7 +467,7 @@ class KVConnector:
     scheduler thread calls it."""
 
     def __init__(self, client: KVCacheClient, layout: KVLayout, geometry: KVGeometry, host_pool: SharedHostPool,
-                 transfer: KVTransfer, config: ConnectorConfig, counters: collections.Counter | None = None,
+                 transfer: KVTransfer, config: ConnectorConfig, counts: Counts | None = None,
                  peer: PeerSharing | None = None):
         self.client = client
         self.layout = layout
@@ -477,7 +479,7 @@ class KVConnector:
         self.peer = peer
         self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3,
                                     policy=config.policy)
-        self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
+        self.counters = counts if counts is not None else Counts(counters.ENGINE)
         self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_PENDING_COST_SAMPLES)
         self._requests: dict[Hashable, _Request] = {}      # open, by id: not finished yet
         # Finished, their leases not ended yet (transfers in flight, a reply or a commit to come):
@@ -559,19 +561,19 @@ class KVConnector:
         except BaseException:
             host_pool.close()
             raise
-        counters: collections.Counter[str] = collections.Counter()
+        counts = Counts(counters.ENGINE)          # the connector's, its peer sharing's too
         peer = None
         if config.peer and tp_size == 1 and info is None:
             logger.warning("peer restores off: the engine runs without the kvcached cache")
         elif config.peer and tp_size == 1:
             try:
-                peer = PeerSharing.register(client, layout, transfer, page_size, counters)
+                peer = PeerSharing.register(client, layout, transfer, page_size, counts)
             except (PeerError, DaemonUnavailable, DaemonError, OSError) as exc:
                 logger.warning("peer restores off: the KV tensors could not be registered: %s", str(exc))
         elif config.peer:
             logger.warning("peer restores off: not with tensor parallelism (tp_size %d)", tp_size)
         try:
-            return cls(client, layout, geometry, host_pool, transfer, config, counters, peer)
+            return cls(client, layout, geometry, host_pool, transfer, config, counts, peer)
         except BaseException:       # what was opened here is closed here: a pinned pool unpinned
             if peer is not None:
                 peer.close()
@@ -619,10 +621,10 @@ class KVConnector:
         given up (``cancel``, or no reply in time: ``give_up``) ends like ``request_finished``."""
         if not self.can_begin:
             raise RuntimeError("begin needs one rank (tp_size 1) and promote_l3")
-        self.counters["lookups"] += 1
+        self.counters.add(counters.ENGINE_LOOKUPS)
         predicted = request_id not in self._requests and self._predicts_recompute(token_ids, local_hit_tokens)
         if predicted:
-            self.counters["lookups_predicted_recompute"] += 1
+            self.counters.add(counters.ENGINE_LOOKUPS_PREDICTED)
         request = self._request(request_id, token_ids, promote_l3=not predicted, local_hit_tokens=local_hit_tokens,
                                 begun=True, recompute=predicted, defer=predicted)
         return BegunLookup(self, request, local_hit_tokens // self.page_size * self.page_size)
@@ -683,7 +685,7 @@ class KVConnector:
         if num_pages:
             load = _Load(request_id, start_page, block_ids, self._caller_event(), not asynchronous)
             request.loads.append(load)
-            self.counters["loads"] += 1
+            self.counters.add(counters.ENGINE_LOADS)
             if not asynchronous:
                 self._sync_loads.append(load)
         self._advance(request)
@@ -708,7 +710,7 @@ class KVConnector:
         covered = min(len(request.token_ids), end_page * self.page_size)
         if not np.array_equal(request.token_ids[:covered], tokens[:covered]):
             raise ValueError(f"request {request_id!r}: these tokens differ from those its first call gave")
-        self.counters["saves"] += 1
+        self.counters.add(counters.ENGINE_SAVES)
         if not self.config.save:
             self._skip(end_page - start_page, "saving_off")
             return
@@ -754,7 +756,7 @@ class KVConnector:
 
     def _count_refusals(self, errors) -> None:
         for error in errors:
-            self.counters[f"daemon_refusals_{getattr(error.kind, 'name', 'request').lower()}"] += 1
+            self.counters.add(counters.ENGINE_REFUSALS, 1, getattr(error.kind, 'name', 'request').lower())
             if error.code != ErrorCode.NOT_ATTACHED:    # sent for a session that ended since: the
                 logger.warning("the daemon refused a request: %s", error)   # end was logged already
 
@@ -822,10 +824,9 @@ class KVConnector:
         return None if request is None or request.match is not None else request.host_page_ids.copy()
 
     def stats(self) -> dict[str, int]:
-        counters = self.counters + self.lookups.counters
-        counters.update({f"load_path_{path}": n for path, n in self.transfer.load_paths.items()})
-        counters["requests_open"] = self.num_open_requests
-        return dict(sorted(counters.items()))
+        stats = self.counters + self.lookups.counters + self.transfer.load_paths
+        stats[counters.REQUESTS_OPEN] = self.num_open_requests
+        return dict(sorted(stats.items()))
 
     # ---- the request's state machine ------------------------------------------------------------
 
@@ -861,7 +862,7 @@ class KVConnector:
         except BaseException:
             # Nothing was leased: the request ends as one whose match failed, its saves skipped.
             request.failure = "send_failed"
-            self.counters["match_failures_send_failed"] += 1
+            self.counters.add(counters.ENGINE_MATCH_FAILURES, 1, "send_failed")
             raise
 
     def _take_reply(self, request: _Request, timeout_s: float | None = None) -> None:
@@ -895,15 +896,15 @@ class KVConnector:
         request.backup_skipped = reply.backup_skipped
         if self.peer is not None:
             request.peer_plan = self._peer_plan(reply)
-        self.counters["matches"] += 1
-        self.counters["promoted_tokens"] += reply.promoted_tokens
+        self.counters.add(counters.ENGINE_MATCHES)
+        self.counters.add(counters.ENGINE_PROMOTED_TOKENS, reply.promoted_tokens)
         if reply.choice:
             request.decision = RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
             if request.predicted and reply.choice not in ("recompute", "engine"):
-                self.counters["prediction_misses"] += 1     # a restore the model would have taken, declined
+                self.counters.add(counters.ENGINE_PREDICTION_MISSES)    # a restore the model would have taken
         lacking = len(request.token_ids) // self.page_size - request.hit_pages
         if self.config.save and len(request.reserved) < lacking and not request.backup_skipped:   # by cause, at save
-            self.counters["reservation_short_pages"] += lacking - len(request.reserved)
+            self.counters.add(counters.ENGINE_RESERVATION_SHORT_PAGES, lacking - len(request.reserved))
 
     def _match_failed(self, request: _Request, exc: Exception | None) -> None:
         """The request's match failed (exc None: no reply in time): its loads fail and its saves
@@ -917,7 +918,7 @@ class KVConnector:
         else:
             cause = "no_reply"
         request.match, request.failure = None, cause
-        self.counters[f"match_failures_{cause}"] += 1
+        self.counters.add(counters.ENGINE_MATCH_FAILURES, 1, cause)
         if cause != "daemon_down":
             why = exc if exc is not None else f"no reply within {self.config.reply_timeout_s} s"
             self._warn_once(cause, f"a match failed ({cause}): {why}")
@@ -991,7 +992,7 @@ class KVConnector:
                 load.reason = "transfer_failed"
                 return 0
             self._track(load.transfer)
-        self.counters["load_pages_queued"] += usable
+        self.counters.add(counters.ENGINE_QUEUED_PAGES, usable, "load")
         load.session_id = request.session_id
         self._queued_loads.append(LoadResult(request.request_id, usable * self.page_size,
                                              load.block_ids[usable:].tolist(), load.reason))
@@ -1005,7 +1006,7 @@ class KVConnector:
             return None
         plan = self.peer.plan(reply)
         if plan is not None:
-            self.counters["peer_plans"] += 1
+            self.counters.add(counters.ENGINE_PEER_PLANS)
         return plan
 
     def _queue_peer_load(self, plan: PeerPlan, load: _Load) -> None:
@@ -1025,7 +1026,7 @@ class KVConnector:
                     usable, load.reason = copied, "peer_changed"
                 if load.peer_copy is not None:
                     load.transfer = load.peer_copy.transfer
-                    self.counters["peer_load_pages_queued"] += usable
+                    self.counters.add(counters.ENGINE_PEER_QUEUED_PAGES, usable)
                     # Provisional, as a load from L2 is: the epochs checked at completion may void it.
                     self._queued_loads.append(LoadResult(load.request_id, usable * self.page_size,
                                                          load.block_ids[usable:].tolist(), load.reason))
@@ -1044,7 +1045,7 @@ class KVConnector:
             verified = self.peer.finish(load.peer_copy)
             if verified < usable:
                 usable, reason = verified, "peer_changed"
-            self.counters["peer_loaded_pages"] += usable
+            self.counters.add(counters.ENGINE_PEER_LOADED_PAGES, usable)
         elif load.transfer is not None:
             with self._pool_section(load.session_id, load.transfer) as pool:
                 if pool is None:    # the ended session's pool was dropped once the copy was done
@@ -1059,7 +1060,7 @@ class KVConnector:
         failed = load.block_ids[usable:].tolist()
         if failed:
             self._count_failure(len(failed), reason or "unknown")
-        self.counters["loaded_pages"] += usable
+        self.counters.add(counters.ENGINE_LOADED_PAGES, usable)
         self._finished_loads.append(LoadResult(request.request_id, usable * self.page_size, failed,
                                                reason if failed else None, transfer_s))
         request.loads.remove(load)
@@ -1070,7 +1071,7 @@ class KVConnector:
         save.queued = True
         first, end = save.first_page, save.first_page + len(save.block_ids)
         cached_end = min(end, request.hit_pages)
-        self.counters["save_pages_cached"] += max(0, cached_end - first)
+        self.counters.add(counters.ENGINE_SAVE_CACHED_PAGES, max(0, cached_end - first))
         first = max(first, request.hit_pages)
         if first >= end:
             return
@@ -1089,7 +1090,7 @@ class KVConnector:
         lo, hi = first - request.hit_pages, end - request.hit_pages
         already = int(request.queued[lo:hi].sum())
         if already:          # saved before by this request: written once is enough
-            self.counters["save_pages_again"] += already
+            self.counters.add(counters.ENGINE_SAVE_PAGES_AGAIN, already)
         todo = np.flatnonzero(~request.queued[lo:hi]) + lo
         if not len(todo):
             return
@@ -1114,7 +1115,7 @@ class KVConnector:
         save.transfer = transfer
         save.reserve_indices = todo
         save.session_id = request.session_id
-        self.counters["save_pages_queued"] += len(todo)
+        self.counters.add(counters.ENGINE_QUEUED_PAGES, len(todo), "save")
 
     def _complete_save(self, request: _Request, save: _Save) -> None:
         self._cost_samples.append(("d2h", save.transfer.num_pages * self.geometry.bytes_per_page,
@@ -1126,7 +1127,7 @@ class KVConnector:
                 # Complete: stamped with the lease's generation, readers may trust them once committed.
                 pool.generations.stamp(request.reserved[save.reserve_indices], request.generation)
                 request.written[save.reserve_indices] = True
-                self.counters["saved_pages"] += save.transfer.num_pages
+                self.counters.add(counters.ENGINE_SAVED_PAGES, save.transfer.num_pages)
         save.transfer = None
 
     @staticmethod
@@ -1166,7 +1167,7 @@ class KVConnector:
             else:
                 sent = self.client.release(request.lease_id, self._generation)
             if written and sent:
-                self.counters["committed_pages"] += written
+                self.counters.add(counters.ENGINE_COMMITTED_PAGES, written)
             elif written:
                 self._skip(written, "session_lost")
         except (DaemonUnavailable, DaemonError) as exc:
@@ -1207,14 +1208,14 @@ class KVConnector:
         # An outage is logged once, by the client; a policy skip is the daemon's choice (counted).
         if cause not in ("daemon_down", "evicted_before_reuse"):
             self._warn_once(f"save_{cause}", f"save pages skipped: {cause}")
-        self.counters[f"save_skipped_pages_{cause}"] += num_pages
-        self.counters["save_skipped_pages"] += num_pages
+        self.counters.add(counters.ENGINE_SAVE_SKIPPED_PAGES, num_pages, cause)
+        self.counters.add(counters.ENGINE_SAVE_SKIPPED_PAGES_SUM, num_pages)
 
     def _count_failure(self, num_pages: int, cause: str) -> None:
         if cause != "daemon_down":
             self._warn_once(f"load_{cause}", f"load pages not loaded (to be recomputed): {cause}")
-        self.counters[f"load_failed_pages_{cause}"] += num_pages
-        self.counters["load_failed_pages"] += num_pages
+        self.counters.add(counters.ENGINE_LOAD_FAILED_PAGES, num_pages, cause)
+        self.counters.add(counters.ENGINE_LOAD_FAILED_PAGES_SUM, num_pages)
 
     def _warn_once(self, cause: str, message: str) -> None:
         key = f"warned_{cause}"

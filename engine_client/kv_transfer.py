@@ -51,6 +51,8 @@ from engine_client import cudart
 from engine_client.block_copy import BACKENDS, SegmentTable, check_same_pages, triton_available
 from engine_client.layout import KVLayout
 from engine_client.shared_pool import SharedHostPool
+from proto import counters
+from proto.counters import Counts
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +237,7 @@ class KVTransfer:
         self.table = SegmentTable(layout)
         # Loads by the path they took: layered, whole (asked so, or too many ids), or whole because
         # the L2 pages lay in more than LAYERWISE_MAX_RUNS runs (a layered load asked for).
-        self.load_paths: collections.Counter[str] = collections.Counter()
+        self.load_paths = Counts((counters.ENGINE_LOAD_PATHS,))
         # A layered load goes in LOAD_GROUPS groups of consecutive layers (or one per layer, for
         # fewer layers), the last group's layers one by one (what a prefill still computes after the
         # load's last DMA is then one layer, not a group): each group's segments in page order (its
@@ -327,12 +329,12 @@ class KVTransfer:
         chunks = [(first, min(first + lane.chunk_pages, len(block_ids)))
                   for first in range(0, len(block_ids), lane.chunk_pages)]
         if layered and chunks and len(page_runs(host_page_ids).starts) > LAYERWISE_MAX_RUNS:
-            self.load_paths["whole_many_runs"] += 1
+            self.load_paths.add(counters.ENGINE_LOAD_PATHS, 1, "whole_many_runs")
             return self._load_whole(lane, host_page_ids, block_ids, after)
         if not layered or not chunks or len(block_ids) + _ID_ALIGN * len(chunks) > lane.max_load_ids:
-            self.load_paths["whole"] += 1
+            self.load_paths.add(counters.ENGINE_LOAD_PATHS, 1, "whole")
             return self._load_whole(lane, host_page_ids, block_ids, after)
-        self.load_paths["layered"] += 1
+        self.load_paths.add(counters.ENGINE_LOAD_PATHS, 1, "layered")
         layer_events: list[torch.cuda.Event | None] = []
         slot_free: list[torch.cuda.Event | None] = [None] * _LOAD_SLOTS  # a slot's last scatter
         started = time.perf_counter()
@@ -607,4 +609,6 @@ class KVTransfer:
         return {"backends": dict(self.backend_by_direction), "workspace_pages": self.workspace_pages,
                 "word_bytes": self.table.word_bytes, "segments": self.table.num_segments,
                 "id_host_waits": sum(l.ids.host_waits for l in self.lanes.values() if l.ids is not None),
-                "load_paths": dict(sorted(self.load_paths.items()))}
+                "load_paths": {path: self.load_paths.value(counters.ENGINE_LOAD_PATHS, path)
+                               for path in sorted(counters.LOAD_PATHS)
+                               if self.load_paths.value(counters.ENGINE_LOAD_PATHS, path)}}

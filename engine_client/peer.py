@@ -41,7 +41,8 @@ from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, 
 from engine_client.kv_transfer import KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from proto import epochs as epoch_format
-from proto import procfs
+from proto import counters, procfs
+from proto.counters import Counts
 from proto.messages import MsgKind
 from proto.replies import MatchReply, PeerListReply, PeerRegisterReply
 
@@ -259,12 +260,12 @@ class PeerSharing:
     by its connector on the scheduler thread (not thread-safe), except the opening of peers."""
 
     def __init__(self, client: KVCacheClient, layout: KVLayout, transfer: KVTransfer, page_size: int,
-                 counters: collections.Counter):
+                 counts: Counts):
         self.client = client
         self.layout = layout
         self.transfer = transfer
         self.page_size = page_size
-        self.counters = counters
+        self.counters = counts
         self.transport, self.device_id = device_identity(layout.device)
         self.daemon_uid = os.stat(client.socket_path).st_uid
         self._body = self._registration()
@@ -294,9 +295,9 @@ class PeerSharing:
 
     @classmethod
     def register(cls, client: KVCacheClient, layout: KVLayout, transfer: KVTransfer, page_size: int,
-                 counters: collections.Counter) -> "PeerSharing":
+                 counts: Counts) -> "PeerSharing":
         """Register the tensors (one round trip, at the engine's start) and ask for the peers."""
-        sharing = cls(client, layout, transfer, page_size, counters)
+        sharing = cls(client, layout, transfer, page_size, counts)
         sharing._register()
         reply = sharing._registering.result(REGISTER_TIMEOUT_S)
         sharing._registering = None
@@ -403,8 +404,8 @@ class PeerSharing:
                 batch.append(runs.pop(0))
             if not self.client.send_async(MsgKind.PEER_PUBLISH, {"removed": removed, "runs": batch}, self._generation):
                 return                      # the session ended: the next registration starts afresh
-            self.counters["peer_blocks_published"] += size - len(removed)
-            self.counters["peer_publications"] += 1
+            self.counters.add(counters.ENGINE_PEER_BLOCKS_PUBLISHED, size - len(removed))
+            self.counters.add(counters.ENGINE_PEER_PUBLICATIONS)
 
     # ---- reader -----------------------------------------------------------------------------
 
@@ -415,13 +416,13 @@ class PeerSharing:
             return None
         peer = self._peers.get(reply.peer_id)
         if peer is None:
-            self.counters["peer_candidates_not_open"] += 1
+            self.counters.add(counters.ENGINE_PEER_CANDIDATES_SKIPPED, 1, "not_open")
             if reply.peer_id not in self._opening and reply.peer_id not in self._open_failed:
                 self._list_wanted = True
             return None
         if len(reply.peer_epochs) != len(reply.peer_block_ids) or \
                 max(reply.peer_block_ids) >= peer.epochs.num_blocks or min(reply.peer_block_ids) < 0:
-            self.counters["peer_candidates_malformed"] += 1
+            self.counters.add(counters.ENGINE_PEER_CANDIDATES_SKIPPED, 1, "malformed")
             return None
         return PeerPlan(peer, np.asarray(reply.peer_block_ids, dtype=np.int64),
                         np.asarray(reply.peer_epochs, dtype=np.int64))
@@ -440,7 +441,7 @@ class PeerSharing:
             return None
         transfer = self.transfer.copy_from(peer.table, source[:count], block_ids[:count], after)
         peer.in_flight += 1
-        self.counters["peer_copies"] += 1
+        self.counters.add(counters.ENGINE_PEER_COPIES)
         return PeerCopy(peer, source[:count], expected[:count], transfer)
 
     def finish(self, copy: PeerCopy) -> int:
@@ -451,8 +452,8 @@ class PeerSharing:
         count = _leading(peer.epochs.epochs[copy.source_block_ids] == copy.epochs)
         if not (not peer.epochs.closed and process_running(peer.pid, peer.start_time)):
             count = 0
-        self.counters["peer_pages_verified"] += count
-        self.counters["peer_pages_changed"] += len(copy.source_block_ids) - count
+        self.counters.add(counters.ENGINE_PEER_PAGES, count, "verified")
+        self.counters.add(counters.ENGINE_PEER_PAGES, len(copy.source_block_ids) - count, "changed")
         return count
 
     def _open(self, entry: dict[str, Any]) -> OpenedPeer:
@@ -509,7 +510,7 @@ class PeerSharing:
                 self._opened.append(peer)
 
     def _take_list(self, reply: PeerListReply) -> None:
-        self.counters["peer_lists_taken"] += 1
+        self.counters.add(counters.ENGINE_PEER_LISTS_TAKEN)
         for entry in reply.peers:
             peer_id = entry.get("peer_id") if isinstance(entry, dict) else None
             if type(peer_id) is not int or peer_id in self._peers or peer_id in self._open_failed:
@@ -554,7 +555,7 @@ class PeerSharing:
             opened, self._opened = self._opened, []
         for peer in opened:
             self._peers[peer.peer_id] = peer
-            self.counters["peers_opened"] += 1
+            self.counters.add(counters.ENGINE_PEERS_OPENED, 1, "opened")
         # Whether each owner lives is read from /proc at most every LIVENESS_INTERVAL_S here (each
         # copy checks it anyway); a closed registration is seen at once.
         now = time.monotonic()
@@ -569,7 +570,7 @@ class PeerSharing:
         for peer in [p for p in self._closing if p.in_flight == 0]:
             self._closing.remove(peer)
             peer.close()
-            self.counters["peers_closed"] += 1
+            self.counters.add(counters.ENGINE_PEERS_OPENED, 1, "closed")
 
     def _poll_list(self) -> None:
         if self._listing is not None and self._listing.ready():

@@ -69,6 +69,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.connector import ConnectorConfig, KVConnector, PendingLookup, PrefixLookup
+from proto import counters
 from proto.messages import KVGeometry
 from proto.paths import default_socket_path
 
@@ -452,8 +453,9 @@ class _SchedulerSide:
         return asked.hit_tokens
 
     def _lookup_failures(self) -> int:
-        counters = self.lookups.counters
-        return sum(counters[f"lookup_failures_{cause}"] for cause in ("daemon_down", "unavailable", "refused"))
+        counts = self.lookups.counters
+        return sum(counts.value(counters.ENGINE_LOOKUP_FAILURES, cause)
+                   for cause in ("daemon_down", "unavailable", "refused"))
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -761,8 +763,10 @@ class _WorkerSide:
     def _take_counters(self, connector: KVConnector) -> None:
         stats = collections.Counter(connector.stats())
         page = self.block_size
-        for ours, theirs in (("loaded_tokens", "loaded_pages"), ("load_failed_tokens", "load_failed_pages"),
-                             ("saved_tokens", "saved_pages"), ("save_skipped_tokens", "save_skipped_pages")):
+        for ours, theirs in (("loaded_tokens", counters.ENGINE_LOADED_PAGES.key),
+                             ("load_failed_tokens", counters.ENGINE_LOAD_FAILED_PAGES_SUM.key),
+                             ("saved_tokens", counters.ENGINE_SAVED_PAGES.key),
+                             ("save_skipped_tokens", counters.ENGINE_SAVE_SKIPPED_PAGES_SUM.key)):
             self.counts.total[ours] += (stats[theirs] - self._reported[theirs]) * page
         self._reported = stats
 

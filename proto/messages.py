@@ -46,10 +46,10 @@ class MsgKind(enum.IntEnum):
 # those the cost model says beat recompute; "always", the longest hit; "never", none.
 RESTORE_POLICIES = ("cost", "always", "never")
 # What a decision chooses (MatchReply.choice): "engine", no tier holds more than the engine's own hit;
-# "l2", "l3", restore from that tier (L3: promoted to L2 first); "peer", copy from another engine's
-# GPU cache (the reply's peer_* fields); "recompute", a tier holds more but restoring it does not
-# pay (or the policy is never).
-RESTORE_CHOICES = ("engine", "l2", "l3", "peer", "recompute")
+# "l2", "l3", "remote", restore from that tier (L3, remote: promoted to L2 first); "peer", copy from
+# another engine's GPU cache (the reply's peer_* fields); "recompute", a tier holds more but
+# restoring it does not pay (or the policy is never).
+RESTORE_CHOICES = ("engine", "l2", "l3", "remote", "peer", "recompute")
 
 # The L2 page formats (KVGeometry.layout). "kv": K and V of a block apart, page [2, layers, *block];
 # "blocks": each layer's block is opaque bytes (an engine that packs K and V inside it), page [layers, *block].

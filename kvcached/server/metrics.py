@@ -10,70 +10,24 @@ Names follow Prometheus conventions: ``kvcached_*_total`` counters, ``*_bytes``,
 histograms, labels ``tier`` (l2, l3), ``direction`` (h2d, d2h: engine DMA; d2d: a copy out of
 another engine's GPU memory; h2s, s2h: L3 file I/O), ``model``, ``engine``/``session``, ``reason``.
 The daemon's counters and histograms are exported as declared (kvcached/core/counters.py), every
-declared one, and nothing else: nothing is counted that no declaration names. docs/metrics.md
-lists them (its table of counters is ``python -m kvcached.server.metrics --write-docs``).
+declared one, and nothing else: nothing is counted that no declaration names. An engine's are
+declared in proto/counters.py (ENGINE); a key of its report that none declares (an engine of
+another version) is shown in status, not exported. docs/metrics.md lists them all (its table of
+counters is ``python -m kvcached.server.metrics --write-docs``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import re
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvcached.core import counters
-from proto.counters import Counter
+from proto.counters import ENGINE, ENGINE_LOADED_PAGES, ENGINE_SAVED_PAGES, REQUESTS_OPEN, Counter
 
-
-class Rule(NamedTuple):
-    """A counter (or histogram) name of the daemon or an engine, mapped to a metric.
-
-    ``pattern`` fully matches the name; its groups become the labels ``labels`` names; ``fixed``
-    labels are constant. ``metric`` None: the counter is exported some other way (a histogram's
-    count and sum, a sum of labelled counters), not again. ``per_model``: the daemon also counts it
-    per model (``metrics_by_model``)."""
-
-    pattern: re.Pattern[str]
-    metric: str | None
-    help: str
-    labels: tuple[str, ...] = ()
-    fixed: tuple[tuple[str, str], ...] = ()
-    per_model: bool = False
-
-
-def _rule(pattern: str, metric: str | None, help: str = "", labels: tuple[str, ...] = (),
-          per_model: bool = False, **fixed: str) -> Rule:
-    return Rule(re.compile(pattern), metric, help, labels, tuple(sorted(fixed.items())), per_model)
-
-
-# An engine connector's counters (status sessions[].report.connector.counters), per session.
-ENGINE_COUNTERS = (
-    _rule("loaded_pages", "kvcached_engine_transfer_pages", "Pages an engine loaded (h2d) or saved (d2h)",
-          direction="h2d"),
-    _rule("saved_pages", "kvcached_engine_transfer_pages", "", direction="d2h"),
-    _rule("loads", "kvcached_engine_loads", "Loads an engine asked for"),
-    _rule("saves", "kvcached_engine_saves", "Saves an engine asked for"),
-    _rule("matches", "kvcached_engine_matches", "Matches an engine's requests got a reply to"),
-    _rule("lookups", "kvcached_engine_lookups", "Lookups an engine sent"),
-    _rule("lookup_hit_tokens", "kvcached_engine_lookup_hit_tokens", "Tokens an engine's lookups found cached"),
-    _rule("promoted_tokens", "kvcached_engine_promoted_tokens", "Tokens promoted from L3 for an engine's matches"),
-    _rule("committed_pages", "kvcached_engine_committed_pages", "Saved pages an engine committed"),
-    _rule("save_pages_cached", "kvcached_engine_save_cached_pages", "Pages a save found in L2 already (not "
-          "written)"),
-    _rule("load_failed_pages_(.+)", "kvcached_engine_load_failed_pages", "Pages a load could not fill (the "
-          "engine recomputes them), by reason", ("reason",)),
-    _rule("save_skipped_pages_(.+)", "kvcached_engine_save_skipped_pages", "Pages a save did not write, by "
-          "reason", ("reason",)),
-    _rule("match_failures_(.+)", "kvcached_engine_match_failures", "Matches that failed, by reason", ("reason",)),
-    _rule("lookup_failures_(.+)", "kvcached_engine_lookup_failures", "Lookups that failed, by reason",
-          ("reason",)),
-    _rule("daemon_refusals_(.+)", "kvcached_engine_refusals", "Requests of an engine the daemon refused, by code",
-          ("code",)),
-    _rule("(load_failed_pages|save_skipped_pages|requests_open)", None),   # sums of the above; a gauge
-)
 
 ENGINE_LABELS = ("engine", "session", "model")
 
@@ -106,47 +60,41 @@ class _Families:
         return (family for family, _ in self._families.values())
 
 
-def _match(rules: Iterable[Rule], name: str) -> tuple[Rule, dict[str, str]] | None:
-    for rule in rules:
-        match = rule.pattern.fullmatch(name)
-        if match:
-            labels = dict(zip(rule.labels, match.groups()))
-            labels.update(rule.fixed)
-            return rule, labels
-    return None
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Each declared counter family's help (one of its declarations carries it, the others have "").
-_HELP = {counter.metric: counter.help for counter in (*counters.DAEMON, *counters.REMOTE, *counters.COST_MODEL)
-         if counter.help}
+_HELP = {counter.metric: counter.help for counter in (*counters.DAEMON, *counters.REMOTE, *counters.COST_MODEL,
+                                                    *ENGINE) if counter.help}
 
 
 def _declared_counters(families: _Families, declared: Iterable[Counter], counts: dict[str, Any],
-                       by_model: dict[str, dict[str, Any]] | None = None) -> None:
+                       by_model: dict[str, dict[str, Any]] | None = None, labels: dict[str, str] | None = None,
+                       present_only: bool = False) -> None:
     """Every declared counter of ``declared``, its value in ``counts`` (a status dict of them; 0 where
-    absent). A ``per_model`` one (with ``by_model``) has a series per model that counted it, and one
-    with model "" for what was counted without a model (also 0 where none was). Declarations that
-    give a family the same labels are summed."""
+    absent, unless ``present_only``), with ``labels`` besides its own. A ``per_model`` one (with
+    ``by_model``) has a series per model that counted it, and one with model "" for what was
+    counted without a model (also 0 where none was). Declarations that give a family the same
+    labels are summed."""
     sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for counter in declared:
         if counter.metric is None:
             continue
         for label, key in counter.keys.items():
-            labels = counter.labels_of(label)
+            if present_only and not _number(counts.get(key)):
+                continue
+            own_labels = {**(labels or {}), **counter.labels_of(label)}
             total = counts.get(key, 0)
             samples = []
             if counter.per_model and by_model is not None:
-                samples = [({"model": model, **labels}, values[key]) for model, values in by_model.items()
+                samples = [({"model": model, **own_labels}, values[key]) for model, values in by_model.items()
                            if key in values]
                 unattributed = total - sum(value for _, value in samples)
                 if unattributed > 0 or not samples:
-                    samples.append(({"model": "", **labels}, unattributed))
+                    samples.append(({"model": "", **own_labels}, unattributed))
             else:
-                samples = [(labels, total)]
+                samples = [(own_labels, total)]
             for sample_labels, value in samples:
                 sample_key = (counter.metric, tuple(sorted(sample_labels.items())))
                 sums[sample_key] = sums.get(sample_key, 0) + value
@@ -224,28 +172,18 @@ def _engines(families: _Families, snapshot: dict[str, Any], namespaces: dict[int
         families.add(GaugeMetricFamily, "kvcached_engine_idle_seconds", "Seconds since the session's last request",
                      labels, session.get("idle_s", 0.0))
         report = session.get("report")
-        counters = report.get("connector", {}).get("counters", {}) if isinstance(report, dict) else {}
-        if not isinstance(counters, dict):
+        report_counters = report.get("connector", {}).get("counters", {}) if isinstance(report, dict) else {}
+        if not isinstance(report_counters, dict):
             continue
-        if _number(counters.get("requests_open")):
+        if _number(report_counters.get(REQUESTS_OPEN)):
             families.add(GaugeMetricFamily, "kvcached_engine_requests_open", "Requests the engine's connector has "
-                         "open (as last reported)", labels, counters["requests_open"])
-        for name, value in counters.items():
-            if not _number(value):
-                continue
-            found = _match(ENGINE_COUNTERS, name)
-            if found is None:
-                families.add(CounterMetricFamily, "kvcached_engine_events", "Engine connector counters without a "
-                             "metric of their own, by name", {**labels, "event": name}, value)
-                continue
-            rule, extra = found
-            if rule.metric is None:
-                continue
-            families.add(CounterMetricFamily, rule.metric, rule.help, {**labels, **extra}, value)
-            if rule.metric == "kvcached_engine_transfer_pages" and "bytes_per_page" in namespace:
+                         "open (as last reported)", labels, report_counters[REQUESTS_OPEN])
+        _declared_counters(families, ENGINE, report_counters, labels=labels, present_only=True)
+        for counter in (ENGINE_LOADED_PAGES, ENGINE_SAVED_PAGES):
+            if _number(report_counters.get(counter.key)) and "bytes_per_page" in namespace:
                 families.add(CounterMetricFamily, "kvcached_engine_transfer_bytes", "Bytes an engine loaded (h2d) "
-                             "or saved (d2h) through the L2 pool", {**labels, **extra},
-                             value * namespace["bytes_per_page"])
+                             "or saved (d2h) through the L2 pool", {**labels, **counter.fixed},
+                             report_counters[counter.key] * namespace["bytes_per_page"])
 
 
 def _daemon(families: _Families, snapshot: dict[str, Any]) -> None:
@@ -372,7 +310,7 @@ DOCS_PATH = "docs/metrics.md"
 DOCS_BEGIN = "<!-- declared counters: generated by `python -m kvcached.server.metrics --write-docs` -->"
 DOCS_END = "<!-- end of declared counters -->"
 _DOCS_GROUPS = (("metrics", counters.DAEMON), ("histograms", counters.HISTOGRAMS),
-                ("daemon.remote.counters", counters.REMOTE), ("cost_model", counters.COST_MODEL))
+                ("remote", counters.REMOTE), ("cost_model", counters.COST_MODEL), ("report", ENGINE))
 
 
 def docs_table() -> str:
@@ -382,7 +320,8 @@ def docs_table() -> str:
         for counter in declared:
             kind = "histogram" if counter.histogram else "counter" if counter.metric else "status only"
             metric = "" if counter.metric is None else counter.metric if counter.histogram else f"{counter.metric}_total"
-            labels = [*(["model"] if counter.per_model else []), *(f"{k}={v}" for k, v in counter.fixed.items()),
+            labels = [*(["engine, session, model"] if declared is ENGINE else ["model"] if counter.per_model else []),
+                      *(f"{k}={v}" for k, v in counter.fixed.items()),
                       *([f"{counter.label} ({', '.join(counter.values)})"] if counter.label else [])]
             key = counter.key.replace("{}", "{" + counter.label + "}")
             rows.append(f"| {f'`{metric}`' if metric else ''} | {kind} | {', '.join(labels)} | `{where}.{key}` | "

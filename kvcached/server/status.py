@@ -15,6 +15,8 @@ import secrets
 from typing import Any
 
 from kvcached.config import format_size
+from kvcached.core import counters
+from proto.counters import ENGINE_LOADED_PAGES, ENGINE_SAVED_PAGES, Counter
 
 # Every column and figure the table prints, with what it means (``kvcached status --help``).
 COLUMNS: dict[str, dict[str, str]] = {
@@ -158,12 +160,12 @@ def engine_transfer_bytes(snapshot: dict[str, Any]) -> dict[str, dict[str, int]]
     moved = {}
     for session in snapshot.get("sessions", []):
         report = session.get("report")
-        counters = report.get("connector", {}).get("counters", {}) if isinstance(report, dict) else {}
-        if not isinstance(counters, dict):
-            counters = {}
+        reported = report.get("connector", {}).get("counters", {}) if isinstance(report, dict) else {}
+        if not isinstance(reported, dict):
+            reported = {}
         page_bytes = bytes_per_page.get(session["namespace_id"], 0)
-        moved[session["session"]] = {"h2d": int(counters.get("loaded_pages", 0)) * page_bytes,
-                                     "d2h": int(counters.get("saved_pages", 0)) * page_bytes}
+        moved[session["session"]] = {"h2d": int(reported.get(ENGINE_LOADED_PAGES.key, 0)) * page_bytes,
+                                     "d2h": int(reported.get(ENGINE_SAVED_PAGES.key, 0)) * page_bytes}
     return moved
 
 
@@ -278,21 +280,25 @@ def render_remote(snapshot: dict[str, Any]) -> list[str]:
     remote = snapshot.get("daemon", {}).get("remote")
     if not remote:
         return []
-    counters, metrics = remote.get("counters", {}), snapshot.get("metrics", {})
+    calls, metrics = remote.get("counters", {}), snapshot.get("metrics", {})
 
-    def by_op(prefix: str) -> str:
-        return "/".join(str(sum(v for k, v in counters.items() if k.startswith(f"{prefix}{op}")))
-                        for op in ("exist", "get", "put"))
+    def metric(counter: Counter, label: str = "") -> int | float:
+        return metrics.get(counter.keys[label], 0)
+
+    def by_op(counter: Counter) -> str:
+        backlog = {"put": calls.get(counters.REMOTE_WRITE_BACKLOG_SKIPS.key, 0)} \
+            if counter is counters.REMOTE_SKIPS else {}
+        return "/".join(str(calls.get(counter.keys[op], 0) + backlog.get(op, 0)) for op in counters.REMOTE_OPS)
 
     state = "up" if remote["connected"] and remote["state"] == "closed" else \
         f"DOWN (retry in {remote['retry_in_s']:.1f}s)" if remote["connected"] else "connecting"
     return ["", f"remote mooncake://{remote['master']} {state}  lends {format_size(remote['segment_bytes'])}  "
-                f"lookups {counters.get('remote_exist_calls', 0)}  hit pages {metrics.get('remote_hit_pages', 0)} "
-                f"({format_size(metrics.get('remote_bytes_read', 0))})  written pages "
-                f"{metrics.get('remote_pages_written', 0)} ({format_size(metrics.get('remote_bytes_written', 0))})",
-            f"remote exist/get/put: errors {by_op('remote_errors_')}  deadline misses "
-            f"{by_op('remote_deadline_misses_')}  skipped {by_op('remote_skips_')}  checksum mismatches "
-            f"{metrics.get('remote_checksum_mismatches', 0)}"]
+                f"lookups {calls.get(counters.REMOTE_LOOKUPS.key, 0)}  hit pages {metric(counters.REMOTE_HIT_PAGES)} "
+                f"({format_size(metric(counters.REMOTE_BYTES, 'read'))})  written pages "
+                f"{metric(counters.REMOTE_WRITTEN_PAGES)} ({format_size(metric(counters.REMOTE_BYTES, 'written'))})",
+            f"remote exist/get/put: errors {by_op(counters.REMOTE_ERRORS)}  deadline misses "
+            f"{by_op(counters.REMOTE_DEADLINE_MISSES)}  skipped {by_op(counters.REMOTE_SKIPS)}  checksum mismatches "
+            f"{metric(counters.REMOTE_CHECKSUM_MISMATCHES)}"]
 
 
 def render_cost_model(cost: dict[str, Any] | None) -> list[str]:

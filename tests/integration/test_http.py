@@ -370,7 +370,7 @@ def test_dashboard_queries_metrics_the_daemon_exports(traffic):
     the scrape after the traffic, or, for events the traffic did not cause, named by the
     declarations (a counter with _total, a histogram with _bucket)."""
     from kvcached.core import counters
-    from kvcached.server.metrics import ENGINE_COUNTERS
+    from proto.counters import ENGINE
 
     _, t = traffic
     with open(os.path.join(REPO_ROOT, "deploy", "grafana", "kvcached-dashboard.json")) as f:
@@ -380,7 +380,7 @@ def test_dashboard_queries_metrics_the_daemon_exports(traffic):
     queried = {name for expr in exprs for name in re.findall(r"\b((?:kvcached|process)_[a-z0-9_]+)\b", expr)}
     scraped = {name for name, _ in scrape(t.url)}
     declared = {f"{counter.metric}_total" for counter in (*counters.DAEMON, *counters.REMOTE, *counters.COST_MODEL,
-                                                          *ENGINE_COUNTERS) if counter.metric}
+                                                          *ENGINE) if counter.metric}
     declared |= {f"{counter.metric}_{suffix}" for counter in counters.HISTOGRAMS for suffix in ("bucket", "sum", "count")}
     assert queried - scraped - declared == set()
     assert len(queried & scraped) >= 12, queried & scraped

@@ -14,7 +14,7 @@ from kvcached.core import counters
 from kvcached.core.daemon import DaemonState
 from kvcached.core.metrics import SECONDS_BUCKETS, Metrics
 from kvcached.server.metrics import StatusCollector
-from proto.counters import Counter, Counts
+from proto.counters import ENGINE, Counter, Counts
 from proto.messages import KVGeometry
 
 GEOMETRIES = [KVGeometry(model, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=8)
@@ -112,18 +112,30 @@ def test_counting_what_no_declaration_names_raises_and_counts_nothing(rng):
 
 def test_every_declared_counter_is_exported_under_its_own_family(rng):
     """Each declared counter of each group (the daemon's, per model or not; the remote client's;
-    the cost model's), counted by a random amount through its declaration, is exported under its
-    declared family and labels, by that amount (the sum, where declarations share labels);
-    per-model ones split by model; no family is a catch-all of names (kvcached_*_events)."""
+    the cost model's; an engine connector's, in its report), counted by a random amount through its
+    declaration, is exported under its declared family and labels, by that amount (the sum, where
+    declarations share labels); per-model ones split by model, an engine's with its session's
+    labels; a report's key no declaration makes is not exported; no family is a catch-all of
+    names (kvcached_*_events)."""
     state = DaemonState(4 << 20, max_namespaces=2, session_timeout_s=1.5)
+    session, _ = state.attach(GEOMETRIES[0], pid=7, client_name="eng")
     metrics = state.metrics
-    remote = Counts(counters.REMOTE)
+    remote, engine = Counts(counters.REMOTE), Counts(ENGINE)
     expected: dict[tuple[str, tuple], float] = {}
 
-    def expect(counter, label, amount, model=None):
-        labels = counter.labels_of(label) | ({"model": model} if model is not None else {})
+    def expect(counter, label, amount, model=None, **labels):
+        labels |= counter.labels_of(label) | ({"model": model} if model is not None else {})
         key = (counter.metric + "_total", tuple(sorted(labels.items())))
         expected[key] = expected.get(key, 0) + amount
+
+    expect(counters.ATTACHES, "", 1)       # the engine's session
+    for counter in ENGINE:
+        for label in counter.keys:
+            amount = int(rng.integers(1, 1 << 20))
+            engine.add(counter, amount, label)
+            if counter.metric is not None:
+                expect(counter, label, amount, GEOMETRIES[0].model_id, engine="eng")
+    state.engine_report(session.session_id, {"connector": {"counters": {**engine, "a_counter_of_tomorrow": 5}}})
 
     for counter in counters.DAEMON + counters.COST_MODEL + counters.REMOTE:
         for label in counter.keys:
@@ -149,11 +161,16 @@ def test_every_declared_counter_is_exported_under_its_own_family(rng):
     snapshot.setdefault("daemon", {})["remote"] = {"connected": True, "state": "closed", "counters": dict(remote)}
     samples = exported(snapshot)
     for (name, labels), amount in expected.items():
-        assert samples.get((name, labels)) == amount, (name, labels)
+        if ("engine", "eng") in labels:
+            found = [v for (n, ls), v in samples.items() if n == name and set(labels) <= set(ls)]
+            assert found == [amount], (name, labels)
+        else:
+            assert samples.get((name, labels)) == amount, (name, labels)
     assert not [name for name, _ in samples if name.endswith("_events_total")]
     exported_names = {name for name, _ in samples}
     assert all(counter.metric + "_total" in exported_names
-               for counter in counters.DAEMON + counters.COST_MODEL + counters.REMOTE if counter.metric)
+               for counter in counters.DAEMON + counters.COST_MODEL + counters.REMOTE + ENGINE if counter.metric)
+    assert not [labels for _, labels in samples if "a_counter_of_tomorrow" in str(labels)]
 
 
 def test_the_cost_model_is_exported_under_names_of_its_own(rng):
