@@ -92,7 +92,6 @@ class DaemonState:
             raise ValueError(f"max_namespaces must be at least 1, got {max_namespaces}")
         if not 0 < session_share <= 1:
             raise ValueError(f"session_share must be in (0, 1], got {session_share}")
-        self.session_share = session_share
         self.max_namespaces = max_namespaces
         self.clock = clock
         self.namespaces: dict[int, Namespace] = {}
