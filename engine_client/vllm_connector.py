@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
@@ -161,6 +162,23 @@ def namespace_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
                       page_size=spec.block_size, tp_rank=tp_rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
                       layout="blocks", block_shape=block_shape, model_revision=str(model.revision or ""),
                       cache_salt=salt)
+
+
+def cpu_reservation_note(is_cpu: bool, local_world_size: int, environ: dict[str, str]) -> str | None:
+    """What to tell a vLLM-CPU user whose instance reserves CPUs for this connector; None where
+    nothing is. vLLM-CPU reserves one CPU per local rank for its engine core, and once any KV
+    connector is configured one more per rank (for a connector's transfer threads), unless
+    VLLM_CPU_NUM_OF_RESERVED_CPU says how many. This connector needs none: its threads wait on
+    sockets and, on CPU, its copies run in the worker's own step. So each rank loses a core to
+    it, and on a host with no core to spare vLLM cannot reserve them: its OpenMP threads take
+    every core, beside the engine core's loop, and forwards slow down under any other load (two
+    instances sharing system prompts, each with this connector, then ran slower than two plain
+    ones)."""
+    if not is_cpu or "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ:
+        return None
+    return (f"kvcached: vLLM-CPU reserves {local_world_size} more CPU(s) for any KV connector; kvcached's needs "
+            f"none: set VLLM_CPU_NUM_OF_RESERVED_CPU={local_world_size} (what vLLM reserves without a connector) "
+            f"to give this instance plain vLLM's threads")
 
 
 # ---- the first attach ---------------------------------------------------------------------------
@@ -801,6 +819,12 @@ class KVCachedConnector(KVConnectorBase_V1):
                                self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._scheduler = _SchedulerSide(vllm_config, kv_cache_config, config)
+            from vllm.platforms import current_platform
+
+            note = cpu_reservation_note(current_platform.is_cpu(), vllm_config.parallel_config.local_world_size,
+                                        dict(os.environ))
+            if note:
+                logger.warning(note)
         else:
             self._worker = _WorkerSide(vllm_config, kv_cache_config, config)
 

@@ -86,3 +86,17 @@ def test_daemon_killed_requests_complete_then_hits_resume(run):
     assert run["daemon_kill_requests_completed"], kill
     assert kill["during_external_hit_tokens"] == 0, kill
     assert run["hits_resume_after_restart"], kill
+
+
+def test_connector_asks_for_plain_vllms_cpu_reservation():
+    """vLLM-CPU reserves one more CPU per local rank once any KV connector is configured, which
+    this connector does not use: on the CPU platform, with VLLM_CPU_NUM_OF_RESERVED_CPU unset, the
+    connector says which value gives plain vLLM's reservation (one per local rank); set, or on
+    another platform, it says nothing."""
+    from engine_client.vllm_connector import cpu_reservation_note
+
+    for ranks in (1, 2):
+        note = cpu_reservation_note(True, ranks, {"OMP_NUM_THREADS": "2"})
+        assert note is not None and f"VLLM_CPU_NUM_OF_RESERVED_CPU={ranks} " in note, note
+    assert cpu_reservation_note(True, 1, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}) is None
+    assert cpu_reservation_note(False, 1, {}) is None

