@@ -131,7 +131,19 @@ def drills(result: dict) -> list[Table]:
 def vllm(result: dict) -> list[Table]:
     skip = {"benchmark", "command", "date", "git_commit", "versions", "steps", "summary"}
     rows = [[key, value] for key, value in result.items() if key not in skip and not isinstance(value, (dict, list))]
-    return [(["figure", "value"], rows)]
+    tables = [(["figure", "value"], rows)]
+    real = result.get("real_weights")
+    if real:
+        tables.append((["prompt tokens", "cached in", "decisions", "TTFT kvcached (s)", "TTFT plain vLLM (s)",
+                        "kvcached / faster", "restore overhead per round (s)"],
+                       [[p["size"], p["tier"], p["decisions"], p["cost_ttft_s_median"], p["recompute_ttft_s_median"],
+                         p["cost_over_faster"], p["restore_overhead_s"]] for p in real["points"]]))
+    shared = result.get("shared_prompts")
+    if shared:
+        tables.append((["two instances sharing system prompts", "wall per run (s)", "TTFT median (s)"],
+                       [[mode, shared[f"{mode}_wall_s"], shared[f"{mode}_ttft_s_median"]]
+                        for mode in ("kvcached", "plain")] + [["wall speed-up", shared["wall_speedup"], None]]))
+    return tables
 
 
 # Tables per benchmark (the result file's "benchmark" field); each also gets its targets, if any.
