@@ -66,9 +66,10 @@ def run(args) -> dict:
     from engine_client.cache_manager import CacheManager
     from engine_client.client import connect
     from engine_client.connector import PrefixLookup
-    from kvcached.core.l3_index import chain_page_keys, namespace_key
+    from kvcached.core.l3_index import namespace_key
     from kvcached.core.remote import HEADER_BYTES, remote_key
     from kvcached.server.remote_store import mooncake_store
+    from proto.page_keys import chain_page_keys
     from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess
     from tests.remote.cluster import MASTER_PORT, METADATA_PORT, PATIENT_REMOTE, Master, connected, remote_daemon, \
         status, wait_for, writes_done

@@ -29,6 +29,7 @@ from bench.common import percentile, print_table, write_result
 from engine_client.client import DEFAULT_SPIN_S, connect
 from kvcached.config import DaemonConfig
 from proto.messages import KVGeometry, MsgKind
+from proto.tokens import token_bytes
 from kvcached.testing.daemon_proc import DaemonProcess
 
 # Tiny pages so that 10,000 prefixes fit in a modest pool; the wire cost does not depend on them.
@@ -145,7 +146,7 @@ def main() -> None:
                     ours = time_kvcached(client, tokens, iterations, warmup, gap_ms / 1e3)
                     key = (num_tokens, gap_ms)
                     if key not in baseline_cache:
-                        baseline_cache[key] = time_plain(tokens.astype("<i4").tobytes(), iterations, warmup,
+                        baseline_cache[key] = time_plain(token_bytes(tokens), iterations, warmup,
                                                          gap_ms / 1e3)
                     plain = baseline_cache[key]
                     row = {"tokens": num_tokens, "p50_us": percentile(ours, 50), "p99_us": percentile(ours, 99),

@@ -43,9 +43,11 @@ from engine_client.connector import ConnectorConfig, KVConnector, LoadResult
 from engine_client.l1_index import L1PrefixIndex
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
-from proto.messages import KVGeometry
+from proto.messages import RESTORE_POLICIES, KVGeometry
 
-RESTORE_POLICIES = ("always", "never")
+# Of RESTORE_POLICIES, those a manager follows: it loads every hit (always) or none (never), and asks
+# no decision of the daemon's cost model, so "cost" is not one of them.
+MANAGER_POLICIES = tuple(policy for policy in RESTORE_POLICIES if policy != "cost")
 
 
 class L1Full(Exception):
@@ -72,8 +74,8 @@ class RequestPlan:
 
 class CacheManager:
     def __init__(self, connector: KVConnector, l1_pool: L1Pool, restore_policy: str = "always"):
-        if restore_policy not in RESTORE_POLICIES:
-            raise ValueError(f"restore_policy must be one of {RESTORE_POLICIES}")
+        if restore_policy not in MANAGER_POLICIES:
+            raise ValueError(f"restore_policy must be one of {MANAGER_POLICIES}")
         self.connector = connector
         self.l1_pool = l1_pool
         self.geometry = l1_pool.geometry

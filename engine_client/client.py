@@ -44,6 +44,7 @@ from proto import codec, procfs
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
 from proto.replies import AttachInfo, MatchReply, from_wire
+from proto.tokens import token_bytes
 from proto.paths import UntrustedSocket, check_socket  # noqa: F401 (engines catch UntrustedSocket from here)
 
 logger = logging.getLogger(__name__)
@@ -124,39 +125,6 @@ class Connection(NamedTuple):
     since: float                    # time.monotonic() when this state was entered
     reason: str = ""                # why DOWN
     session_ended: bool = False     # DOWN, and the daemon surely no longer knows the session
-
-
-def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    array = np.asarray(token_ids)
-    if array.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {array.shape}")
-    if array.dtype == WIRE_TOKEN_DTYPE:       # the engine's usual case: no checks, no copy
-        return array.tobytes()
-    if array.size == 0:                       # np.asarray([]) is float64: an empty prefix all the same
-        return b""
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got {array.dtype}")
-    if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
-        raise ValueError("token ids must fit in int32")
-    return array.astype(WIRE_TOKEN_DTYPE).tobytes()
-
-
-WIRE_TOKEN_DTYPE = np.dtype("<i4")
-_INT32 = np.iinfo(np.int32)
-
-
-def process_identity() -> dict[str, int]:
-    """What lets the daemon watch this process exit: its pid namespace and its start time (field 22
-    of /proc/self/stat, which tells it apart from a later process given the same pid); 0 where
-    /proc does not say (the daemon then relies on heartbeats)."""
-    try:
-        namespace_id = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace_id = None
-    start_time = procfs.start_time("self")
-    if namespace_id is None or start_time is None:
-        return {"pid_namespace_id": 0, "process_start_time": 0}
-    return {"pid_namespace_id": namespace_id, "process_start_time": start_time}
 
 
 class _Channel:
@@ -690,10 +658,9 @@ class KVCacheClient:
         """The ATTACH request, first or re-attach."""
         body: dict[str, Any] = {
             "protocol_version": PROTOCOL_VERSION,
-            "pid": os.getpid(),
             "geometry": geometry.to_wire(),
             "client_name": self.client_name,
-            **process_identity(),
+            **procfs.own_identity()._asdict(),          # pid, pid_namespace_id, process_start_time
         }
         if previous_session_id is not None:
             body["previous_session_id"] = previous_session_id

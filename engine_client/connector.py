@@ -94,8 +94,7 @@ from typing import Any, Hashable, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine_client.client import (DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch,
-                                  token_bytes)
+from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch
 from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
@@ -106,6 +105,8 @@ from proto.errors import ErrorCode
 from proto.messages import RESTORE_POLICIES, KVGeometry
 from proto.hints import HintsView
 from proto.replies import AttachInfo
+from proto.schema import MAX_COST_SAMPLES
+from proto.tokens import page_aligned, token_array, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,6 @@ class RestoreDecision(NamedTuple):
     predicted_s: dict[str, float]      # per candidate and "recompute": seconds to hold the longest hit
 
 
-# Timings kept for the daemon while it cannot be told (oldest dropped first): what one report carries.
-MAX_PENDING_COST_SAMPLES = 1024
 # Timings go to the daemon this soon (with a report), so that its cost model decides on fresh ones.
 COST_REPORT_INTERVAL_S = 0.1
 
@@ -480,7 +479,8 @@ class KVConnector:
         self.lookups = PrefixLookup(client, tp_group=geometry.tp_size > 1, promote_l3=config.promote_l3,
                                     policy=config.policy)
         self.counters = counts if counts is not None else Counts(counters.ENGINE)
-        self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_PENDING_COST_SAMPLES)
+        # Timings kept for the daemon while it cannot be told (oldest dropped first): what one report carries.
+        self._cost_samples: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=MAX_COST_SAMPLES)
         self._requests: dict[Hashable, _Request] = {}      # open, by id: not finished yet
         # Finished, their leases not ended yet (transfers in flight, a reply or a commit to come):
         # apart from _requests, so that the engine may reuse the id at once (vLLM resumes a
@@ -627,7 +627,7 @@ class KVConnector:
             self.counters.add(counters.ENGINE_LOOKUPS_PREDICTED)
         request = self._request(request_id, token_ids, promote_l3=not predicted, local_hit_tokens=local_hit_tokens,
                                 begun=True, recompute=predicted, defer=predicted)
-        return BegunLookup(self, request, local_hit_tokens // self.page_size * self.page_size)
+        return BegunLookup(self, request, page_aligned(local_hit_tokens, self.page_size))
 
     def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
         """Whether the admission hints show that the daemon would decline every restore of these
@@ -635,8 +635,8 @@ class KVConnector:
         if self._hints is None or not self.config.predict:
             return False
         tokens = self._tokens(token_ids)
-        num_tokens = len(tokens) // self.page_size * self.page_size
-        beyond = num_tokens - min(local_hit_tokens, num_tokens) // self.page_size * self.page_size
+        num_tokens = page_aligned(len(tokens), self.page_size)
+        beyond = num_tokens - page_aligned(min(local_hit_tokens, num_tokens), self.page_size)
         with self._pool_lock:       # a few reads of the hints' mapping, which another thread may drop
             hints = self._hints
             return hints is not None and hints.predicts_recompute(
@@ -838,7 +838,7 @@ class KVConnector:
         if request is not None:
             return request
         tokens = self._tokens(token_ids)
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        tokens = tokens[: page_aligned(len(tokens), self.page_size)]
         self._follow_session()
         # For the session of the mapped pool (DaemonDown at the send if that one has ended): the
         # lease, if any, is that session's.
@@ -1185,7 +1185,7 @@ class KVConnector:
         return event
 
     def _tokens(self, token_ids) -> np.ndarray:
-        return np.frombuffer(token_bytes(token_ids), dtype="<i4")
+        return token_array(token_bytes(token_ids))        # a copy: the engine may reuse its array
 
     def _pages(self, start_token: int, num_tokens: int, what: str) -> tuple[int, int]:
         for name, value in (("start_token", start_token), ("num_tokens", num_tokens)):

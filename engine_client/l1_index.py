@@ -1,9 +1,8 @@
 """The engine's own L1 prefix index: which page-aligned token prefixes its L1 pages hold.
 
-Design note. Page i of a token sequence is keyed by a chained hash of its whole prefix,
-`key(i) = blake2b(key(i-1) || little-endian int32 bytes of page i's tokens)`, with a fixed root key
-before page 0. Equal keys mean equal prefixes (a 128-bit collision is negligible), so a flat dict
-is a radix tree with page-sized edges whose parent links are `key(i) -> key(i-1)`. Each entry keeps
+Design note. Page i of a token sequence is keyed by its page key (`proto/page_keys.py`), a chained
+digest of its whole prefix. Equal keys mean equal prefixes, so a flat dict is a radix tree with
+page-sized edges whose parent links are `key(i) -> key(i-1)`. Each entry keeps
 its parent key and a child count, so "is a leaf" is O(1).
 
 LRU order is one OrderedDict, oldest first. Every touch moves a whole root path to the end,
@@ -17,7 +16,6 @@ ancestors, because they have a cached child.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import operator
 from collections import Counter, OrderedDict
@@ -26,11 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from proto.page_keys import KEY_BYTES, chain_page_keys, iter_page_keys
+from proto.tokens import token_array
 
-_KEY_BYTES = 16
-_ROOT_KEY = b"\x00" * _KEY_BYTES
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+logger = logging.getLogger(__name__)
 
 
 class L1Match(NamedTuple):
@@ -83,11 +80,8 @@ class L1PrefixIndex:
 
     def match(self, token_ids: Sequence[int] | np.ndarray) -> L1Match:
         """The longest cached page-aligned prefix of `token_ids`; marks it most recently used."""
-        tokens = _as_int32_tokens(token_ids)
         keys: list[bytes] = []
-        key = _ROOT_KEY
-        for page_index in range(len(tokens) // self.page_size):
-            key = self._page_key(key, tokens, page_index)
+        for key in iter_page_keys(token_ids, self.page_size):
             if key not in self._key_to_entry:
                 break
             keys.append(key)
@@ -109,7 +103,7 @@ class L1PrefixIndex:
         if start_page < 0:
             raise ValueError(f"start_page must be >= 0, got {start_page}")
         page_ids = [operator.index(page_id) for page_id in page_ids]
-        tokens = _as_int32_tokens(token_ids)
+        tokens = token_array(token_ids)
         end_page = start_page + len(page_ids)
         if end_page * self.page_size > len(tokens):
             raise ValueError(
@@ -121,11 +115,7 @@ class L1PrefixIndex:
             if page_id < 0:
                 raise ValueError(f"L1 page id must be >= 0, got {page_id}")
 
-        keys: list[bytes] = []
-        key = _ROOT_KEY
-        for page_index in range(end_page):
-            key = self._page_key(key, tokens, page_index)
-            keys.append(key)
+        keys = chain_page_keys(tokens, self.page_size, end_page)
         for page_index in range(start_page):
             if keys[page_index] not in self._key_to_entry:
                 raise ValueError(
@@ -202,7 +192,7 @@ class L1PrefixIndex:
         position = {key: index for index, key in enumerate(self._key_to_entry)}
         num_children: Counter[bytes] = Counter()
         for key, entry in self._key_to_entry.items():
-            assert len(key) == _KEY_BYTES
+            assert len(key) == KEY_BYTES
             assert entry.page_id >= 0, f"negative page id {entry.page_id}"
             assert self._page_id_to_key.get(entry.page_id) == key, f"L1 page {entry.page_id} mapped twice"
             assert entry.ref_count >= 0, f"L1 page {entry.page_id} has ref_count {entry.ref_count}"
@@ -216,12 +206,6 @@ class L1PrefixIndex:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _page_key(self, parent_key: bytes, tokens: np.ndarray, page_index: int) -> bytes:
-        begin = page_index * self.page_size
-        digest = hashlib.blake2b(parent_key, digest_size=_KEY_BYTES)
-        digest.update(tokens[begin:begin + self.page_size].tobytes())
-        return digest.digest()
-
     def _touch_path(self, root_path_keys: list[bytes]) -> None:
         for key in reversed(root_path_keys):
             self._key_to_entry.move_to_end(key)
@@ -232,16 +216,3 @@ class L1PrefixIndex:
             raise ValueError(f"L1 page {page_id} is not in the prefix index")
         return self._key_to_entry[key]
 
-
-def _as_int32_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a little-endian int32 array, so keys do not depend on the caller's int type."""
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1:
-        raise ValueError(f"token_ids must be one-dimensional, got shape {tokens.shape}")
-    if tokens.size == 0:
-        return np.empty(0, dtype="<i4")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"token_ids must be integers, got dtype {tokens.dtype}")
-    if int(tokens.min()) < _INT32_MIN or int(tokens.max()) > _INT32_MAX:
-        raise ValueError("token ids must fit in int32")
-    return tokens.astype("<i4", copy=False)

@@ -32,20 +32,13 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from engine_client.dtypes import dtype_name, kv_dtype_name
 from proto.messages import DTYPE_ITEMSIZE, KVGeometry
 
 logger = logging.getLogger(__name__)
 
 LAYOUT_KINDS = ("pool", "layer", "blocks")
 WORD_DTYPE_BY_BYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise ValueError(f"KV tensors of dtype {dtype} cannot be named on the wire; pass dtype= one of "
-                         f"{sorted(DTYPE_ITEMSIZE)}")
-    return name
 
 
 def dense_byte_shape(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, ...]:
@@ -124,7 +117,7 @@ class KVLayout:
         ``dtype`` names the KV dtype of tensors whose own dtype cannot name it (say, fp8 KV held
         in uint8); one that contradicts a namable tensor dtype is refused: engines of that dtype
         would read these bytes as theirs."""
-        own_dtype = str(self.dtype).removeprefix("torch.")
+        own_dtype = dtype_name(self.dtype)
         if dtype is not None and own_dtype in DTYPE_ITEMSIZE and dtype != own_dtype:
             raise ValueError(f"dtype={dtype!r} contradicts the KV tensors, which are {own_dtype}: pass "
                              f"dtype={own_dtype!r} or leave it out")
@@ -135,7 +128,7 @@ class KVLayout:
             # one-token pages make, but its bytes are the default key's.
             block_shape = ()
         geometry = KVGeometry(model_id, num_layers=self.num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                              dtype=dtype or _dtype_name(self.dtype), page_size=page_size, tp_rank=tp_rank,
+                              dtype=dtype or kv_dtype_name(self.dtype), page_size=page_size, tp_rank=tp_rank,
                               tp_size=tp_size, layout=self.page_layout, block_shape=block_shape,
                               model_revision=model_revision, cache_salt=cache_salt)
         try:

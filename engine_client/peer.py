@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from engine_client.block_copy import SegmentTable, check_same_pages
-from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingReply, token_bytes
+from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient, PendingReply
+from engine_client.dtypes import dtype_name, tensor_dtype
 from engine_client.kv_transfer import KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from proto import epochs as epoch_format
@@ -45,15 +46,13 @@ from proto import counters, procfs
 from proto.counters import Counts
 from proto.messages import MsgKind
 from proto.replies import MatchReply, PeerListReply, PeerRegisterReply
+from proto.tokens import TOKEN_BYTES, token_bytes
 
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
 LIVENESS_INTERVAL_S = 0.1
 MAX_BLOCKS_PER_PUBLICATION = 1 << 16
-# PF_EXITING in the flags of /proc/<pid>/stat: the process has begun to exit (before its files,
-# and so its GPU memory, are released).
-_PF_EXITING = 0x4
 _FIRST_EPOCH = 1            # odd: a block holds nothing published until its first fill is done
 
 
@@ -72,7 +71,7 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
-        return "host", f"{boot_id}:{os.stat('/proc/self/ns/pid').st_ino}"
+        return "host", f"{boot_id}:{procfs.pid_namespace_id()}"
     raise PeerError(f"no peer transport for KV tensors on {device}")
 
 
@@ -84,19 +83,6 @@ def share_host_tensors(kv_caches) -> None:
     for tensor in values:
         if tensor.device.type == "cpu" and not tensor.untyped_storage().is_shared():
             tensor.share_memory_()
-
-
-def process_running(pid: int, start_time: int) -> bool:
-    """Whether the process (pid, start time) lives and has not begun to exit (/proc/<pid>/stat)."""
-    fields = procfs.stat_fields(pid)
-    if fields is None:
-        return False
-    try:
-        state, flags = fields[procfs.STATE_FIELD], int(fields[procfs.FLAGS_FIELD])
-        started = int(fields[procfs.START_TIME_FIELD])
-    except (KeyError, ValueError):
-        return False
-    return started == start_time and state not in (b"Z", b"X", b"x") and not flags & _PF_EXITING
 
 
 # ---- handles ----------------------------------------------------------------------------------
@@ -146,13 +132,6 @@ def _open_storage(handle: dict, transport: str, device: torch.device, pid: int) 
     with warnings.catch_warnings():             # read only: this engine never writes a peer's blocks
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
-
-
-def _torch_dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype.itemsize not in (1, 2, 4, 8):
-        raise PeerError(f"not a KV dtype: {name!r}")
-    return dtype
 
 
 # ---- the epoch file ----------------------------------------------------------------------------
@@ -214,7 +193,7 @@ class OpenedPeer:
 
     def usable(self) -> bool:
         """Its registration is open and its process has not begun to exit."""
-        return not self.closing and not self.epochs.closed and process_running(self.pid, self.start_time)
+        return not self.closing and not self.epochs.closed and procfs.running(self.pid, self.start_time)
 
     def close(self) -> None:
         """Drop the mappings (CUDA: the IPC handles close with the last storage that uses them)."""
@@ -316,7 +295,7 @@ class PeerSharing:
             tensors.append({"storage": index, "offset": tensor.storage_offset(), "shape": list(tensor.shape),
                             "stride": list(tensor.stride())})
         return {"transport": self.transport, "device_id": self.device_id, "layout": self.layout.kind,
-                "dtype": str(self.layout.dtype).removeprefix("torch."), "num_blocks": self.layout.num_blocks,
+                "dtype": dtype_name(self.layout.dtype), "num_blocks": self.layout.num_blocks,
                 "storages": storages, "tensors": tensors}
 
     @property
@@ -361,8 +340,9 @@ class PeerSharing:
         epochs = self._epochs[blocks].copy()
         if (self._published[blocks] == epochs).all():
             return                          # each published as it is: nothing new
-        data = token_bytes(token_ids)[: len(blocks) * self.page_size * 4]
-        if len(data) < len(blocks) * self.page_size * 4:
+        num_bytes = len(blocks) * self.page_size * TOKEN_BYTES
+        data = token_bytes(token_ids)[:num_bytes]
+        if len(data) < num_bytes:
             raise ValueError(f"{len(blocks)} blocks need {len(blocks) * self.page_size} tokens")
         event = None
         if self.layout.device.type == "cuda":
@@ -387,7 +367,7 @@ class PeerSharing:
             if not fresh.any():
                 continue
             start = int(np.argmax(fresh))
-            runs.append({"token_ids": fill.token_ids[: count * self.page_size * 4], "start_page": start,
+            runs.append({"token_ids": fill.token_ids[: count * self.page_size * TOKEN_BYTES], "start_page": start,
                          "block_ids": blocks[start:count].tolist(), "epochs": now[start:count].tolist()})
             self._published[blocks[:count]] = now[:count]
         return runs
@@ -450,7 +430,7 @@ class PeerSharing:
         peer = copy.peer
         peer.in_flight -= 1
         count = _leading(peer.epochs.epochs[copy.source_block_ids] == copy.epochs)
-        if not (not peer.epochs.closed and process_running(peer.pid, peer.start_time)):
+        if not (not peer.epochs.closed and procfs.running(peer.pid, peer.start_time)):
             count = 0
         self.counters.add(counters.ENGINE_PEER_PAGES, count, "verified")
         self.counters.add(counters.ENGINE_PEER_PAGES, len(copy.source_block_ids) - count, "changed")
@@ -462,10 +442,10 @@ class PeerSharing:
             peer_id, pid, start_time = int(entry["peer_id"]), int(entry["pid"]), int(entry["process_start_time"])
             if entry["transport"] != self.transport or entry["device_id"] != self.device_id:
                 raise PeerError("it is on another device")
-            if int(entry["pid_namespace_id"]) != os.stat("/proc/self/ns/pid").st_ino:
+            if int(entry["pid_namespace_id"]) != procfs.pid_namespace_id():
                 raise PeerError("its process is in another pid namespace: its liveness cannot be checked")
             device = self.layout.device
-            dtype = _torch_dtype(entry["dtype"])
+            dtype = tensor_dtype(entry["dtype"])
             storages = [_open_storage(handle, self.transport, device, pid) for handle in entry["storages"]]
             tensors = []
             for spec in entry["tensors"]:
@@ -563,7 +543,7 @@ class PeerSharing:
         if check_liveness:
             self._liveness_checked_at = now
         for peer in list(self._peers.values()):
-            if peer.epochs.closed or (check_liveness and not process_running(peer.pid, peer.start_time)):
+            if peer.epochs.closed or (check_liveness and not procfs.running(peer.pid, peer.start_time)):
                 del self._peers[peer.peer_id]
                 peer.closing = True
                 self._closing.append(peer)

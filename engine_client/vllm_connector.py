@@ -70,6 +70,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_client.client import DaemonError, DaemonUnavailable, KVCacheClient
 from engine_client.connector import ConnectorConfig, KVConnector, PendingLookup, PrefixLookup
+from engine_client.dtypes import dtype_name
 from proto import counters
 from proto.messages import KVGeometry
 from proto.paths import default_socket_path
@@ -158,7 +159,7 @@ def namespace_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
     model = vllm_config.model_config
     salt = f"vllm-{layout}" + (f":{cache_salt}" if cache_salt else "")
     return KVGeometry(str(model.model)[-256:], num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads,
-                      head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+                      head_dim=spec.head_size, dtype=dtype_name(spec.dtype),
                       page_size=spec.block_size, tp_rank=tp_rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
                       layout="blocks", block_shape=block_shape, model_revision=str(model.revision or ""),
                       cache_salt=salt)

@@ -22,6 +22,7 @@ from kvcached import __version__
 from kvcached.config import (DEFAULT_HTTP_ADDRESS, ENV_VARIABLES, LOG_LEVELS, SIZE_HELP, ConfigError, DaemonConfig,
                              format_size, parse_size)
 from kvcached.server.status import columns_help
+from proto.messages import RESTORE_POLICIES
 from proto.paths import default_socket_path
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--session-share", "session_share", type=_positive, metavar="SHARE", help="the most of L2 one engine may "
         "hold reserved at once, for its saves and L3 promotions in flight (0 to 1; default "
         f"{defaults['session_share'].default}: one engine cannot crowd out the others; 1 for a lone engine)")
-    add("--restore-policy", "restore_policy", choices=("cost", "always", "never"), help="which cached prefixes "
+    add("--restore-policy", "restore_policy", choices=RESTORE_POLICIES, help="which cached prefixes "
         "are restored: cost, those the cost model predicts beat recomputing them; always; never "
         f"(default {defaults['restore_policy'].default}; an engine may ask for another)")
     add("--cost-margin", "cost_margin", type=_positive, help="a restore must be predicted this many times faster "

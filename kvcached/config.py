@@ -15,7 +15,8 @@ import re
 import shutil
 from typing import Any, Callable, Iterable, Mapping
 
-from kvcached.core.cost_model import POLICIES, CostPriors
+from kvcached.core.cost_model import CostPriors
+from proto.messages import RESTORE_POLICIES
 from proto.paths import default_socket_path, normalize_socket_path
 
 logger = logging.getLogger(__name__)
@@ -235,8 +236,9 @@ class DaemonConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ConfigError(message, field)
-        if self.restore_policy not in POLICIES:
-            raise ConfigError(f"restore_policy must be one of {POLICIES}, got {self.restore_policy!r}", "restore_policy")
+        if self.restore_policy not in RESTORE_POLICIES:
+            raise ConfigError(f"restore_policy must be one of {RESTORE_POLICIES}, got {self.restore_policy!r}",
+                              "restore_policy")
         try:
             self.cost_priors
         except ValueError as exc:

@@ -13,6 +13,7 @@ import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import RESTORE_POLICIES, KVGeometry, MsgKind
+from proto.tokens import TOKEN_BYTES
 
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
 MAX_PAGE_IDS_PER_REQUEST = 1 << 20
@@ -54,9 +55,9 @@ def _token_bytes(body: dict, name: str) -> bytes:
     value = body.get(name)
     if not isinstance(value, bytes):
         raise _bad(f"{name} must be bytes of little-endian int32 token ids")
-    if len(value) % 4:
-        raise _bad(f"{name} has {len(value)} bytes, not a multiple of 4")
-    if len(value) // 4 > MAX_TOKENS_PER_REQUEST:
+    if len(value) % TOKEN_BYTES:
+        raise _bad(f"{name} has {len(value)} bytes, not a multiple of {TOKEN_BYTES}")
+    if len(value) // TOKEN_BYTES > MAX_TOKENS_PER_REQUEST:
         raise _bad(f"{name} holds more than {MAX_TOKENS_PER_REQUEST} tokens")
     return value
 

@@ -1,8 +1,8 @@
 """The KV blocks and the engine's own GPU prefix cache over whole blocks.
 
-A full block's KV is named by a hash chain over the tokens up to its end (``block_hashes``), so a
-block is reusable by any request whose leading tokens are the same. Every block is in exactly one
-of three sets:
+A full block's KV is named by its page key, a digest chained over the tokens up to its end
+(``block_hashes``, ``proto/page_keys.py``), so a block is reusable by any request whose leading
+tokens are the same. Every block is in exactly one of three sets:
 
   free        holds nothing reusable
   cached      ref count 0, holds the KV of its hash: reusable, and evictable in LRU order
@@ -16,24 +16,19 @@ engine writes allocated blocks, so whoever reads them from outside (peer restore
 from __future__ import annotations
 
 import collections
-import hashlib
 from typing import Callable, Sequence
 
-import numpy as np
+from proto.page_keys import ROOT_KEY, iter_page_keys
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
                  known: Sequence[bytes] = ()) -> list[bytes]:
-    """The chain hashes of the first num_blocks full blocks of token_ids (``known``: a prefix of
+    """The page keys of the first num_blocks full blocks of token_ids (``known``: a prefix of
     them already computed)."""
     assert num_blocks * block_size <= len(token_ids), (num_blocks, len(token_ids))
     hashes = list(known[:num_blocks])
-    data = np.asarray(token_ids[len(hashes) * block_size: num_blocks * block_size], dtype="<i4").tobytes()
-    parent = hashes[-1] if hashes else b""
-    width = 4 * block_size
-    for start in range(0, len(data), width):      # (slices of one bytes object: no array per block)
-        parent = hashlib.blake2b(parent + data[start: start + width], digest_size=16).digest()
-        hashes.append(parent)
+    tokens = token_ids[len(hashes) * block_size: num_blocks * block_size]
+    hashes.extend(iter_page_keys(tokens, block_size, hashes[-1] if hashes else ROOT_KEY))
     return hashes
 
 

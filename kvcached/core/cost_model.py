@@ -47,16 +47,13 @@ from typing import Any, NamedTuple
 from kvcached.core import counters
 from proto.counters import Counts
 from proto.messages import RESTORE_POLICIES
+from proto.schema import COST_SAMPLE_DIRECTIONS, MAX_COST_SAMPLE_SECONDS, MAX_COST_SAMPLE_SIZE
 
 WINDOW = 32
 EWMA_ALPHA = 0.2
 SPREAD_SHARE = 0.05
 MIN_PREFILL_TOKENS = 16            # shorter prefills are mostly fixed overhead: not samples
-POLICIES = RESTORE_POLICIES
-ENGINE_DIRECTIONS = ("h2d", "d2h", "d2d", "prefill")
 STORAGE_DIRECTIONS = ("s2h", "h2s", "r2h")
-MAX_SAMPLE_SIZE = 1 << 50
-MAX_SAMPLE_SECONDS = 3600.0
 STALE_DECLINES = 64                # decisions declining a line's source, no sample between: back to its prior
 MAX_STALE_BACKOFF = 4               # ... doubled per drop the probe confirmed, at most 2**this times
 # The lines a restore from each source is priced by (and samples): declining the source starves them.
@@ -124,7 +121,8 @@ class LineModel:
 
     def add(self, size: int, seconds: float) -> bool:
         """Take in one sample; False (ignored) when it is not one: below min_size, or not finite."""
-        if not (self.min_size <= size <= MAX_SAMPLE_SIZE and math.isfinite(seconds) and 0 <= seconds <= MAX_SAMPLE_SECONDS):
+        if not (self.min_size <= size <= MAX_COST_SAMPLE_SIZE and math.isfinite(seconds)
+                and 0 <= seconds <= MAX_COST_SAMPLE_SECONDS):
             return False
         self.samples.append((size, seconds))
         self.num_samples += 1
@@ -210,8 +208,8 @@ NO_DECISION = Decision("", 0, {}, "")
 
 class CostModel:
     def __init__(self, priors: CostPriors = CostPriors(), policy: str = "cost"):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy not in RESTORE_POLICIES:
+            raise ValueError(f"policy must be one of {RESTORE_POLICIES}, got {policy!r}")
         self.priors = priors
         self.policy = policy
         storage_slope = 1.0 / priors.storage_bytes_per_s
@@ -232,7 +230,7 @@ class CostModel:
     # ---- samples ----------------------------------------------------------------------------
 
     def add_engine_sample(self, engine_id: int, direction: str, size: int, seconds: float) -> bool:
-        assert direction in ENGINE_DIRECTIONS, direction
+        assert direction in COST_SAMPLE_DIRECTIONS, direction
         return self.engine(engine_id).directions[direction].add(size, seconds)
 
     def add_storage_sample(self, direction: str, num_bytes: int, seconds: float) -> bool:
@@ -249,7 +247,7 @@ class CostModel:
         under ``where``. Runs on the daemon's socket thread for every lookup and restoring match:
         plain arithmetic, no allocation beyond the reply's."""
         policy = policy or self.policy
-        assert policy in POLICIES, policy
+        assert policy in RESTORE_POLICIES, policy
         engine = self.engine(engine_id)
         # (source, the leading tokens it holds, seconds to restore those beyond the engine's hit);
         # listed fastest first, so that the longest hit goes to the fastest source holding it.
@@ -308,7 +306,7 @@ class CostModel:
         # benefit(n) <= n * per_token - margin * (fixed + n * slope): below 0 at n = 0, linear in n
         gain_per_token = engine.prefill.slope_s - margin * (reader.slope_s + mover.slope_s) * bytes_per_token
         bound = margin * (reader.fixed_s + mover.fixed_s) / gain_per_token if gain_per_token > 0 else math.inf
-        return int(bound) if bound < MAX_SAMPLE_SIZE else None         # one short of the least winner
+        return int(bound) if bound < MAX_COST_SAMPLE_SIZE else None         # one short of the least winner
 
     def later_restore_wins(self, engine_id: int, bytes_per_token: int, num_tokens: int) -> bool:
         """Whether a later request holding none of these tokens would restore them from L2 rather

@@ -40,6 +40,8 @@ from kvcached.core.tiers import Tier
 from proto.errors import ErrorCode, ProtocolError
 from proto.hints import NEVER
 from proto.messages import KVGeometry
+from proto.procfs import ProcessIdentity
+from proto.tokens import page_aligned, token_array
 from proto.replies import CommitReply, MatchReply
 from proto.schema import PeerPublish, PeerRegister
 
@@ -140,8 +142,8 @@ class DaemonState:
             namespace = self.namespace_table.create(geometry)
             for tier in namespace.tree.tiers:
                 self.pool.assign_free_chunks(namespace, tier)
-        session = self.session_table.open(namespace, pid, client_name, pid_watched=pid_watched,
-                                          pid_namespace_id=pid_namespace_id, process_start_time=process_start_time,
+        session = self.session_table.open(namespace, ProcessIdentity(pid, pid_namespace_id, process_start_time),
+                                          client_name, pid_watched=pid_watched,
                                           previous_session_id=previous_session_id)
         return session, namespace
 
@@ -223,10 +225,10 @@ class DaemonState:
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        token_ids = token_array(token_bytes)
         num_pages = len(token_ids) // page_size
         token_ids = token_ids[: num_pages * page_size]
-        local_hit_tokens = min(local_hit_tokens, len(token_ids)) // page_size * page_size
+        local_hit_tokens = page_aligned(min(local_hit_tokens, len(token_ids)), page_size)
 
         result = namespace.tree.match(token_ids, own_pages=local_hit_tokens // page_size)
         allowed = self.session_table.reservable_pages(session, namespace)
@@ -324,9 +326,9 @@ class DaemonState:
         ``match``, a candidate with promote_l3."""
         session = self.session(session_id)
         geometry = self.namespaces[session.namespace_id].geometry
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
-        token_ids = token_ids[: len(token_ids) // geometry.page_size * geometry.page_size]
-        local_hit_tokens = min(local_hit_tokens, len(token_ids)) // geometry.page_size * geometry.page_size
+        token_ids = token_array(token_bytes)
+        token_ids = token_ids[: page_aligned(len(token_ids), geometry.page_size)]
+        local_hit_tokens = page_aligned(min(local_hit_tokens, len(token_ids)), geometry.page_size)
         if tp_group:
             namespaces = [self.geometry_to_namespace.get(dataclasses.replace(geometry, tp_rank=rank))
                           for rank in range(geometry.tp_size)]
@@ -379,7 +381,7 @@ class DaemonState:
         found = []
         for namespace in namespaces:
             page_size = namespace.geometry.page_size
-            path = token_ids[: len(token_ids) // page_size * page_size]
+            path = token_ids[: page_aligned(len(token_ids), page_size)]
             result = namespace.tree.match(path, touch=False)
             ask = self.tiering.remote_ask_after(namespace, path, result) if self.remote_enabled else None
             found.append(PrefixHits(namespace.namespace_id, namespace.geometry,
@@ -514,7 +516,7 @@ class DaemonState:
             return None
         session = self.session(session_id)
         namespace = self.namespaces[session.namespace_id]
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
+        token_ids = token_array(token_bytes)
         page_size = namespace.geometry.page_size
         num_pages = len(token_ids) // page_size
         result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False)

@@ -18,7 +18,7 @@ memory pool, is ("CPU", "LOCAL"); L3, the local file, ("STORAGE", "LOCAL") as vL
 the remote tier, a store other hosts share, ("STORAGE", "REMOTE"). ``ownership`` is "kvcached"
 (vLLM's field for the secondary tier that published an event).
 
-Hashes. A page's block hash is its chained key (``l3_index.chain_page_keys``: a digest of every
+Hashes. A page's block hash is its chained key (``proto/page_keys.py``: a digest of every
 token of the prefix up to and including the page, the key the L3 index and the remote tier name it
 by), as the unsigned 64-bit int vLLM publishes by default (``maybe_convert_block_hash``: the key's
 last 8 bytes, big-endian); ``parent_block_hash`` is the previous page's, nil for a path's first
@@ -35,11 +35,11 @@ from typing import Any, Callable, Generator, Iterable, NamedTuple
 import msgpack
 import numpy as np
 
-from kvcached.core.l3_index import ROOT_KEY, page_key
 from kvcached.core.tiers import Tier
+from proto.page_keys import ROOT_KEY, page_key
+from proto.tokens import TOKEN_BYTES, token_array
 
 OWNERSHIP = "kvcached"
-_TOKEN_BYTES = 4                # int32 little-endian, as the tree keys pages
 _HASH_MASK = (1 << 64) - 1
 
 
@@ -73,7 +73,7 @@ class TierEvent(NamedTuple):
 
     @property
     def end_page(self) -> int:
-        return len(self.path) // (self.page_size * _TOKEN_BYTES)
+        return len(self.path) // (self.page_size * TOKEN_BYTES)
 
 
 def _continues(previous: TierEvent, event: TierEvent) -> bool:
@@ -188,7 +188,7 @@ def _path_hashes(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Gen
     known = cache.get(event.page_size, event.path)
     if known is not None:
         return known
-    page_bytes = event.page_size * _TOKEN_BYTES
+    page_bytes = event.page_size * TOKEN_BYTES
     prefix = cache.get(event.page_size, event.path[:event.start_page * page_bytes]) if event.start_page else None
     first_page = len(prefix.hashes) if prefix is not None else 0
     parent = prefix.last_key if prefix is not None else ROOT_KEY
@@ -241,7 +241,7 @@ def _event_body(event: TierEvent, cache: KeyCache, pages_per_slice: int) -> Gene
              ("ownership", _PACKER.pack(OWNERSHIP))]
     if event.kind is EventKind.REMOVED:
         return _pack_map([("type", kind), ("block_hashes", hashes), *where])
-    tokens = np.frombuffer(event.path, dtype="<i4", offset=event.start_page * event.page_size * _TOKEN_BYTES)
+    tokens = token_array(memoryview(event.path)[event.start_page * event.page_size * TOKEN_BYTES:])
     parent = int(path_hashes[event.start_page - 1]) if event.start_page else None
     none = _PACKER.pack(None)
     token_ids = yield from _pack_ints(tokens, pages_per_slice * event.page_size)

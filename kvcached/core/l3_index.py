@@ -6,11 +6,10 @@ socket thread); at start the I/O layer loads what the file holds and ``plan_rebu
 back into tree insertions. Nothing here touches a file.
 
 Keys. Namespace ids are per process, so a namespace is named by a digest of its geometry
-(``namespace_key``). A page is named by a chained digest, ``key = H(parent_key || token bytes)``
-with the root's key ``ROOT_KEY``: a row holds its page's key, its parent's key and its own token
-ids, so the prefix of every page can be rebuilt from the rows alone, and a row that was torn
-(its key does not match its parent and tokens) or whose parent row is missing only loses itself
-and what lies below it.
+(``namespace_key``). A page is named by its page key (``proto/page_keys.py``): a row holds its
+page's key, its parent's key and its own token ids, so the prefix of every page can be rebuilt
+from the rows alone, and a row that was torn (its key does not match its parent and tokens) or
+whose parent row is missing only loses itself and what lies below it.
 """
 
 from __future__ import annotations
@@ -20,39 +19,17 @@ import json
 import logging
 from typing import NamedTuple, Sequence, Union
 
-import numpy as np
-
 from proto.messages import KVGeometry
+from proto.page_keys import KEY_BYTES, ROOT_KEY, page_key
+from proto.tokens import TOKEN_BYTES
 
 logger = logging.getLogger(__name__)
-
-KEY_BYTES = 16
-ROOT_KEY = bytes(KEY_BYTES)
-_TOKEN_BYTES = 4          # int32 little-endian, as the tree keys pages
 
 
 def namespace_key(geometry: KVGeometry) -> str:
     """A stable name of a geometry, the same in every process."""
     canonical = json.dumps(geometry.to_wire(), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
-
-
-def page_key(parent_key: bytes, token_bytes: bytes) -> bytes:
-    return hashlib.blake2b(parent_key + token_bytes, digest_size=KEY_BYTES).digest()
-
-
-def chain_page_keys(token_ids: np.ndarray, page_size: int, num_pages: int) -> list[bytes]:
-    """The keys of pages 0..num_pages-1 of a path."""
-    data = np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
-    page_bytes = page_size * _TOKEN_BYTES
-    if len(data) < num_pages * page_bytes:
-        raise ValueError(f"{len(data) // page_bytes} whole pages of tokens, {num_pages} keys asked for")
-    keys: list[bytes] = []
-    parent = ROOT_KEY
-    for page in range(num_pages):
-        parent = page_key(parent, data[page * page_bytes:(page + 1) * page_bytes])
-        keys.append(parent)
-    return keys
 
 
 class NamespaceLayout(NamedTuple):
@@ -134,7 +111,7 @@ def plan_rebuild(rows: Sequence[SlotRow], page_size: int, num_slots: int) -> Reb
 
     Time and memory are O(rows): each run holds its own chain's tokens, and is inserted below the
     node its parent run made (``PrefixTree.insert_child``), not by a walk from the root."""
-    page_bytes = page_size * _TOKEN_BYTES
+    page_bytes = page_size * TOKEN_BYTES
     dropped: list[int] = []
     seen_slots: set[int] = set()
     by_key: dict[bytes, SlotRow] = {}

@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from kvcached.core import counters
-from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace,
-                                    PutSlots, SavedNamespace, SlotRow, namespace_key, plan_rebuild)
+from kvcached.core.l3_index import (DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace, PutSlots,
+                                    SavedNamespace, SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.metrics import Metrics
 from kvcached.core.namespaces import Namespace
 from kvcached.core.pool import Pool
@@ -23,6 +23,7 @@ from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.core.tree import TreeNode
 from proto.messages import KVGeometry
+from proto.page_keys import ROOT_KEY
 
 logger = logging.getLogger(__name__)
 

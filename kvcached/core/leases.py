@@ -15,6 +15,7 @@ import enum
 from typing import Any
 
 from kvcached.core.tree import TreeNode
+from proto.procfs import ProcessIdentity
 
 
 class LeaseState(enum.Enum):
@@ -58,24 +59,13 @@ class Lease:
 class Session:
     session_id: int
     namespace_id: int
-    pid: int
+    identity: ProcessIdentity         # the engine's process, as it said at attach
     client_name: str
     attached_at: float
     last_seen: float
     lease_ids: set[int] = dataclasses.field(default_factory=set)
     report: dict = dataclasses.field(default_factory=dict)      # the engine's last ENGINE_REPORT
     pid_watched: bool = False         # the daemon sees this process exit (a pidfd); else heartbeats only
-    pid_namespace_id: int = 0         # the engine's pid namespace and process start time (0: unknown),
-    process_start_time: int = 0       # as it sent them at attach: which process this is
-
-    def same_process(self, pid: int, pid_namespace_id: int, process_start_time: int) -> bool:
-        """Whether an attach from (pid, namespace, start time) comes from this session's process;
-        an unknown (0) namespace or start time on either side does not tell them apart."""
-        def agree(a: int, b: int) -> bool:
-            return 0 in (a, b) or a == b
-
-        return (pid == self.pid and agree(pid_namespace_id, self.pid_namespace_id)
-                and agree(process_start_time, self.process_start_time))
 
 
 @dataclasses.dataclass(eq=False)

@@ -3,7 +3,7 @@ named and holds, and when the store is worth asking. Pure logic; the I/O is in
 ``kvcached/server/remote_store.py``.
 
 A page is stored under ``kvc/<namespace key>/<chained page key>`` (``l3_index.namespace_key``,
-``l3_index.chain_page_keys``): the page key digests every token of the prefix up to and
+``proto/page_keys.py``): the page key digests every token of the prefix up to and
 including the page, so one key names one prefix's page of one geometry. Its value is a header
 of ``HEADER_BYTES`` (magic, namespace key, page key, payload length, the payload's XXH3-64), then
 the page's bytes. A reader publishes a page only if the header names the page it asked for and
@@ -19,7 +19,7 @@ import struct
 
 import xxhash
 
-from kvcached.core.l3_index import KEY_BYTES
+from proto.page_keys import KEY_BYTES
 
 MAGIC = b"KVCREM02"
 _HEADER = struct.Struct("<8s16s16sQQ")          # magic, namespace key, page key, payload bytes, XXH3-64

@@ -28,7 +28,9 @@ from kvcached.core.metrics import Metrics
 from kvcached.core.tiers import IntegrityError
 from kvcached.core.tree import PrefixTree, TreeNode
 from proto.errors import ErrorCode, ProtocolError
+from proto.procfs import ProcessIdentity
 from proto.schema import PeerPublish, PeerRegister
+from proto.tokens import token_array
 
 if TYPE_CHECKING:
     from kvcached.core.namespaces import Namespace
@@ -197,9 +199,7 @@ class PeerExport:
     session_id: int
     namespace_id: int
     request: PeerRegister
-    pid: int
-    pid_namespace_id: int
-    process_start_time: int
+    identity: ProcessIdentity     # the engine's process (its session's)
     epochs_path: str = ""         # set once the server has made the file (ready)
     epochs_offset_bytes: int = 0
 
@@ -213,7 +213,8 @@ class PeerExport:
         return (other is not self and other.ready and other.namespace_id == self.namespace_id
                 and other.request.transport == self.request.transport
                 and other.request.device_id == self.request.device_id
-                and other.pid_namespace_id != 0 and other.pid_namespace_id == self.pid_namespace_id)
+                and other.identity.pid_namespace_id != 0
+                and other.identity.pid_namespace_id == self.identity.pid_namespace_id)
 
     def to_wire(self) -> dict[str, Any]:
         request = self.request
@@ -221,8 +222,7 @@ class PeerExport:
                 "layout": request.layout, "dtype": request.dtype, "num_blocks": request.num_blocks,
                 "storages": request.storages, "tensors": [t.to_wire() for t in request.tensors],
                 "epochs_path": self.epochs_path, "epochs_offset_bytes": self.epochs_offset_bytes,
-                "pid": self.pid, "pid_namespace_id": self.pid_namespace_id,
-                "process_start_time": self.process_start_time}
+                **self.identity._asdict()}
 
 
 class PeerRegistry:
@@ -241,13 +241,12 @@ class PeerRegistry:
         self._hints = hints
         self._end_sink = end_sink
 
-    def add(self, session_id: int, namespace_id: int, request: PeerRegister, pid: int, pid_namespace_id: int,
-            process_start_time: int) -> PeerExport:
+    def add(self, session_id: int, namespace_id: int, request: PeerRegister, identity: ProcessIdentity) -> PeerExport:
         assert session_id not in self.by_session, "one registration per session"
         peer_id = secrets.randbits(62) + 1
         while peer_id in self.by_peer_id:
             peer_id = secrets.randbits(62) + 1
-        export = PeerExport(peer_id, session_id, namespace_id, request, pid, pid_namespace_id, process_start_time)
+        export = PeerExport(peer_id, session_id, namespace_id, request, identity)
         self.by_session[session_id] = export
         self.by_peer_id[peer_id] = export
         return export
@@ -267,8 +266,7 @@ class PeerRegistry:
         session_id = session.session_id
         if session_id in self.by_session:
             raise ProtocolError(ErrorCode.BAD_FRAME, "this session has registered its KV tensors already")
-        export = self.add(session_id, session.namespace_id, request, session.pid, session.pid_namespace_id,
-                       session.process_start_time)
+        export = self.add(session_id, session.namespace_id, request, session.identity)
         self.metrics.add(counters.PEER_REGISTRATIONS)
         self._publish_count(session.namespace_id)
         logger.info("session %x: KV tensors registered for peer restores (%s %s, %d blocks)", session_id,
@@ -309,8 +307,8 @@ class PeerRegistry:
         self.metrics.add(counters.PEER_BLOCKS_REMOVED, peers.remove(export.peer_id, request.removed))
         for run in request.runs:
             try:
-                added = peers.put(np.frombuffer(run.token_ids, dtype="<i4"), export.peer_id, run.start_page,
-                                      run.block_ids, run.epochs)
+                added = peers.put(token_array(run.token_ids), export.peer_id, run.start_page, run.block_ids,
+                                  run.epochs)
             except ValueError as exc:       # what came before in the message stands
                 raise ProtocolError(ErrorCode.BAD_PAGES, f"a peer run does not fit: {exc}") from None
             self.metrics.add(counters.PEER_BLOCKS_PUBLISHED, added)

@@ -20,6 +20,7 @@ from kvcached.core.namespaces import Namespace
 from kvcached.core.tiers import Tier
 from kvcached.core.tree import TreeNode
 from proto.errors import ErrorCode, ProtocolError
+from proto.procfs import ProcessIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -51,34 +52,32 @@ class SessionTable:
         self._on_session_end = on_session_end
         self._running_at = clock()
 
-    def open(self, namespace: Namespace, pid: int, client_name: str, *, pid_watched: bool, pid_namespace_id: int,
-             process_start_time: int, previous_session_id: int) -> Session:
+    def open(self, namespace: Namespace, identity: ProcessIdentity, client_name: str, *, pid_watched: bool,
+             previous_session_id: int) -> Session:
         """A new session of the namespace (see ``DaemonState.attach``)."""
         namespace.idle_since = None
         now = self._clock()
         session_id = secrets.randbits(62) + 1
         while session_id in self.sessions:
             session_id = secrets.randbits(62) + 1
-        session = Session(session_id, namespace.namespace_id, pid, client_name, now, now,
-                          pid_watched=pid_watched, pid_namespace_id=pid_namespace_id,
-                          process_start_time=process_start_time)
+        session = Session(session_id, namespace.namespace_id, identity, client_name, now, now, pid_watched=pid_watched)
         self.sessions[session_id] = session
         namespace.session_ids.add(session_id)
         self.metrics.add(counters.ATTACHES)
-        logger.info("session %x attached: pid %d (%s), %s, namespace %d", session_id, pid,
+        logger.info("session %x attached: pid %d (%s), %s, namespace %d", session_id, identity.pid,
                     "watched" if pid_watched else "heartbeats only", client_name or "-", namespace.namespace_id)
         if previous_session_id:
             self._end_previous_session(session, previous_session_id)
         return session
 
     def _end_previous_session(self, session: Session, previous_session_id: int) -> None:
-        identity = (session.pid, session.pid_namespace_id, session.process_start_time)
+        identity = session.identity
         previous = self.sessions.get(previous_session_id)
         quarantine = self.quarantines.get(previous_session_id)
-        if previous is not None and previous is not session and previous.same_process(*identity):
+        if previous is not None and previous is not session and previous.identity.same_process(identity):
             self._end_session(previous, reason="replaced by a new session of its process", quarantine=False)
             self.metrics.add(counters.SESSIONS_ENDED, 1, "replaced")
-        elif quarantine is not None and quarantine.session.same_process(*identity):
+        elif quarantine is not None and quarantine.session.identity.same_process(identity):
             self._end_quarantine(previous_session_id, "reattach")
         elif previous is not None or quarantine is not None:
             self.metrics.add(counters.PREVIOUS_SESSION_REFUSED)

@@ -71,14 +71,14 @@ def status(state: DaemonState) -> dict[str, Any]:
         })
     return {
         "sessions": [
-            {"session": session_tag(s.session_id), "pid": s.pid, "client_name": s.client_name,
+            {"session": session_tag(s.session_id), "pid": s.identity.pid, "client_name": s.client_name,
              "namespace_id": s.namespace_id, "leases": len(s.lease_ids),
              "age_s": round(state.clock() - s.attached_at, 3), "idle_s": round(state.clock() - s.last_seen, 3),
              "pid_watched": s.pid_watched, "report": s.report, **_peer_status(state, s)}
             for s in state.sessions.values()
         ],
         "quarantines": [
-            {"session": session_tag(session_id), "pid": q.session.pid, "client_name": q.session.client_name,
+            {"session": session_tag(session_id), "pid": q.session.identity.pid, "client_name": q.session.client_name,
              "namespace_id": q.session.namespace_id, "pages": len(q.page_ids), "reason": q.reason,
              "pid_watched": q.session.pid_watched, "idle_s": round(state.clock() - q.session.last_seen, 3)}
             for session_id, q in state.quarantines.items()

@@ -30,6 +30,8 @@ from kvcached.core.tiers import Tier
 from kvcached.core.tree import TreeNode
 from proto.counters import Counter
 from proto.messages import KVGeometry
+from proto.tokens import page_aligned, token_array
+from proto.tokens import token_bytes as wire_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +97,8 @@ class Tiering:
             self._cost.counters.add(counters.BACKGROUND_PROMOTION_SKIPS, 1, "busy")
             return None
         page_size = namespace.geometry.page_size
-        token_ids = np.frombuffer(token_bytes, dtype="<i4")
-        token_ids = token_ids[: len(token_ids) // page_size * page_size]
+        token_ids = token_array(token_bytes)
+        token_ids = token_ids[: page_aligned(len(token_ids), page_size)]
         result = namespace.tree.match(token_ids, touch=False)
         l2_pages, l3_pages = result.hit_tokens[Tier.L2] // page_size, result.hit_tokens.get(Tier.L3, 0) // page_size
         if l3_pages <= l2_pages or allowed <= 0:
@@ -192,7 +194,7 @@ class Tiering:
         self.metrics.add(counters.REMOTE_WRITTEN_PAGES, num_sent)
         if num_sent and namespace is not None and self._publishes_events(namespace.geometry):
             geometry = namespace.geometry
-            path = write.token_ids[: (write.start_page + num_sent) * geometry.page_size].astype("<i4").tobytes()
+            path = wire_token_bytes(write.token_ids[: (write.start_page + num_sent) * geometry.page_size])
             self.kv_events.record(TierEvent(EventKind.STORED, geometry.model_id, geometry.page_size, REMOTE_WHERE,
                                             path, write.start_page))
 

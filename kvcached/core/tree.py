@@ -43,11 +43,10 @@ from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from kvcached.core.tiers import IntegrityError, Tier
+from proto.tokens import TOKEN_BYTES, TOKEN_DTYPE, page_aligned, token_array
 
 logger = logging.getLogger(__name__)
 
-_TOKEN_DTYPE = np.dtype("<i4")
-_TOKEN_BYTES = _TOKEN_DTYPE.itemsize
 MAIN_SHARE = 0.9         # of a tier's pages, reused pages above which reused leaves are evicted first
 
 
@@ -131,7 +130,7 @@ class PrefixTree:
         self.page_size = page_size
         self.tiers = tiers
         self._clock = clock
-        self._page_bytes = page_size * _TOKEN_BYTES
+        self._page_bytes = page_size * TOKEN_BYTES
         self._on_l2_root = on_l2_root
         self._on_residency = on_residency
         self._root = TreeNode(None, b"", 0, tiers, clock())
@@ -286,7 +285,7 @@ class PrefixTree:
                 # Only the deepest hit node can be evictable: each shallower one has a resident
                 # child on the path. Its LRU time (and maybe its class) changed: a fresh entry.
                 self._push_if_evictable(deepest, tier)
-        return MatchResult(hit_tokens, page_ids, last_node, pos // _TOKEN_BYTES, previous_access)
+        return MatchResult(hit_tokens, page_ids, last_node, pos // TOKEN_BYTES, previous_access)
 
     # ---- lock / unlock -------------------------------------------------------------------
 
@@ -666,20 +665,17 @@ class PrefixTree:
     # ---- internals -----------------------------------------------------------------------
 
     def token_bytes(self, token_ids) -> bytes:
-        tokens = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
-        if tokens.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
-        num_aligned = len(tokens) - len(tokens) % self.page_size
-        return tokens[:num_aligned].tobytes()
+        data = token_array(token_ids).tobytes()
+        return data[:page_aligned(len(data), self._page_bytes)]
 
     def num_common_pages(self, data: bytes, pos: int, key: bytes) -> int:
         """Whole pages shared by data[pos:] and key (the first page is known to match)."""
         num_bytes = min(len(key), len(data) - pos)
         if data.startswith(key[:num_bytes], pos):
             return num_bytes // self._page_bytes
-        ours = np.frombuffer(data, dtype=_TOKEN_DTYPE, count=num_bytes // _TOKEN_BYTES,
+        ours = np.frombuffer(data, dtype=TOKEN_DTYPE, count=num_bytes // TOKEN_BYTES,
                              offset=pos)
-        theirs = np.frombuffer(key, dtype=_TOKEN_DTYPE, count=num_bytes // _TOKEN_BYTES)
+        theirs = np.frombuffer(key, dtype=TOKEN_DTYPE, count=num_bytes // TOKEN_BYTES)
         first_mismatch = int(np.argmax(ours != theirs))
         return first_mismatch // self.page_size
 

@@ -19,21 +19,13 @@ from proto import procfs
 logger = logging.getLogger(__name__)
 
 
-def own_pid_namespace_id() -> int:
-    """The inode of this process's pid namespace (0 if /proc does not say)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def open_pidfd(pid: int, pid_namespace_id: int, start_time: int) -> tuple[int | None, str]:
     """A pidfd of the engine process (pid, namespace, start time), or None and why not."""
     if not hasattr(os, "pidfd_open"):
         return None, "this system has no pidfd_open"
     if pid_namespace_id == 0 or start_time == 0:
         return None, "the engine did not say its pid namespace and start time"
-    if pid_namespace_id != own_pid_namespace_id():
+    if pid_namespace_id != procfs.pid_namespace_id():
         return None, "the engine runs in another pid namespace"
     try:
         pidfd = os.pidfd_open(pid)

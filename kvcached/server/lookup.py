@@ -30,6 +30,7 @@ import numpy as np
 
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
+from proto.tokens import TOKEN_DTYPE
 
 MAX_LOOKUP_BODY_BYTES = 1 << 20
 MAX_LOOKUP_TOKENS = 1 << 17
@@ -97,7 +98,7 @@ def _token_ids(value: Any) -> np.ndarray:
     for position, token in enumerate(value):
         if type(token) is not int or not _INT32_MIN <= token <= _INT32_MAX:
             raise LookupRefused(400, f"token_ids[{position}] = {json.dumps(token)[:32]} is not an int32")
-    return np.array(value, dtype="<i4")
+    return np.array(value, dtype=TOKEN_DTYPE)
 
 
 def error_body(message: str) -> bytes:

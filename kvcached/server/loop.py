@@ -43,7 +43,6 @@ from kvcached.core import counters
 from kvcached.core.cost_model import CostModel
 from kvcached.core.daemon import DaemonState, RemoteAsk, RemoteWrite
 from kvcached.core.hints import AdmissionHints
-from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
@@ -65,6 +64,7 @@ from kvcached.server.status_credits import StatusCredits
 from proto import codec, hints
 from proto.errors import ErrorCode, ProtocolError, preview
 from proto.messages import PROTOCOL_VERSION, MsgKind
+from proto.page_keys import chain_page_keys
 from proto.replies import AttachInfo, DetachReply, MatchReply, PeerListReply, PeerRegisterReply, to_wire
 from proto.schema import Attach, BackupCommit, EngineReport, Match, PeerPublish, PeerRegister, Release, SessionRequest
 

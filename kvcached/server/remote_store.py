@@ -34,9 +34,9 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core import counters
-from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.remote import HEADER_BYTES, Breaker, header_mismatch, pack_header, remote_key
 from proto.counters import Counter, Counts
+from proto.page_keys import chain_page_keys
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from kvcached.core.daemon import DaemonState
-from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, NamespaceLayout, PutNamespace, PutSlots,
-                                    SavedNamespace, SlotRow, chain_page_keys, namespace_key, page_key, plan_rebuild)
+from kvcached.core.l3_index import (DeleteSlots, DropNamespace, NamespaceLayout, PutNamespace, PutSlots, SavedNamespace,
+                                    SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
+from proto.page_keys import ROOT_KEY, chain_page_keys, page_key
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock
 
 OTHER_GEOMETRY = dataclasses.replace(GEOMETRY, model_id="other")

@@ -8,10 +8,10 @@ import pytest
 
 from kvcached.core.cost_model import CostModel, CostPriors
 from kvcached.core.daemon import DaemonState
-from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.remote import HEADER_BYTES, Breaker, checksum, header_mismatch, pack_header, remote_key
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
+from proto.page_keys import chain_page_keys
 from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"

@@ -12,11 +12,12 @@ import zlib
 
 import numpy as np
 
-from kvcached.core.l3_index import ROOT_KEY, NamespaceLayout, PutNamespace, PutSlots, SlotRow, namespace_key, page_key
+from kvcached.core.l3_index import NamespaceLayout, PutNamespace, PutSlots, SlotRow, namespace_key
 from kvcached.server.l3_index_store import L3IndexStore, index_path
 from kvcached.server.status import StatusClient
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.engine_proc import GEOMETRY
+from proto.page_keys import ROOT_KEY, page_key
 
 CONTINUATION_PAGES = 50
 TEST_ROWS = 160_000

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from engine_client.client import connect
-from kvcached.core.l3_index import chain_page_keys, namespace_key
+from kvcached.core.l3_index import namespace_key
 from kvcached.server.status import StatusClient
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.engine_proc import GEOMETRY
+from proto.page_keys import chain_page_keys
 from tests.integration.test_end_to_end import run_engine
 from tests.integration.test_l3 import back_up_random, l2_l3, wait_for_write_through
 
@@ -268,7 +269,8 @@ def test_an_index_of_the_older_layout_is_refused_not_misread(tmp_path):
     the old rows name is a miss, not bytes read from the wrong place (an older daemon would have
     served them from its region 0)."""
     from tests.server.test_l3_index_store import write_schema_1_index
-    from kvcached.core.l3_index import ROOT_KEY, SlotRow
+    from kvcached.core.l3_index import SlotRow
+    from proto.page_keys import ROOT_KEY
 
     run = RestartingDaemon()
     rng = np.random.default_rng(new_seed())

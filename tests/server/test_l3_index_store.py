@@ -13,9 +13,10 @@ import zlib
 import numpy as np
 import pytest
 
-from kvcached.core.l3_index import (ROOT_KEY, DeleteSlots, DropNamespace, NamespaceLayout, PutNamespace, PutSlots,
-                                    SlotRow, chain_page_keys, namespace_key)
+from kvcached.core.l3_index import (DeleteSlots, DropNamespace, NamespaceLayout, PutNamespace, PutSlots, SlotRow,
+                                    namespace_key)
 from kvcached.server.l3_index_store import L3IndexStore
+from proto.page_keys import ROOT_KEY, chain_page_keys
 from proto.messages import KVGeometry
 
 GEOMETRY = KVGeometry("m", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from kvcached.core.l3_index import chain_page_keys
 from kvcached.core.remote import HEADER_BYTES, pack_header, remote_key
 from kvcached.server.remote_store import MAP_SLICE_BYTES, RemoteSettings, RemoteStore, RemoteUnavailable
+from proto.page_keys import chain_page_keys
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
 PAGE_BYTES = 4096
