@@ -245,7 +245,7 @@ def begin(connector: KVConnector, request, tokens, expect_tokens: int, via: str)
     spin(lookup.ready, "the lookup's reply")
     ms = (time.perf_counter() - started) * 1e3
     decision = lookup.decision(0)
-    if decision.num_tokens != expect_tokens:
+    if decision.restore_tokens != expect_tokens:
         raise AssertionError(f"{request}: the lookup decided {decision} where L2 holds {expect_tokens} tokens")
     return ms
 

@@ -548,7 +548,7 @@ def time_policies(run: Run, point: Point, tier: str, control: TierControl, saved
         if tier != "peer":
             control.force(tier, token_ids, num_tokens)
             return
-        offered = connector.lookup_async(token_ids).decision().hit_tokens.get("peer", 0)     # (L2 holds it too)
+        offered = connector.lookup_async(token_ids).hit_tokens().get("peer", 0)     # (L2 holds it too)
         if offered < num_tokens:
             raise RuntimeError(f"engine A offers {offered} tokens, not {num_tokens}: {connector.stats()}")
 

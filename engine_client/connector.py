@@ -104,7 +104,7 @@ from proto.counters import Counts
 from proto.errors import ErrorCode
 from proto.messages import RESTORE_POLICIES, KVGeometry
 from proto.hints import HintsView
-from proto.replies import AttachInfo
+from proto.replies import NO_DECISION, AttachInfo, Decision
 from proto.schema import MAX_COST_SAMPLES
 from proto.tokens import page_aligned, token_array, token_bytes
 
@@ -171,31 +171,26 @@ class Finished(NamedTuple):
     queued: Sequence[LoadResult] = ()
 
 
-class RestoreDecision(NamedTuple):
-    """The daemon's answer to a lookup: what to restore (see ``proto.replies.MatchReply``)."""
-
-    choice: str                        # "engine", "l2", "l3", "peer", "recompute"; "" when the lookup failed
-    num_tokens: int                    # leading tokens to hold once restored: restore [local hit, num_tokens)
-    hit_tokens: dict[str, int]         # per tier
-    predicted_s: dict[str, float]      # per candidate and "recompute": seconds to hold the longest hit
-
-
 # Timings go to the daemon this soon (with a report), so that its cost model decides on fresh ones.
 COST_REPORT_INTERVAL_S = 0.1
 
 
+# A lookup's answer: the decision, and the leading tokens each tier holds (the reply's hit_tokens).
+_NO_ANSWER: tuple[Decision, dict[str, int]] = (NO_DECISION, {})
+
+
 class PendingLookup:
     """A lookup sent; ``result()`` is the number of leading tokens to hold once restored: the
-    daemon's decision (0 on any failure); ``decision()`` the whole of it."""
+    daemon's decision (0 on any failure); ``decision()`` the whole of it; ``hit_tokens()`` what
+    each tier holds."""
 
-    def __init__(self, lookup: "PrefixLookup", pending: PendingMatch | None, num_tokens: int):
+    def __init__(self, lookup: "PrefixLookup", pending: PendingMatch | None):
         self._lookup = lookup
         self._pending = pending
-        self._num_tokens = num_tokens
-        self._decision: RestoreDecision | None = None if pending is not None else RestoreDecision("", 0, {}, {})
+        self._answer: tuple[Decision, dict[str, int]] | None = None if pending is not None else _NO_ANSWER
 
     def ready(self) -> bool:
-        if self._decision is not None:
+        if self._answer is not None:
             return True
         try:
             return self._pending.ready()
@@ -204,7 +199,7 @@ class PendingLookup:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait at most timeout_s for the reply; True once it is in (or the lookup failed)."""
-        if self._decision is not None:
+        if self._answer is not None:
             return True
         try:
             return self._pending.wait(timeout_s)
@@ -212,25 +207,32 @@ class PendingLookup:
             return True
 
     def result(self, timeout_s: float | None = None) -> int:
-        return self.decision(timeout_s).num_tokens
+        return self.decision(timeout_s).restore_tokens
 
     def cancel(self) -> None:
         """Give the lookup up (its reply, if it comes, is dropped); result() is 0 from now on."""
-        if self._decision is None:
+        if self._answer is None:
             self._pending.cancel()
-            self._decision = RestoreDecision("", 0, {}, {})
+            self._answer = _NO_ANSWER
 
     def give_up(self, waited_s: float) -> None:
         """cancel() a lookup whose reply did not come in time: counted (lookup_failures_no_reply)
         and logged once."""
-        if self._decision is None:
+        if self._answer is None:
             self._lookup._failed("no_reply", DaemonUnavailable(f"no reply to a lookup within {waited_s:.1f} s"))
             self.cancel()
 
-    def decision(self, timeout_s: float | None = None) -> RestoreDecision:
-        if self._decision is None:
-            self._decision = self._lookup._decision_of(self._pending, timeout_s)
-        return self._decision
+    def decision(self, timeout_s: float | None = None) -> Decision:
+        return self._answered(timeout_s)[0]
+
+    def hit_tokens(self, timeout_s: float | None = None) -> dict[str, int]:
+        """The leading tokens each tier holds ({} on any failure)."""
+        return self._answered(timeout_s)[1]
+
+    def _answered(self, timeout_s: float | None) -> tuple[Decision, dict[str, int]]:
+        if self._answer is None:
+            self._answer = self._lookup._answer_of(self._pending, timeout_s)
+        return self._answer
 
 
 class BegunLookup:
@@ -264,28 +266,36 @@ class BegunLookup:
         return self.ready()
 
     def result(self, timeout_s: float | None = None) -> int:
-        return self.decision(timeout_s).num_tokens
+        return self.decision(timeout_s).restore_tokens
 
-    def decision(self, timeout_s: float | None = None) -> RestoreDecision:
+    def decision(self, timeout_s: float | None = None) -> Decision:
+        return self._answered(timeout_s)[0]
+
+    def hit_tokens(self, timeout_s: float | None = None) -> dict[str, int]:
+        """The leading tokens each tier holds, by the match reply ({} without one: failed, or a
+        predicted decline)."""
+        return self._answered(timeout_s)[1]
+
+    def _answered(self, timeout_s: float | None) -> tuple[Decision, dict[str, int]]:
         request = self._request
         if request.predicted and not self._cancelled:
             if not self._counted:
                 self._counted = True
                 self._connector.counters.add(counters.ENGINE_LOOKUP_CHOICES, 1, "recompute")
-            return RestoreDecision("recompute", self._local_hit_tokens, {}, {})
+            return Decision("recompute", self._local_hit_tokens), {}
         if request.match is not None and not self._cancelled:
             self._connector._take_reply(request, self._connector.config.reply_timeout_s if timeout_s is None
                                         else timeout_s)
         if request.failure is not None and not self._cancelled:
             self.cancel()           # ended: a later save opens a request (and a match) of its own
         if self._cancelled or request.failure is not None or request.decision is None:
-            return RestoreDecision("", 0, {}, {})
+            return _NO_ANSWER
         if not self._counted:
             self._counted = True
             counts = self._connector.counters
             counts.add(counters.ENGINE_LOOKUP_CHOICES, 1, request.decision.choice)
-            counts.add(counters.ENGINE_LOOKUP_HIT_TOKENS, request.decision.num_tokens)
-        return request.decision
+            counts.add(counters.ENGINE_LOOKUP_HIT_TOKENS, request.decision.restore_tokens)
+        return request.decision, request.tier_hit_tokens
 
     def cancel(self) -> None:
         """Give the request up: it ends (its lease once the reply is in); result() is 0 from now on."""
@@ -324,13 +334,13 @@ class PrefixLookup:
         try:
             pending = self.client.lookup_async(token_ids, tp_group=self.tp_group, local_hit_tokens=local_hit_tokens,
                                                policy=self.policy, promote_l3=self.promote_l3)
-            return PendingLookup(self, pending, len(token_ids))
+            return PendingLookup(self, pending)
         except DaemonDown:                  # the client logs the outage once
             self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, "daemon_down")
-            return PendingLookup(self, None, len(token_ids))
+            return PendingLookup(self, None)
         except DaemonUnavailable as exc:
             self._failed("unavailable", exc)
-            return PendingLookup(self, None, len(token_ids))
+            return PendingLookup(self, None)
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray, timeout_s: float | None = None,
                local_hit_tokens: int = 0) -> int:
@@ -339,22 +349,21 @@ class PrefixLookup:
         the daemon is away)."""
         return self.lookup_async(token_ids, local_hit_tokens).result(timeout_s)
 
-    def _decision_of(self, pending: PendingMatch, timeout_s: float | None) -> RestoreDecision:
-        failed = RestoreDecision("", 0, {}, {})
+    def _answer_of(self, pending: PendingMatch, timeout_s: float | None) -> tuple[Decision, dict[str, int]]:
         try:
             reply = pending.result(timeout_s)
         except DaemonDown:
             self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, "daemon_down")
-            return failed
+            return _NO_ANSWER
         except DaemonUnavailable as exc:
             self._failed("unavailable", exc)
-            return failed
+            return _NO_ANSWER
         except DaemonError as exc:
             self._failed("refused", exc)
-            return failed
+            return _NO_ANSWER
         self.counters.add(counters.ENGINE_LOOKUP_CHOICES, 1, reply.choice)
         self.counters.add(counters.ENGINE_LOOKUP_HIT_TOKENS, reply.restore_tokens)
-        return RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
+        return reply.decision, reply.hit_tokens
 
     def _failed(self, cause: str, exc: Exception) -> None:
         if not self.counters.value(counters.ENGINE_LOOKUP_FAILURES, cause):
@@ -420,7 +429,8 @@ class _Request:
     finished: bool = False
     hold_blocks: bool = False           # request_finished returned True, and finished() has not released it
     peer_plan: PeerPlan | None = None   # its loads copy from another engine's GPU cache
-    decision: RestoreDecision | None = None    # the match reply's (the cost model's, where it asked)
+    decision: Decision | None = None    # the match reply's (the cost model's, where it asked)
+    tier_hit_tokens: dict[str, int] = dataclasses.field(default_factory=dict)   # the match reply's hit_tokens
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
     backup_skipped: str = ""            # why the daemon reserved no pages for its saves (the reply's)
     host_page_generations: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.uint64))
@@ -899,7 +909,7 @@ class KVConnector:
         self.counters.add(counters.ENGINE_MATCHES)
         self.counters.add(counters.ENGINE_PROMOTED_TOKENS, reply.promoted_tokens)
         if reply.choice:
-            request.decision = RestoreDecision(reply.choice, reply.restore_tokens, reply.hit_tokens, reply.predicted_s)
+            request.decision, request.tier_hit_tokens = reply.decision, reply.hit_tokens
             if request.predicted and reply.choice not in ("recompute", "engine"):
                 self.counters.add(counters.ENGINE_PREDICTION_MISSES)    # a restore the model would have taken
         lacking = len(request.token_ids) // self.page_size - request.hit_pages

@@ -43,6 +43,21 @@ class DetachReply(NamedTuple):
     leases_reclaimed: int
 
 
+class Decision(NamedTuple):
+    """The cost model's answer for a prompt: where the tokens beyond the engine's own hit come from
+    (``choice``: one of proto.messages.RESTORE_CHOICES, "engine" when no tier holds more; "": no
+    decision), the leading tokens to hold once restored (``restore_tokens``, the engine's own hit
+    included), and the predicted seconds to hold the longest hit through each candidate and
+    "recompute" (``predicted_s``)."""
+
+    choice: str = ""
+    restore_tokens: int = 0
+    predicted_s: dict[str, float] = {}
+
+
+NO_DECISION = Decision()
+
+
 class MatchReply(NamedTuple):
     """The reply to MATCH. A lookup (lock=false) carries only hit_tokens: no lease, no page ids."""
 
@@ -73,6 +88,10 @@ class MatchReply(NamedTuple):
     # bytes are complete (proto.generations).
     host_page_generations: list[int] = []
     backup_generation: int = 0
+
+    @property
+    def decision(self) -> Decision:
+        return Decision(self.choice, self.restore_tokens, self.predicted_s)
 
 
 class CommitReply(NamedTuple):

@@ -42,11 +42,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvcached.core import counters
 from proto.counters import Counts
 from proto.messages import RESTORE_POLICIES
+from proto.replies import Decision
 from proto.schema import COST_SAMPLE_DIRECTIONS, MAX_COST_SAMPLE_SECONDS, MAX_COST_SAMPLE_SIZE
 
 WINDOW = 32
@@ -196,16 +197,6 @@ class EngineModel:
         self.policy_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
 
-class Decision(NamedTuple):
-    choice: str                        # one of proto.messages.RESTORE_CHOICES
-    restore_tokens: int                # leading tokens to hold after the restore (the engine's own hit counts in)
-    predicted_s: dict[str, float]      # per candidate (and "recompute"): seconds to hold the longest hit
-    longest: str                       # the source holding the most beyond the engine's hit ("": none)
-
-
-NO_DECISION = Decision("", 0, {}, "")
-
-
 class CostModel:
     def __init__(self, priors: CostPriors = CostPriors(), policy: str = "cost"):
         if policy not in RESTORE_POLICIES:
@@ -263,7 +254,7 @@ class CostModel:
             candidates.append(("remote", remote_tokens, engine.h2d.predict((remote_tokens - local_tokens) * bytes_per_token)
                                + self.storage["r2h"].predict((remote_tokens - l2_tokens) * bytes_per_token)))
         if not candidates:
-            decision = Decision("engine", local_tokens, {}, "")
+            decision, longest = Decision("engine", local_tokens, {}), ""
         else:
             longest, end, _ = max(candidates, key=lambda c: c[1])
             per_token = engine.prefill.slope_s
@@ -281,10 +272,10 @@ class CostModel:
                 choice, restore_tokens = "recompute", local_tokens
             else:
                 self._count_declines(engine, [source for source, _, _ in candidates if source != choice])
-            decision = Decision(choice, restore_tokens, predicted, longest)
+            decision = Decision(choice, restore_tokens, predicted)
         engine.decisions[where][decision.choice] += 1
-        if decision.longest and decision.choice != decision.longest:
-            engine.policy_skips[where][decision.longest] += 1
+        if longest and decision.choice != longest:         # the source holding the most was not taken
+            engine.policy_skips[where][longest] += 1
         return decision
 
     def _count_declines(self, engine: EngineModel, declined_sources: list[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvcached.core import counters, integrity, snapshot
-from kvcached.core.cost_model import NO_DECISION, CostModel, Decision
+from kvcached.core.cost_model import CostModel
 from kvcached.core.generations import GenerationFiles, PrivateGenerations
 from kvcached.core.hints import AdmissionHints
 from kvcached.core.kv_events import EventBuffer
@@ -42,7 +42,7 @@ from proto.hints import NEVER
 from proto.messages import KVGeometry
 from proto.procfs import ProcessIdentity
 from proto.tokens import page_aligned, token_array
-from proto.replies import CommitReply, MatchReply
+from proto.replies import NO_DECISION, CommitReply, Decision, MatchReply
 from proto.schema import PeerPublish, PeerRegister
 
 logger = logging.getLogger(__name__)
@@ -307,11 +307,9 @@ class DaemonState:
         or found no room."""
         if not decision.choice:
             return {}
-        restore_tokens = decision.restore_tokens
         if loadable_tokens is not None and decision.choice in ("l2", "l3", "remote"):
-            restore_tokens = min(restore_tokens, loadable_tokens)
-        return {"choice": decision.choice, "restore_tokens": restore_tokens, "predicted_s": decision.predicted_s,
-                "policy": policy or self.cost.policy}
+            decision = decision._replace(restore_tokens=min(decision.restore_tokens, loadable_tokens))
+        return {**decision._asdict(), "policy": policy or self.cost.policy}
 
     def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False, local_hit_tokens: int = 0,
                policy: str = "", promote_l3: bool = True, remote_tokens: int = 0) -> MatchReply:

@@ -118,9 +118,10 @@ def run_lookup(manager: CacheManager, state_path: str, policy: str) -> dict:
     lookups = PrefixLookup(manager.client, tp_group=False, policy=policy)
     decisions = []
     for entry in saved:
-        decision = lookups.lookup_async(entry["tokens"]).decision(10.0)
-        decisions.append({"choice": decision.choice, "num_tokens": decision.num_tokens,
-                          "hit_tokens": decision.hit_tokens, "predicted_s": decision.predicted_s})
+        pending = lookups.lookup_async(entry["tokens"])
+        decision = pending.decision(10.0)
+        decisions.append({"choice": decision.choice, "restore_tokens": decision.restore_tokens,
+                          "hit_tokens": pending.hit_tokens(), "predicted_s": decision.predicted_s})
     return {"role": "lookup", "decisions": decisions}
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvcached.core.cost_model import (EWMA_ALPHA, MAX_STALE_BACKOFF, STALE_DECLINES, WINDOW, CostModel, CostPriors, LineModel,
                                       fit_non_negative)
+from proto.replies import Decision
 
 ENGINE = 7
 BYTES_PER_TOKEN = 147_456          # a Qwen3-8B token, bf16
@@ -134,8 +135,7 @@ def test_the_engine_own_hit_is_not_priced_and_nothing_beyond_it_is_engine():
     model = CostModel()
     decision = model.decide(ENGINE, BYTES_PER_TOKEN, 3000, 3016, 0)
     assert decision.predicted_s["recompute"] == pytest.approx(16 * 50e-6)
-    assert model.decide(ENGINE, BYTES_PER_TOKEN, 3016, 3016, 3016) == (
-        "engine", 3016, {}, "")
+    assert model.decide(ENGINE, BYTES_PER_TOKEN, 3016, 3016, 3016) == Decision("engine", 3016, {})
 
 
 def test_always_and_never_do_what_they_say(rng):

@@ -541,7 +541,7 @@ def test_begin_is_the_requests_match_so_its_load_and_save_send_none(daemon):
         begun = b.connector.begin("r", prompt, 0)
         assert begun.wait(5.0)
         decision = begun.decision()
-        assert (decision.choice, decision.num_tokens) == ("l2", 5 * P), decision
+        assert (decision.choice, decision.restore_tokens) == ("l2", 5 * P), decision
         assert begun.result() == 5 * P
         blocks = rng.permutation(N)[:8]
         b.connector.load("r", prompt, blocks[:5], 5 * P)

@@ -57,7 +57,7 @@ def test_lookups_answer_the_decision_and_reported_prefill_times_move_it(rng):
         prefix = random_tokens(rng, 8 * P)
         save(cost, prefix, list(range(8)))
         decision = cost.connector.lookup_async(prefix).decision()
-        assert (decision.choice, decision.num_tokens) == ("l2", 8 * P), decision
+        assert (decision.choice, decision.restore_tokens) == ("l2", 8 * P), decision
         assert decision.predicted_s["l2"] < decision.predicted_s["recompute"], decision
         assert cost.connector.lookup(prefix, local_hit_tokens=8 * P) == 8 * P
         assert cost.connector.lookup_async(prefix, 8 * P).decision().choice == "engine"

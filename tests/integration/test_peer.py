@@ -232,9 +232,9 @@ def test_the_cost_model_chooses_the_peer_and_learns_its_copies_as_d2d_samples(da
             result = reader.restore(tokens, blocks)
             assert result.ok and reader.check(seed, tokens, blocks, PREFIX_PAGES) == [], (result, seed)
         tokens = prefixes(seed)[3]
-        decision = never.connector.lookup_async(tokens).decision()
-        assert (decision.choice, decision.num_tokens, decision.hit_tokens["peer"]) == \
-            ("recompute", 0, PREFIX_PAGES * PAGE), (decision, seed)
+        lookup = never.connector.lookup_async(tokens)
+        assert (lookup.decision().choice, lookup.decision().restore_tokens, lookup.hit_tokens()["peer"]) == \
+            ("recompute", 0, PREFIX_PAGES * PAGE), (lookup.decision(), seed)
         result = never.restore(tokens, blocks)
         assert result.num_tokens == 0 and never.connector.stats().get("peer_loaded_pages", 0) == 0, result
         reader.connector.flush_report()

@@ -16,7 +16,7 @@ from engine_client.client import connect
 from proto import codec
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry, MsgKind
-from proto.replies import AttachInfo, CommitReply, DetachReply, MatchReply, from_wire, to_wire
+from proto.replies import NO_DECISION, AttachInfo, CommitReply, Decision, DetachReply, MatchReply, from_wire, to_wire
 
 SEED = 314
 GEOMETRY = KVGeometry("replies-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
@@ -114,3 +114,13 @@ def test_a_client_given_a_match_reply_without_its_pages_raises_a_clear_error():
         router.close(0)
         context.term()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_decision_goes_on_the_wire_in_the_match_reply_and_comes_back_whole(rng):
+    """The daemon puts the cost model's Decision into a MATCH reply field by field; the engine's
+    decoded reply gives back the same Decision (and a reply without one, NO_DECISION)."""
+    restore_tokens = int(rng.integers(1, 100)) * 4
+    decision = Decision("l2", restore_tokens, {"l2": float(rng.random()), "recompute": float(rng.random())})
+    reply = MatchReply({"l2": restore_tokens}, None, [], restore_tokens, [], **decision._asdict(), policy="cost")
+    assert from_wire(MatchReply, to_wire(reply)).decision == decision
+    assert from_wire(MatchReply, to_wire(random_match_reply(rng))).decision == NO_DECISION

@@ -72,9 +72,9 @@ def test_the_remote_decision_declines_where_recompute_wins():
     declines every remote hit (recompute, the skip counted, no get); one pricing it fast takes it."""
     report = run_isolated("decision")
     declined, taken = report["declined"]["decisions"], report["taken"]["decisions"]
-    assert all(d["hit_tokens"]["remote"] > 0 and d["choice"] == "recompute" and d["num_tokens"] == 0
+    assert all(d["hit_tokens"]["remote"] > 0 and d["choice"] == "recompute" and d["restore_tokens"] == 0
                and d["predicted_s"]["remote"] > d["predicted_s"]["recompute"] for d in declined), declined
-    assert all(d["choice"] == "remote" and d["num_tokens"] == d["hit_tokens"]["remote"] for d in taken), taken
+    assert all(d["choice"] == "remote" and d["restore_tokens"] == d["hit_tokens"]["remote"] for d in taken), taken
     assert report["slow_get_calls"] == 0
     assert report["slow_skips"]["lookup"]["remote"] == len(declined)
 
