@@ -71,7 +71,7 @@ def run(args) -> dict:
     from kvcached.server.remote_store import mooncake_store
     from proto.page_keys import chain_page_keys
     from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess
-    from tests.remote.cluster import MASTER_PORT, METADATA_PORT, PATIENT_REMOTE, Master, connected, remote_daemon, \
+    from kvcached.testing.remote.cluster import MASTER_PORT, METADATA_PORT, PATIENT_REMOTE, Master, connected, remote_daemon, \
         status, wait_for, writes_done
 
     geo = geometry()
@@ -221,7 +221,7 @@ def main() -> int:
     args = parser.parse_args()
     if os.environ.get(ISOLATED_ENV) != "1":
         # Into a network namespace of loopback only (some of the store's listeners bind 0.0.0.0).
-        from tests.remote.cluster import STORE_ENV, _isolating, missing
+        from kvcached.testing.remote.cluster import STORE_ENV, _isolating, missing
 
         why = missing()
         if why:

@@ -44,7 +44,8 @@ Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect",
                       (SIGSTOP), then killed: requests miss within the default deadline (0.1 s),
                       the daemons reconnect; the host lending the memory SIGKILLed: no wrong byte,
                       recovery; the decision declines the store where recompute wins
-  e2e under burners   the end-to-end backup-then-restore test, 20 runs in a row with 6 CPU burners
+  e2e under burners   the end-to-end backup-then-restore (two engine processes), 20 runs in a row with 6
+                      CPU burners
 
     python -m bench.drills [--repeats 3] [--only stale_writer,outage_prepare,...]
 """
@@ -73,19 +74,19 @@ from bench.common import RESULTS_DIR, git_commit, print_table, write_result
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, connect
 from kvcached.server.shm import segment_name
-from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, stop_process
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, stop_process, wait_until
 from kvcached.testing.engine_proc import GEOMETRY
-from tests.integration.fencing_engine import PREFIX_PAGES
-from tests.integration.test_end_to_end import run_engine
-from tests.integration.test_faults import start_holder
-from tests.integration.test_fencing import GRACE_S, UNSHARE_PID, stalled_copy_scenario, wait_until
-from tests.integration.test_l3_files import ENOSPC_ROWS, IS_ROOT, L3_NAMES
-from tests.integration.test_l3_files import OTHER_UID as L3_OTHER_UID
-from tests.integration.test_l3_files import can_mount_tmpfs, fingerprint, random_file, run_enospc_start, serve_once
-from tests.integration.test_l3_rebuild import MAX_REBUILD_RSS_BYTES, TEST_ROWS, restart_on_branchy_index
-from tests.integration.test_l3_restart import RestartingDaemon, flip_byte
-from tests.integration.small_shm import run_in_small_shm
-from tests.integration.test_outages import can_run_small_shm, make_manager, prefill_and_finish, random_tokens
+from kvcached.testing.fencing_engine import PREFIX_PAGES
+from kvcached.testing.engine_proc import run_engine
+from kvcached.testing.holder import start_holder
+from kvcached.testing.fencing import GRACE_S, UNSHARE_PID, stalled_copy_scenario
+from kvcached.testing.l3_files import ENOSPC_ROWS, IS_ROOT, L3_NAMES
+from kvcached.testing.l3_files import OTHER_UID as L3_OTHER_UID
+from kvcached.testing.l3_files import can_mount_tmpfs, fingerprint, random_file, run_enospc_start, serve_once
+from kvcached.testing.l3_rebuild import MAX_REBUILD_RSS_BYTES, TEST_ROWS, restart_on_branchy_index
+from kvcached.testing.l3 import RestartingDaemon, flip_byte
+from kvcached.testing.small_shm import run_in_small_shm
+from kvcached.testing.managers import can_run_small_shm, make_manager, prefill_and_finish, random_tokens
 from bench.timing import timed
 
 PAGE = GEOMETRY.page_size
@@ -484,12 +485,12 @@ def drill_socket_takeover() -> dict:
 # ---- fairness in L2 ------------------------------------------------------------------------------
 
 def drill_flood_fairness(seed: int = 1) -> list[dict]:
-    """The flood trace on the daemon's state (tests/core/flood_trace.py: a fake clock, no sockets,
+    """The flood trace on the daemon's state (kvcached.testing.flood_trace: a fake clock, no sockets,
     deterministic): engine A's hot prefixes against engine B's 16 one-use prompts per A request,
     in one model and across two (either attached first)."""
     import logging
 
-    from tests.core.flood_trace import GEOMETRY_A, FloodTrace, run
+    from kvcached.testing.flood_trace import GEOMETRY_A, FloodTrace, run
     logging.disable(logging.WARNING)            # the pressure warnings
     rows = []
     try:
@@ -519,8 +520,7 @@ def drill_flood_fairness(seed: int = 1) -> list[dict]:
 def drill_cost_model_heals(max_requests: int = 200, max_s: float = 30.0) -> dict:
     """A real daemon and connector (policy cost): an 8-page prefix saved to L2, then one 1-s h2d
     sample reported; lookups until one restores from L2 again, and that restore's load."""
-    from tests.integration.test_connector import P
-    from tests.integration.test_cost_decisions import engine_of, save
+    from kvcached.testing.connector_engine import P, engine_of, save
     daemon = DaemonProcess(l2_size="8MiB").start()
     engine = None
     try:
@@ -603,7 +603,7 @@ def drill_l3_rebuild_rss(num_rows: int = TEST_ROWS) -> dict:
 
 def drill_client_never_reads(num_requests: int = 3000) -> dict:
     """A never-reading process sends num_requests STATUS requests against ~0.7 MB snapshots."""
-    from tests.integration.test_client_memory import MAX_RSS_GROWTH_BYTES, never_reading_flood
+    from kvcached.testing.floods import MAX_RSS_GROWTH_BYTES, never_reading_flood
 
     daemon = DaemonProcess(extra_args=("--l3-size", "0")).start()
     try:
@@ -623,7 +623,7 @@ def drill_client_never_reads(num_requests: int = 3000) -> dict:
 
 def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
     """100 idle TCP connections held open; /metrics scraped once a second."""
-    from tests.integration.test_http import idle_flood_scrapes
+    from kvcached.testing.floods import idle_flood_scrapes
 
     daemon = DaemonProcess(extra_args=("--l3-size", "0")).start()
     try:
@@ -639,7 +639,7 @@ def drill_http_idle_flood(num_idle: int = 100, num_scrapes: int = 10) -> dict:
 
 def drill_oversized_l2() -> dict:
     """serve with an L2 pool beyond what /dev/shm and memory hold."""
-    from tests.integration.test_startup import shm_leftovers
+    from kvcached.testing.startup import shm_leftovers
 
     total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     size = max(64 << 30, 2 * total_bytes)
@@ -661,7 +661,7 @@ def drill_oversized_l2() -> dict:
 
 def drill_sigint_startup() -> list[dict]:
     """SIGINT (SIGTERM once) at moments of start-up of a largish pool: exit time and leftovers."""
-    from tests.integration.test_startup import STOP_BOUND_S, large_pool_bytes, shm_leftovers, stop_and_time, \
+    from kvcached.testing.startup import STOP_BOUND_S, large_pool_bytes, shm_leftovers, stop_and_time, \
         wait_for_log
 
     pool_bytes = large_pool_bytes()
@@ -695,8 +695,8 @@ def drill_sigint_startup() -> list[dict]:
 
 
 def drill_remote() -> list[dict]:
-    """The remote tier's scenarios (tests/remote/scenarios.py), the master's at the default deadline."""
-    from tests.remote.cluster import missing, run_isolated
+    """The remote tier's scenarios (kvcached.testing.remote.scenarios), the master's at the default deadline."""
+    from kvcached.testing.remote.cluster import missing, run_isolated
 
     why = missing()
     if why:
@@ -735,26 +735,43 @@ def drill_remote() -> list[dict]:
     return rows
 
 
-def drill_e2e_under_burners(runs: int = 20, burners: int = 6) -> dict:
-    """The end-to-end test (engine A backs up, engine B restores bit for bit) ``runs`` times, one
-    after the other, with ``burners`` busy-looping processes sharing the CPUs all along."""
-    test = "tests/integration/test_end_to_end.py::test_engine_b_restores_what_engine_a_backed_up"
+def e2e_once(seed: int, workdir: str) -> bool:
+    """Engine A (a process) backs up three random prefixes; engine B, another process, restores all
+    of them from L2 into other L1 pages: whether every one came back whole, bit for bit, and the
+    daemon's integrity and leases held."""
+    daemon = DaemonProcess().start()
+    try:
+        state = os.path.join(workdir, f"e2e-{seed}.pt")
+        run_engine(daemon.socket_path, "backup", state, seed=seed)
+        restore = run_engine(daemon.socket_path, "restore", state, seed=seed + 1)
+        with connect(daemon.socket_path, timeout_s=5.0) as observer:
+            status = observer.status(check_integrity=True)
+    except (AssertionError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        daemon.cleanup()
+    whole = all(r["restored_tokens"] == r["tokens"] // PAGE * PAGE and r["bit_exact"] and not r["same_pages_as_source"]
+                for r in restore["results"])
+    return whole and status["integrity"] == "ok" and status["leases"] == 0
+
+
+def drill_e2e_under_burners(workdir: str, runs: int = 20, burners: int = 6) -> dict:
+    """The end-to-end backup-then-restore of two engine processes ``runs`` times, one after the
+    other, with ``burners`` busy-looping processes sharing the CPUs all along."""
     spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     passed, seconds = 0, []
     try:
-        for _ in range(runs):
+        for i in range(runs):
             started = time.monotonic()
-            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                                    cwd=REPO_ROOT, env=child_env(), capture_output=True, timeout=900)
+            passed += e2e_once(20260600 + 10 * i, workdir)
             seconds.append(round(time.monotonic() - started, 1))
-            passed += result.returncode == 0
     finally:
         for proc in spinning:
             proc.kill()
             proc.wait()
-    return row("e2e_under_burners", f"{test.split('::')[1]} passes {runs} of {runs} runs under {burners} CPU "
-               f"burners ({os.cpu_count()} CPUs)", f"{passed} of {runs} passed", passed == runs,
-               run_seconds=seconds)
+    return row("e2e_under_burners", f"engine B restores what engine A backed up, bit for bit, in {runs} of {runs} "
+               f"runs under {burners} CPU burners ({os.cpu_count()} CPUs)", f"{passed} of {runs} passed",
+               passed == runs, run_seconds=seconds)
 
 
 DRILLS = ("stale_writer", "sigkill_mid_backup", "outage_prepare", "outage_inflight", "restart_l2_hit",
@@ -812,7 +829,7 @@ def run_drill(name: str, repeats: int, workdir: str) -> list[dict]:
     if name == "remote":
         return drill_remote()
     if name == "e2e_under_burners":
-        return [drill_e2e_under_burners()]
+        return [drill_e2e_under_burners(workdir)]
     return [drill_socket_takeover()]
 
 

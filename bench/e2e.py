@@ -17,7 +17,7 @@ import torch
 from bench.common import write_result
 from engine_client.client import connect
 from kvcached.testing.daemon_proc import DaemonProcess
-from tests.integration.test_end_to_end import run_engine
+from kvcached.testing.engine_proc import run_engine
 
 
 def main() -> None:

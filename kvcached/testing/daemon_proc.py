@@ -156,3 +156,14 @@ class DaemonProcess:
                 os.unlink(os.path.join("/dev/shm", name))
             except FileNotFoundError:
                 pass
+
+
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.01):
+    """Poll ``condition`` until it returns something true, at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(poll_s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 
@@ -27,6 +28,7 @@ from engine_client.cache_manager import CacheManager
 from engine_client.client import connect
 from engine_client.connector import PrefixLookup
 from engine_client.dtypes import torch_dtype
+from kvcached.testing.daemon_proc import REPO_ROOT, child_env
 from proto.messages import KVGeometry
 
 GEOMETRY = KVGeometry("e2e-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
@@ -123,6 +125,16 @@ def run_lookup(manager: CacheManager, state_path: str, policy: str) -> dict:
         decisions.append({"choice": decision.choice, "restore_tokens": decision.restore_tokens,
                           "hit_tokens": pending.hit_tokens(), "predicted_s": decision.predicted_s})
     return {"role": "lookup", "decisions": decisions}
+
+
+def run_engine(socket_path: str, role: str, state_path: str, seed: int = 0, device: str = "cpu") -> dict:
+    """One engine process of ``role`` on the daemon at socket_path; its JSON report."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcached.testing.engine_proc", "--socket", socket_path, "--role", role,
+         "--state", state_path, "--seed", str(seed), "--device", device],
+        env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{role} engine failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:

@@ -11,7 +11,8 @@ from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from proto.replies import MatchReply
 from tests.core.test_daemon_l3 import L3_BYTES, commit, only_in_l3
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, back_up, tokens
+from kvcached.testing.clock import FakeClock
+from tests.core.test_daemon_state import GEOMETRY, PAGE, back_up, tokens
 from tests.server.test_metrics import exported, value
 
 BYTES_PER_PAGE = GEOMETRY.bytes_per_page

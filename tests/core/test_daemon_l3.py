@@ -8,7 +8,8 @@ import pytest
 from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, extension_ends, tokens
+from kvcached.testing.clock import FakeClock
+from tests.core.test_daemon_state import GEOMETRY, PAGE, extension_ends, tokens
 
 # 16 L2 pages and 32 L3 slots of 131072 bytes.
 L3_BYTES = 4 << 20

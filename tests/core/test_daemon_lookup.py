@@ -12,7 +12,7 @@ from kvcached.core.tiers import Tier
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
 from proto.schema import Match
-from tests.core.test_daemon_state import FakeClock
+from kvcached.testing.clock import FakeClock
 
 # 16384-byte pages: one 2 MiB arena per namespace holds 128 pages of 8 tokens.
 GEOMETRY = KVGeometry("m", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=8)

@@ -9,21 +9,11 @@ from kvcached.core.daemon import MAX_SESSION_RESERVED_SHARE, DaemonState
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
+from kvcached.testing.clock import FakeClock
 
 # 131072-byte pages: a 2 MiB pool holds exactly 16 pages of 8 tokens.
 GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
 PAGE = GEOMETRY.page_size
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Fairness in L2 (issue 41, item 10) on the daemon's state: an engine's hot prefixes keep their
 hit share under another engine's flood of one-use prompts, in the same model and across two
-models, and an active model keeps its share of the pool. The trace: tests/core/flood_trace.py."""
+models, and an active model keeps its share of the pool. The trace: kvcached/testing/flood_trace.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from tests.core.flood_trace import FloodTrace, run
+from kvcached.testing.flood_trace import FloodTrace, run
 
 FLOOD = 16                  # B's one-use prompts (4 pages each) per request of A: 64 pages, a quarter of L2
 

@@ -11,7 +11,8 @@ import pytest
 from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import IntegrityError
 from proto.errors import ErrorCode, ProtocolError
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
+from kvcached.testing.clock import FakeClock
+from tests.core.test_daemon_state import GEOMETRY, PAGE, tokens
 
 TIMEOUT_S, GRACE_S = 1.5, 30.0
 NS_ID, START = 4026531836, 12345          # a pid namespace and a process start time

@@ -16,8 +16,9 @@ from kvcached.core.l3_index import (DeleteSlots, DropNamespace, NamespaceLayout,
                                     SlotRow, namespace_key, plan_rebuild)
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
+from kvcached.testing.clock import FakeClock
 from proto.page_keys import ROOT_KEY, chain_page_keys, page_key
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock
+from tests.core.test_daemon_state import GEOMETRY, PAGE
 
 OTHER_GEOMETRY = dataclasses.replace(GEOMETRY, model_id="other")
 L2_BYTES = 2 << 20                      # 16 pages of 131072 bytes

@@ -15,7 +15,7 @@ from kvcached.core.l3_index import namespace_key
 from kvcached.core.pool import CHUNK_SCAN_INTERVAL_S, PRESSURE_QUIET_S
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.messages import KVGeometry
-from tests.core.test_daemon_state import FakeClock
+from kvcached.testing.clock import FakeClock
 from tests.core.test_l3_index import ReplayedIndex, SimulatedTiers, index_matches_tree
 
 PAGE = 8

@@ -11,8 +11,9 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.remote import HEADER_BYTES, Breaker, checksum, header_mismatch, pack_header, remote_key
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
+from kvcached.testing.clock import FakeClock
 from proto.page_keys import chain_page_keys
-from tests.core.test_daemon_state import GEOMETRY, PAGE, FakeClock, tokens
+from tests.core.test_daemon_state import GEOMETRY, PAGE, tokens
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
 OTHER_NAMESPACE = "fedcba9876543210fedcba9876543210"

@@ -10,7 +10,7 @@ import torch
 from engine_client.block_copy import (BACKENDS, SegmentTable, copy_blocks_torch, copy_blocks_triton, gather_triton,
                                       scatter_triton, triton_available)
 from engine_client.layout import describe_layout
-from tests.engine_client.blocks import distinct_block_pairs, random_bits
+from kvcached.testing.blocks import distinct_block_pairs, random_bits
 
 L, N, P, H, D = 3, 9, 4, 2, 8
 SEED = 20261201

@@ -20,7 +20,7 @@ from engine_client.kv_transfer import LAYERWISE_MAX_RUNS, KVTransfer, page_runs
 from engine_client.layout import describe_layout
 from engine_client.shared_pool import SharedHostPool, whole_page_chunk_bytes
 from proto.messages import KVGeometry
-from tests.engine_client.blocks import distinct_block_pairs, random_bits
+from kvcached.testing.blocks import distinct_block_pairs, random_bits
 
 L, N, P, H, D = 3, 12, 4, 2, 8
 NUM_HOST_PAGES = 16

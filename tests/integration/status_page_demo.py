@@ -19,7 +19,7 @@ import numpy as np
 
 from tests.integration.browser import Browser
 from kvcached.testing.daemon_proc import DaemonProcess
-from tests.integration.test_connector import N, P, Engine, random_tokens
+from kvcached.testing.connector_engine import N, P, Engine, random_tokens
 
 
 def traffic(saver: Engine, loader: Engine, rng, seconds: float, stop: threading.Event) -> int:

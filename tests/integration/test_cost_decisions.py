@@ -11,16 +11,15 @@ import tempfile
 import textwrap
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from bench.tiers import TierControl
 from engine_client.client import connect
-from engine_client.connector import ConnectorConfig
 from kvcached.server.status import render_table
 from kvcached.testing.daemon_proc import DaemonProcess, child_env, stop_process
-from tests.integration.test_connector import P, Engine, random_tokens
+from kvcached.testing.connector_engine import P, random_tokens
+from kvcached.testing.connector_engine import engine_of, save
 
 L3_READ_DELAY_S = 0.5
 
@@ -28,17 +27,6 @@ L3_READ_DELAY_S = 0.5
 def cost_model(daemon) -> dict:
     with connect(daemon.socket_path) as client:
         return client.status(check_integrity=True)["cost_model"]
-
-
-def engine_of(daemon, seed: int, policy: str) -> Engine:
-    return Engine(daemon.socket_path, "layer", seed=seed, config=ConnectorConfig(report_interval_s=0, policy=policy))
-
-
-def save(engine: Engine, tokens, block_ids) -> None:
-    request_id = f"save-{block_ids[0]}-{time.monotonic_ns()}"
-    engine.connector.save(request_id, tokens, block_ids)
-    engine.connector.request_finished(request_id)
-    engine.settle()
 
 
 def test_lookups_answer_the_decision_and_reported_prefill_times_move_it(rng):

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from engine_client.client import connect
 from proto.messages import KVGeometry
-from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-
-
-def run_engine(socket_path: str, role: str, state_path: str, seed: int = 0, device: str = "cpu") -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcached.testing.engine_proc", "--socket", socket_path, "--role", role,
-         "--state", state_path, "--seed", str(seed), "--device", device],
-        env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{role} engine failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from kvcached.testing.daemon_proc import DaemonProcess
+from kvcached.testing.engine_proc import run_engine
 
 
 def test_engine_b_restores_what_engine_a_backed_up(daemon, tmp_path, rng):

@@ -18,7 +18,8 @@ from engine_client.client import ConnectionState, DaemonUnavailable, connect
 from engine_client.connector import KVConnector
 from proto.messages import KVGeometry
 from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-from tests.integration.test_outages import engine_warnings, prefill_and_finish, random_tokens, wait_until
+from kvcached.testing.daemon_proc import wait_until
+from kvcached.testing.managers import engine_warnings, prefill_and_finish, random_tokens
 
 DROP_WITHOUT_CLOSE = """
 import gc, sys

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 
 import numpy as np
@@ -15,37 +12,8 @@ import pytest
 
 from engine_client.client import DaemonUnavailable, connect
 from kvcached.server.shm import hints_file_name, segment_name
-from proto.messages import KVGeometry
-from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-
-GEOMETRY = KVGeometry("fault-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
-
-HOLDER = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from engine_client.client import connect
-    from proto.messages import KVGeometry
-    geometry = KVGeometry(**eval(sys.argv[2]))
-    client = connect(sys.argv[1], timeout_s=5.0, client_name="holder")
-    client.attach(geometry)
-    rng = np.random.default_rng(int(sys.argv[3]))
-    tokens = rng.integers(0, 50_000, size=64, dtype=np.int32)
-    first = client.match(tokens, reserve_backup=True)
-    client.commit_backup(first.lease_id, first.backup_page_ids)
-    assert client.flush() == []
-    held = client.match(tokens, reserve_backup=False)        # a lease on the committed pages
-    more = client.match(rng.integers(0, 50_000, size=64, dtype=np.int32), reserve_backup=True)
-    print(f"READY {len(held.host_page_ids)} {len(more.backup_page_ids)}", flush=True)
-    time.sleep(600)
-""")
-
-
-def start_holder(socket_path: str, seed: int) -> tuple[subprocess.Popen, int, int]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, socket_path, repr(GEOMETRY.to_wire()), str(seed)],
-                            env=child_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().split()
-    assert line and line[0] == "READY", f"holder failed to start: {line}"
-    return proc, int(line[1]), int(line[2])
+from kvcached.testing.daemon_proc import DaemonProcess
+from kvcached.testing.holder import GEOMETRY, start_holder
 
 
 def l2(status: dict) -> dict:

@@ -12,8 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -24,19 +22,12 @@ from engine_client.client import connect
 from kvcached.server.status import StatusClient, format_tokens, render_table
 from tests.conftest import SEED_VARIABLE
 from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
-from tests.integration.test_connector import L, MODEL, N, P, Engine, LoadResult, random_tokens
+from engine_client.connector import LoadResult
+from kvcached.testing.connector_engine import L, MODEL, N, P, Engine, random_tokens
+from kvcached.testing.floods import get, idle_flood_scrapes
 
 H, D = 2, 32
 BYTES_PER_PAGE = 2 * L * P * H * D * 2          # K and V, every layer, bf16: the engines' geometry
-
-
-def get(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, dict, bytes]:
-    request = urllib.request.Request(url, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -393,29 +384,6 @@ def test_idle_connections_do_not_stop_scrapes(traffic):
     scrapes = idle_flood_scrapes(t.url, num_idle=100, num_scrapes=5)
     assert [status for status, _ in scrapes] == [200] * 5, scrapes
     assert max(seconds for _, seconds in scrapes) < 2.0, scrapes
-
-
-def idle_flood_scrapes(url: str, num_idle: int, num_scrapes: int, interval_s: float = 1.0) -> list[tuple[int, float]]:
-    """Open num_idle idle connections to the listener at url, then scrape /metrics num_scrapes
-    times, interval_s apart: (status, seconds) of each (status 0: the scrape failed)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    idle = []
-    try:
-        for _ in range(num_idle):
-            idle.append(socket.create_connection((host, int(port)), timeout=10))
-        scrapes = []
-        for _ in range(num_scrapes):
-            started = time.monotonic()
-            try:
-                status = get(f"{url}/metrics")[0]
-            except OSError:
-                status = 0
-            scrapes.append((status, time.monotonic() - started))
-            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
-        return scrapes
-    finally:
-        for connection in idle:
-            connection.close()
 
 
 def test_clients_that_leave_early_log_no_traceback(traffic):

@@ -19,44 +19,12 @@ from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
 from kvcached.server.loop import serve
 from proto.errors import ErrorCode
-from kvcached.testing.daemon_proc import DaemonProcess, commit_written
+from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.engine_proc import GEOMETRY
-from tests.integration.test_end_to_end import run_engine
+from kvcached.testing.engine_proc import run_engine
+from kvcached.testing.l3 import back_up_random, l2_l3, wait_for_write_through
 
 PAGE = GEOMETRY.page_size
-
-
-def wait_for_write_through(client, timeout_s: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = client.status(check_integrity=True)
-        if status["pending"]["h2s"] == 0:
-            return status
-        assert time.monotonic() < deadline, f"write-through still pending: {status['pending']}"
-        time.sleep(0.02)
-
-
-def back_up_random(client, num_pages: int, rng) -> np.ndarray:
-    """Back up a new random prefix of num_pages pages (evicting older ones if L2 is full), in
-    extensions of at most half of L2: what one session may reserve at once."""
-    tokens = rng.integers(0, 150_000, size=num_pages * PAGE, dtype=np.int32)
-    step = client.info.num_pages // 2
-    start = 0
-    for end in list(range(step, num_pages, step)) + [num_pages]:
-        # It holds what it backed up already itself: hitting that is no reuse of L2's copy.
-        reply = client.match(tokens[:end * PAGE], reserve_backup=True, local_hit_tokens=start * PAGE)
-        start = end
-        assert reply.backup_start_token + len(reply.backup_page_ids) * PAGE == end * PAGE
-        commit_written(client, reply)
-        assert client.flush() == []
-    return tokens
-
-
-def l2_l3(client, tokens) -> tuple[int, int]:
-    reply = client.match(tokens, promote_l3=False)
-    if reply.lease_id is not None:
-        client.release(reply.lease_id)
-    return reply.hit_tokens["l2"], reply.hit_tokens["l3"]
 
 
 def test_engine_restores_from_l3_after_l2_evicted_it(tmp_path, rng):

@@ -11,58 +11,17 @@ import os
 import signal
 import sqlite3
 import tempfile
-import time
 
 import numpy as np
 import torch
 
 from engine_client.client import connect
-from kvcached.core.l3_index import namespace_key
-from kvcached.server.status import StatusClient
+from proto.page_keys import chain_page_keys
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.engine_proc import GEOMETRY
-from proto.page_keys import chain_page_keys
-from tests.integration.test_end_to_end import run_engine
-from tests.integration.test_l3 import back_up_random, l2_l3, wait_for_write_through
-
-PAGE = GEOMETRY.page_size
-
-
-class RestartingDaemon:
-    """One socket directory and L3 file, served by a daemon that is stopped and started again."""
-
-    def __init__(self, *extra_args: str):
-        self.socket_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-        self.l3_path = os.path.join(self.socket_dir, "l3.bin")
-        self.index_path = self.l3_path + ".index"
-        self.args = ("--max-namespaces", "1", "--l3-path", self.l3_path, "--l3-size", "16MiB", *extra_args)
-        self.daemon: DaemonProcess | None = None
-
-    def start(self, *more_args: str) -> DaemonProcess:
-        self.daemon = DaemonProcess(l2_size="2MiB", socket_dir=self.socket_dir, extra_args=self.args + more_args)
-        return self.daemon.start()
-
-    def stop(self, sig: int) -> int:
-        assert self.daemon is not None
-        return self.daemon.stop(sig)
-
-    def status(self) -> dict:
-        with StatusClient(self.daemon.socket_path, timeout_s=5.0) as client:
-            return client.status(check_integrity=True)
-
-    def wait_until_indexed(self, timeout_s: float = 20.0) -> dict:
-        """Every write-through done and every index change committed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status["pending"]["h2s"] == 0 and status["daemon"]["l3_index"]["pending_changes"] == 0:
-                return status
-            assert time.monotonic() < deadline, f"still writing: {status['pending']}, {status['daemon']['l3_index']}"
-            time.sleep(0.02)
-
-    def cleanup(self) -> None:
-        if self.daemon is not None:
-            self.daemon.cleanup()      # removes the socket directory, L3 file and index with it
+from kvcached.testing.engine_proc import run_engine
+from kvcached.testing.l3 import back_up_random, l2_l3, wait_for_write_through
+from kvcached.testing.l3 import PAGE, RestartingDaemon, flip_byte
 
 
 def l3_tier(status: dict) -> dict:
@@ -164,24 +123,6 @@ def test_a_sigkill_amid_evictions_and_reused_slots_serves_nothing_wrong(tmp_path
         assert status["metrics"].get("l3_checksum_mismatches", 0) == 0, seeds
     finally:
         run.cleanup()
-
-
-def flip_byte(l3_path: str, index_path: str, tokens: np.ndarray, page: int, byte_in_page: int) -> None:
-    """Flip one byte of the slot that the index says holds this page of this prefix."""
-    key = chain_page_keys(tokens, PAGE, page + 1)[page]
-    reader = sqlite3.connect(index_path)
-    try:
-        (slot,), = reader.execute("SELECT slot FROM slots WHERE ns_key = ? AND page_key = ?",
-                                  (namespace_key(GEOMETRY), key))
-    finally:
-        reader.close()
-    fd = os.open(l3_path, os.O_RDWR)
-    try:
-        offset = slot * GEOMETRY.bytes_per_page + byte_in_page      # slot ids are absolute in the file
-        (value,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([value ^ 0x01]), offset)
-    finally:
-        os.close(fd)
 
 
 def test_a_flipped_byte_in_the_l3_file_is_detected_and_not_served(tmp_path):

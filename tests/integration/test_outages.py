@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -23,58 +22,13 @@ from engine_client.client import ConnectionState, DaemonDown, connect
 from kvcached.server.shm import segment_name
 from proto import codec
 from proto.messages import PROTOCOL_VERSION, MsgKind
-from kvcached.testing.daemon_proc import DaemonProcess, stop_process
+from kvcached.testing.daemon_proc import DaemonProcess, stop_process, wait_until
 from kvcached.testing.engine_proc import GEOMETRY
-
-PAGE = GEOMETRY.page_size
-
-
-def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.01):
-    """Poll ``condition`` until it returns something true, at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(poll_s)
-
-
-def random_tokens(rng: np.random.Generator, num_tokens: int) -> np.ndarray:
-    return rng.integers(0, 150_000, size=num_tokens, dtype=np.int32)
-
-
-def prefill_and_finish(manager: CacheManager, tokens: np.ndarray, seed: int) -> tuple[torch.Tensor, int]:
-    """prepare, random KV into the new pages (the prefill), finish: the full pages' KV, and how
-    many pages were backed up."""
-    plan = manager.prepare(tokens)
-    kv = manager.l1_pool.kv
-    generator = torch.Generator().manual_seed(seed)
-    for page in plan.new_l1_page_ids:
-        kv[:, :, page] = (torch.randn(kv[:, :, page].shape, generator=generator) + 0.5).to(kv.dtype)
-    pages = (plan.l1_page_ids + plan.new_l1_page_ids)[:len(tokens) // PAGE]
-    expected = manager.read_tokens_kv(pages)
-    return expected, manager.finish(plan)
-
-
-def segment_mapped(segment: str) -> bool:
-    """Whether this process maps ``segment`` (or the file unlinked from it)."""
-    with open("/proc/self/maps") as maps:
-        return any(segment in line for line in maps)
+from kvcached.testing.managers import PAGE, can_run_small_shm, engine_warnings, make_manager, prefill_and_finish, random_tokens, segment_mapped
 
 
 def forget_l1(manager: CacheManager) -> None:
     manager.l1_pool.free(manager.l1_index.evict(manager.l1_index.num_cached_pages))
-
-
-def engine_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("engine_client") and r.levelno >= logging.WARNING]
-
-
-def make_manager(socket_path: str, name: str) -> CacheManager:
-    return CacheManager.attach(connect(socket_path, timeout_s=5.0, client_name=name), GEOMETRY,
-                               num_l1_pages=64, device="cpu")
 
 
 def test_prepare_during_an_outage_is_a_miss_that_never_waits_on_the_daemon(daemon, caplog, monkeypatch):
@@ -543,9 +497,6 @@ def test_the_first_lookup_after_a_kill_costs_at_most_50_ms_more_than_a_miss(daem
 
 # ---- a restart where /dev/shm holds one pool (issue 41, item 2) ------------------------------------
 
-def can_run_small_shm() -> bool:
-    return os.geteuid() == 0 and shutil.which("unshare") is not None
-
 
 @pytest.mark.skipif(not can_run_small_shm(), reason="needs root and unshare (a private mount namespace)")
 @pytest.mark.parametrize("sig, idle", [("KILL", True), ("TERM", True), ("KILL", False)])
@@ -554,8 +505,8 @@ def test_a_restart_succeeds_where_shm_cannot_hold_two_pools(sig, idle):
     engines: the daemon SIGKILLed (or SIGTERMed), both engines drop its pool once they see it down
     (nothing in flight), idle ones (no call at all from the signal until the new daemon runs) as
     well as polling ones, a new daemon starts on the same socket (it needs that room), and each
-    engine restores what the other backed up into it, bit for bit (tests/integration/small_shm.py)."""
-    from tests.integration.small_shm import run_in_small_shm
+    engine restores what the other backed up into it, bit for bit (kvcached/testing/small_shm.py)."""
+    from kvcached.testing.small_shm import run_in_small_shm
 
     report = run_in_small_shm(sig, seed=(4103 if sig == "KILL" else 4104) + 10 * idle, idle=idle)
     assert report["restarted"] and report["both_hit_bit_exact"] and report["idle"] is idle, report

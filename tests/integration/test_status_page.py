@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.browser import Browser, chromium_path
 from kvcached.testing.daemon_proc import DaemonProcess
-from tests.integration.test_connector import MODEL, N, P, Engine, random_tokens
+from kvcached.testing.connector_engine import MODEL, N, P, Engine, random_tokens
 from tests.integration.test_http import BYTES_PER_PAGE
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs chromium (.ci/run installs it)")

@@ -15,8 +15,8 @@ from engine_client.shared_pool import SharedHostPool
 from proto.messages import KVGeometry
 from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from kvcached.testing.engine_proc import GEOMETRY
-from tests.integration.test_end_to_end import run_engine
-from tests.integration.test_l3 import back_up_random
+from kvcached.testing.engine_proc import run_engine
+from kvcached.testing.l3 import back_up_random
 
 PAGE = GEOMETRY.page_size
 POOL_ARGS = ("--l3-size", "0", "--max-namespaces", "4")

@@ -1,13 +1,13 @@
 """The remote tier on a real Mooncake Store: a real mooncake_master, real daemons (each its own
 "host") and real engine processes, in a network namespace of loopback only
-(``tests/remote/cluster.py``, ``tests/remote/scenarios.py``). Restores are compared bit for bit
+(``kvcached/testing/remote/cluster.py``, ``kvcached/testing/remote/scenarios.py``). Restores are compared bit for bit
 with the KV the saving engine wrote, on fresh random data, into other pages than the source."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.remote.cluster import missing, run_isolated
+from kvcached.testing.remote.cluster import missing, run_isolated
 
 pytestmark = pytest.mark.skipif(bool(missing()), reason=missing() or "runs")
 

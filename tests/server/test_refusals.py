@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvcached.server.refusals import RefusalLog
-from tests.core.test_daemon_state import FakeClock
+from kvcached.testing.clock import FakeClock
 
 
 def summaries(caplog) -> list[str]:

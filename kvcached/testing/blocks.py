@@ -1,5 +1,4 @@
-"""Random KV bits and block ids for the copy tests (test_block_copy.py, test_kv_transfer.py, the
-connector's integration tests)."""
+"""Random KV bits and block ids, for the copy tests and the connector's engines."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A daemon restart where /dev/shm cannot hold two L2 pools, with two live engines.
 
     unshare --mount sh -c 'mount -t tmpfs -o size=100M tmpfs /dev/shm && \
-        python -m tests.integration.small_shm --signal KILL'
+        python -m kvcached.testing.small_shm --signal KILL'
 
 Run as root in a private mount namespace (``run_in_small_shm``), so that the real /dev/shm is not
 touched. A 64 MiB L2, two engines that back up and restore; the daemon is stopped by the signal,
@@ -26,9 +26,14 @@ import numpy as np
 import torch
 
 from engine_client.client import ConnectionState
-from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, wait_until
 from kvcached.testing.engine_proc import GEOMETRY
-from tests.integration.test_outages import make_manager, prefill_and_finish, random_tokens, segment_mapped, wait_until
+from kvcached.testing.managers import (
+    make_manager,
+    prefill_and_finish,
+    random_tokens,
+    segment_mapped,
+)
 
 L2_SIZE = "64MiB"
 SHM_SIZE = "100M"
@@ -103,7 +108,7 @@ def run(sig: signal.Signals, seed: int, idle: bool = False) -> dict:
 def run_in_small_shm(sig: str, seed: int, idle: bool = False, timeout_s: float = 120.0) -> dict:
     """``run`` in a private mount namespace whose /dev/shm is a SHM_SIZE tmpfs (root only)."""
     command = (f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && "
-               f"exec {sys.executable} -m tests.integration.small_shm --signal {sig} --seed {seed}"
+               f"exec {sys.executable} -m kvcached.testing.small_shm --signal {sig} --seed {seed}"
                + (" --idle" if idle else ""))
     done = subprocess.run([shutil.which("unshare") or "unshare", "--mount", "sh", "-c", command],
                           env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)

@@ -12,8 +12,8 @@ import numpy as np
 
 from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import Tier
+from kvcached.testing.clock import FakeClock
 from proto.messages import KVGeometry
-from tests.core.test_daemon_state import FakeClock
 
 GEOMETRY_A = KVGeometry("model-a", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
 GEOMETRY_B = KVGeometry("model-b", num_layers=2, num_kv_heads=8, head_dim=64, dtype="float32", page_size=16)

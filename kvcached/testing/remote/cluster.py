@@ -2,7 +2,7 @@
 (``kvcached/testing/daemon_proc.py``), each with its own engines (``engine_proc.py``), all inside
 one network namespace that has only loopback (some of the store's listeners bind 0.0.0.0).
 
-A scenario (``tests/remote/scenarios.py``) runs as ``python -m tests.remote.scenarios NAME`` under
+A scenario (``kvcached/testing/remote/scenarios.py``) runs as ``python -m kvcached.testing.remote.scenarios NAME`` under
 ``run_isolated``, which enters a fresh network namespace first, and prints one JSON line of what it
 measured; the tests assert on it.
 """
@@ -20,7 +20,12 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from kvcached.testing.daemon_proc import PATIENT_DAEMON, REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.daemon_proc import (
+    PATIENT_DAEMON,
+    REPO_ROOT,
+    DaemonProcess,
+    child_env,
+)
 
 MASTER_PORT = 50051
 METADATA_PORT = 8080
@@ -74,7 +79,7 @@ with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
 def run_isolated(scenario: str, timeout_s: float = 240.0, **options: Any) -> dict[str, Any]:
     """Run one scenario in a fresh network namespace; what it printed last (a JSON object)."""
     env = {**child_env(), **STORE_ENV}
-    command = [sys.executable, "-m", "tests.remote.scenarios", scenario, json.dumps(options)]
+    command = [sys.executable, "-m", "kvcached.testing.remote.scenarios", scenario, json.dumps(options)]
     done = subprocess.run(_isolating(command), capture_output=True, text=True, timeout=timeout_s, env=env,
                           cwd=REPO_ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -1,6 +1,6 @@
-"""An engine process driven line by line on stdin, for fencing scenarios (tests/integration/test_fencing.py).
+"""An engine process driven line by line on stdin, for fencing scenarios (``fencing.py`` drives it).
 
-    python -m tests.integration.fencing_engine --socket S --name A --prefix-seed 1 --kv-seed 2 --state F
+    python -m kvcached.testing.fencing_engine --socket S --name A --prefix-seed 1 --kv-seed 2 --state F
 
 Commands (one per line), each answered by one JSON line on stdout:
   prepare   prepare the prefix made from --prefix-seed (the match reserves backup pages), then

@@ -1,7 +1,7 @@
 """The remote tier's scenarios, each on a real mooncake_master, real daemons and real engine
-processes (``tests/remote/cluster.py``). Run inside a network namespace of loopback only:
+processes (``kvcached/testing/remote/cluster.py``). Run inside a network namespace of loopback only:
 
-    python -m tests.remote.scenarios NAME '{"option": value}'
+    python -m kvcached.testing.remote.scenarios NAME '{"option": value}'
 
 Each prints one JSON line of what it saw; ``tests/remote/test_remote.py`` asserts on it and
 ``bench/drills.py`` reports it.
@@ -19,7 +19,15 @@ from typing import Any, Callable
 from kvcached.server.metrics import metric_families
 from kvcached.server.status import render_table
 from kvcached.testing.daemon_proc import stop_process
-from tests.remote.cluster import Master, connected, engine, remote_daemon, status, wait_for, writes_done
+from kvcached.testing.remote.cluster import (
+    Master,
+    connected,
+    engine,
+    remote_daemon,
+    status,
+    wait_for,
+    writes_done,
+)
 
 ALWAYS = ("--restore-policy", "always")
 
