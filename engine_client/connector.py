@@ -24,7 +24,7 @@ model: each transfer's time (CUDA events; no host wait) and the engine's prefill
 An engine whose scheduler holds the connector may instead ``begin(rid, token_ids, hit)``: a
 lookup that is the request's match (the decision, the lease and the reservation in one round trip),
 so that its ``load`` queues the copies at the call, a round trip sooner. Where the daemon's
-admission hints (``proto.hints``, read from shared memory) show that it would decline every
+admission hints (``engine_client.hints``, read from shared memory) show that it would decline every
 restore of the request (no L2 hit, no peer, no L3 hit long enough to win), ``begin``'s lookup is
 ready at once with "recompute": the engine admits the request with no round trip. Its match
 (``recompute``) is sent by the request's next connector call (its save, or a poll), which an
@@ -95,6 +95,8 @@ import numpy as np
 import torch
 
 from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch
+from engine_client.engine_api import Finished, LoadResult
+from engine_client.hints import HintsView
 from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES, KVTransfer, Transfer
 from engine_client.layout import KVLayout, describe_layout
 from engine_client.peer import PeerCopy, PeerError, PeerPlan, PeerSharing, share_host_tensors
@@ -103,7 +105,6 @@ from proto import counters
 from proto.counters import Counts
 from proto.errors import ErrorCode
 from proto.messages import RESTORE_POLICIES, KVGeometry
-from proto.hints import HintsView
 from proto.replies import NO_DECISION, AttachInfo, Decision
 from proto.schema import MAX_COST_SAMPLES
 from proto.tokens import page_aligned, token_array, token_bytes
@@ -136,21 +137,6 @@ class ConnectorConfig:
     predict: bool = True
 
 
-class LoadResult(NamedTuple):
-    request_id: Hashable
-    num_tokens: int                # tokens loaded, from the load's start_token on
-    failed_block_ids: list[int]    # blocks left unfilled: the engine recomputes their tokens
-    reason: str | None             # why blocks failed (None when none did)
-    # The device time of the load's copies, from their start on the load lane (after the engine's
-    # queued work) to their end (``Transfer.seconds()``); 0.0 when nothing was copied, and in the
-    # provisional result of a queued load (``Finished.queued``).
-    transfer_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed_block_ids
-
-
 class RequestLease(NamedTuple):
     """What a request's match gave it (``KVConnector.wait_for_match``)."""
 
@@ -159,16 +145,6 @@ class RequestLease(NamedTuple):
     host_page_ids: np.ndarray          # the hit's L2 pages, locked by the lease
     reserved_page_ids: np.ndarray      # private L2 pages its saves write, pages hit_tokens // page_size on
     failure: str | None                # why the match failed (None when it did not)
-
-
-class Finished(NamedTuple):
-    loads: list[LoadResult]        # each load() once, when it is complete or has failed
-    released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
-    # Loads whose copies were queued since the last call, each once, before (or with) its entry in
-    # loads: its blocks hold num_tokens once the engine's stream waited on wait_for_layer_load for
-    # every layer. Provisional: its entry in loads confirms it (or, pages rewritten while the copy
-    # ran, reports their blocks failed, and what the stream read from them must be recomputed).
-    queued: Sequence[LoadResult] = ()
 
 
 # Timings go to the daemon this soon (with a report), so that its cost model decides on fresh ones.
@@ -641,7 +617,7 @@ class KVConnector:
 
     def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
         """Whether the admission hints show that the daemon would decline every restore of these
-        tokens beyond the engine's own hit (``proto.hints.HintsView.predicts_recompute``)."""
+        tokens beyond the engine's own hit (``engine_client.hints.HintsView.predicts_recompute``)."""
         if self._hints is None or not self.config.predict:
             return False
         tokens = self._tokens(token_ids)

@@ -12,8 +12,10 @@ same shape; it is not part of the installed packages.
     block_manager.py  the block allocator and the GPU prefix cache (hash chain, LRU eviction)
     scheduler.py      admission, chunked prefill, decode batches, preemption, the connector hook
     load.py           a request's load from the connector: MATCHING, IN_FLIGHT, DONE, CANCELLED
-    connector.py      the calls the engine makes on a connector (``engine_client``'s KVConnector has them)
     request.py        a request's states; engine.py: ``Engine`` (add_request, step, abort)
+
+The calls it makes on a connector are the product's engine contract (``engine_client/engine_api.py``;
+``KVConnector`` has them).
 
 Use (on the H200; bf16 on CUDA, fp32 on CPU for tests):
 
@@ -37,15 +39,15 @@ starts once the load's copies are queued, each layer's attention waiting for tha
 ("blocking", for comparison); ``load.py`` holds a load's states. ``engine.close()`` aborts every
 request, waits until the connector gives their blocks back, and closes it.
 
-Tests: ``tests/bench/engine/`` (CPU, against transformers' Qwen3; the Triton kernel under
+Tests: ``bench/tests/engine/`` (CPU, against transformers' Qwen3; the Triton kernel under
 TRITON_INTERPRET=1; the compiled kernel and bf16 paths are marked ``gpu``).
 """
 
 from bench.engine.config import PRESETS, EngineConfig, ModelConfig
-from bench.engine.connector import EngineConnector, Finished, LoadResult
 from bench.engine.engine import Engine
 from bench.engine.model import Qwen3Model, load_model
 from bench.engine.request import Request, RequestState
+from engine_client.engine_api import EngineConnector, Finished, LoadResult
 
 __all__ = ["PRESETS", "Engine", "EngineConfig", "EngineConnector", "Finished", "LoadResult", "ModelConfig",
            "Qwen3Model", "Request", "RequestState", "load_model"]

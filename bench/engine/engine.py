@@ -20,10 +20,10 @@ import torch
 from bench.engine.attention import PAGED_PREFILL_MAX_ROWS, PagedPrefill, PrefillSeq
 from bench.engine.block_manager import block_hashes
 from bench.engine.config import EngineConfig
-from bench.engine.connector import EngineConnector
 from bench.engine.model import DecodeBatch, PrefillBatch, Qwen3Model
 from bench.engine.request import Request
 from bench.engine.scheduler import PrefillChunk, Scheduler
+from engine_client.engine_api import EngineConnector
 
 MAX_PREFILL_TIMINGS = 10_000        # the latest prefill steps' timings kept (prefill_timings)
 

@@ -29,9 +29,9 @@ from typing import Hashable, NamedTuple
 
 from bench.engine.block_manager import BlockManager, block_hashes
 from bench.engine.config import EngineConfig
-from bench.engine.connector import EngineConnector
 from bench.engine.load import LoadState, PendingLoad
 from bench.engine.request import Request, RequestState
+from engine_client.engine_api import EngineConnector
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class Scheduler:
                 request.lookup_sent_s = time.monotonic()    # a resend while one is out keeps its time
             pending.cancel()
             request.lookup = self._lookup_async(request, local_hit_tokens)
-        wait_for_reply = getattr(request.lookup, "wait", None)      # optional (bench/engine/connector.py)
+        wait_for_reply = getattr(request.lookup, "wait", None)      # optional (engine_client/engine_api.py)
         if wait_s > 0 and not request.lookup_waited and wait_for_reply is not None:
             request.lookup_waited = True
             ready = wait_for_reply(wait_s)

@@ -1,5 +1,5 @@
-"""Admission hints (proto.hints, kvcached.core.hints): what the daemon publishes for an engine to
-predict a decline without a round trip, and what the engine reads from it."""
+"""Admission hints (proto.hints, kvcached.core.hints, engine_client.hints): what the daemon
+publishes for an engine to predict a decline without a round trip, and what the engine reads from it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import tempfile
 import numpy as np
 import pytest
 
+from engine_client.hints import HintsView
 from kvcached.core.cost_model import CostModel, CostPriors
 from kvcached.core.daemon import DaemonState
 from kvcached.core.hints import AdmissionHints
 from kvcached.core.tiers import Tier
 from kvcached.core.tree import PrefixTree
 from proto import hints
-from proto.hints import NEVER, HintsView
+from proto.hints import NEVER
 from proto.messages import KVGeometry
 
 PAGE = 4

@@ -1,8 +1,9 @@
-"""What the engine asks of a KV connector. ``engine_client``'s ``KVConnector`` has these calls
-with these meanings, so it plugs in as it is; tests plug in an in-process fake. With no connector
+"""What an engine asks of a KV connector: ``KVConnector`` has these calls with these meanings, so an
+engine written against this contract (the reference engine in bench/engine) plugs it in as it is;
+its tests plug in an in-process fake. With no connector
 the engine recomputes whatever its own prefix cache lacks.
 
-The engine's side, per request (``scheduler.py``):
+The engine's side, per request (the reference engine's ``scheduler.py``):
 
   admission   n = lookup(tokens, local_hit_tokens=hit): the prefix to hold, by the connector's
               decision (restore beats recompute); with lookup_async (optional), sent, and
@@ -36,16 +37,27 @@ from typing import Hashable, NamedTuple, Protocol, Sequence
 
 class LoadResult(NamedTuple):
     request_id: Hashable
-    num_tokens: int                  # tokens loaded from the load's start_token on
-    failed_block_ids: list[int]      # blocks left unfilled: recomputed
-    reason: str | None
-    transfer_s: float = 0.0          # the device time of its copies (0.0: none, or not said)
+    num_tokens: int                # tokens loaded, from the load's start_token on
+    failed_block_ids: list[int]    # blocks left unfilled: the engine recomputes their tokens
+    reason: str | None             # why blocks failed (None when none did)
+    # The device time of the load's copies, from their start on the load lane (after the engine's
+    # queued work) to their end (``Transfer.seconds()``); 0.0 when nothing was copied, and in the
+    # provisional result of a queued load (``Finished.queued``).
+    transfer_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_block_ids
 
 
 class Finished(NamedTuple):
-    loads: list[LoadResult]          # each load once, done or failed
-    released: list[Hashable]         # requests whose blocks the connector no longer touches
-    queued: Sequence[LoadResult] = ()  # loads whose copies are queued (before or with their result)
+    loads: list[LoadResult]        # each load() once, when it is complete or has failed
+    released: list[Hashable]       # requests whose request_finished() returned True: blocks free now
+    # Loads whose copies were queued since the last call, each once, before (or with) its entry in
+    # loads: its blocks hold num_tokens once the engine's stream waited on wait_for_layer_load for
+    # every layer. Provisional: its entry in loads confirms it (or, pages rewritten while the copy
+    # ran, reports their blocks failed, and what the stream read from them must be recomputed).
+    queued: Sequence[LoadResult] = ()
 
 
 class EngineConnector(Protocol):
