@@ -62,8 +62,8 @@ import torch
 from bench.common import exit_on_sigterm, gc_paused, median, print_table, profiled, write_result
 from bench.engine import Engine, EngineConfig, Request, load_model
 from bench.engine.load import LoadState
-from bench.tiers import (KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request,
-                         run_to_idle, settle)
+from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, prefix_kv, run_request, run_to_idle, settle
+from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
 
 logger = logging.getLogger(__name__)

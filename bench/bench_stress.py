@@ -110,7 +110,8 @@ from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, pr
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.engine.engine import PrefillTiming
 from bench.stress_engines import Spec, run_engines
-from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
+from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
+from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
 
 BLOCK_SIZE = 16

@@ -83,8 +83,9 @@ import torch
 from bench.common import exit_on_sigterm, gc_paused, median, print_table, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, Request, load_model
 from bench.peer_owner import PeerOwner
-from bench.tiers import (TIERS, KVDaemon, RemoteHost, TierControl, attach_kvcached, detach_kvcached, prefix_kv,
-                         run_request, settle)
+from bench.tiers import (TIERS, KVDaemon, RemoteHost, attach_kvcached, detach_kvcached, prefix_kv, run_request,
+                         settle)
+from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
 
 logger = logging.getLogger(__name__)

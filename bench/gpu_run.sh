@@ -81,7 +81,7 @@ stage() {
 keep() { cp "$RESULTS/$1.json" "$OUT/" 2>/dev/null; }
 
 if want tests; then
-    if [[ -n $QUICK ]]; then stage gpu_tests 110 python3 -m pytest -q -m gpu tests/bench/engine
+    if [[ -n $QUICK ]]; then stage gpu_tests 110 python3 -m pytest -q -m gpu bench/tests/engine
     else stage gpu_tests 170 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests}; fi
 fi
 if want connector; then

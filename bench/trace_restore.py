@@ -23,7 +23,8 @@ import torch
 from bench.bench_ttft import BLOCK_SIZE, daemon_sizes, make_point, save_prefixes
 from bench.common import gc_paused, profile_dir, profiled
 from bench.engine import load_model
-from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, run_request, settle
+from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, run_request, settle
+from kvcached.testing.tiers import TierControl
 
 
 class Timeline:

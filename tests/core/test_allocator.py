@@ -12,7 +12,7 @@ from kvcached.core.tiers import IntegrityError
 
 @pytest.fixture
 def rng(seed) -> random.Random:
-    """A Python generator from the test's seed (tests/conftest.py: a failure names it)."""
+    """A Python generator from the test's seed (kvcached/testing/pytest_plugin.py: a failure names it)."""
     return random.Random(seed)
 
 

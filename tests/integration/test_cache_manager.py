@@ -25,7 +25,7 @@ def manager(daemon):
 
 
 def random_tokens(num_tokens: int) -> np.ndarray:
-    return np.random.randint(0, 150_000, size=num_tokens, dtype=np.int32)      # seeded (tests/conftest.py)
+    return np.random.randint(0, 150_000, size=num_tokens, dtype=np.int32)      # seeded (kvcached/testing/pytest_plugin.py)
 
 
 def test_lost_session_leaks_no_l1_pages(manager):

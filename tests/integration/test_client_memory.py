@@ -8,7 +8,7 @@ import os
 import secrets
 
 
-from tests.conftest import SEED_VARIABLE
+from kvcached.testing.pytest_plugin import SEED_VARIABLE
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.floods import MAX_RSS_GROWTH_BYTES, never_reading_flood
 

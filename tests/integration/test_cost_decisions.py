@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from bench.tiers import TierControl
+from kvcached.testing.tiers import TierControl
 from engine_client.client import connect
 from kvcached.server.status import render_table
 from kvcached.testing.daemon_proc import DaemonProcess, child_env, stop_process

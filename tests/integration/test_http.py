@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_client.client import connect
 from kvcached.server.status import StatusClient, format_tokens, render_table
-from tests.conftest import SEED_VARIABLE
+from kvcached.testing.pytest_plugin import SEED_VARIABLE
 from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
 from engine_client.connector import LoadResult
 from kvcached.testing.connector_engine import L, MODEL, N, P, Engine, random_tokens

@@ -58,7 +58,7 @@ def bystander(daemon):
 
 
 def assert_still_serving(client, daemon) -> None:
-    tokens = np.random.randint(0, 50_000, size=32, dtype=np.int32)      # seeded (tests/conftest.py)
+    tokens = np.random.randint(0, 50_000, size=32, dtype=np.int32)      # seeded (kvcached/testing/pytest_plugin.py)
     reply = client.match(tokens)
     assert reply.hit_tokens["l2"] == 0
     assert daemon.alive()

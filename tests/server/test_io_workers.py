@@ -48,7 +48,7 @@ class Arena:
             self.mm = mmap.mmap(fd, num_pages * bytes_per_page)
         finally:
             os.close(fd)
-        self.mm[:] = random.randbytes(num_pages * bytes_per_page)      # seeded (tests/conftest.py)
+        self.mm[:] = random.randbytes(num_pages * bytes_per_page)      # seeded (kvcached/testing/pytest_plugin.py)
         self.view = memoryview(self.mm)
 
     def page(self, page_id: int) -> bytes:

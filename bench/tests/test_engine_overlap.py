@@ -18,8 +18,9 @@ import torch
 from bench.engine import Engine, EngineConfig, RequestState, load_model
 from bench.engine.load import LoadState
 from engine_client.connector import BegunLookup, PendingLookup
-from bench.tiers import TierControl, attach_kvcached, detach_kvcached, run_to_idle, settle
-from tests.bench.engine.reference import hf_model, random_prompt
+from bench.tiers import attach_kvcached, detach_kvcached, run_to_idle, settle
+from kvcached.testing.tiers import TierControl
+from bench.tests.engine.reference import hf_model, random_prompt
 from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 MODEL_ID = "engine-overlap-test"

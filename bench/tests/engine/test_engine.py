@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.engine import Engine, EngineConfig, RequestState
-from tests.bench.engine.reference import engine_on, hf_greedy, hf_model, random_prompt
+from bench.tests.engine.reference import engine_on, hf_greedy, hf_model, random_prompt
 
 LOGITS_ATOL = 1e-4   # fp32; observed differences are ~3e-6
 

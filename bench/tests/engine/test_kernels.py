@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.engine import kernels
-from tests.bench.engine.test_paged_decode import run_interpreted
+from bench.tests.engine.test_paged_decode import run_interpreted
 
 # (tokens, query heads, KV heads, head dim, hidden, intermediate): GQA and MHA; rows and widths
 # that are no power of two, and an intermediate size past one kernel block.
@@ -63,7 +63,7 @@ def test_the_kernels_compute_the_torch_code_under_the_triton_interpreter():
     results = run_interpreted("""
         import json
         import torch
-        from tests.bench.engine.test_kernels import SHAPES, kernel_differences
+        from bench.tests.engine.test_kernels import SHAPES, kernel_differences
         print(json.dumps([kernel_differences(3200 + i, shape, torch.float32, "cpu", qk_norm)
                           for i, shape in enumerate(SHAPES) for qk_norm in (True, False)]))
     """)

@@ -10,7 +10,7 @@ import torch
 
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.engine.graphs import graph_sizes
-from tests.bench.engine.reference import random_prompt
+from bench.tests.engine.reference import random_prompt
 
 
 def generate(model, prompts, max_new_tokens, **config):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.engine.attention import PagedPrefill, PrefillSeq, paged_prefill_attention, paged_prefill_batch
-from tests.bench.engine.test_paged_decode import run_interpreted
+from bench.tests.engine.test_paged_decode import run_interpreted
 
 # (query heads, KV heads, head dim, block size, cached tokens, new rows): GQA groups of 4 (the
 # Qwen3 shapes) and 3 (padded), MQA and MHA; no prefix (few rows, many), a prefix of one token, of
@@ -75,7 +75,7 @@ def test_the_kernel_matches_a_dense_causal_reference_under_the_triton_interprete
     differences = run_interpreted("""
         import json
         import torch
-        from tests.bench.engine.test_paged_prefill import CASES, SPLITS, prefill_case
+        from bench.tests.engine.test_paged_prefill import CASES, SPLITS, prefill_case
         differences = []
         for seed, case in enumerate(CASES):
             for splits, tile in SPLITS:
@@ -135,7 +135,7 @@ def test_a_batch_of_requests_in_one_launch_matches_the_reference_under_the_trito
     results = run_interpreted("""
         import json
         import torch
-        from tests.bench.engine.test_paged_prefill import BATCHES, batch_case
+        from bench.tests.engine.test_paged_prefill import BATCHES, batch_case
         results = []
         for seed, batch in enumerate(BATCHES):
             for splits, tile in [(1, 64), (None, 64), (7, 16)]:

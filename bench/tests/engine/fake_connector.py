@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from bench.engine.block_manager import block_hashes
-from bench.engine.connector import Finished, LoadResult
+from engine_client.engine_api import Finished, LoadResult
 
 
 @dataclasses.dataclass

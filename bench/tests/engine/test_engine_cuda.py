@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from bench.engine import Engine, EngineConfig, load_model
-from tests.bench.engine.reference import random_prompt
+from bench.tests.engine.reference import random_prompt
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from bench.engine import Engine, EngineConfig, load_model
-from bench.tiers import KVDaemon, TierControl, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
-from tests.bench.engine.reference import hf_model, random_prompt
+from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
+from kvcached.testing.tiers import TierControl
+from bench.tests.engine.reference import hf_model, random_prompt
 
 LOGITS_ATOL = 1e-4
 BF16_RTOL = 0.02

@@ -1,3 +1,7 @@
+"""The fixtures and hooks of every test (the repository's conftest.py loads them): a fresh seed per
+test for Python's, numpy's and torch's generators, named in a failing test's report, and GPU tests
+skipped where there is no CUDA GPU."""
+
 import os
 import random
 import secrets

@@ -64,7 +64,7 @@ def test_the_kernel_matches_the_reference_under_the_triton_interpreter():
     differences = run_interpreted("""
         import json
         import torch
-        from tests.bench.engine.test_paged_decode import CASES, decode_case
+        from bench.tests.engine.test_paged_decode import CASES, decode_case
         differences = []
         for seed, case in enumerate(CASES):
             out, ref = decode_case(3000 + seed, case, torch.float32, "cpu")
@@ -81,7 +81,7 @@ def test_the_engine_on_the_kernel_matches_transformers_under_the_triton_interpre
     result = run_interpreted("""
         import json, sys
         import torch
-        from tests.bench.engine.reference import engine_on, hf_greedy, hf_model, random_prompt
+        from bench.tests.engine.reference import engine_on, hf_greedy, hf_model, random_prompt
         seed = 3100
         hf = hf_model(seed)
         engine = engine_on(hf, sys.argv[1], decode_backend="triton", keep_logits=True)

@@ -11,8 +11,8 @@ import torch
 
 from bench.engine import Engine, RequestState
 from bench.engine.load import LoadState
-from tests.bench.engine.fake_connector import FakeConnector
-from tests.bench.engine.reference import engine_on, hf_model, random_prompt
+from bench.tests.engine.fake_connector import FakeConnector
+from bench.tests.engine.reference import engine_on, hf_model, random_prompt
 
 MAX_STEPS = 500
 LOGITS_ATOL = 1e-4

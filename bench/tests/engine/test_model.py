@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.engine import PRESETS, Qwen3Model, load_model
-from tests.bench.engine.reference import hf_model
+from bench.tests.engine.reference import hf_model
 
 # Published parameter counts (billions) and the KV bytes per bf16 token of the Qwen3 shapes.
 QWEN3_SHAPES = {"qwen3-4b": (4.02, 147_456), "qwen3-8b": (8.19, 147_456), "qwen3-32b": (32.8, 262_144)}
