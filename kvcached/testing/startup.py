@@ -24,9 +24,8 @@ def shm_leftovers(socket_path: str) -> list[str]:
 
 def large_pool_bytes() -> int:
     """A largish pool (1 GiB) that takes a second or more to populate on a 2-core box, smaller where
-    the box has less room. A stop's exit waits for the kernel to free what was populated (about
-    0.4 s a GiB on such a box: the ``sigint_startup`` drill of bench/drills.py), so a larger one would
-    measure the kernel."""
+    the box has less room. A stop's exit waits for the kernel to free what was populated (the
+    ``sigint_startup`` drill of bench/drills.py measures it), so a larger one would measure the kernel."""
     room = min(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize,
                memory_room_bytes()[0] - MEMORY_HEADROOM_BYTES)
     return max(256 << 20, min(1 << 30, room // 4)) // (1 << 20) * (1 << 20)

@@ -13,10 +13,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests.conftest import SEED_VARIABLE
+from kvcached.testing.pytest_plugin import SEED_VARIABLE
 from kvcached.testing.daemon_proc import DaemonProcess
-from tests.integration.test_connector import MODEL, N, P, Engine, random_tokens
-from tests.integration.test_http import get, scrape, value, wait_for
+from kvcached.testing.connector_engine import MODEL, N, P, Engine, random_tokens
+from kvcached.testing.floods import get
+from tests.integration.test_http import scrape, value, wait_for
 from kvcached.server.lookup import MAX_LOOKUP_BODY_BYTES, MAX_LOOKUP_TOKENS
 
 SALT = "tenant-a"

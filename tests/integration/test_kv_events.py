@@ -20,7 +20,7 @@ import zmq
 from engine_client.client import connect
 from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, commit_written
 from kvcached.testing.engine_proc import GEOMETRY
-from tests.integration.test_l3 import back_up_random
+from kvcached.testing.l3 import back_up_random
 
 PAGE = GEOMETRY.page_size
 NUM_L2_PAGES = (2 << 20) // GEOMETRY.bytes_per_page          # 256 pages of 8 KiB

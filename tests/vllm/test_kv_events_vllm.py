@@ -20,7 +20,7 @@ from engine_client.client import connect  # noqa: E402
 from kvcached.testing.daemon_proc import DaemonProcess, commit_written  # noqa: E402
 from kvcached.testing.engine_proc import GEOMETRY  # noqa: E402
 from tests.integration.test_kv_events import TOPIC, page_hashes, replay_all, wait_until_settled  # noqa: E402
-from tests.integration.test_l3 import back_up_random  # noqa: E402
+from kvcached.testing.l3 import back_up_random  # noqa: E402
 
 PAGE = GEOMETRY.page_size
 NUM_L2_PAGES = (2 << 20) // GEOMETRY.bytes_per_page
