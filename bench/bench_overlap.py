@@ -66,7 +66,6 @@ from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, prefix_kv, r
 from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
 
-logger = logging.getLogger(__name__)
 
 ROW_KEYS = ("case", "tier", "hidden_fraction", "decode_step_inflation", "ttft_ms", "serial_ttft_ms", "load_ms",
             "suffix_prefill_ms", "layer_prefill_ms", "outputs_equal")

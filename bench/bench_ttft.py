@@ -88,7 +88,6 @@ from bench.tiers import (TIERS, KVDaemon, RemoteHost, attach_kvcached, detach_kv
 from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_POINTS = "qwen3-8b=350,1000,2000,3500,8000;qwen3-4b=1000,3500;qwen3-32b=1000,3500"
 QUICK_POINTS = "tiny=40,100"

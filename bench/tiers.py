@@ -21,7 +21,6 @@ so that what its L2 lost comes back from the store over TCP; forced by emptying 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
 import tempfile
@@ -34,8 +33,6 @@ from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.tiers import SETTLE_TIMEOUT_S, TierControl
-
-logger = logging.getLogger(__name__)
 
 # none: recompute; l3: warm page cache; l3-cold: O_DIRECT; peer: another engine's GPU cache
 # (bench.peer_owner), copied GPU to GPU; remote: the Mooncake Store, another host's memory

@@ -19,7 +19,6 @@ Two backends with the same semantics and the same checks:
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -33,7 +32,6 @@ except ImportError:  # the torch backend works without triton
     triton = None
     tl = None
 
-logger = logging.getLogger(__name__)
 
 MAX_BLOCK_WORDS = 1024          # elements a program moves: larger blocks gather faster on a GPU than 256
 _MAX_GRID_X = 2**31 - 1

@@ -5,14 +5,11 @@ KV in uint8 tensors). Names are torch's, without the ``torch.`` prefix."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from proto.messages import DTYPE_ITEMSIZE
-
-logger = logging.getLogger(__name__)
 
 _TENSOR_ITEMSIZES = (1, 2, 4, 8)        # what a block copy moves words of
 

@@ -16,7 +16,6 @@ ancestors, because they have a cached child.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -26,8 +25,6 @@ import numpy as np
 
 from proto.page_keys import KEY_BYTES, chain_page_keys, iter_page_keys
 from proto.tokens import token_array
-
-logger = logging.getLogger(__name__)
 
 
 class L1Match(NamedTuple):

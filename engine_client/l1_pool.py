@@ -7,7 +7,6 @@ L2 pool repack pages on the way (engine_client/kv_transfer.py, through the conne
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Iterable
 
@@ -15,8 +14,6 @@ import torch
 
 from engine_client.dtypes import torch_dtype
 from proto.messages import KVGeometry
-
-logger = logging.getLogger(__name__)
 
 
 class L1Pool:

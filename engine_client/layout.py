@@ -25,7 +25,6 @@ never share one.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Mapping, Sequence
 
@@ -34,8 +33,6 @@ import torch
 
 from engine_client.dtypes import dtype_name, kv_dtype_name
 from proto.messages import DTYPE_ITEMSIZE, KVGeometry
-
-logger = logging.getLogger(__name__)
 
 LAYOUT_KINDS = ("pool", "layer", "blocks")
 WORD_DTYPE_BY_BYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

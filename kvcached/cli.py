@@ -25,7 +25,6 @@ from kvcached.server.status import columns_help
 from proto.messages import RESTORE_POLICIES
 from proto.paths import default_socket_path
 
-logger = logging.getLogger(__name__)
 
 # A pool at least this large shows its population's progress on stdout.
 PROGRESS_MIN_BYTES = 1 << 30

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
-import logging
 import os
 import re
 import shutil
@@ -18,8 +17,6 @@ from typing import Any, Callable, Iterable, Mapping
 from kvcached.core.cost_model import CostPriors
 from proto.messages import RESTORE_POLICIES
 from proto.paths import default_socket_path, normalize_socket_path
-
-logger = logging.getLogger(__name__)
 
 # Sizes: k, m, g, t and KiB, MiB, GiB, TiB are binary, as docker and the JVM read them; KB, MB, GB,
 # TB are decimal. Case does not matter. No unit: bytes.

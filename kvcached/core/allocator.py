@@ -16,15 +16,12 @@ the pool it gains (``free_range``), and gives them back when the chunk goes (``t
 from __future__ import annotations
 
 import bisect
-import logging
 import operator
 from typing import Iterable
 
 import numpy as np
 
 from kvcached.core.tiers import IntegrityError
-
-logger = logging.getLogger(__name__)
 
 
 class PageAllocator:

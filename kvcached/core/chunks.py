@@ -13,10 +13,6 @@ different namespaces never share a byte, whatever their sizes.
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 # A space is cut into about TARGET_NUM_CHUNKS chunks, a multiple of CHUNK_ALIGN_BYTES each: space
 # moves between namespaces in steps of a few per cent of the pool (rarely, and each move walks
 # the giving namespace's tree once), and a chunk of a pool of a few GiB holds many pages of any

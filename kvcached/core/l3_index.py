@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from typing import NamedTuple, Sequence, Union
 
 from proto.messages import KVGeometry
 from proto.page_keys import KEY_BYTES, ROOT_KEY, page_key
 from proto.tokens import TOKEN_BYTES
-
-logger = logging.getLogger(__name__)
 
 
 def namespace_key(geometry: KVGeometry) -> str:

@@ -8,11 +8,8 @@ turns slot ids into byte offsets and (source, destination) page maps into extent
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 from typing import NamedTuple, Sequence
-
-logger = logging.getLogger(__name__)
 
 
 class Extent(NamedTuple):

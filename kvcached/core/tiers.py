@@ -8,9 +8,6 @@ logs and status ("l2", "l3").
 from __future__ import annotations
 
 import enum
-import logging
-
-logger = logging.getLogger(__name__)
 
 
 class Tier(enum.IntEnum):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import logging
 import operator
 import time
 from typing import Callable, Collection, Iterator, NamedTuple, Sequence
@@ -44,8 +43,6 @@ import numpy as np
 
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.tokens import TOKEN_BYTES, TOKEN_DTYPE, page_aligned, token_array
-
-logger = logging.getLogger(__name__)
 
 MAIN_SHARE = 0.9         # of a tier's pages, reused pages above which reused leaves are evicted first
 

@@ -10,13 +10,10 @@ carries both, and a session whose process cannot be checked so is watched by hea
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from typing import Callable
 
 from proto import procfs
-
-logger = logging.getLogger(__name__)
 
 
 def open_pidfd(pid: int, pid_namespace_id: int, start_time: int) -> tuple[int | None, str]:
