@@ -53,10 +53,6 @@ class L1Pool:
     def num_free(self) -> int:
         return len(self._free_page_ids)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free_page_ids)
-
     def can_allocate(self, num_pages: int) -> bool:
         _check_count(num_pages)
         return num_pages <= len(self._free_page_ids)

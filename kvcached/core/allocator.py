@@ -50,9 +50,6 @@ class PageAllocator:
     def can_allocate(self, n: int) -> bool:
         return 1 <= n <= self._num_free
 
-    def largest_free_run(self) -> int:
-        return self._runs_by_length[-1][0] if self._runs_by_length else 0
-
     def free_page_ids(self) -> set[int]:
         free: set[int] = set()
         for start, length in self._start_to_length.items():
