@@ -53,20 +53,17 @@ def coalesce_extents(src_page_ids: Sequence[int], dst_page_ids: Sequence[int]) -
 
 @dataclasses.dataclass(frozen=True)
 class SlotLayout:
-    """One namespace's region of the L3 file: `num_slots` slots of `bytes_per_page` bytes each,
-    starting at byte `region_offset`."""
+    """One namespace's view of the L3 file: `num_slots` slots of `bytes_per_page` bytes each, slot s
+    at byte s * bytes_per_page (slot ids are absolute: a namespace's chunks span the whole file)."""
 
-    region_offset: int
     bytes_per_page: int
     num_slots: int
 
     def __post_init__(self) -> None:
-        for name in ("region_offset", "bytes_per_page", "num_slots"):
+        for name in ("bytes_per_page", "num_slots"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"SlotLayout.{name} must be an int, got {type(value).__name__}")
-        if self.region_offset < 0:
-            raise ValueError(f"region_offset must be >= 0, got {self.region_offset}")
         if self.bytes_per_page <= 0:
             raise ValueError(f"bytes_per_page must be > 0, got {self.bytes_per_page}")
         if self.num_slots < 0:
@@ -76,14 +73,9 @@ class SlotLayout:
     def size_bytes(self) -> int:
         return self.num_slots * self.bytes_per_page
 
-    @property
-    def end_offset(self) -> int:
-        """First byte past the region: where the next region may start."""
-        return self.region_offset + self.size_bytes
-
     def offset(self, slot: int) -> int:
         """Byte offset of `slot` in the file."""
         slot = operator.index(slot)
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
-        return self.region_offset + slot * self.bytes_per_page
+        return slot * self.bytes_per_page

@@ -362,8 +362,8 @@ def _check_transfer(storage: StorageFile, layout: SlotLayout, arena: memoryview,
     """Validate a whole transfer before the first byte moves, so bad input never half-writes."""
     if bytes_per_page != layout.bytes_per_page:
         raise ValueError(f"bytes_per_page {bytes_per_page} differs from the slot layout's {layout.bytes_per_page}")
-    if layout.end_offset > storage.size_bytes:
-        raise ValueError(f"slot region ends at byte {layout.end_offset}, past the file's {storage.size_bytes} bytes")
+    if layout.size_bytes > storage.size_bytes:
+        raise ValueError(f"the slots end at byte {layout.size_bytes}, past the file's {storage.size_bytes} bytes")
     num_arena_pages = len(arena) // bytes_per_page
     for page_id in l2_page_ids:
         if page_id >= num_arena_pages:
@@ -380,9 +380,6 @@ def _check_direct_alignment(layout: SlotLayout, arena: memoryview, bytes_per_pag
     align = DIRECT_IO_ALIGNMENT_BYTES
     if bytes_per_page % align:
         raise ValueError(f"O_DIRECT needs bytes_per_page to be a multiple of {align}, got {bytes_per_page}")
-    if layout.region_offset % align:
-        raise ValueError(f"O_DIRECT needs the slot region offset to be a multiple of {align}, "
-                         f"got {layout.region_offset}")
     # numpy reads the address of read-only buffers too (ctypes.from_buffer needs writable ones).
     arena_address = np.frombuffer(arena, dtype=np.uint8).ctypes.data
     if arena_address % align:

@@ -408,7 +408,7 @@ class Server:
         assert namespace.l3_allocator is not None
         # Page and slot ids are absolute (kvcached/core/chunks.py): the namespace's pages span the
         # segment from its start, its slots the file.
-        layout = SlotLayout(0, bytes_per_page, namespace.l3_allocator.num_pages)
+        layout = SlotLayout(bytes_per_page, namespace.l3_allocator.num_pages)
         pages_end = namespace.num_pages * bytes_per_page
         metrics = self.state.metrics
         direction = move.direction

@@ -108,38 +108,28 @@ def test_float_ids_raise():
         coalesce_extents([0.0], [1])
 
 
-def test_slot_offset_formula_and_end():
-    """offset(slot) = region_offset + slot * bytes_per_page; end_offset is one byte past the last slot."""
-    layout = SlotLayout(region_offset=12288, bytes_per_page=8192, num_slots=5)
-    assert [layout.offset(slot) for slot in range(5)] == [12288 + slot * 8192 for slot in range(5)]
+def test_slot_offset_formula_and_size():
+    """offset(slot) = slot * bytes_per_page; size_bytes is one byte past the last slot."""
+    layout = SlotLayout(bytes_per_page=8192, num_slots=5)
+    assert [layout.offset(slot) for slot in range(5)] == [slot * 8192 for slot in range(5)]
     assert layout.size_bytes == 5 * 8192
-    assert layout.end_offset == 12288 + 5 * 8192
-    assert layout.offset(4) + layout.bytes_per_page == layout.end_offset
+    assert layout.offset(4) + layout.bytes_per_page == layout.size_bytes
 
 
 def test_slot_out_of_range_raises():
     """Slots below 0 or at/after num_slots are refused."""
-    layout = SlotLayout(region_offset=0, bytes_per_page=4096, num_slots=3)
+    layout = SlotLayout(bytes_per_page=4096, num_slots=3)
     for slot in (-1, 3, 100):
         with pytest.raises(ValueError, match="out of range"):
             layout.offset(slot)
 
 
-def test_adjacent_regions_are_disjoint():
-    """A region placed at the previous one's end_offset shares no byte with it."""
-    first = SlotLayout(region_offset=4096, bytes_per_page=3 * 4096, num_slots=7)
-    second = SlotLayout(region_offset=first.end_offset, bytes_per_page=4096, num_slots=9)
-    first_bytes = {(first.offset(s), first.offset(s) + first.bytes_per_page) for s in range(first.num_slots)}
-    assert max(end for _, end in first_bytes) <= second.offset(0)
-
-
 @pytest.mark.parametrize("fields", [
-    dict(region_offset=-1, bytes_per_page=4096, num_slots=1),
-    dict(region_offset=0, bytes_per_page=0, num_slots=1),
-    dict(region_offset=0, bytes_per_page=4096, num_slots=-1),
+    dict(bytes_per_page=0, num_slots=1),
+    dict(bytes_per_page=4096, num_slots=-1),
 ])
 def test_invalid_layout_raises(fields):
-    """Negative offsets or counts and a zero page size are refused at construction."""
+    """A negative count and a zero page size are refused at construction."""
     with pytest.raises(ValueError):
         SlotLayout(**fields)
 
@@ -147,4 +137,4 @@ def test_invalid_layout_raises(fields):
 def test_non_int_layout_field_raises():
     """A float field is refused (byte offsets are exact)."""
     with pytest.raises(TypeError):
-        SlotLayout(region_offset=0, bytes_per_page=4096.0, num_slots=1)
+        SlotLayout(bytes_per_page=4096.0, num_slots=1)

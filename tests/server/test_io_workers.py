@@ -31,9 +31,8 @@ from kvcached.server.io_workers import (
 
 BYTES_PER_PAGE = 8192  # a multiple of 4096, so the same geometry works with O_DIRECT
 NUM_ARENA_PAGES = 32
-# Not a multiple of BYTES_PER_PAGE, so a formula that forgets region_offset is caught.
-LAYOUT = SlotLayout(region_offset=3 * 4096, bytes_per_page=BYTES_PER_PAGE, num_slots=24)
-FILE_SIZE_BYTES = LAYOUT.end_offset + 4096
+LAYOUT = SlotLayout(bytes_per_page=BYTES_PER_PAGE, num_slots=24)
+FILE_SIZE_BYTES = LAYOUT.size_bytes + 4096
 
 
 class Arena:
@@ -147,21 +146,6 @@ def test_slots_land_at_their_layout_offsets(storage, arena):
     for page_id, slot in zip(src_page_ids, slot_ids):
         assert _file_bytes(storage.path, LAYOUT.offset(slot), BYTES_PER_PAGE) == arena.page(page_id)
     storage.check_integrity()
-
-
-def test_two_regions_in_one_file_keep_their_own_bytes(tmp_path, arena):
-    """Two namespaces' regions side by side: writing both and reading each back gives each its own pages."""
-    first = SlotLayout(region_offset=0, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
-    second = SlotLayout(region_offset=first.end_offset, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
-    with StorageFile.open(str(tmp_path / "l3.bin"), second.end_offset) as storage:
-        first_pages, second_pages = [arena.page(p) for p in range(0, 4)], [arena.page(p) for p in range(4, 8)]
-        write_pages(storage, first, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [0, 1, 2, 3])
-        write_pages(storage, second, arena.view, BYTES_PER_PAGE, [4, 5, 6, 7], [0, 1, 2, 3])
-        read_pages(storage, first, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [10, 11, 12, 13])
-        read_pages(storage, second, arena.view, BYTES_PER_PAGE, [0, 1, 2, 3], [20, 21, 22, 23])
-        assert [arena.page(p) for p in range(10, 14)] == first_pages
-        assert [arena.page(p) for p in range(20, 24)] == second_pages
-        storage.check_integrity()
 
 
 def test_open_discards_old_content_sets_size_and_mode(tmp_path):
@@ -332,7 +316,7 @@ def test_injected_short_read_raises_and_reports_progress(storage, arena, monkeyp
 
 
 def test_bad_input_raises_before_any_byte_moves(storage, arena):
-    """Out-of-range ids, mismatched page sizes, a region past the file end and repeated destinations
+    """Out-of-range ids, mismatched page sizes, slots past the file end and repeated destinations
     raise ValueError, and the file is untouched (the valid first pages were not written)."""
     before = _file_bytes(storage.path, 0, FILE_SIZE_BYTES)
     bad_calls = [
@@ -345,7 +329,7 @@ def test_bad_input_raises_before_any_byte_moves(storage, arena):
             write_pages(storage, LAYOUT, arena.view, BYTES_PER_PAGE, l2_page_ids, slot_ids)
     with pytest.raises(ValueError, match="bytes_per_page"):
         write_pages(storage, LAYOUT, arena.view, 4096, [0], [0])
-    too_big = SlotLayout(region_offset=0, bytes_per_page=BYTES_PER_PAGE, num_slots=FILE_SIZE_BYTES // BYTES_PER_PAGE + 1)
+    too_big = SlotLayout(bytes_per_page=BYTES_PER_PAGE, num_slots=FILE_SIZE_BYTES // BYTES_PER_PAGE + 1)
     with pytest.raises(ValueError, match="past the file"):
         write_pages(storage, too_big, arena.view, BYTES_PER_PAGE, [0], [0])
     assert _file_bytes(storage.path, 0, FILE_SIZE_BYTES) == before
@@ -424,26 +408,23 @@ def test_o_direct_short_read_on_unaligned_truncation_raises(tmp_path, arena):
 
 
 def test_o_direct_alignment_is_validated(tmp_path, arena):
-    """O_DIRECT refuses an unaligned file size, page size, region offset or arena address with ValueError."""
+    """O_DIRECT refuses an unaligned file size, page size or arena address with ValueError."""
     with pytest.raises(ValueError, match="multiple of 4096"):
         StorageFile.open(str(tmp_path / "odd.bin"), FILE_SIZE_BYTES + 512, o_direct=True)
     with _open_direct_or_skip(str(tmp_path / "l3.bin")) as storage:
-        odd_page = SlotLayout(region_offset=0, bytes_per_page=4096 + 512, num_slots=4)
+        odd_page = SlotLayout(bytes_per_page=4096 + 512, num_slots=4)
         with pytest.raises(ValueError, match="bytes_per_page"):
             write_pages(storage, odd_page, arena.view, 4096 + 512, [0], [0])
-        odd_region = SlotLayout(region_offset=512, bytes_per_page=BYTES_PER_PAGE, num_slots=4)
-        with pytest.raises(ValueError, match="region offset"):
-            read_pages(storage, odd_region, arena.view, BYTES_PER_PAGE, [0], [0])
         with arena.view[512:512 + 4 * BYTES_PER_PAGE] as unaligned_arena:
             with pytest.raises(ValueError, match="address"):
                 write_pages(storage, LAYOUT, unaligned_arena, BYTES_PER_PAGE, [0], [0])
         storage.check_integrity()
-    # The same unaligned geometry is fine without O_DIRECT.
+    # The same unaligned arena is fine without O_DIRECT.
     with StorageFile.open(str(tmp_path / "buffered.bin"), FILE_SIZE_BYTES) as storage:
         expected = bytes(arena.view[512:512 + BYTES_PER_PAGE])
         with arena.view[512:512 + 4 * BYTES_PER_PAGE] as unaligned_arena:
-            write_pages(storage, odd_region, unaligned_arena, BYTES_PER_PAGE, [0], [0])
-        assert _file_bytes(storage.path, 512, BYTES_PER_PAGE) == expected
+            write_pages(storage, LAYOUT, unaligned_arena, BYTES_PER_PAGE, [0], [0])
+        assert _file_bytes(storage.path, LAYOUT.offset(0), BYTES_PER_PAGE) == expected
 
 
 # --- IoExecutor ---------------------------------------------------------------------------
