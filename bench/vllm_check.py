@@ -1,8 +1,8 @@
 """Real vLLM (its CPU build) on kvcached: loads, their effect, sharing between two vLLM processes,
 and a daemon that dies and comes back; with real weights, restores against recomputes and two
 instances sharing system prompts. Writes bench/results/cpu/vllm.json (with the samples, and the
-1-minute load average before and after: the machine may be shared) and prints a table; tests/vllm
-runs it part by part.
+1-minute load average before and after: the machine may be shared) and prints a table;
+bench/tests/vllm runs it part by part.
 
     python bench/vllm_check.py [--workdir DIR] [--part {tiny,real,shared,serve,all} ...]
                                [--rounds N] [--shared-runs N] [--smollm2 DIR] [--out FILE]

@@ -25,7 +25,8 @@ def python_files(root: str, folder: str):
 
 def imported_modules(path: str) -> set[str]:
     """Every module the file imports, and every dotted name a string of it names as one (the
-    ``-m`` argument of a child process, the imports of a ``python -c`` script)."""
+    ``-m`` argument of a child process, the imports of a ``python -c`` script), and every script
+    whose path it joins from constant parts."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     modules = set()
@@ -34,6 +35,11 @@ def imported_modules(path: str) -> set[str]:
             modules |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "join":
+            # os.path.join(ROOT, "bench", "script.py"): a script run by its path
+            parts = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+            if len(parts) >= 2 and parts[-1].endswith(".py"):
+                modules.add(".".join(parts)[:-len(".py")])
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             modules |= {match for line in node.value.splitlines()
                         for match in NAMED_IN_TEXT.findall(line.strip()) if "." in match}
@@ -67,17 +73,20 @@ def test_the_product_imports_neither_bench_nor_tests():
 
 
 def test_the_scan_sees_an_import_of_the_other_folder(tmp_path):
-    """The scan finds each form of crossing: an import, a from-import, a ``-m`` argument and a
-    ``python -c`` script's import (a scan that found nothing would pass the tests above)."""
+    """The scan finds each form of crossing: an import, a from-import, a ``-m`` argument, a
+    ``python -c`` script's import and a script's joined path (a scan that found nothing would pass
+    the tests above)."""
     folder = tmp_path / "bench"
     folder.mkdir()
     (folder / "a.py").write_text("import tests.integration.x\n")
     (folder / "b.py").write_text("from tests.core import y\n")
     (folder / "c.py").write_text('ARGS = ["-m", "tests.remote.scenarios"]\n')
     (folder / "d.py").write_text('SCRIPT = "import sys; from tests.integration.z import f; f()"\n')
+    (folder / "f.py").write_text('import os\nPATH = os.path.join(ROOT, "tests", "remote", "run.py")\n')
     (folder / "e.py").write_text("from kvcached.testing import daemon_proc\nDOC = 'tests pass'\n")
     assert crossings("bench", ("tests",), root=str(tmp_path)) == ["bench/a.py imports tests.integration.x", "bench/b.py imports tests.core",
-                     "bench/c.py imports tests.remote.scenarios", "bench/d.py imports tests.integration.z"]
+                     "bench/c.py imports tests.remote.scenarios", "bench/d.py imports tests.integration.z",
+                     "bench/f.py imports tests.remote.run"]
 
 
 def test_the_testing_package_is_installed():
