@@ -419,7 +419,7 @@ def run_restores(run: Run, points: list[Point], tiers: list[str], o_direct: bool
     if tiers == ["remote"]:
         try:
             with RemoteHost(remote_lend_bytes(model, [p.num_tokens for p in points])) as host:
-                from tests.remote.cluster import STORE_ENV
+                from kvcached.testing.remote.cluster import STORE_ENV
 
                 with KVDaemon(l2_bytes, 0, extra_args=host.daemon_args(), env=STORE_ENV) as daemon:
                     restore_points(run, points, tiers, daemon)
@@ -801,7 +801,7 @@ def isolate_for_the_store(argv: list[str]) -> int | None:
     no namespace to be had (no unshare, or refused; the result's notes say so)."""
     if os.environ.get(ISOLATED_ENV):
         return None
-    from tests.remote.cluster import STORE_ENV, _isolating, missing
+    from kvcached.testing.remote.cluster import STORE_ENV, _isolating, missing
 
     why = missing()
     if why.startswith(("unshare", "cannot enter a network namespace")):       # (a machine with no network)

@@ -89,11 +89,11 @@ class KVDaemon:
 class RemoteHost:
     """The remote tier's other host: a real ``mooncake_master`` and a daemon lending the store
     ``lend_bytes`` of its memory, where every value the engine's daemon writes through lands
-    (``tests/remote/cluster.py``). Its processes must run in a network namespace of loopback only
-    (some of the store's listeners bind 0.0.0.0): ``bench.bench_ttft`` enters one."""
+    (``kvcached/testing/remote/cluster.py``). Its processes must run in a network namespace of
+    loopback only (some of the store's listeners bind 0.0.0.0): ``bench.bench_ttft`` enters one."""
 
     def __init__(self, lend_bytes: int):
-        from tests.remote.cluster import Master, connected, remote_daemon, wait_for
+        from kvcached.testing.remote.cluster import Master, connected, remote_daemon, wait_for
 
         self.master = Master(client_ttl_s=10).start()
         self.lender = remote_daemon(segment=str(align_up(lend_bytes)), extra_args=("--log-level", "WARNING"))
@@ -107,7 +107,7 @@ class RemoteHost:
     def daemon_args(self) -> tuple[str, ...]:
         """A daemon's arguments for the remote tier on this store, lending none of its memory (every
         restore crosses TCP from the lender's segment), with deadlines a busy host keeps."""
-        from tests.remote.cluster import MASTER_URL, PATIENT_REMOTE
+        from kvcached.testing.remote.cluster import MASTER_URL, PATIENT_REMOTE
 
         return ("--remote", MASTER_URL, "--remote-segment-size", "0", *PATIENT_REMOTE)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvcached.testing.daemon_proc import REPO_ROOT, child_env
-from tests.remote.cluster import missing as remote_missing
+from kvcached.testing.remote.cluster import missing as remote_missing
 
 RUN_TIMEOUT_S = 300
 # pytest-timeout's limit for these tests: the run's own, and the checks after it

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from engine_client.client import connect
-from kvcached.testing.daemon_proc import DaemonProcess
-from tests.integration.fencing_engine import PREFIX_PAGES
-from tests.integration.test_fencing import Engine, session_names, wait_until
+from kvcached.testing.daemon_proc import DaemonProcess, wait_until
+from kvcached.testing.fencing import Engine, session_names
+from kvcached.testing.fencing_engine import PREFIX_PAGES
 
 SESSION_TIMEOUT_S = 1.5          # the daemon's default
 GRACE_S = 3.0
