@@ -120,7 +120,7 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
         save(engine, a, list(range(6)))
         control.wait_idle()                             # A written through to L3
         control.evict_l2()
-        assert control.hits(a) == {"l2": 0, "l3": 6 * P}
+        assert control.hits(a) == {"l2": 0, "l3": 6 * P, "remote": 0}
         assert engine.connector.lookup_async(a).decision()[:2] == ("l3", 6 * P)   # by the prior
         started = time.monotonic()
         engine.connector.load("a", a, list(range(6, 12)), 6 * P)
@@ -133,7 +133,7 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
         control.evict_l2()
         save(engine, b, list(range(12, 18)))
         control.wait_idle()
-        assert control.hits(a) == {"l2": 0, "l3": 6 * P} and control.hits(b)["l2"] == 6 * P
+        assert control.hits(a) == {"l2": 0, "l3": 6 * P, "remote": 0} and control.hits(b)["l2"] == 6 * P
         assert engine.connector.lookup_async(a).decision()[:2] == ("recompute", 0), json.dumps(cost_model(daemon))
         assert engine.connector.lookup_async(b).decision()[:2] == ("l2", 6 * P), json.dumps(cost_model(daemon))
         engine.connector.load("b", b, list(range(18, 24)), 6 * P)
