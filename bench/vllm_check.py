@@ -703,7 +703,9 @@ def _restore_rounds(cached: Engine, plain: Engine, daemon: Daemon, cases) -> dic
             L2Held(daemon, SEED + i).release()
         row["tiers_at_lookup"] = lookup_tiers(daemon, prompt)
         cached.reset_prefix_cache()
-        for which in (("restore", "recompute") if i % 2 == 0 else ("recompute", "restore")):
+        # Which goes first (right after the save, its write-through to L3 maybe still running)
+        # alternates per size, not per case: by case it would be the tier that decides it.
+        for which in (("restore", "recompute") if i // 2 % 2 == 0 else ("recompute", "restore")):
             engine = cached if which == "restore" else plain
             before = engine_status(daemon)["decisions_total"] if which == "restore" else None
             answer = engine.generate([prompt], max_tokens=1)
