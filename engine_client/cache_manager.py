@@ -44,6 +44,7 @@ from engine_client.l1_index import L1PrefixIndex
 from engine_client.l1_pool import L1Pool
 from engine_client.shared_pool import SharedHostPool
 from proto.messages import RESTORE_POLICIES, KVGeometry
+from proto.tokens import token_array
 
 # Of RESTORE_POLICIES, those a manager follows: it loads every hit (always) or none (never), and asks
 # no decision of the daemon's cost model, so "cost" is not one of them.
@@ -127,8 +128,8 @@ class CacheManager:
         A daemon that is down or does not answer, or a load that fails, is not the request's
         failure: the plan then covers what L1 holds, and the engine recomputes the rest (counted
         in ``stats()``). L1Full when L1 cannot hold the request; then nothing is left behind."""
-        tokens = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
-        if tokens.ndim != 1 or tokens.size == 0:
+        tokens = token_array(token_ids)
+        if tokens.size == 0:
             raise ValueError("token_ids must be a non-empty 1-D sequence")
         self.connector.poll()               # a re-attach's pool is swapped in here
         page_size = self.page_size

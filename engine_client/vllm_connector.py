@@ -61,7 +61,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
@@ -74,6 +73,7 @@ from engine_client.dtypes import dtype_name
 from proto import counters
 from proto.messages import KVGeometry
 from proto.paths import default_socket_path
+from proto.tokens import page_aligned, token_array
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -447,14 +447,14 @@ class _SchedulerSide:
             # (a slow daemon costs a step one lookup_wait_s, not one per request).
             wait_s = self.config.lookup_wait_s if self._waits_this_step else 0.0
             tokens = request.all_token_ids[: request.num_tokens - 1]
-            tokens = tokens[: len(tokens) // self.block_size * self.block_size]
+            tokens = tokens[: page_aligned(len(tokens), self.block_size)]
             self.counts.total["lookup_tokens"] += len(tokens)
             lookups = self._live_lookups() if tokens else None
             if lookups is None:
                 self._asked[req_id] = _Asked(None, now, 0)
                 return 0
             asked = self._asked[req_id] = _Asked(
-                lookups.lookup_async(np.asarray(tokens, dtype=np.int32), num_computed_tokens), now)
+                lookups.lookup_async(token_array(tokens), num_computed_tokens), now)
         if asked.hit_tokens is None:
             failures = self._lookup_failures()
             if asked.pending.wait(wait_s):          # the lookup just sent: its reply, briefly waited for
@@ -500,7 +500,7 @@ class _SchedulerSide:
         if tracked is None:
             prompt = list(request.prompt_token_ids or [])
             tracked = self._tracked[request.request_id] = _Tracked(
-                request, prompt[: len(prompt) // self.block_size * self.block_size])
+                request, prompt[: page_aligned(len(prompt), self.block_size)])
         return tracked
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCachedMetadata:
@@ -522,7 +522,7 @@ class _SchedulerSide:
             if tracked is None or req_id in self._loading:
                 continue
             computed_end = min(tracked.request.num_computed_tokens + num_scheduled, len(tracked.lease_tokens))
-            end = computed_end // self.block_size * self.block_size
+            end = page_aligned(computed_end, self.block_size)
             if end <= tracked.saved_end:
                 continue
             block_ids = block_state.get_block_ids(req_id)
@@ -719,7 +719,7 @@ class _WorkerSide:
                 self._load_failed(load.req_id, load.block_ids)
                 continue
             self._loading[load.req_id] = load.block_ids
-            connector.load(load.req_id, np.asarray(load.token_ids, dtype=np.int32), load.block_ids,
+            connector.load(load.req_id, token_array(load.token_ids), load.block_ids,
                            load.num_tokens, load.start_token)
 
     def forward_starts(self, meta: KVCachedMetadata) -> None:
@@ -734,7 +734,7 @@ class _WorkerSide:
             if connector is None:
                 self.counts.total["save_skipped_tokens"] += save.end_token - save.start_token
                 continue
-            tokens = np.asarray(save.token_ids, dtype=np.int32)
+            tokens = token_array(save.token_ids)
             connector.load(save.req_id, tokens, [], 0)        # the request's lease covers the whole prompt
             connector.save(save.req_id, tokens[: save.end_token], save.block_ids, save.start_token)
 
