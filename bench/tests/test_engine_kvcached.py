@@ -124,7 +124,7 @@ def test_a_prefix_only_l3_holds_is_promoted_and_restored_bit_for_bit(daemon, tmp
         own_cache = without_connector(engine, prompt, 6, cold=False)
         assert own_cache.num_cached_tokens == 96, f"seed {seed}"
         hits = control.force("l3", prefix, 96)
-        assert hits == {"l2": 0, "l3": 96}, f"seed {seed}: {hits}"
+        assert hits == {"l2": 0, "l3": 96, "remote": 0}, f"seed {seed}: {hits}"
         engine.reset_prefix_cache()
         restored = run_request(engine, prompt, 6)
         settle(engine, control)
