@@ -16,22 +16,27 @@ import time
 import pytest
 
 from engine_client.client import connect
-from kvcached.testing.daemon_proc import DaemonProcess, wait_until
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, wait_until
 from kvcached.testing.fencing import Engine, session_names
 from kvcached.testing.fencing_engine import PREFIX_PAGES
 
 SESSION_TIMEOUT_S = 1.5          # the daemon's default
 GRACE_S = 3.0
-# sh -c POD_SETUP pod NODE_DIR COMMAND...: in a new mount namespace (private propagation), the
-# node's /tmp and /dev/shm give way to empty tmpfs of the pod's own; then only the volumes of
-# NODE_DIR (reached through a descriptor opened before /tmp was covered) are bound back, at the
-# same paths, the socket directory read-only (as the engines of deploy/k8s mount it), and COMMAND
-# runs as the pod's first process.
+# sh -c POD_SETUP pod NODE_DIR CODE_DIR COMMAND...: in a new mount namespace (private propagation),
+# the node's /tmp and /dev/shm give way to empty tmpfs of the pod's own; then the code the engine
+# runs (CODE_DIR, the pod's image: a checkout may lie under /tmp) and only the volumes of NODE_DIR
+# (each reached through a descriptor opened before /tmp was covered) are bound back, at the same
+# paths, the code and the socket directory read-only (as the engines of deploy/k8s mount it), and
+# COMMAND runs as the pod's first process.
 POD_SETUP = """set -e
-node=$1; shift
-exec 3<"$node"
+node=$1; code=$2; shift 2
+exec 3<"$node" 4<"$code"
 mount -t tmpfs -o size=64m,mode=1777 pod-tmp /tmp
 mount -t tmpfs -o size=64m,mode=1777 pod-shm /dev/shm
+mkdir -p "$code"
+mount --no-canonicalize --bind /proc/self/fd/4 "$code"
+mount -o remount,bind,ro "$code"
+exec 4<&-
 for volume in sock shm exchange; do
     mkdir -p "$node/$volume"
     mount --no-canonicalize --bind "/proc/self/fd/3/$volume" "$node/$volume"
@@ -44,7 +49,7 @@ exec "$@"
 
 def pod(node_dir: str) -> tuple[str, ...]:
     return ("unshare", "--pid", "--mount", "--fork", "--propagation", "private",
-            "sh", "-c", POD_SETUP, "pod", node_dir)
+            "sh", "-c", POD_SETUP, "pod", node_dir, REPO_ROOT)
 
 
 def can_make_pods() -> str | None:
@@ -57,12 +62,19 @@ def can_make_pods() -> str | None:
             os.mkdir(os.path.join(node_dir, volume))
             with open(os.path.join(node_dir, volume, "seen"), "w") as f:
                 f.write(volume)
-        script = f"test $$ = 1 && ls /tmp && cat {node_dir}/sock/seen {node_dir}/shm/seen {node_dir}/exchange/seen"
+        # The pod is its pid namespace's first process, sees none of the node's /tmp (the marker)
+        # but its volumes.
+        marker = node_dir + "-marker"
+        open(marker, "w").close()
+        script = (f"test $$ = 1 && test ! -e {marker} && "
+                  f"cat {node_dir}/sock/seen {node_dir}/shm/seen {node_dir}/exchange/seen")
         done = subprocess.run([*pod(node_dir), "sh", "-c", script], capture_output=True, text=True, timeout=30)
-        if done.returncode != 0 or done.stdout.split() != [os.path.basename(node_dir), "sockshmexchange"]:
+        if done.returncode != 0 or done.stdout.split() != ["sockshmexchange"]:
             return f"cannot make a pod here: {done.stderr.strip() or done.stdout.strip()}"
     finally:
         shutil.rmtree(node_dir)
+        if os.path.exists(node_dir + "-marker"):
+            os.unlink(node_dir + "-marker")
     return None
 
 

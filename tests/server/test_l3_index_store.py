@@ -199,7 +199,7 @@ def test_a_write_through_overwrites_a_slot_only_after_its_old_row_is_deleted(tmp
     move = TierMove(op_id=1, namespace_id=0, source=Tier.L2, destination=Tier.L3, token_ids=tokens, start_page=0,
                     source_page_ids=[2, 3], private_page_ids=[1, 2], locks=[])
     with StorageFile.open(str(tmp_path / "l3.bin"), 16 * bytes_per_page, keep_content=True) as storage:
-        result, keys = _write_indexed(store, storage, SlotLayout(0, bytes_per_page, 16), memoryview(arena), 16, move)
+        result, keys = _write_indexed(store, storage, SlotLayout(bytes_per_page, 16), memoryview(arena), 16, move)
     store.close()
     assert rows_seen_at_pwrite and set(rows_seen_at_pwrite) == {0}
     assert list(result.page_checksums) == [zlib.crc32(arena[p * bytes_per_page:(p + 1) * bytes_per_page])
