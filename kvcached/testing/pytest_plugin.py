@@ -30,12 +30,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def fresh_seed(bits: int = 32) -> int:
+    """A seed of ``bits`` bits, fresh each run; $KVCACHED_TEST_SEED replays one."""
+    return int(os.environ.get(SEED_VARIABLE) or secrets.randbits(bits))
+
+
 @pytest.fixture(autouse=True)
 def seed(request) -> int:
     """Every test's random data comes from one seed, fresh each run ($KVCACHED_TEST_SEED replays
     one): Python's, numpy's and torch's global generators are seeded with it, ``rng`` is made
     from it, and a failing test's report names it."""
-    value = int(os.environ.get(SEED_VARIABLE) or secrets.randbits(32))
+    value = fresh_seed()
     random.seed(value)
     np.random.seed(value)
     if "torch" in sys.modules:          # imported by the test modules that use it

@@ -4,11 +4,9 @@ client that reads is served as usual meanwhile."""
 
 from __future__ import annotations
 
-import os
-import secrets
 
 
-from kvcached.testing.pytest_plugin import SEED_VARIABLE
+from kvcached.testing.pytest_plugin import fresh_seed
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.floods import MAX_RSS_GROWTH_BYTES, never_reading_flood
 
@@ -17,7 +15,7 @@ def test_a_never_reading_client_cannot_grow_the_daemon():
     """3,000 STATUS requests of a process that never reads, against ~0.7 MB snapshots (which the
     daemon used to queue, ~2 GB): the daemon's RSS grows by less than 100 MB, all but 2 of them
     are refused, and a client that reads gets every status it asks for meanwhile, each within 2 s."""
-    seed = int(os.environ.get(SEED_VARIABLE) or secrets.randbits(31))
+    seed = fresh_seed(31)
     daemon = DaemonProcess(extra_args=("--l3-size", "0")).start()
     try:
         measured = never_reading_flood(daemon, 3000, seed)

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_client.client import connect
 from kvcached.server.status import StatusClient, format_tokens, render_table
-from kvcached.testing.pytest_plugin import SEED_VARIABLE
-from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env
+from kvcached.testing.pytest_plugin import fresh_seed
+from kvcached.testing.daemon_proc import REPO_ROOT, DaemonProcess, child_env, wait_until
 from engine_client.connector import LoadResult
 from kvcached.testing.connector_engine import L, MODEL, N, P, Engine, random_tokens
 from kvcached.testing.floods import get, idle_flood_scrapes
@@ -48,16 +48,6 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return found[0] if found else 0.0
 
 
-def wait_for(predicate, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 class Traffic:
     """Engine A saves a 6-page prefix (random blocks) and a request whose save goes 2 pages beyond
     its lease (3 saved, 2 skipped: beyond_lease); once those reached L3, engine B looks the prefix
@@ -79,7 +69,7 @@ class Traffic:
         self.a.connector.save("s", short, rng.permutation(N)[:5])
         self.a.connector.request_finished("s")
         self.a.settle()
-        wait_for(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 9,
+        wait_until(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 9, 20.0,
                  "A's 9 pages to reach L3")
         self.lookup_tokens = self.b.connector.lookup(prefix)
         destination = np.setdiff1d(rng.permutation(N), source)[:8]
@@ -88,7 +78,7 @@ class Traffic:
         self.b.connector.save("r", prefix, destination)
         self.b.connector.request_finished("r")
         self.b.settle()
-        wait_for(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 11,
+        wait_until(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 11, 20.0,
                  "B's 2 pages to reach L3")
         self.a.connector.flush_report()
         self.b.connector.flush_report()
@@ -103,7 +93,7 @@ def traffic():
     daemon = DaemonProcess().start()
     done = None
     try:
-        done = Traffic(daemon, seed=int(os.environ.get(SEED_VARIABLE) or secrets.randbits(31)))
+        done = Traffic(daemon, seed=fresh_seed(31))
         yield daemon, done
     finally:
         if done is not None:
@@ -179,7 +169,7 @@ def test_the_cost_model_metrics_show_its_lines_and_the_decisions_taken(traffic):
         done = directions and directions["h2d"]["samples_total"] == 1 and directions["d2h"]["samples_total"] == 3
         return cost if done else None
 
-    cost = wait_for(cost_model, "the engines' transfer samples to reach the daemon")
+    cost = wait_until(cost_model, 20.0, "the engines' transfer samples to reach the daemon")
     m = scrape(t.url)
     (engine,) = cost["engines"]
     ns = {"model": MODEL, "namespace": str(engine["namespace_id"])}

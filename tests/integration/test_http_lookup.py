@@ -5,19 +5,17 @@ with its salt), nothing changed by asking, and bad requests refused with a 4xx."
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
-from kvcached.testing.pytest_plugin import SEED_VARIABLE
-from kvcached.testing.daemon_proc import DaemonProcess
+from kvcached.testing.pytest_plugin import fresh_seed
+from kvcached.testing.daemon_proc import DaemonProcess, wait_until
 from kvcached.testing.connector_engine import MODEL, N, P, Engine, random_tokens
 from kvcached.testing.floods import get
-from tests.integration.test_http import scrape, value, wait_for
+from tests.integration.test_http import scrape, value
 from kvcached.server.lookup import MAX_LOOKUP_BODY_BYTES, MAX_LOOKUP_TOKENS
 
 SALT = "tenant-a"
@@ -57,7 +55,7 @@ class Cached:
             engine.connector.save("r", tokens, rng.permutation(N)[: len(tokens) // P])
             engine.connector.request_finished("r")
             engine.settle()
-        wait_for(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 10,
+        wait_until(lambda: value(scrape(self.url), "kvcached_io_published_pages_total", direction="h2s") == 10, 20.0,
                  "10 pages to reach L3")
 
     def close(self) -> None:
@@ -70,7 +68,7 @@ def cached():
     daemon = DaemonProcess().start()
     done = None
     try:
-        done = Cached(daemon, seed=int(os.environ.get(SEED_VARIABLE) or secrets.randbits(31)))
+        done = Cached(daemon, seed=fresh_seed(31))
         yield daemon, done
     finally:
         if done is not None:
