@@ -7,23 +7,12 @@ Design notes
 - Each node holds, per tier, its page ids (None = not resident), a ref count and an LRU time.
   Residency is prefix-closed (a node resident in a tier has its parent resident there; the root
   counts as resident everywhere), so a tier's hit is the resident run from the root down.
-- Ref counts: lock() adds one to a node and all its ancestors, so a parent's count is >= each
-  child's and a node with ref_count 0 has a whole subtree with ref_count 0 in that tier.
+- Per tier, the pages held, locked (ref counts) and reused are kept by ``tier_pages.py``.
 - Splitting keeps the original node object as the LOWER (deeper) half and inserts a new upper
   node above it. A caller that holds a node (e.g. locked through a lease) therefore still holds
   the node that ends where it ended, and its heap entries stay valid.
-- Eviction knows reuse (S3-FIFO's idea on a tree of leaves): a node resident in a tier is
-  "reused" there once a match hits it (insertion is not use). Leaves never reused go first, oldest
-  first, so a flood of one-use prompts churns among themselves; reused leaves go first only while
-  reused pages exceed MAIN_SHARE of the tier's pages (or nothing else is evictable), so old
-  reuse cannot hold the whole tier and a new working set still gets room to be reused. The flag
-  outlives residency while the node stays in the tree (L3 or children keep it): a prefix reused
-  before comes back to L2 as reused (S3-FIFO's ghost queue, for free).
-- Eviction uses one lazy min-heap per tier and class (never reused, reused) of (last_access, seq,
-  node). Invariant: every node that is evictable in a tier has an entry in its class's heap whose
-  time equals its current last_access there; stale entries (an older time, or the other class)
-  are skipped when popped, and a heap is rebuilt once it holds many more entries than the tree
-  has nodes.
+- Eviction (``eviction.py``): a reuse-aware LRU over each tier's unlocked leaves; the tree tells
+  it of every node that may have become evictable, been touched or been reused.
 - Peer residency (``residency.py``) lives on the nodes too: ``node.peer`` maps an engine to its
   (block, epoch) per page of the node. The tree makes the paths it needs (``grow_path``), splits
   its entries with the node (telling ``on_peer_moved`` which blocks went to the upper half) and
@@ -33,80 +22,20 @@ Design notes
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import operator
 import time
-from typing import Callable, Collection, Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
+from kvcached.core.eviction import EvictionOrder
+from kvcached.core.tier_pages import TierPages
 from kvcached.core.tiers import IntegrityError, Tier
+from kvcached.core.tree_integrity import check_nodes
+from kvcached.core.tree_node import InsertResult, MatchResult, ResidentPages, TreeNode, subtree
 from proto.tokens import TOKEN_BYTES, TOKEN_DTYPE, page_aligned, token_array
 
-MAIN_SHARE = 0.9         # of a tier's pages, reused pages above which reused leaves are evicted first
-
-
-class TreeNode:
-    __slots__ = ("parent", "children", "key", "num_pages", "page_ids", "ref_count",
-                 "last_access", "reused", "num_resident_children", "peer")
-
-    def __init__(self, parent: TreeNode | None, key: bytes, num_pages: int,
-                 tiers: Sequence[Tier], now: float):
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.key = key
-        self.num_pages = num_pages
-        self.page_ids: dict[Tier, list[int] | None] = dict.fromkeys(tiers)
-        self.ref_count: dict[Tier, int] = dict.fromkeys(tiers, 0)
-        self.last_access: dict[Tier, float] = dict.fromkeys(tiers, now)
-        self.reused: dict[Tier, bool] = dict.fromkeys(tiers, False)     # hit by a match in the tier
-        # Children resident in each tier; a node with none is a leaf for that tier's eviction.
-        self.num_resident_children: dict[Tier, int] = dict.fromkeys(tiers, 0)
-        # owner -> int64 [num_pages, 2]: (block id, epoch) per page, block -1 where it holds none
-        self.peer: dict[int, np.ndarray] | None = None
-
-    def path(self) -> bytes:
-        """The token bytes of the path from the root through this node (whole pages)."""
-        keys = []
-        node: TreeNode | None = self
-        while node is not None:
-            keys.append(node.key)
-            node = node.parent
-        return b"".join(reversed(keys))
-
-    def holds_nothing(self) -> bool:
-        return self.peer is None and all(ids is None for ids in self.page_ids.values())
-
-    def is_resident(self, tier: Tier) -> bool:
-        return self.page_ids[tier] is not None
-
-    def __repr__(self) -> str:
-        resident = ",".join(t.label for t, ids in self.page_ids.items() if ids is not None)
-        return f"TreeNode(num_pages={self.num_pages}, resident=[{resident}])"
-
-
-class MatchResult(NamedTuple):
-    hit_tokens: dict[Tier, int]
-    page_ids: dict[Tier, list[int]]
-    last_node: dict[Tier, TreeNode | None]
-    matched_tokens: int
-    # Per tier, the LRU time of the deepest hit node before this match touched it (None: no hit):
-    # when the prefix was last used there.
-    previous_access: dict[Tier, float | None] = {}
-
-
-class ResidentPages(NamedTuple):
-    page_ids: np.ndarray        # int64
-    last_access: np.ndarray     # float64: the LRU time of each page's node
-    locked: np.ndarray          # bool: its node's ref count is > 0
-    reused: np.ndarray          # bool: its node was hit by a match in the tier
-
-
-class InsertResult(NamedTuple):
-    new_pages: int
-    duplicate_page_ids: list[int]
-    last_node: TreeNode | None
+__all__ = ["InsertResult", "MatchResult", "PrefixTree", "ResidentPages", "TreeNode"]
 
 
 class PrefixTree:
@@ -128,19 +57,12 @@ class PrefixTree:
         self.tiers = tiers
         self._clock = clock
         self._page_bytes = page_size * TOKEN_BYTES
-        self._on_l2_root = on_l2_root
-        self._on_residency = on_residency
         self._root = TreeNode(None, b"", 0, tiers, clock())
         for tier in tiers:
             self._root.page_ids[tier] = []    # the root holds no pages but counts as resident
         self._num_nodes = 0                   # excluding the root
-        self._owned_page_ids: dict[Tier, set[int]] = {t: set() for t in tiers}
-        self._num_protected_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
-        # (tier, reused) -> the lazy min-heap of that class's evictable leaves
-        self._evict_heaps: dict[tuple[Tier, bool], list[tuple[float, int, TreeNode]]] = {
-            (t, reused): [] for t in tiers for reused in (False, True)}
-        self._num_reused_pages: dict[Tier, int] = dict.fromkeys(tiers, 0)
-        self._heap_seq = itertools.count()
+        self._pages = TierPages(tiers, self._root, self._page_bytes, on_l2_root, on_residency)
+        self._eviction = EvictionOrder(tiers, self.nodes, lambda: self._num_nodes)
         # Told (owner, block ids, node) as a split moves peer entries to the new upper node.
         self.on_peer_moved: Callable[[int, list[int], TreeNode], None] | None = None
 
@@ -161,18 +83,18 @@ class PrefixTree:
         return self._num_nodes
 
     def owned_pages(self, tier: Tier) -> int:
-        return len(self._owned_page_ids[tier])
+        return self._pages.owned_pages(tier)
 
     def protected_pages(self, tier: Tier) -> int:
         """Resident pages with ref_count > 0 in `tier`: these cannot be evicted."""
-        return self._num_protected_pages[tier]
+        return self._pages.protected_pages(tier)
 
     def evictable_pages(self, tier: Tier) -> int:
         """Resident pages with ref_count 0: all of them can be freed by evict() (leaves first)."""
-        return len(self._owned_page_ids[tier]) - self._num_protected_pages[tier]
+        return self._pages.owned_pages(tier) - self._pages.protected_pages(tier)
 
     def reused_pages(self, tier: Tier) -> int:
-        return self._num_reused_pages[tier]
+        return self._pages.reused_pages(tier)
 
     def oldest_evictable_access(self, tier: Tier) -> float | None:
         """The LRU time of the leaf evict() would free first; None when nothing is evictable."""
@@ -183,22 +105,7 @@ class PrefixTree:
         """(reused, LRU time) of the leaf evict() would free first; None when nothing is evictable.
         Ranks order pages by what evict() keeps longer: never reused before reused, then older
         before newer (while reused pages are within MAIN_SHARE of the tier)."""
-        never = self._heap_top(tier, False)
-        reused = self._heap_top(tier, True)
-        if reused is not None and (never is None or self._num_reused_pages[tier] > MAIN_SHARE * len(
-                self._owned_page_ids[tier])):
-            return True, reused
-        return None if never is None else (False, never)
-
-    def _heap_top(self, tier: Tier, reused: bool) -> float | None:
-        """The LRU time of the first current entry of a class's heap, stale ones dropped."""
-        heap = self._evict_heaps[tier, reused]
-        while heap:
-            last_access, _, node = heap[0]
-            if self._is_current(last_access, node, tier, reused):
-                return last_access
-            heapq.heappop(heap)               # stale: an evictable node always has a current entry
-        return None
+        return self._eviction.next_rank(tier, self._pages.owned_pages(tier), self._pages.reused_pages(tier))
 
     def resident_pages(self, tier: Tier) -> ResidentPages:
         """Every page resident in `tier` with its node's LRU time, whether it is locked and reused."""
@@ -270,9 +177,8 @@ class PrefixTree:
                 end_bytes += len(path_node.key)
                 if touch:
                     path_node.last_access[tier] = now
-                    if not path_node.reused[tier] and end_bytes > own_bytes:
-                        path_node.reused[tier] = True
-                        self._num_reused_pages[tier] += path_node.num_pages
+                    if end_bytes > own_bytes:
+                        self._pages.mark_reused(path_node, tier)
                 deepest = path_node
             hit_tokens[tier] = len(tier_page_ids) * self.page_size
             page_ids[tier] = tier_page_ids
@@ -281,35 +187,20 @@ class PrefixTree:
             if deepest is not None and touch:
                 # Only the deepest hit node can be evictable: each shallower one has a resident
                 # child on the path. Its LRU time (and maybe its class) changed: a fresh entry.
-                self._push_if_evictable(deepest, tier)
+                self._eviction.push_if_evictable(deepest, tier)
         return MatchResult(hit_tokens, page_ids, last_node, pos // TOKEN_BYTES, previous_access)
 
     # ---- lock / unlock -------------------------------------------------------------------
 
     def lock(self, node: TreeNode, tier: Tier) -> None:
         """Protect node and its ancestors in `tier` from eviction (ref_count += 1)."""
-        self._check_lockable(node, tier)
-        current = node
-        while current is not None:
-            current.ref_count[tier] += 1
-            if current.ref_count[tier] == 1:
-                self._num_protected_pages[tier] += current.num_pages
-            current = current.parent
+        self._pages.lock(node, self._check_tier(tier))
 
     def unlock(self, node: TreeNode, tier: Tier) -> None:
         """Undo one lock(); ValueError (nothing changed) if the node is not locked."""
-        self._check_lockable(node, tier)
-        # Ancestors' counts are >= the node's, so checking the node covers the whole path.
-        if node.ref_count[tier] < 1:
-            raise ValueError(f"unlock of a node that is not locked in {tier.label}")
-        current = node
-        while current is not None:
-            current.ref_count[tier] -= 1
-            if current.ref_count[tier] == 0:
-                self._num_protected_pages[tier] -= current.num_pages
-            current = current.parent
+        self._pages.unlock(node, self._check_tier(tier))
         # Ancestors keep a resident child (this path), so only the node itself can become evictable.
-        self._push_if_evictable(node, tier)
+        self._eviction.push_if_evictable(node, tier)
 
     def resident_nodes(self) -> Iterator[tuple[TreeNode, Tier]]:
         """Every (node, tier) the node is resident in, each parent before its children."""
@@ -341,14 +232,7 @@ class PrefixTree:
             raise ValueError(f"token_ids cover {len(data) // page_bytes} pages, "
                              f"insert needs {total_pages}")
         data = data[:total_pages * page_bytes]
-        if any(p < 0 for p in new_page_ids):
-            raise ValueError("page ids must be >= 0")
-        if len(set(new_page_ids)) != len(new_page_ids):
-            raise ValueError("page ids repeated in one insert")
-        owned = self._owned_page_ids[tier]
-        already_owned = [p for p in new_page_ids if p in owned]
-        if already_owned:
-            raise ValueError(f"page ids already owned by the tree in {tier.label}: {already_owned[:8]}")
+        self._pages.check_new_page_ids(tier, new_page_ids)
         resident_pages = self._resident_prefix_pages(data, tier, start_page)
         if resident_pages < start_page:
             raise ValueError(f"prefix of {start_page} pages is not resident in {tier.label} "
@@ -369,7 +253,7 @@ class PrefixTree:
                 child = TreeNode(node, data[pos:], total_pages - page, self.tiers, now)
                 node.children[data[pos:pos + page_bytes]] = child
                 self._num_nodes += 1
-                self._make_resident(child, tier, new_page_ids[page - start_page:])
+                self._pages.make_resident(child, tier, new_page_ids[page - start_page:])
                 new_pages += total_pages - page
                 node = child
                 break
@@ -384,7 +268,7 @@ class PrefixTree:
                     duplicate_page_ids.extend(new_page_ids[first_ours:end_ours])
             else:
                 # A node not resident in `tier` lies wholly at or after start_page (validated).
-                self._make_resident(
+                self._pages.make_resident(
                     child, tier, new_page_ids[page - start_page:page - start_page + num_common])
                 new_pages += num_common
             child.last_access[tier] = now
@@ -393,7 +277,7 @@ class PrefixTree:
         node.last_access[tier] = now
         # Every other node on the path has a resident child (the next one), so only the last
         # node can be evictable, and its LRU time just changed.
-        self._push_if_evictable(node, tier)
+        self._eviction.push_if_evictable(node, tier)
         return InsertResult(new_pages, duplicate_page_ids, node)
 
     def insert_child(self, parent: TreeNode | None, tier: Tier, key: bytes,
@@ -415,17 +299,12 @@ class PrefixTree:
             raise ValueError(f"parent {parent!r} is not in the tree, resident in {tier.label}")
         if key[:page_bytes] in parent.children:
             raise ValueError("the parent has a child starting with that page already")
-        if len(set(new_page_ids)) != num_pages or any(p < 0 for p in new_page_ids):
-            raise ValueError("page ids must be distinct and >= 0")
-        owned = self._owned_page_ids[tier]
-        already_owned = [p for p in new_page_ids if p in owned]
-        if already_owned:
-            raise ValueError(f"page ids already owned by the tree in {tier.label}: {already_owned[:8]}")
+        self._pages.check_new_page_ids(tier, new_page_ids)
         node = TreeNode(parent, key, num_pages, self.tiers, self._clock())
         parent.children[key[:page_bytes]] = node
         self._num_nodes += 1
-        self._make_resident(node, tier, new_page_ids)
-        self._push_if_evictable(node, tier)
+        self._pages.make_resident(node, tier, new_page_ids)
+        self._eviction.push_if_evictable(node, tier)
         return node
 
     # ---- evict ---------------------------------------------------------------------------
@@ -439,22 +318,14 @@ class PrefixTree:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         freed: list[int] = []
         while len(freed) < num_pages:
-            rank = self.next_eviction_rank(tier)
-            if rank is None:
+            node = self._eviction.pop(tier, self._pages.owned_pages(tier), self._pages.reused_pages(tier))
+            if node is None:
                 break
-            _, _, node = heapq.heappop(self._evict_heaps[tier, rank[0]])     # current: next_eviction_rank said so
-            node_page_ids = node.page_ids[tier]
-            if node.reused[tier]:
-                self._num_reused_pages[tier] -= node.num_pages
-            freed.extend(node_page_ids)
-            self._owned_page_ids[tier].difference_update(node_page_ids)
-            node.page_ids[tier] = None
             parent = node.parent
-            parent.num_resident_children[tier] -= 1
-            self._residency_changed(node, tier, -1)
+            freed.extend(self._pages.clear(node, tier))
             self.remove_if_empty(node)
             if parent is not self._root:
-                self._push_if_evictable(parent, tier)
+                self._eviction.push_if_evictable(parent, tier)
         return freed
 
     # ---- discard -------------------------------------------------------------------------
@@ -532,20 +403,14 @@ class PrefixTree:
             current = stack.pop()
             if current.page_ids[tier] is None:
                 continue
-            freed.extend(current.page_ids[tier])
-            self._owned_page_ids[tier].difference_update(current.page_ids[tier])
-            if current.reused[tier]:
-                self._num_reused_pages[tier] -= current.num_pages
-            current.page_ids[tier] = None
-            current.parent.num_resident_children[tier] -= 1
-            self._residency_changed(current, tier, -1)
+            freed.extend(self._pages.clear(current, tier))
             cleared.append(current)
             stack.extend(current.children.values())
         parent = target.parent
         for current in reversed(cleared):       # deepest first: a node goes once its children have
             self.remove_if_empty(current)
         if parent is not self._root and parent.parent is not None:
-            self._push_if_evictable(parent, tier)
+            self._eviction.push_if_evictable(parent, tier)
         return freed
 
     # ---- paths made for peer residency (residency.py) -----------------------------------------
@@ -578,86 +443,13 @@ class PrefixTree:
 
     def check_integrity(self) -> dict[Tier, set[int]]:
         """Check every invariant from scratch; returns the page ids the tree owns per tier."""
-        root = self._root
-        page_bytes = self._page_bytes
-        if root.parent is not None or root.key != b"" or root.num_pages != 0:
-            raise IntegrityError("root must have no parent, no key and no pages")
-        owned: dict[Tier, set[int]] = {t: set() for t in self.tiers}
-        protected = dict.fromkeys(self.tiers, 0)
-        reused_pages = dict.fromkeys(self.tiers, 0)
-        num_page_ids = dict.fromkeys(self.tiers, 0)
-        num_nodes = 0
-        for node in self.nodes():
-            num_resident_children = dict.fromkeys(self.tiers, 0)
-            for map_key, child in node.children.items():
-                if child.parent is not node:
-                    raise IntegrityError(f"{child!r} is in a child map but its parent link differs")
-                if child.key[:page_bytes] != map_key:
-                    raise IntegrityError(f"{child!r} is keyed by bytes other than its first page")
-                for tier in self.tiers:
-                    if child.page_ids[tier] is not None:
-                        num_resident_children[tier] += 1
-            if node.num_resident_children != num_resident_children:
-                raise IntegrityError(f"{node!r} counts resident children {node.num_resident_children}"
-                                     f", recount gives {num_resident_children}")
-            for tier in self.tiers:
-                if node.ref_count[tier] < 0:
-                    raise IntegrityError(f"{node!r} has negative ref_count in {tier.label}")
-            if node is root:
-                for tier in self.tiers:
-                    if node.page_ids[tier] != []:
-                        raise IntegrityError("root must be resident with no pages in every tier")
-                continue
-            num_nodes += 1
-            parent = node.parent
-            if parent is None or parent.children.get(node.key[:page_bytes]) is not node:
-                raise IntegrityError(f"{node!r} is not in its parent's child map")
-            if node.num_pages < 1 or len(node.key) != node.num_pages * page_bytes:
-                raise IntegrityError(f"{node!r} key of {len(node.key)} bytes is not "
-                                     f"num_pages * {page_bytes} with num_pages >= 1")
-            if not node.children and node.holds_nothing():
-                raise IntegrityError(f"{node!r} is empty: no residency and no children")
-            for owner, held in (node.peer or {}).items():
-                if held.shape != (node.num_pages, 2) or not (held[:, 0] >= 0).any():
-                    raise IntegrityError(f"{node!r} holds a malformed or empty peer entry of owner {owner}")
-            for tier in self.tiers:
-                node_page_ids = node.page_ids[tier]
-                if node.ref_count[tier] > parent.ref_count[tier]:
-                    raise IntegrityError(f"{node!r} ref_count exceeds its parent's in {tier.label}")
-                if node_page_ids is None:
-                    if node.ref_count[tier] != 0:
-                        raise IntegrityError(f"{node!r} is locked in {tier.label} but not resident")
-                    continue
-                if parent.page_ids[tier] is None:
-                    raise IntegrityError(f"{node!r} is resident in {tier.label} but its parent is not")
-                if len(node_page_ids) != node.num_pages:
-                    raise IntegrityError(f"{node!r} has {len(node_page_ids)} page ids in "
-                                         f"{tier.label} for {node.num_pages} pages")
-                if node_page_ids and min(node_page_ids) < 0:
-                    raise IntegrityError(f"{node!r} holds a negative page id in {tier.label}")
-                # Summing lengths and comparing with the set size finds repeats in one pass.
-                owned[tier].update(node_page_ids)
-                num_page_ids[tier] += len(node_page_ids)
-                if node.ref_count[tier] > 0:
-                    protected[tier] += node.num_pages
-                if node.reused[tier]:
-                    reused_pages[tier] += node.num_pages
-        if num_nodes != self._num_nodes:
-            raise IntegrityError(f"num_nodes {self._num_nodes} != recount {num_nodes}")
+        recount = check_nodes(self._root, self.tiers, self._page_bytes)
+        if recount.num_nodes != self._num_nodes:
+            raise IntegrityError(f"num_nodes {self._num_nodes} != recount {recount.num_nodes}")
+        self._pages.check(recount)
         for tier in self.tiers:
-            if len(owned[tier]) != num_page_ids[tier]:
-                raise IntegrityError(f"{num_page_ids[tier] - len(owned[tier])} page ids appear "
-                                     f"more than once in {tier.label}")
-            if owned[tier] != self._owned_page_ids[tier]:
-                raise IntegrityError(f"owned page ids of {tier.label} disagree with a recount")
-            if protected[tier] != self._num_protected_pages[tier]:
-                raise IntegrityError(f"protected pages of {tier.label}: {self._num_protected_pages[tier]}"
-                                     f" != recount {protected[tier]}")
-            if reused_pages[tier] != self._num_reused_pages[tier]:
-                raise IntegrityError(f"reused pages of {tier.label}: {self._num_reused_pages[tier]}"
-                                     f" != recount {reused_pages[tier]}")
-            self._check_evict_heap(tier)
-        return owned
+            self._eviction.check(tier)
+        return recount.owned_page_ids
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -718,23 +510,6 @@ class PrefixTree:
             self._num_nodes -= 1
         return upper
 
-    def _make_resident(self, node: TreeNode, tier: Tier, page_ids: list[int]) -> None:
-        assert node.page_ids[tier] is None and len(page_ids) == node.num_pages
-        node.page_ids[tier] = page_ids
-        self._owned_page_ids[tier].update(page_ids)
-        if node.reused[tier]:                  # reused while it was here before (the node stayed)
-            self._num_reused_pages[tier] += node.num_pages
-        node.parent.num_resident_children[tier] += 1
-        self._residency_changed(node, tier, 1)
-
-    def _residency_changed(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        """Node's residency in tier changed by delta: reported to on_residency, and to on_l2_root
-        where it is a path's first page in L2."""
-        if self._on_residency is not None:
-            self._on_residency(node, tier, delta)
-        if tier is Tier.L2 and node.parent is self._root and self._on_l2_root is not None:
-            self._on_l2_root(node.key[:self._page_bytes], delta)
-
     def remove_if_empty(self, node: TreeNode) -> None:
         """Drop node, then its emptied ancestors, while they hold nothing in any tier. A node
         dropped already (with a child that emptied it) has no parent: nothing to do."""
@@ -745,43 +520,8 @@ class PrefixTree:
             self._num_nodes -= 1
             node = parent
 
-    def _is_evictable(self, node: TreeNode, tier: Tier) -> bool:
-        return (node.parent is not None and node.page_ids[tier] is not None
-                and node.ref_count[tier] == 0 and node.num_resident_children[tier] == 0)
-
-    def _is_current(self, last_access: float, node: TreeNode, tier: Tier, reused: bool) -> bool:
-        """Whether a heap entry of this class stands for the node as it is now."""
-        return last_access == node.last_access[tier] and node.reused[tier] == reused and self._is_evictable(node, tier)
-
-    def _push_if_evictable(self, node: TreeNode, tier: Tier) -> None:
-        if not self._is_evictable(node, tier):
-            return
-        reused = node.reused[tier]
-        heap = self._evict_heaps[tier, reused]
-        heapq.heappush(heap, (node.last_access[tier], next(self._heap_seq), node))
-        if len(heap) > 2 * self._num_nodes + 64:
-            self._rebuild_evict_heap(tier, reused)
-
-    def _rebuild_evict_heap(self, tier: Tier, reused: bool) -> None:
-        heap = [(node.last_access[tier], next(self._heap_seq), node) for node in self.nodes()
-                if self._is_evictable(node, tier) and node.reused[tier] == reused]
-        heapq.heapify(heap)
-        self._evict_heaps[tier, reused] = heap
-
-    def _check_evict_heap(self, tier: Tier) -> None:
-        fresh = {id(node) for reused in (False, True) for last_access, _, node in self._evict_heaps[tier, reused]
-                 if self._is_current(last_access, node, tier, reused)}
-        for node in self.nodes():
-            if self._is_evictable(node, tier) and id(node) not in fresh:
-                raise IntegrityError(f"evictable {node!r} has no current entry in the "
-                                     f"{tier.label} eviction heap")
-
     def nodes(self) -> Iterator[TreeNode]:
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return subtree(self._root)
 
     def _resident_prefix_pages(self, data: bytes, tier: Tier, limit_pages: int) -> int:
         """Pages of data's prefix resident in `tier`, counted up to at least limit_pages (no mutation)."""
@@ -803,10 +543,3 @@ class PrefixTree:
         if tier not in self.tiers:
             raise ValueError(f"tier {tier!r} is not one of this tree's tiers {self.tiers}")
         return Tier(tier)
-
-    def _check_lockable(self, node: TreeNode, tier: Tier) -> None:
-        self._check_tier(tier)
-        if node is self._root:
-            raise ValueError("the root cannot be locked or unlocked")
-        if node.parent is None or node.page_ids[tier] is None:
-            raise ValueError(f"{node!r} is not resident in {tier.label} (or not in the tree)")

@@ -386,7 +386,7 @@ def test_eviction_heap_stays_bounded_under_repeated_matches(rng):
         tree.insert(tokens, L2, _page_ids(rng, 3, low=i * 100_000))
     for i in range(5000):
         tree.match(sequences[i % 10])
-    assert all(len(heap) <= 2 * tree.num_nodes + 64 for heap in tree._evict_heaps.values())
+    assert all(len(heap) <= 2 * tree.num_nodes + 64 for heap in tree._eviction._heaps.values())
     tree.check_integrity()
 
 
