@@ -118,16 +118,11 @@ class PeerResidency:
     def hits(self, token_ids, owners) -> dict[int, PeerHit]:
         """Per owner among ``owners`` that holds any, its blocks for the leading pages of token_ids
         (whole pages, from the first: up to its first page not held). Changes nothing."""
-        data = self._tree.token_bytes(token_ids)
-        page_bytes = self._tree.page_bytes
         running = {owner: ([], []) for owner in owners if self._block_nodes.get(owner)}
         done: dict[int, tuple[list[int], list[int]]] = {}
-        node, pos = self._tree.root, 0
-        while running and pos < len(data):
-            child = node.children.get(data[pos:pos + page_bytes])
-            if child is None:
+        for child, _, common in self._tree.walk(self._tree.token_bytes(token_ids)):
+            if not running:
                 break
-            common = min(self._tree.num_common_pages(data, pos, child.key), child.num_pages)
             for owner in list(running):
                 held = child.peer.get(owner) if child.peer is not None else None
                 if held is None:
@@ -140,10 +135,6 @@ class PeerResidency:
                 running[owner][1].extend(part[:count, 1].tolist())
                 if count < common:
                     done[owner] = running.pop(owner)
-            if common < child.num_pages:
-                break
-            pos += common * page_bytes
-            node = child
         done.update(running)
         return {owner: PeerHit(blocks, epochs) for owner, (blocks, epochs) in done.items() if blocks}
 

@@ -341,24 +341,15 @@ class PrefixTree:
         page_bytes = self._page_bytes
         if not 0 <= from_page < len(data) // page_bytes:
             return []
-        node, page = self._root, 0
-        while True:
-            pos = page * page_bytes
-            child = node.children.get(data[pos:pos + page_bytes])
-            if child is None:
-                return []
-            num_common = self.num_common_pages(data, pos, child.key)
-            if page + child.num_pages <= from_page:
-                if num_common < child.num_pages:
-                    return []
-                node, page = child, page + child.num_pages
-                continue
-            if num_common <= from_page - page:
-                return []
-            if from_page > page:
-                self._split(child, from_page - page)      # child stays the lower half, from from_page on
-            target = child
-            break
+        for target, page, num_common in self.walk(data):
+            if page + target.num_pages > from_page:
+                break
+        else:
+            return []
+        if num_common <= from_page - page:
+            return []
+        if from_page > page:
+            self._split(target, from_page - page)      # target stays the lower half, from from_page on
         # A parent's ref count is >= each child's, so an unlocked target has an unlocked subtree.
         if target.page_ids[tier] is None or target.ref_count[tier] > 0:
             return []
@@ -523,21 +514,31 @@ class PrefixTree:
     def nodes(self) -> Iterator[TreeNode]:
         return subtree(self._root)
 
+    def walk(self, data: bytes) -> Iterator[tuple[TreeNode, int, int]]:
+        """The nodes data's path (token bytes, whole pages) enters from the root down, each with
+        its first page and the pages data shares with it; the walk ends at the first node data
+        shares only partly. Changes nothing."""
+        page_bytes = self._page_bytes
+        node, pos = self._root, 0
+        while pos < len(data):
+            child = node.children.get(data[pos:pos + page_bytes])
+            if child is None:
+                return
+            num_common = self.num_common_pages(data, pos, child.key)
+            yield child, pos // page_bytes, num_common
+            if num_common < child.num_pages:
+                return
+            pos += num_common * page_bytes
+            node = child
+
     def _resident_prefix_pages(self, data: bytes, tier: Tier, limit_pages: int) -> int:
         """Pages of data's prefix resident in `tier`, counted up to at least limit_pages (no mutation)."""
-        page_bytes = self._page_bytes
-        node = self._root
-        pos = 0
-        while pos < limit_pages * page_bytes:
-            child = node.children.get(data[pos:pos + page_bytes])
-            if child is None or child.page_ids[tier] is None:
+        num_pages = 0
+        for node, page, num_common in self.walk(data):
+            if page >= limit_pages or node.page_ids[tier] is None:
                 break
-            num_common = self.num_common_pages(data, pos, child.key)
-            pos += num_common * page_bytes
-            if num_common < child.num_pages:
-                break
-            node = child
-        return pos // page_bytes
+            num_pages = page + num_common
+        return num_pages
 
     def _check_tier(self, tier: Tier) -> Tier:
         if tier not in self.tiers:

@@ -131,12 +131,9 @@ def test_a_router_peek_needs_no_session_and_changes_nothing():
     assert state.peek(ids(prefix), model_id="other") == []
     assert state.peek(ids(prefix), geometry=dataclasses.replace(GEOMETRY, tp_size=2)) == []
 
-    stack, num_nodes = list(namespace.tree._root.children.values()), 0
-    while stack:
-        node = stack.pop()
+    nodes = [node for node in namespace.tree.nodes() if node is not namespace.tree.root]
+    for node in nodes:
         assert (node.last_access[Tier.L2], node.reused[Tier.L2], node.ref_count[Tier.L2]) == (backed_up_at, False, 0)
-        stack.extend(node.children.values())
-        num_nodes += 1
-    assert num_nodes == 2          # split at the 3-page hit: the hit is made of whole nodes
+    assert len(nodes) == 2          # split at the 3-page hit: the hit is made of whole nodes
     assert (state.metrics.snapshot(), len(state.leases)) == before
     state.check_integrity()
