@@ -15,10 +15,15 @@ Two backends with the same semantics and the same checks:
     tensors it runs under the Triton interpreter (tests). The page count is not specialised on,
     so a new size compiles nothing (warm once per layout).
   * torch: one ``index_select`` / ``index_copy_`` per segment on views of the engine's tensors.
+
+``choose_backends``: which one a transfer engine uses per direction ("auto": on CUDA, the faster
+of the two on the engine's layout, timed once at its construction).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -33,10 +38,14 @@ except ImportError:  # the torch backend works without triton
     tl = None
 
 
+logger = logging.getLogger(__name__)
+
 MAX_BLOCK_WORDS = 1024          # elements a program moves: larger blocks gather faster on a GPU than 256
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_Y = 65535
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_AUTO_TIMING_PAGES = 64
+_AUTO_TIMING_REPEATS = 3
 
 
 def triton_available() -> bool:
@@ -301,3 +310,59 @@ class Backend(NamedTuple):
 BACKENDS: dict[str, Backend] = {"torch": Backend(gather_torch, scatter_torch, copy_blocks_torch)}
 if triton is not None:
     BACKENDS["triton"] = Backend(gather_triton, scatter_triton, copy_blocks_triton)
+
+
+def choose_backends(backend: str, table: SegmentTable, group_tables: Sequence[SegmentTable],
+                    workspace: torch.Tensor) -> dict[str, str]:
+    """The backend of each direction: ``backend`` for both unless "auto"; "auto": torch on CPU or
+    without triton (Triton runs interpreted there, for tests, far slower), else the faster of the
+    two on this layout, timed (``time_backends``). ``workspace``: packed pages of ``table``, free
+    to be overwritten."""
+    if backend != "auto":
+        return {"save": backend, "load": backend}
+    if table.device.type != "cuda" or not triton_available():
+        return {"save": "torch", "load": "torch"}
+    return time_backends(table, group_tables, workspace)
+
+
+def time_backends(table: SegmentTable, group_tables: Sequence[SegmentTable], workspace: torch.Tensor) -> dict[str, str]:
+    """Time the gather (every segment of ``table`` at once, as a save) and the scatter (table by
+    table of ``group_tables``, as a layered load) of both backends, the host's launches included;
+    keep the faster per direction. The scatters write back the bytes just gathered from the same
+    blocks (the engine's KV is left as it was)."""
+    device = table.device
+    num_pages = min(_AUTO_TIMING_PAGES, workspace.shape[0], table.num_blocks)
+    ids = torch.arange(num_pages, dtype=torch.int32, device=device)
+    packed = workspace[:num_pages]
+    workspace_words = workspace.view(-1)
+    # Each group's packed pages, side by side in the same num_pages pages of workspace.
+    group_packed, offset = [], 0
+    for group_table in group_tables:
+        words = num_pages * group_table.num_segments * group_table.segment_words
+        group_packed.append(workspace_words[offset: offset + words].view(group_table.packed_shape(num_pages)))
+        offset += words
+    seconds: dict[tuple[str, str], float] = {}
+
+    def timed(run) -> float:
+        run()                                   # compiles, and leaves nothing to the timing
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(_AUTO_TIMING_REPEATS):
+            run()
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    def scatter_groups(scatter) -> None:
+        for group_table, packed_group in zip(group_tables, group_packed):
+            scatter(group_table, packed_group, ids)
+
+    for name, (gather, scatter, _) in BACKENDS.items():
+        seconds[(name, "save")] = timed(lambda: gather(table, ids, packed))
+        for group_table, packed_group in zip(group_tables, group_packed):
+            gather(group_table, ids, packed_group)
+        # Each group's packed pages hold these blocks' own bytes: the scatters rewrite them unchanged.
+        seconds[(name, "load")] = timed(lambda: scatter_groups(scatter))
+    choice = {direction: min(BACKENDS, key=lambda name: seconds[(name, direction)]) for direction in ("save", "load")}
+    logger.info("transfer backends: %s (gather/scatter of %d pages: %s)", choice, num_pages,
+                {f"{n}/{d}": round(s / _AUTO_TIMING_REPEATS * 1e3, 4) for (n, d), s in seconds.items()})
+    return choice

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import time
 from typing import Any, Iterator, NamedTuple
 
@@ -48,18 +47,15 @@ import numpy as np
 import torch
 
 from engine_client import cudart
-from engine_client.block_copy import BACKENDS, SegmentTable, check_same_pages, triton_available
+from engine_client.block_copy import BACKENDS, SegmentTable, check_same_pages, choose_backends, triton_available
 from engine_client.layout import KVLayout
 from engine_client.shared_pool import SharedHostPool
 from proto import counters
 from proto.counters import Counts
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_WORKSPACE_BYTES = 256 << 20      # per lane
 TRANSFER_BACKENDS = ("auto", "triton", "torch")
 _ID_ALIGN = 4                            # 16-byte aligned id slices: one Triton specialisation
-_AUTO_TIMING_PAGES = 64
 # A load whose L2 pages lie in more runs than this goes whole (one DMA per run), not layer by
 # layer (a strided copy per run, layer and K/V): a fragmented L2 would take thousands of copies.
 LAYERWISE_MAX_RUNS = 8
@@ -68,7 +64,6 @@ LAYERWISE_MAX_RUNS = 8
 # of a layer waits for that layer's group.
 LOAD_GROUPS = 12
 _LOAD_SLOTS = 2          # a load's packed layer slots: the DMA of one while the other is scattered
-_AUTO_TIMING_REPEATS = 3
 
 
 class Transfer:
@@ -263,7 +258,8 @@ class KVTransfer:
         self.lanes = {"save": _Lane("save", self.table, workspace_pages, workspace_pages),
                       "load": _Lane("load", self.table, load_pages, layer_chunk_pages)}
         self.workspace_pages = workspace_pages
-        self.backend_by_direction = self._choose_backends(backend)
+        self.backend_by_direction = choose_backends(backend, self.table, self.group_tables,
+                                                    self.lanes["save"].workspace)
         self._gather = BACKENDS[self.backend_by_direction["save"]].gather
         self._scatter = BACKENDS[self.backend_by_direction["load"]].scatter
         self._copy_blocks = BACKENDS[self.backend_by_direction["load"]].copy_blocks
@@ -529,55 +525,6 @@ class KVTransfer:
         return event
 
     # ---- set-up -------------------------------------------------------------------------------
-
-    def _choose_backends(self, backend: str) -> dict[str, str]:
-        if backend != "auto":
-            return {"save": backend, "load": backend}
-        if self.device.type != "cuda" or not triton_available():
-            # On CPU Triton runs interpreted (for tests), far slower than torch.
-            return {"save": "torch", "load": "torch"}
-        return self._time_backends()
-
-    def _time_backends(self) -> dict[str, str]:
-        """Time the gather (all layers at once, as a save) and the scatter (group by group of
-        layers, as a layered load) of both backends on this layout, the host's launches included;
-        keep the faster per direction. The scatters write back the bytes just gathered from the
-        same blocks."""
-        lane = self.lanes["save"]
-        num_pages = min(_AUTO_TIMING_PAGES, lane.workspace_pages, self.layout.num_blocks)
-        ids = torch.arange(num_pages, dtype=torch.int32, device=self.device)
-        packed = lane.workspace[:num_pages]
-        # Each group's packed pages, side by side in the same num_pages pages of workspace.
-        group_packed, offset = [], 0
-        for table in self.group_tables:
-            words = num_pages * table.num_segments * table.segment_words
-            group_packed.append(lane.workspace_words[offset: offset + words].view(table.packed_shape(num_pages)))
-            offset += words
-        seconds: dict[tuple[str, str], float] = {}
-
-        def timed(run) -> float:
-            run()                                   # compiles, and leaves nothing to the timing
-            torch.cuda.synchronize(self.device)
-            started = time.perf_counter()
-            for _ in range(_AUTO_TIMING_REPEATS):
-                run()
-            torch.cuda.synchronize(self.device)
-            return time.perf_counter() - started
-
-        def scatter_groups(scatter) -> None:
-            for table, packed_group in zip(self.group_tables, group_packed):
-                scatter(table, packed_group, ids)
-
-        for name, (gather, scatter, _) in BACKENDS.items():
-            seconds[(name, "save")] = timed(lambda: gather(self.table, ids, packed))
-            for table, packed_group in zip(self.group_tables, group_packed):
-                gather(table, ids, packed_group)
-            # Each group's packed pages hold these blocks' own bytes: the scatters rewrite them unchanged.
-            seconds[(name, "load")] = timed(lambda: scatter_groups(scatter))
-        choice = {direction: min(BACKENDS, key=lambda name: seconds[(name, direction)]) for direction in ("save", "load")}
-        logger.info("transfer backends: %s (gather/scatter of %d pages: %s)", choice, num_pages,
-                    {f"{n}/{d}": round(s / _AUTO_TIMING_REPEATS * 1e3, 4) for (n, d), s in seconds.items()})
-        return choice
 
     def _warm(self) -> None:
         """Run each lane's path once on one page, so that the first real transfer compiles, finds
