@@ -1,9 +1,10 @@
 """Load and save through the engine connector, against a raw pinned DMA of the same bytes, in one loop.
 
 A seeded stream of requests (default 50) whose prefix lengths are drawn between 200 and 8,000
-tokens, no length twice. For each geometry (Qwen3-8B, Qwen3-32B, an 80-layer 2-KV-head one; bf16,
-16-token pages) and each L2 layout a daemon is started and one engine registers per-layer KV
-tensors ``[2, N, 16, H, 128]`` (vLLM's GPU layout) with a ``KVConnector``. Each request takes
+tokens, no length twice. For each geometry (Qwen3-8B, Qwen3-32B, an 80-layer 2-KV-head one with
+16-token pages, and one of few bytes per token: 28 layers, 4 KV heads, 32-token pages; bf16) and
+each L2 layout a daemon is started and one engine registers per-layer KV tensors
+``[2, N, page, H, 128]`` (vLLM's GPU layout) with a ``KVConnector``. Each request takes
 the reference engine's path: ``begin`` when it is admitted (its lookup, which is its match: the
 decision, the lease on the hit, the reservation for its saves, in one round trip), then, once the
 engine has its blocks, the load or the save. Per request, wall clock on the engine's thread:
@@ -14,6 +15,10 @@ engine has its blocks, the load or the save. Per request, wall clock on the engi
                ended (gather, DMAs, completion seen, commit sent)
     load       load(same tokens, other blocks) -> finished() until its LoadResult (DMAs, scatter,
                completion seen); then request_finished
+    seen_after_ms  (loads, on CUDA) the load's LoadResult taken minus the end of its copies (the
+               load's last event), on the host's clock: an event recorded on the idle stream at the
+               load's start maps the GPU's event times onto the host's (its own start, later than
+               that host time by a launch, counts against the path: the figure errs high)
 
 ``ms_with_lookup`` is the two together. ``--via load`` times the other way an engine may take (a
 lookup without a lease, then a load or save that sends the match itself): there ``ms`` includes
@@ -60,7 +65,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import percentile, print_table, write_result
 from bench.peer_owner import PeerOwner
 from engine_client.client import connect
 from engine_client.connector import ConnectorConfig, KVConnector
@@ -68,19 +73,21 @@ from kvcached.testing.daemon_proc import DaemonProcess
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
-GEOMETRIES = {                    # name -> (layers, KV heads per rank)
-    "qwen3-8b": (36, 8),
-    "qwen3-32b": (64, 8),
-    "80-layer-2-kv-heads": (80, 2),
+GEOMETRIES = {                    # name -> (layers, KV heads per rank, tokens per page)
+    "qwen3-8b": (36, 8, PAGE_SIZE),
+    "qwen3-32b": (64, 8, PAGE_SIZE),
+    "80-layer-2-kv-heads": (80, 2, PAGE_SIZE),
+    "28-layer-4-kv-heads-page-32": (28, 4, 32),
 }
-QUICK_GEOMETRIES = {"quick-4-layers": (4, 2), "quick-12-layers-1-kv-head": (12, 1)}
+QUICK_GEOMETRIES = {"quick-4-layers": (4, 2, PAGE_SIZE), "quick-12-layers-1-kv-head-page-32": (12, 1, 32)}
 TARGETS = {"contiguous": {"median": 0.85, "worst": 0.7}, "fragmented": {"median": 0.7}}
 ARENA_ALIGN_BYTES = 2 << 20
-COLUMNS = ["geometry", "tier", "layout", "direction", "tokens", "lookup_ms", "ms", "raw_dma_ms", "ratio", "first_of_size",
-           "l2_runs"]
+COLUMNS = ["geometry", "tier", "layout", "direction", "tokens", "lookup_ms", "ms", "raw_dma_ms", "ratio", "seen_after_ms",
+           "first_of_size", "l2_runs"]
 PEER_COLUMNS = ["geometry", "tier", "tokens", "lookup_ms", "ms", "transfer_ms", "raw_copy_ms", "raw_dma_ms", "speedup_vs_l2",
                 "first_of_size"]
 PEER_TARGET_TOKENS, PEER_TARGET_MS = 3500, 1.0
+SEEN_AFTER_TARGET_MS = 0.3        # a load's completion seen within this of its copies' end (p90; issue 42)
 
 
 def synchronize(device: torch.device) -> None:
@@ -116,14 +123,14 @@ class RawDma:
         return (time.perf_counter() - started) * 1e3
 
 
-def fragment_l2(socket_path: str, geometry, rng: np.random.Generator):
+def fragment_l2(socket_path: str, geometry, rng: np.random.Generator, page_size: int):
     """Take every L2 page of the namespace with a one-page lease, give back every other one; the
     client returned holds the rest for the run."""
     client = connect(socket_path, timeout_s=60.0, client_name="fragmenter")
     client.attach(geometry)
     page_to_lease = {}
     while True:
-        reply = client.match(rng.integers(1, 2**31 - 1, size=PAGE_SIZE, dtype=np.int32), reserve_backup=True)
+        reply = client.match(rng.integers(1, 2**31 - 1, size=page_size, dtype=np.int32), reserve_backup=True)
         if not reply.backup_page_ids:
             break
         page_to_lease[reply.backup_page_ids[0]] = reply.lease_id
@@ -145,34 +152,81 @@ def spin(done, what: str, timeout_s: float = 60.0) -> None:
             raise TimeoutError(f"timed out waiting for {what}")
 
 
-def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_counts: list[int],
+class CompletionClock:
+    """When a load's copies ended, on the host's clock (``seen_after_ms`` in the module note): keeps
+    the Transfer that the connector's ``transfer.load`` returns (the wrapper is the benchmark's,
+    the connector calls it as it would the method), and an event on the idle stream at the start."""
+
+    def __init__(self, connector: KVConnector, device: torch.device):
+        self.device = device
+        self.transfer = None
+        self.reference = None
+        queue = connector.transfer.load
+
+        def load(*args, **kwargs):
+            self.transfer = queue(*args, **kwargs)
+            return self.transfer
+
+        connector.transfer.load = load
+        self._wrapped = connector.transfer
+
+    def close(self) -> None:
+        """Take the wrapper out (it holds the transfer, whose view of the pool must go before the pool closes)."""
+        if self._wrapped is not None:
+            del self._wrapped.load
+            self._wrapped = self.transfer = None
+
+    def start(self) -> float:
+        """The host time of the load's start; the reference event recorded after it."""
+        self.transfer = None
+        self.reference = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
+        started = time.perf_counter()
+        if self.reference is not None:
+            self.reference.record()
+        return started
+
+    def times_ms(self, started: float, seen: float) -> dict[str, float]:
+        """``seen_after_ms``: from the end of the load's copies (its last event) to ``seen``;
+        ``copies_start_ms``: from ``started`` to the load lane's start; ``copies_ms``: from there
+        to the copies' end ({} on CPU)."""
+        transfer = self.transfer
+        if self.reference is None or transfer is None or transfer.done_event is None:
+            return {}
+        done_ms = self.reference.elapsed_time(transfer.done_event)
+        start_ms = self.reference.elapsed_time(transfer.start_event)
+        return {"seen_after_ms": round((seen - started) * 1e3 - done_ms, 4), "copies_start_ms": round(start_ms, 4),
+                "copies_ms": round(done_ms - start_ms, 4)}
+
+
+def run_case(name: str, num_layers: int, num_kv_heads: int, page_size: int, layout: str, token_counts: list[int],
              args, device: torch.device) -> list[dict]:
-    max_pages = max(token_counts) // PAGE_SIZE
-    bytes_per_page = 2 * num_layers * PAGE_SIZE * num_kv_heads * HEAD_DIM * 2
+    max_pages = max(token_counts) // page_size
+    bytes_per_page = 2 * num_layers * page_size * num_kv_heads * HEAD_DIM * 2
     pool_pages = (8 if layout == "fragmented" else 4) * max_pages + 16
     l2_bytes = math.ceil(pool_pages * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
     daemon = DaemonProcess(l2_size=str(l2_bytes), extra_args=(
         "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING")).start(timeout_s=120)
     rows = []
-    connector = holder = None
+    connector = holder = clock = None
     try:
         generator = torch.Generator(device=device).manual_seed(args.seed)
         num_blocks = 2 * max_pages + 8
-        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
+        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, page_size, num_kv_heads, HEAD_DIM),
                                  generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
                    for _ in range(num_layers)]
         config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, policy="always")
         connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-connector"),
-                                         tensors, "layer", model_id=name, page_size=PAGE_SIZE,
+                                         tensors, "layer", model_id=name, page_size=page_size,
                                          num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)
         assert connector.layout.page_bytes == bytes_per_page
         rng = np.random.default_rng(args.seed)
         if layout == "fragmented":
-            holder = fragment_l2(daemon.socket_path, connector.geometry, rng)
+            holder = fragment_l2(daemon.socket_path, connector.geometry, rng, page_size)
         raw = RawDma(max_pages * bytes_per_page, device)
+        clock = CompletionClock(connector, device)
         seen_pages: set[int] = set()
         for index, num_tokens in enumerate(token_counts):
-            num_pages = num_tokens // PAGE_SIZE
+            num_pages = num_tokens // page_size
             first_of_size = num_pages not in seen_pages
             seen_pages.add(num_pages)
             tokens = rng.integers(1, 2**31 - 1, size=num_tokens, dtype=np.int32)
@@ -195,11 +249,13 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
 
             synchronize(device)
             loads = []
-            load_lookup_ms = begin(connector, request, tokens, num_pages * PAGE_SIZE, args.via)
-            started = time.perf_counter()
-            connector.load(request, tokens, destination, num_pages * PAGE_SIZE)
+            load_lookup_ms = begin(connector, request, tokens, num_pages * page_size, args.via)
+            started = clock.start()
+            connector.load(request, tokens, destination, num_pages * page_size)
             spin(lambda: loads.extend(connector.finished().loads) or loads, "the load")
-            load_ms = (time.perf_counter() - started) * 1e3
+            seen = time.perf_counter()
+            load_ms = (seen - started) * 1e3
+            load_times = clock.times_ms(started, seen)
             l2_runs = num_runs(connector.leased_pages(request)[:num_pages])
             raw_load_ms = raw.ms("load", num_bytes)
             connector.request_finished(request)
@@ -214,6 +270,7 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
                              "ms": round(ms, 4), "raw_dma_ms": round(raw_ms, 4), "ratio": round(raw_ms / ms, 4),
                              "lookup_ms": round(lookup_ms, 4), "ms_with_lookup": round(ms + lookup_ms, 4),
                              "first_of_size": first_of_size, "pages": num_pages, "l2_runs": l2_runs})
+            rows[-1].update(load_times)
         spin(lambda: connector.poll() or not connector.num_open_requests, "the last lease to end")
         with connect(daemon.socket_path) as client:
             status = client.status(check_integrity=True)
@@ -226,6 +283,8 @@ def run_case(name: str, num_layers: int, num_kv_heads: int, layout: str, token_c
         rows.append({"geometry": name, "layout": layout, "direction": "report",
                      "transfer": connector.transfer.report(), "counters": stats})
     finally:
+        if clock is not None:
+            clock.close()
         if connector is not None:
             connector.close()
         if holder is not None:
@@ -257,14 +316,14 @@ def save_and_wait(connector: KVConnector, request, tokens, blocks) -> None:
 
 
 def timed_load(connector: KVConnector, request, tokens, blocks, device: torch.device,
-               via: str) -> tuple[float, float, object]:
+               via: str, page_size: int) -> tuple[float, float, object]:
     """The request's lookup (``begin``, as in ``run_case``), then ms from load() to its
     LoadResult (the request then ended, untimed): (lookup ms, load ms, the LoadResult)."""
     synchronize(device)
-    lookup_ms = begin(connector, request, tokens, len(blocks) * PAGE_SIZE, via)
+    lookup_ms = begin(connector, request, tokens, len(blocks) * page_size, via)
     loads = []
     started = time.perf_counter()
-    connector.load(request, tokens, blocks, len(blocks) * PAGE_SIZE)
+    connector.load(request, tokens, blocks, len(blocks) * page_size)
     spin(lambda: loads.extend(connector.finished().loads) or loads, "the load")
     ms = (time.perf_counter() - started) * 1e3
     connector.request_finished(request)
@@ -272,11 +331,11 @@ def timed_load(connector: KVConnector, request, tokens, blocks, device: torch.de
     return lookup_ms, ms, loads[0]
 
 
-def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: list[int], args,
+def run_peer_case(name: str, num_layers: int, num_kv_heads: int, page_size: int, token_counts: list[int], args,
                   device: torch.device) -> list[dict]:
     """Tier peer against L2 for each request, in one loop (see the module note)."""
-    max_pages = max(token_counts) // PAGE_SIZE
-    bytes_per_page = 2 * num_layers * PAGE_SIZE * num_kv_heads * HEAD_DIM * 2
+    max_pages = max(token_counts) // page_size
+    bytes_per_page = 2 * num_layers * page_size * num_kv_heads * HEAD_DIM * 2
     l2_bytes = math.ceil((4 * max_pages + 16) * bytes_per_page / ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES + ARENA_ALIGN_BYTES
     daemon = DaemonProcess(l2_size=str(l2_bytes), extra_args=(
         "--max-namespaces", "1", "--l3-size", "0", "--log-level", "WARNING")).start(timeout_s=120)
@@ -286,15 +345,15 @@ def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: l
         num_blocks = 2 * max_pages + 8
         # A first: B's registration then lists it, and opens it in the background.
         owner = PeerOwner("tensors", daemon.socket_path, model=name, seed=args.seed, blocks=num_blocks,
-                          page_size=PAGE_SIZE, layers=num_layers, kv_heads=num_kv_heads, head_dim=HEAD_DIM)
+                          page_size=page_size, layers=num_layers, kv_heads=num_kv_heads, head_dim=HEAD_DIM)
         generator = torch.Generator(device=device).manual_seed(args.seed)       # the tensors A made
-        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, PAGE_SIZE, num_kv_heads, HEAD_DIM),
+        tensors = [torch.randint(-2**15, 2**15, (2, num_blocks, page_size, num_kv_heads, HEAD_DIM),
                                  generator=generator, dtype=torch.int16, device=device).view(torch.bfloat16)
                    for _ in range(num_layers)]
         config = ConnectorConfig(backend=args.backend, workspace_bytes=args.workspace_mib << 20, peer=True,
                                  policy="always")
         connector = KVConnector.register(connect(daemon.socket_path, timeout_s=60.0, client_name="bench-peer"),
-                                         tensors, "layer", model_id=name, page_size=PAGE_SIZE,
+                                         tensors, "layer", model_id=name, page_size=page_size,
                                          num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, config=config)
         if connector.peer is None:
             raise RuntimeError("peer restores could not be registered (see the log)")
@@ -304,7 +363,7 @@ def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: l
         copy_target = torch.empty(max_pages * bytes_per_page, dtype=torch.uint8, device=device)
         seen_pages: set[int] = set()
         for index, num_tokens in enumerate(token_counts):
-            num_pages = num_tokens // PAGE_SIZE
+            num_pages = num_tokens // page_size
             first_of_size = num_pages not in seen_pages
             seen_pages.add(num_pages)
             tokens = rng.integers(1, 2**31 - 1, size=num_tokens, dtype=np.int32)
@@ -318,7 +377,7 @@ def run_peer_case(name: str, num_layers: int, num_kv_heads: int, token_counts: l
                     owner.fill(tokens)
                 before = connector.stats().get("peer_loaded_pages", 0)
                 lookup_ms, ms, result = timed_load(connector, f"{tier}{index}", tokens, destination, device,
-                                                   args.via)
+                                                   args.via, page_size)
                 peer_pages = connector.stats().get("peer_loaded_pages", 0) - before
                 if not result.ok or peer_pages != (num_pages if tier == "peer" else 0):
                     raise AssertionError(f"{name} {tier} {num_tokens} tokens: {result}, {peer_pages} pages from the "
@@ -373,6 +432,12 @@ def summarize(rows: list[dict], min_tokens: int) -> list[dict]:
         summary.append({"geometry": key[0], "layout": key[1], "direction": key[2], "requests": len(ratios),
                         "median_ratio": round(median, 4), "worst_ratio": round(worst, 4),
                         "meets_target": median >= target["median"] and worst >= target.get("worst", 0.0)})
+        seen_after = [r["seen_after_ms"] for r in rows if "seen_after_ms" in r
+                      and (r["geometry"], r["layout"], r["direction"]) == key and r["tokens"] >= min_tokens]
+        if seen_after:
+            summary[-1].update(seen_after_ms_median=round(statistics.median(seen_after), 4),
+                               seen_after_ms_p90=round(percentile(seen_after, 90), 4),
+                               seen_after_meets_target=percentile(seen_after, 90) <= SEEN_AFTER_TARGET_MS)
     return summary
 
 
@@ -423,24 +488,25 @@ def main() -> None:
     def write(complete: bool) -> str:
         """The result file with the rows so far (after every case: a run cut short keeps them)."""
         return write_result(name, {
-            "device": str(device), "seed": args.seed, "token_counts": token_counts, "page_size": PAGE_SIZE,
-            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, 16, H, 128] per layer", "via": args.via,
-            "geometries": {n: {"layers": g[0], "kv_heads": g[1]} for n, g in geometries.items()},
-            "complete": complete, "targets": TARGETS, "summary_min_tokens": summary_tokens,
+            "device": str(device), "seed": args.seed, "token_counts": token_counts,
+            "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_layout": "layer [2, N, page, H, 128] per layer", "via": args.via,
+            "geometries": {n: {"layers": g[0], "kv_heads": g[1], "page_size": g[2]} for n, g in geometries.items()},
+            "complete": complete, "targets": TARGETS, "seen_after_target_ms": SEEN_AFTER_TARGET_MS,
+            "summary_min_tokens": summary_tokens,
             "summary": summarize(rows, summary_tokens), "tiers": tiers,
             "peer_target": {"tokens": PEER_TARGET_TOKENS, "transfer_ms": PEER_TARGET_MS, "faster_than_l2": True},
             "peer_summary": summarize_peer(rows), "rows": rows,
         }, machine=args.machine)
 
-    for geometry, (num_layers, num_kv_heads) in geometries.items():
+    for geometry, (num_layers, num_kv_heads, page_size) in geometries.items():
         if "l2" in tiers:
             for layout in args.layouts.split(","):
-                rows += run_case(geometry, num_layers, num_kv_heads, layout, token_counts, args, device)
+                rows += run_case(geometry, num_layers, num_kv_heads, page_size, layout, token_counts, args, device)
                 print(f"{geometry} l2 {layout}: done, {time.monotonic() - started:.0f} s", flush=True)
                 if name:
                     write(False)
         if "peer" in tiers:
-            rows += run_peer_case(geometry, num_layers, num_kv_heads, peer_token_counts, args, device)
+            rows += run_peer_case(geometry, num_layers, num_kv_heads, page_size, peer_token_counts, args, device)
             print(f"{geometry} peer: done, {time.monotonic() - started:.0f} s", flush=True)
             if name:
                 write(False)
@@ -451,7 +517,7 @@ def main() -> None:
     summary = summarize(rows, summary_tokens)
     if summary:
         print_table(summary, ["geometry", "layout", "direction", "requests", "median_ratio", "worst_ratio",
-                              "meets_target"])
+                              "meets_target", "seen_after_ms_median", "seen_after_ms_p90"])
     peer_summary = summarize_peer(rows)
     if peer_summary:
         print_table(peer_summary, ["geometry", "requests", "peer_ms_at_3500", "peer_transfer_ms_at_3500",
