@@ -221,7 +221,7 @@ class PopulateProgress:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvcached.server.loop import run
+    from kvcached.server.startup import run
     from kvcached.server.shm import PoolTooLarge, StartupError
 
     overrides = {field: getattr(args, field) for field in args.flags}

@@ -138,7 +138,7 @@ def test_startup_failure_after_the_server_exists_does_not_hang(tmp_path):
     import threading
 
     from kvcached.config import DaemonConfig
-    from kvcached.server.loop import serve
+    from kvcached.server.startup import serve
 
     config = DaemonConfig(socket_path=os.path.join(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"), "k.sock"),
                           l2_bytes=4 << 20, l3_bytes=0, max_namespaces=1)

@@ -17,7 +17,7 @@ import pytest
 from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, connect
 from kvcached.config import DaemonConfig
 from kvcached.server import io_workers
-from kvcached.server.loop import serve
+from kvcached.server.startup import serve
 from proto.errors import ErrorCode
 from kvcached.testing.daemon_proc import DaemonProcess
 from kvcached.testing.engine_proc import GEOMETRY

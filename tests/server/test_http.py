@@ -176,7 +176,7 @@ def test_a_taken_default_address_turns_http_off_with_one_warning(monkeypatch, ca
     """The default address (no --http given) taken by another process: the daemon goes on without
     HTTP and says so in one warning line naming the address; it does not serve elsewhere."""
     from kvcached import config as config_module
-    from kvcached.server.loop import _start_http
+    from kvcached.server.startup import _start_http
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -185,7 +185,7 @@ def test_a_taken_default_address_turns_http_off_with_one_warning(monkeypatch, ca
         monkeypatch.setattr(config_module, "DEFAULT_HTTP_ADDRESS", address)
         config = DaemonConfig.from_env({}, socket_path="/tmp/kvt-x/s.sock", l2_bytes=64 << 20)
         assert not config.http_required
-        with caplog.at_level("WARNING", logger="kvcached.server.loop"):
+        with caplog.at_level("WARNING", logger="kvcached.server.startup"):
             assert _start_http(config, []) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "HTTP is off" in warnings[0] and address in warnings[0], warnings
