@@ -41,6 +41,8 @@ UNREAD_STATUS_FORGET_S = 60.0
 
 
 class RequestHandlers:
+    """The request handlers of a ``Server``."""
+
     def _attach(self, body: dict) -> dict[str, Any]:
         version = body.get("protocol_version")
         if version != PROTOCOL_VERSION:

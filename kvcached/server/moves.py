@@ -37,6 +37,8 @@ PUT_TIMEOUT_FACTOR = 10
 
 
 class TierMoves:
+    """The tier moves of a ``Server``."""
+
     async def _run_move(self, move: TierMove,
                         then: Callable[[bool], Any] | None = None) -> Any:
         """Run one tier move's file I/O off the loop; publish it on success, return its pages on

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 import engine_client.client as client_module
+import engine_client.connection as connection_module
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, DaemonDown, connect
 from kvcached.server.shm import segment_name
@@ -224,7 +225,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
 
         warnings = engine_warnings(caplog)
         assert len(warnings) == 2 and "unavailable" in warnings[0] and "session_lost" in warnings[1], warnings
-        back = [r.getMessage() for r in caplog.records if r.name == "engine_client.client" and "back after" in r.getMessage()]
+        back = [r.getMessage() for r in caplog.records if r.name == "engine_client.connection" and "back after" in r.getMessage()]
         assert len(back) == 1 and "new session" in back[0], back
     finally:
         engine.close()
@@ -369,7 +370,7 @@ def test_reattach_names_the_ended_session_only_once_drained(daemon, monkeypatch)
         learned = []
         client.add_reattach_listener(lambda generation, info: learned.append((generation, info.session_id)))
 
-        monkeypatch.setattr(client_module, "REATTACH_DRAIN_WAIT_S", 60.0)
+        monkeypatch.setattr(connection_module, "REATTACH_DRAIN_WAIT_S", 60.0)
         ended = client.info.session_id
         client.request_raw(MsgKind.DETACH, {"session_id": ended})
         wait_until(lambda: client.state is ConnectionState.DOWN and client.connection.session_ended, 5.0,
@@ -381,7 +382,7 @@ def test_reattach_names_the_ended_session_only_once_drained(daemon, monkeypatch)
         wait_until(lambda: len(learned) == 1, 10.0, "the listener learned generation 2")
         assert sent == [ended] and learned == [(2, client.info.session_id)]
 
-        monkeypatch.setattr(client_module, "REATTACH_DRAIN_WAIT_S", 0.0)
+        monkeypatch.setattr(connection_module, "REATTACH_DRAIN_WAIT_S", 0.0)
         client.request_raw(MsgKind.DETACH, {"session_id": client.info.session_id})
         wait_until(lambda: client.is_attached(3), 5.0, "re-attached without a drain")
         wait_until(lambda: len(learned) == 2, 10.0, "the listener learned generation 3")
