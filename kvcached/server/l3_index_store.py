@@ -26,7 +26,7 @@ from typing import Any
 
 from kvcached.core.l3_index import (DeleteSlots, DropNamespace, IndexChange, NamespaceLayout, PutNamespace, PutSlots,
                                     SavedNamespace, SlotRow, namespace_key)
-from kvcached.server.io_workers import UnsafeFileError, open_private_file, same_file
+from kvcached.server.storage_file import UnsafeFileError, open_private_file, same_file
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
 

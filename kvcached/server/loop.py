@@ -40,7 +40,7 @@ from kvcached.core import counters
 from kvcached.core.daemon import DaemonState
 from kvcached.server.handlers import (MAX_STATUS_PEERS, MAX_UNREAD_STATUS_REPLIES, UNREAD_STATUS_FORGET_S,
                                       RequestHandlers)
-from kvcached.server.io_workers import IoExecutor, StorageFile, WriteBackoff
+from kvcached.server.io_workers import IoExecutor, WriteBackoff
 from kvcached.server.kv_events import KVEventPublisher
 from kvcached.server.liveness import PidWatcher
 from kvcached.server.l3_index_store import L3IndexStore
@@ -49,6 +49,7 @@ from kvcached.server.refusals import RefusalLog
 from kvcached.server.remote_store import RemoteStore
 from kvcached.server.shm import EpochFiles, SharedSegment
 from kvcached.server.status_credits import StatusCredits
+from kvcached.server.storage_file import StorageFile
 from proto import codec
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import MsgKind

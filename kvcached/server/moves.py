@@ -20,9 +20,10 @@ from kvcached.core.daemon import RemoteAsk, RemoteWrite
 from kvcached.core.storage import SlotLayout
 from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
-from kvcached.server.io_workers import StorageFile, read_pages, write_pages
+from kvcached.server.io_workers import read_pages, write_pages
 from kvcached.server.l3_index_store import L3IndexStore
 from kvcached.server.remote_store import RemoteUnavailable
+from kvcached.server.storage_file import StorageFile
 from proto.page_keys import chain_page_keys
 from proto.replies import MatchReply, to_wire
 from proto.schema import Match

@@ -23,7 +23,7 @@ from kvcached.core.hints import AdmissionHints
 from kvcached.core.kv_events import EventBuffer
 from kvcached.server.handlers import HTTP_SNAPSHOT_TIMEOUT_S
 from kvcached.server.http import HttpAddressTaken, HttpListener, format_http_address
-from kvcached.server.io_workers import IoExecutor, StorageFile, UnsafeFileError
+from kvcached.server.io_workers import IoExecutor
 from kvcached.server.kv_events import KVEventPublisher
 from kvcached.server.l3_index_store import IndexNotWritable, L3IndexStore, index_path
 from kvcached.server.lookup import LookupQuery
@@ -32,6 +32,7 @@ from kvcached.server.remote_store import RemoteSettings, RemoteStore
 from kvcached.server.shm import (DaemonLock, EpochFiles, GenerationFiles, SharedSegment, SocketDirectory,
                                  StartupError, check_pool_fits, epoch_file_prefix, generation_file_prefix,
                                  hints_file_name, segment_name)
+from kvcached.server.storage_file import StorageFile, UnsafeFileError
 from proto import hints
 
 logger = logging.getLogger(__name__)

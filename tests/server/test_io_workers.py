@@ -24,10 +24,10 @@ from kvcached.server.io_workers import (
     IoExecutor,
     IoResult,
     ShortReadError,
-    StorageFile,
     read_pages,
     write_pages,
 )
+from kvcached.server.storage_file import StorageFile
 
 BYTES_PER_PAGE = 8192  # a multiple of 4096, so the same geometry works with O_DIRECT
 NUM_ARENA_PAGES = 32
@@ -186,7 +186,7 @@ def test_sigkilled_owner_leaves_no_temp_file(tmp_path):
     """A process killed with SIGKILL while holding a temporary L3 file leaves nothing in temp_dir."""
     code = (
         "import os, signal\n"
-        "from kvcached.server.io_workers import StorageFile\n"
+        "from kvcached.server.storage_file import StorageFile\n"
         f"storage = StorageFile.open(None, 4096, temp_dir={str(tmp_path)!r})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -199,7 +199,7 @@ def test_sigkilled_owner_leaves_no_temp_file(tmp_path):
 def test_temp_file_is_removed_at_interpreter_exit(tmp_path):
     """A temp file never closed is removed when the interpreter exits."""
     code = (
-        "from kvcached.server.io_workers import StorageFile\n"
+        "from kvcached.server.storage_file import StorageFile\n"
         f"storage = StorageFile.open(None, 4096, temp_dir={str(tmp_path)!r})\n"
         "print(storage.path)\n"
     )

@@ -164,7 +164,7 @@ def test_a_write_through_overwrites_a_slot_only_after_its_old_row_is_deleted(tmp
     from kvcached.core.tier_ops import TierMove
     from kvcached.core.tiers import Tier
     from kvcached.server import io_workers
-    from kvcached.server.io_workers import StorageFile
+    from kvcached.server.storage_file import StorageFile
     from kvcached.server.moves import _write_indexed
 
     path = str(tmp_path / "l3.bin.index")
