@@ -12,7 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_client.vllm_connector import VLLMConnectorConfig, _Attacher, open_lookups  # noqa: E402
+from engine_client.vllm_connector.attach import Attacher  # noqa: E402
+from engine_client.vllm_connector.config import VLLMConnectorConfig  # noqa: E402
+from engine_client.vllm_connector.scheduler import open_lookups  # noqa: E402
 from proto.messages import KVGeometry  # noqa: E402
 from kvcached.testing.daemon_proc import DaemonProcess  # noqa: E402
 
@@ -37,8 +39,8 @@ def test_scheduler_session_attaches_and_reattaches_without_a_lookup():
     attacher = None
     try:
         config = VLLMConnectorConfig(socket=daemon.socket_path, retry_interval_s=0.05)
-        attacher = _Attacher("the test's lookups", lambda: open_lookups(config, GEOMETRY),
-                             lambda lookups: lookups.client.close(), config.retry_interval_s)
+        attacher = Attacher("the test's lookups", lambda: open_lookups(config, GEOMETRY),
+                            lambda lookups: lookups.client.close(), config.retry_interval_s)
         assert attacher.result is None, "attached with no daemon"
         daemon.start()
         _wait(lambda: attacher.result is not None and attacher.result.client.is_attached(), 20.0,

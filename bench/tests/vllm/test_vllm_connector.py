@@ -93,7 +93,7 @@ def test_connector_asks_for_plain_vllms_cpu_reservation():
     this connector does not use: on the CPU platform, with VLLM_CPU_NUM_OF_RESERVED_CPU unset, the
     connector says which value gives plain vLLM's reservation (one per local rank); set, or on
     another platform, it says nothing."""
-    from engine_client.vllm_connector import cpu_reservation_note
+    from engine_client.vllm_connector.config import cpu_reservation_note
 
     for ranks in (1, 2):
         note = cpu_reservation_note(True, ranks, {"OMP_NUM_THREADS": "2"})
