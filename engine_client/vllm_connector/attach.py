@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Callable, Generic, TypeVar
 
-from engine_client.client import DaemonError, DaemonUnavailable
+from engine_client.channel import DaemonError, DaemonUnavailable
 
 logger = logging.getLogger(__name__)
 
