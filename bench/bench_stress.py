@@ -48,11 +48,13 @@ TTFT p50/p95/p99 (add_request -> first token), and:
                   near-tied argmax of random weights; reported, not a failure)
 the engine's own cache hits (0), the tokens loaded, and the daemon's integrity check.
 
-With ``--engines N``, also N engine processes on the GPU sharing prefixes through one daemon,
-against the same engines without kvcached (``bench/stress_engines.py``; rows with engines = N).
+With ``--engines N``, also up to N engine processes on the GPU sharing prefixes through one daemon,
+against the same engines without kvcached (``bench/stress_engines.py``; rows with engines = those
+that ran): as many as the GPU's free memory holds (``engines_sizing`` in the result file says the
+count asked, the count run and the memory each engine was counted at).
 
     python -m bench.bench_stress                     # bench/results/<card>/stress.json
-    python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # 8 Qwen3-4B engines
+    python -m bench.bench_stress --batches '' --engines 8 --name stress_engines    # up to 8 Qwen3-4B engines
     python -m bench.bench_stress --quick             # CPU smoke run, tiny shape, no result file
     python -m bench.bench_stress --tiers none,l3-cold --policies cost --pin --name stress_pinned
 
@@ -109,7 +111,7 @@ import torch
 from bench.common import exit_on_sigterm, gc_paused, percentile, print_table, profiled, write_result
 from bench.engine import PRESETS, Engine, EngineConfig, load_model
 from bench.engine.engine import PrefillTiming
-from bench.stress_engines import Spec, run_engines
+from bench.stress_engines import Spec, run_engines, size_engines
 from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, prefix_kv, run_request, settle
 from kvcached.testing.tiers import TierControl
 from engine_client.connector import ConnectorConfig
@@ -645,6 +647,10 @@ def main() -> None:
              "pages evicted since their lookup (the row's connector counters say how many)"]
     if not args.engines:
         notes.append("several engine processes on one GPU: not run (--engines N)")
+    engines_sizing = size_engines(args.engines, spec) if args.engines else None
+    if engines_sizing and engines_sizing["engines"] < args.engines:
+        print(f"{engines_sizing['engines']} of the {args.engines} engines asked for fit the GPU's free memory: "
+              f"{engines_sizing}", flush=True)
     paths, errors = [], []
 
     def fail(what: str, exc: Exception) -> None:
@@ -664,6 +670,7 @@ def main() -> None:
                              "batches": batches, "tiers": tiers, "policies": policies,
                              "repeats": args.repeats},
                 "engines_workload": dataclasses.asdict(spec) if args.engines else None,
+                "engines_sizing": engines_sizing,
                 "elapsed_s": round(time.monotonic() - started, 1), "notes": notes, "errors": errors,
                 "checks_failed": checks_failed(rows),
                 "summary": cold_l3_summary(rows), "rows": rows},
@@ -677,10 +684,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if args.engines:
             try:
-                for row in run_engines(args.engines, spec, args.l3_dir):
+                for row in run_engines(engines_sizing["engines"], spec, args.l3_dir):
                     report(row)
             except Exception as exc:
-                fail(f"{args.engines} engines", exc)
+                fail(f"{engines_sizing['engines']} engines", exc)
     finally:
         report()
     print()

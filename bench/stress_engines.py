@@ -11,6 +11,12 @@ from the first start to the last first token), TTFT percentiles, and for l2 the
 ``cross_engine_hit_tokens``: tokens loaded for a prefix the loading engine had not prefilled
 itself in that phase (so saved by another engine).
 
+How many engines run (``size_engines``): as many as asked, but no more than the GPU's free memory
+at the start holds (``MEMORY_HEADROOM`` of it), each engine counted as its model's weights and
+buffers, its KV block pool, the connector's two transfer workspaces and ``ENGINE_OVERHEAD_BYTES``
+(its CUDA context, activations, the allocator's slack); the result file says what was asked, what
+ran and why.
+
 Each phase's first tokens are checked in the engine process afterwards, untimed and without the
 connector, against the engine itself alone computing the same prompt the way the request did: a
 request that reused its whole prefix (from its own cache or loaded) against the prompt on top of
@@ -41,10 +47,13 @@ from bench.common import gc_paused, percentile
 from bench.engine import Engine, EngineConfig, load_model
 from bench.tiers import KVDaemon, attach_kvcached, detach_kvcached, run_request, settle
 from engine_client.client import connect
+from engine_client.kv_transfer import DEFAULT_WORKSPACE_BYTES
 
 BLOCK_SIZE = 16
 PHASES = ("none", "l2")
 WAIT_TIMEOUT_S = 300.0
+MEMORY_HEADROOM = 0.9                 # of the GPU's free memory at the start, what the engines may take
+ENGINE_OVERHEAD_BYTES = 2 << 30       # an engine process beyond its weights, KV pool and workspaces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +225,33 @@ def run_engines(num_engines: int, spec: Spec, l3_dir: str | None) -> list[dict]:
     rows[1]["speedup"] = round(rows[1]["req_per_s"] / rows[0]["req_per_s"], 3)
     rows[0]["speedup"] = 1.0
     return rows
+
+
+def engine_bytes(spec: Spec) -> dict[str, int]:
+    """The GPU memory one engine process takes, by part (bf16; the weights counted on the meta device)."""
+    from bench.engine import PRESETS
+    from bench.engine.model import Qwen3Model
+
+    model = Qwen3Model(PRESETS[spec.model], torch.bfloat16, "meta")
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    kv_pool = spec.pool_requests * spec.blocks_per_request * BLOCK_SIZE * PRESETS[spec.model].kv_bytes_per_token(2)
+    return {"weights": weights, "kv_pool": kv_pool, "transfer_workspaces": 2 * DEFAULT_WORKSPACE_BYTES,
+            "overhead": ENGINE_OVERHEAD_BYTES}
+
+
+def size_engines(asked: int, spec: Spec) -> dict:
+    """How many of ``asked`` engines run: on CUDA, at most as many as MEMORY_HEADROOM of the free
+    memory holds (``engine_bytes`` each), at least one; on CPU, all of them."""
+    if not torch.cuda.is_available():
+        return {"asked": asked, "engines": asked, "rule": "on CPU: as many as asked"}
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    parts = engine_bytes(spec)
+    per_engine = sum(parts.values())
+    fit = int(free_bytes * MEMORY_HEADROOM // per_engine)
+    return {"asked": asked, "engines": max(1, min(asked, fit)), "fit": fit, "free_bytes": free_bytes,
+            "total_bytes": total_bytes, "per_engine_bytes": per_engine, "per_engine_parts": parts,
+            "headroom": MEMORY_HEADROOM,
+            "rule": f"min(asked, {MEMORY_HEADROOM} of the free GPU memory // the bytes of one engine), at least 1"}
 
 
 def _bytes_per_page(spec: Spec) -> int:
