@@ -13,12 +13,12 @@
 #
 # Stages (default: all of them, in this order, as far as the time goes):
 #   tests      the GPU tests (pytest -m gpu; GPU_TESTS: which paths)     -> gpu_tests.log
-#   connector  bench_connector: 3 geometries, tiers l2 and peer         -> connector.json (rows so far
+#   connector  bench_connector: 4 geometries, tiers l2 and peer         -> connector.json (rows so far
 #              after each case)
 #   overlap    bench_overlap: restores under decode, layer by layer     -> overlap.json
 #   stress     bench_stress: batches 1 and 4, policies always and cost, 3 rounds, with
 #              --predict-off  -> stress.json
-#   engines    bench_stress --engines 8: 8 Qwen3-4B engine processes    -> stress_engines.json
+#   engines    bench_stress --engines 8: up to 8 Qwen3-4B engine processes, as many as the GPU holds -> stress_engines.json
 #   ttft       bench_ttft: time to first token per tier, with whatever time is left -> ttft.json
 #   policy     bench_ttft --policy cost, 16 samples: the cost model's choices -> policy.json
 #   trace      trace_restore: where restored requests' TTFT goes           -> trace.log only

@@ -81,6 +81,10 @@ def connector(result: dict) -> list[Table]:
     tables = [(["geometry", "L2", "direction", "median / raw DMA", "worst / raw DMA", "target met"],
                [[s["geometry"], s["layout"], s["direction"], s["median_ratio"], s["worst_ratio"], s["meets_target"]]
                 for s in result.get("summary", [])])]
+    seen = [s for s in result.get("summary", []) if "seen_after_ms_median" in s]
+    if seen:
+        tables.append((["geometry", "L2", "load seen after its copies' end: median ms", "p90 ms"],
+                       [[s["geometry"], s["layout"], s["seen_after_ms_median"], s["seen_after_ms_p90"]] for s in seen]))
     if result.get("peer_summary"):
         tables.append((["geometry", "peer ms at 3,500 tokens", "of it GPU transfer ms", "median speed-up over L2",
                         "worst speed-up over L2"],
