@@ -1,77 +1,28 @@
 """CacheManager.attach: the connector it registers and what it reports to the daemon.
 
-A stand-in client answers attach with a real /dev/shm segment and records reports, so no daemon runs
-here; the wire path of ENGINE_REPORT is covered by tests/integration.
+The in-process fake daemon answers attach with a real /dev/shm segment and records reports, so no
+daemon runs here; the wire path of ENGINE_REPORT is covered by tests/integration.
 """
 
 from __future__ import annotations
-
-import mmap
-from typing import Any
 
 import pytest
 import torch
 
 from engine_client.cache_manager import CacheManager
+from kvcached.testing.fake_daemon import FakeDaemon
 from proto.messages import KVGeometry
-from proto.replies import AttachInfo
-from tests.engine_client.test_shared_pool import shm_segment
 
 GEOMETRY = KVGeometry(model_id="test-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16",
                       page_size=4)
 NUM_HOST_PAGES = 6
 
 
-class RecordingClient:
-    """Answers attach() with a region of a real segment; keeps every report() body."""
-
-    def __init__(self, shm_path: str):
-        self.shm_path = shm_path
-        self.reports: list[dict[str, Any]] = []
-        self.closed = False
-        self.generation = 0
-        self.info: AttachInfo | None = None
-        self.reattach_listeners: list = []
-        self.session_end_listeners: list = []
-
-    def attach(self, geometry: KVGeometry) -> AttachInfo:
-        self.generation = 1
-        self.info = AttachInfo(session_id=1, namespace_id=0, shm_path=self.shm_path,
-                               arena_offset_bytes=mmap.ALLOCATIONGRANULARITY, num_pages=NUM_HOST_PAGES,
-                               bytes_per_page=geometry.bytes_per_page, heartbeat_interval_s=0.5,
-                               session_timeout_s=1.5, max_frame_bytes=1 << 20, daemon_pid=0, protocol_version=1)
-        return self.info
-
-    def is_attached(self, generation: int | None = None) -> bool:
-        return not self.closed and generation in (None, self.generation)
-
-    def add_reattach_listener(self, listener) -> None:
-        self.reattach_listeners.append(listener)
-
-    def remove_reattach_listener(self, listener) -> None:
-        self.reattach_listeners.remove(listener)
-
-    def add_session_end_listener(self, listener) -> None:
-        self.session_end_listeners.append(listener)
-
-    def remove_session_end_listener(self, listener) -> None:
-        self.session_end_listeners.remove(listener)
-
-    def report(self, report: dict[str, Any], cost_samples=()) -> bool:
-        self.reports.append(report)
-        return True
-
-    def poll_errors(self) -> list:
-        return []
-
-    def close(self) -> None:
-        self.closed = True
-
-
 @pytest.fixture
 def client():
-    with shm_segment(mmap.ALLOCATIONGRANULARITY + NUM_HOST_PAGES * GEOMETRY.bytes_per_page) as path:
-        yield RecordingClient(path)
+    daemon = FakeDaemon(NUM_HOST_PAGES)
+    yield daemon
+    daemon.cleanup()
 
 
 def test_attach_registers_the_l1_pool_and_reports_the_connector(client):

@@ -151,9 +151,10 @@ def test_gpu_load_writes_blocks_only_after_the_callers_earlier_work(daemon):
         b.connector.close()
 
 
-def test_gpu_the_engines_stream_waits_for_a_synchronous_load(daemon):
-    """After wait_for_layer_load of every layer, work on the engine's stream sees the loaded blocks,
-    with no host synchronisation in between (the load itself queued behind a long kernel)."""
+def test_gpu_the_engines_stream_waits_for_every_open_load(daemon):
+    """After wait_for_layer_load of every layer (no request ids: every open request's loads), work
+    on the engine's stream sees the loaded blocks, with no host synchronisation in between (the
+    load itself queued behind a long kernel)."""
     rng = np.random.default_rng(SEED + 8)
     a, b = GpuEngine(daemon.socket_path, SEED + 8), GpuEngine(daemon.socket_path, SEED + 9)
     try:
@@ -161,7 +162,7 @@ def test_gpu_the_engines_stream_waits_for_a_synchronous_load(daemon):
         save_all(a, "r", tokens, list(range(8)))
         destination = list(range(20, 28))
         torch.cuda._sleep(SLEEP_CYCLES)
-        b.connector.load("r", tokens, destination, 8 * P, asynchronous=False)
+        b.connector.load("r", tokens, destination, 8 * P)
         for layer in range(L):                   # the blocks of every layer are read below
             b.connector.wait_for_layer_load(layer)
         seen = [torch.stack([t[:, block] for t in b.tensors]).clone() for block in destination]
