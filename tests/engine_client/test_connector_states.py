@@ -245,3 +245,37 @@ def test_a_request_given_up_in_each_state_gives_its_lease_back(setup, rng, monke
         s.settle()
     assert request.state is S.ENDED and not s.connector.is_open("r")
     assert not s.daemon.leases and len(s.daemon.free_page_ids) == s.daemon.num_pages
+    assert path_of(s, "r") == GIVEN_UP_PATHS[state]
+
+
+GIVEN_UP_PATHS = {
+    S.DEFERRED: [S.DEFERRED, S.FAILED, S.ENDING, S.ENDED],
+    S.MATCHING: [S.DEFERRED, S.MATCHING, S.FAILED, S.ENDING, S.ENDED],
+    S.LEASED: [S.DEFERRED, S.MATCHING, S.LEASED, S.ENDING, S.ENDED],
+    S.FAILED: [S.DEFERRED, S.MATCHING, S.FAILED, S.ENDING, S.ENDED],
+    S.ENDING: [S.DEFERRED, S.MATCHING, S.LEASED, S.ENDING, S.ENDED],
+}
+
+
+def test_after_the_session_ends_its_pool_is_dropped_and_a_new_sessions_pool_swapped_in(setup, rng):
+    """The session ends: the connector unmaps its pool (nothing in flight) and says it drained; a
+    request made then skips the daemon (daemon_down). Once a new session is attached, its pool is
+    swapped in by a poll, and a save and a load round trip bit for bit again."""
+    s = setup()
+    s.daemon.end_session()
+    assert s.connector._pool_dropped and s.daemon.drained == [1]
+    s.connector.load("down", tokens_of(rng, 2), [0, 1], 2 * P)
+    s.connector.request_finished("down")
+    s.settle()
+    assert [r.reason for r in s.loads] == ["daemon_down"]
+    s.daemon.reattach()
+    s.daemon.wait_for(lambda: s.connector._generation == 2, s.connector.poll, "the new session's pool")
+    s.loads.clear()
+    tokens, source = saved(s, rng, 3)
+    destination = np.setdiff1d(rng.permutation(N), source)[:3]
+    s.connector.load("again", tokens, destination, 3 * P)
+    s.connector.request_finished("again")
+    s.settle()
+    assert [(r.num_tokens, r.failed_block_ids) for r in s.loads] == [(3 * P, [])]
+    for src, dst in zip(source, destination):
+        assert torch.equal(s.block(dst), s.block(src)), (src, dst)
