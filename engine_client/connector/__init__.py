@@ -39,10 +39,10 @@ for the pages the daemon lacks (what saves write). The replies of a step's match
 request is finished and its transfers are done, the written pages are committed (``BACKUP_COMMIT``,
 which ends the lease) or, with none written, the lease is released.
 
-Loads go layer by layer (``engine_client.kv_transfer``), an event per layer: a prefill may start
-once ``finished().queued`` names its load, its attention of layer i waiting (on the GPU) for layer
-i alone while later layers are still copied; the load's entry in ``finished().loads`` then confirms
-what it read (or, rarely, voids it: see Fencing).
+Loads go by groups of layers (``engine_client.kv_transfer``), an event per group: a prefill may
+start once ``finished().queued`` names its load, its attention of layer i waiting (on the GPU) for
+layer i's group alone while later groups are still copied; the load's entry in
+``finished().loads`` then confirms what it read (or, rarely, voids it: see Fencing).
 
 Fencing (``proto.generations``). A save copies only into the pages it claims at the copy (those
 the daemon still reserves for its lease's generation) and stamps them once the copy is complete; a

@@ -1,3 +1,4 @@
 """What the tests and the benchmarks share, shipped with the product so that neither imports the
-other: real daemon processes (``daemon_proc``), a minimal engine process (``engine_proc``), and the
-scenarios both drive."""
+other: real daemon processes (``daemon_proc``), a minimal engine process (``engine_proc``), an
+in-process fake daemon for the connector's unit tests (``fake_daemon``), and the scenarios both
+drive."""

@@ -21,7 +21,6 @@ import dataclasses
 import os
 import shutil
 import tempfile
-import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -299,16 +298,6 @@ class FakeDaemon:
         unused = lease.reserved_page_ids[committed:]
         self.words[unused] = 0
         self.free_page_ids += unused
-
-    def wait_for(self, condition: Callable[[], bool], poll: Callable[[], Any], what: str,
-                 timeout_s: float = 5.0) -> None:
-        """Call ``poll`` until ``condition()`` holds (CPU copies are done on return: a few calls)."""
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            poll()
-
 
 
 @contextlib.contextmanager

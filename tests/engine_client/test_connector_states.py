@@ -11,6 +11,7 @@ import torch
 from engine_client.connector import Cause, ConnectorConfig, IllegalTransition, KVConnector, RequestState
 from engine_client.connector.state import _NEXT_STATES, Request
 from kvcached.testing.blocks import random_bits
+from kvcached.testing.daemon_proc import wait_until
 from kvcached.testing.fake_daemon import FakeDaemon, saves_held
 from proto.counters import LOAD_FAILURE_REASONS, SAVE_SKIP_REASONS
 
@@ -38,10 +39,10 @@ class Setup:
 
     def settle(self) -> None:
         """Poll until no request is open (CPU copies are done on return: a few polls)."""
-        def poll():
+        def polled() -> bool:
             self.loads += self.connector.finished().loads
-        self.daemon.wait_for(lambda: not self.connector.num_open_requests, poll, "every request's end")
-        poll()
+            return not self.connector.num_open_requests
+        wait_until(polled, 5.0, "every request's end")
 
     def close(self) -> None:
         self.connector.close()
@@ -269,7 +270,7 @@ def test_after_the_session_ends_its_pool_is_dropped_and_a_new_sessions_pool_swap
     s.settle()
     assert [r.reason for r in s.loads] == ["daemon_down"]
     s.daemon.reattach()
-    s.daemon.wait_for(lambda: s.connector._generation == 2, s.connector.poll, "the new session's pool")
+    wait_until(lambda: s.connector.poll() or s.connector._generation == 2, 5.0, "the new session's pool")
     s.loads.clear()
     tokens, source = saved(s, rng, 3)
     destination = np.setdiff1d(rng.permutation(N), source)[:3]
