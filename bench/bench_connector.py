@@ -130,10 +130,10 @@ def fragment_l2(socket_path: str, geometry, rng: np.random.Generator, page_size:
     client.attach(geometry)
     page_to_lease = {}
     while True:
-        reply = client.match(rng.integers(1, 2**31 - 1, size=page_size, dtype=np.int32), reserve_backup=True)
-        if not reply.backup_page_ids:
+        reply = client.acquire(rng.integers(1, 2**31 - 1, size=page_size, dtype=np.int32), save=True)
+        if not reply.reserved_page_ids:
             break
-        page_to_lease[reply.backup_page_ids[0]] = reply.lease_id
+        page_to_lease[reply.reserved_page_ids[0]] = reply.lease_id
     for page_id in sorted(page_to_lease)[::2]:
         client.release(page_to_lease[page_id])
     assert client.flush(timeout_s=60) == []

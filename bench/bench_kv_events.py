@@ -57,7 +57,7 @@ def cpu_seconds(pid: int) -> float:
 def one_iteration(client, rng, lookup_tokens: np.ndarray) -> float:
     """Commit a new prefix (not waited for), then time a lookup of the cached one."""
     tokens = rng.integers(0, 150_000, size=COMMIT_PAGES * GEOMETRY.page_size, dtype=np.int32)
-    commit_written(client, client.match(tokens, reserve_backup=True))
+    commit_written(client, client.acquire(tokens, save=True))
     started = time.perf_counter()
     reply = client.lookup_async(lookup_tokens).result()
     elapsed = time.perf_counter() - started
@@ -89,9 +89,9 @@ def main() -> None:
         for name, daemon in daemons.items():
             client = clients[name] = connect(daemon.socket_path, timeout_s=10.0)
             client.attach(GEOMETRY)
-            commit_written(client, client.match(lookup_tokens, reserve_backup=True))
+            commit_written(client, client.acquire(lookup_tokens, save=True))
             # A match that hits it makes it reused: eviction takes the never-reused new prefixes first.
-            client.release(client.match(lookup_tokens).lease_id)
+            client.release(client.acquire(lookup_tokens).lease_id)
             assert client.flush() == []
         samples: dict[str, list[float]] = {name: [] for name in daemons}
         daemon_cpu_s = dict.fromkeys(daemons, 0.0)

@@ -122,8 +122,8 @@ def main() -> None:
                 evicted = engine.l1_index.evict(engine.l1_index.num_cached_pages)
                 engine.l1_pool.free(evicted)
                 filler_tokens = rng.integers(0, 150_000, size=capacity * geometry.page_size, dtype=np.int32)
-                reply = filler.match(filler_tokens, reserve_backup=True, promote_l3=False)
-                filler.commit_backup(reply.lease_id, reply.backup_page_ids)
+                reply = filler.acquire(filler_tokens, save=True, promote="none")
+                filler.commit(reply.lease_id, reply.reserved_page_ids)
                 assert filler.flush() == []
                 before = wait_idle(engine.client)
                 drop_file_cache(l3_path)

@@ -79,7 +79,7 @@ def time_single_register(path: str, num_bytes: int, populate: bool) -> dict:
 def time_pool(path: str, num_pages: int, threads: int | None, prefault: bool, background: bool,
               chunk_bytes: int = PIN_CHUNK_BYTES) -> dict:
     started = time.perf_counter()
-    pool = SharedHostPool.open(path, 0, num_pages, GEOMETRY, pin=True, pin_threads=threads, prefault=prefault,
+    pool = SharedHostPool.open(path, num_pages, GEOMETRY, pin=True, pin_threads=threads, prefault=prefault,
                                pin_in_background=background, pin_chunk_bytes=chunk_bytes)
     returned = time.perf_counter()
     result = {"attach_s": returned - started}
@@ -99,7 +99,7 @@ def time_pool(path: str, num_pages: int, threads: int | None, prefault: bool, ba
 def measure_dma(path: str, num_pages: int, copy_bytes: int, repeats: int) -> list[dict]:
     """GB/s of copies within one pinned chunk, across a chunk boundary (cut into two copies, as the
     transfer engine does, and as one copy), and to a cudaHostAlloc'd buffer."""
-    pool = SharedHostPool.open(path, 0, num_pages, GEOMETRY, pin=True)
+    pool = SharedHostPool.open(path, num_pages, GEOMETRY, pin=True)
     device_buffer = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
     flat = pool.byte_view()
     boundary = PIN_CHUNK_BYTES

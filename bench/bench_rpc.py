@@ -50,9 +50,9 @@ def plain_server(socket_path: str, ready) -> None:
             break
         num_pages = len(body["token_ids"]) // 64
         reply = {"hit_tokens": {"l2": num_pages * 16, "l3": num_pages * 16}, "lease_id": 1,
-                 "host_page_ids": list(range(num_pages)), "backup_start_token": 0, "backup_page_ids": [],
+                 "host_page_ids": list(range(num_pages)), "reserved_start_token": 0, "reserved_page_ids": [],
                  "promoted_tokens": 0}
-        socket.send_multipart([identity, msgpack.packb([64, request_id, reply], use_bin_type=True)])
+        socket.send_multipart([identity, msgpack.packb([int(MsgKind.REPLY), request_id, reply], use_bin_type=True)])
     socket.close(0)
     context.term()
 
@@ -71,8 +71,8 @@ def time_plain(token_bytes: bytes, iterations: int, warmup: int, gap_s: float) -
         if gap_s:
             time.sleep(gap_s)
         started = time.perf_counter()
-        socket.send(msgpack.packb([4, i + 1, {"session_id": 1, "token_ids": token_bytes,
-                                              "reserve_backup": False}], use_bin_type=True))
+        socket.send(msgpack.packb([int(MsgKind.ACQUIRE), i + 1, {"session_id": 1, "token_ids": token_bytes,
+                                                                 "save": False}], use_bin_type=True))
         msgpack.unpackb(socket.recv(), raw=False)
         if i >= warmup:
             samples.append((time.perf_counter() - started) * 1e6)
@@ -89,7 +89,7 @@ def time_kvcached(client, tokens: np.ndarray, iterations: int, warmup: int, gap_
         if gap_s:
             time.sleep(gap_s)
         started = time.perf_counter()
-        reply = client.match(tokens)
+        reply = client.acquire(tokens)
         elapsed = time.perf_counter() - started
         assert reply.hit_tokens["l2"] == len(tokens), reply.hit_tokens
         client.release(reply.lease_id)      # off the critical path, as in an engine
@@ -107,12 +107,12 @@ def loaded_daemon(num_prefixes: int, daemon_spin_us: int, client_spin_s: float):
     rng = np.random.default_rng(0)
     for _ in range(num_prefixes):
         tokens = rng.integers(0, 150_000, size=LOAD_PREFIX_TOKENS, dtype=np.int32)
-        reply = client.match(tokens, reserve_backup=True)
-        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        reply = client.acquire(tokens, save=True)
+        client.commit(reply.lease_id, reply.reserved_page_ids)
     targets = {n: rng.integers(0, 150_000, size=n, dtype=np.int32) for n in (64, 8192)}
     for tokens in targets.values():
-        reply = client.match(tokens, reserve_backup=True)
-        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        reply = client.acquire(tokens, save=True)
+        client.commit(reply.lease_id, reply.reserved_page_ids)
     assert client.flush(timeout_s=60) == []
     while client.status()["pending"]["h2s"]:
         time.sleep(0.05)

@@ -64,7 +64,7 @@ and its ZeroMQ I/O thread on one CPU, busy-polling 20 ms after each request (``-
 ``cpu``), busy-polling up to 2 ms for a reply. A round trip then needs no sleeping thread woken:
 after an idle gap, a wake-up is most of a lookup's wait. Each row's ``admission_wait_p50_ms``
 (arrival to admission: the lookup's wait, where there is one) shows it, ``daemon_match_mean_ms``
-the daemon's part of it (its handling of the timed requests' matches, from its status: the rest
+the daemon's part of it (its handling of the timed requests' acquires, from its status: the rest
 of the wait is the engine's and the transport's), and ``admission_to_token_p50_ms`` the rest of
 the TTFT (the prefill, and whatever slows it).
 
@@ -122,10 +122,10 @@ POLICIES = ("always", "cost")
 PIN_DAEMON_SPIN_US = 20_000      # --pin: the daemon busy-polls this long after each request
 PIN_CLIENT_SPIN_S = 2e-3         # --pin: the engine's client busy-polls this long for a reply
 COLD_L3_TARGET = 0.97            # policy cost with a cold L3: req/s at least this times recompute's
-# The daemon's counters a row reports (their change over the timed run): its MATCH handling, its
+# The daemon's counters a row reports (their change over the timed run): its ACQUIRE handling, its
 # promotions and their reads (published, cut for want of room, failed, checksum mismatches), and
 # the room its L2 had (reservations cut or failed, evictions).
-DAEMON_COUNTS = ("match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
+DAEMON_COUNTS = ("acquire_", "match_", "s2h_", "h2s_", "promotions", "restore_fallbacks", "l3_checksum", "l3_pages_dropped",
                  "reservations_capped", "backup_reserve_failures", "backup_pages_", "backup_policy_skips",
                  "evicted_pages")
 COLUMNS = ["model", "tier", "policy", "saves", "predict", "engines", "batch", "repeat", "req_per_s", "speedup",
@@ -420,8 +420,8 @@ def timed_case(model, workload: Workload, prompts, tier: str, policy: str, saves
                # A request's add_request: its validation and, with a connector, its lookup's send (or prediction).
                "add_request_mean_ms": round(float(np.mean([(r.added_s - r.arrival_s) * 1e3 for r in done])), 3),
                # The daemon's share of the admission wait: its handling of the timed requests' matches.
-               "daemon_match_mean_ms": None if not (daemon_counts or {}).get("match_count") else
-               round(daemon_counts["match_seconds"] / daemon_counts["match_count"] * 1e3, 3),
+               "daemon_match_mean_ms": None if not (daemon_counts or {}).get("acquire_count") else
+               round(daemon_counts["acquire_seconds"] / daemon_counts["acquire_count"] * 1e3, 3),
                "daemon_counts": daemon_counts,
                "restored_requests": sum(restored),
                # Admitted on a predicted decline (proto.hints), with no wait for the lookup's reply.

@@ -109,8 +109,8 @@ def stale_writer_once(watch: str, seed: int) -> dict:
         daemon.cleanup()
     return {"restored": outcome["restored"], "a_backed_up": outcome["a_finished"]["backed_up"],
             "a_stale_generation": outcome["a_finished"]["stats"].get("save_skipped_pages_stale_generation", 0),
-            "shared_pages": len(set(outcome["a_prepared"]["backup_page_ids"])
-                                & set(outcome["b_prepared"]["backup_page_ids"])),
+            "shared_pages": len(set(outcome["a_prepared"]["reserved_page_ids"])
+                                & set(outcome["b_prepared"]["reserved_page_ids"])),
             "integrity": outcome["final"]["integrity"]}
 
 

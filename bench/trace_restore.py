@@ -120,7 +120,7 @@ def main() -> None:
                 timeline.wrap(engine, "_run_prefill", "prefill", sync=True)
                 for name in ("lookup", "lookup_async", "load", "poll", "finished", "save", "request_finished"):
                     timeline.wrap(connector, name, f"connector.{name}")
-                timeline.wrap(connector.client, "match_async", "client.match_async")
+                timeline.wrap(connector.client, "acquire_async", "client.acquire_async")
                 timeline.wrap(connector.transfer, "load", "transfer.load (queue)")
                 timeline.wrap(connector.transfer, "_load_whole", "transfer.load, whole")
                 timeline.wrap(engine.scheduler, "_allocate_for", "scheduler.admit (hashes, lookup, load)")

@@ -345,8 +345,8 @@ def overwrite_with_noise(daemon: Daemon, token_ids: list[int], seed: int) -> int
     geometry = vllm_namespace(daemon)
     with KVCacheClient(daemon.socket_path, client_name="noise") as client:
         info = client.attach(geometry)
-        reply = client.match(np.asarray(token_ids, dtype=np.int32))
-        pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry, pin=False)
+        reply = client.acquire(np.asarray(token_ids, dtype=np.int32))
+        pool = SharedHostPool.open(info.shm_path, info.num_pages, geometry, pin=False)
         try:
             pages = pool.byte_view().view(-1, geometry.bytes_per_page)
             generator = torch.Generator().manual_seed(seed)
@@ -407,11 +407,11 @@ class L2Held:
                 client = KVCacheClient(daemon.socket_path, client_name=f"l2-holder-{len(self._leases)}")
                 client.attach(geometry)
                 tokens = rng.integers(VOCAB, 2**31 - 1, self.capacity_pages * geometry.page_size, dtype=np.int32)
-                reply = client.match(tokens, reserve_backup=True)
+                reply = client.acquire(tokens, save=True)
                 self._leases.append((client, reply.lease_id))
-                if not reply.backup_page_ids:
+                if not reply.reserved_page_ids:
                     break
-                self.reserved_pages += len(reply.backup_page_ids)
+                self.reserved_pages += len(reply.reserved_page_ids)
         except BaseException:
             self.release()
             raise

@@ -5,7 +5,7 @@ from engine_client.channel import DaemonDown, DaemonError, DaemonUnavailable
 from engine_client.client import KVCacheClient, connect
 from engine_client.connection import Connection, ConnectionState
 from proto.messages import KVGeometry
-from proto.replies import AttachInfo, MatchReply
+from proto.replies import AcquireReply, AttachInfo, LookupReply
 
 __all__ = ["AttachInfo", "Connection", "ConnectionState", "DaemonDown", "DaemonError", "DaemonUnavailable",
-           "KVCacheClient", "KVGeometry", "MatchReply", "connect"]
+           "KVCacheClient", "KVGeometry", "LookupReply", "AcquireReply", "connect"]

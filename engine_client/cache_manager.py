@@ -65,8 +65,8 @@ class RequestPlan:
     restored_tokens: int                # of num_cached_tokens, how many were loaded from L2
     l2_hit_tokens: int                  # what the daemon's L2 held (L3 promotions included)
     lease_id: int | None                # the request's lease while it is open (None: none, or ended)
-    backup_start_token: int             # saves write pages from here on (the L2 hit)
-    backup_page_ids: list[int]          # the private L2 pages reserved for them
+    reserved_start_token: int           # saves write pages from here on (the L2 hit)
+    reserved_page_ids: list[int]        # the private L2 pages reserved for them
     restore_seconds: float = 0.0        # wall time of the load, from queueing to its result
     finished: bool = False
     backup: bool = True                 # save the new full pages at finish
@@ -179,8 +179,8 @@ class CacheManager:
             token_ids=tokens, num_cached_tokens=len(l1_page_ids) * page_size, l1_page_ids=l1_page_ids,
             new_l1_page_ids=new_l1_page_ids, l1_hit_tokens=l1_match.num_tokens,
             restored_tokens=num_loaded * page_size, l2_hit_tokens=lease.hit_tokens,
-            lease_id=lease.lease_id if is_open else None, backup_start_token=lease.hit_tokens,
-            backup_page_ids=lease.reserved_page_ids.tolist() if is_open else [],
+            lease_id=lease.lease_id if is_open else None, reserved_start_token=lease.hit_tokens,
+            reserved_page_ids=lease.reserved_page_ids.tolist() if is_open else [],
             restore_seconds=restore_seconds, backup=backup, request_id=request_id if is_open else None)
         self._open_plans.append(plan)
         return plan

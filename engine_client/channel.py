@@ -16,13 +16,13 @@ from zmq.utils import monitor as zmq_monitor
 from proto import codec
 from proto.errors import ErrorCode
 from proto.messages import MsgKind
-from proto.replies import MatchReply, from_wire
+from proto.replies import AcquireReply, LookupReply, from_wire
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_ASYNC = 100_000
 # Requests whose reply may carry a lease: a reply nobody waits for any more must end it.
-LEASE_KINDS = (MsgKind.MATCH,)
+LEASE_KINDS = (MsgKind.ACQUIRE,)
 # While a session request waits, how often it checks whether the connection went down meanwhile:
 # a request in flight when the daemon is found dead ends this long after, at most.
 DOWN_CHECK_INTERVAL_S = 0.01
@@ -85,7 +85,7 @@ class Channel:
         self._request_ids = itertools.count(1)
         self.pending_async: dict[int, MsgKind] = {}
         self.async_errors: list[DaemonError] = []
-        # Requests we stopped waiting for: a late MATCH reply still carries a lease that nobody
+        # Requests we stopped waiting for: a late ACQUIRE reply still carries a lease that nobody
         # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease
         # with the generation of the session it was asked for.
         self.abandoned: dict[int, tuple[MsgKind, float, int]] = {}   # request id -> (kind, when given up, generation)
@@ -167,7 +167,7 @@ class Channel:
         return frame.body
 
     def abandon(self, request_id: int, kind: MsgKind, generation: int = 0) -> None:
-        """Stop waiting for a request's reply. A MATCH reply carries a lease that nobody would ever
+        """Stop waiting for a request's reply. An ACQUIRE reply carries a lease that nobody would ever
         end: whether it came already or comes later, its lease goes to on_orphan_lease, with the
         generation of the session the request was sent for."""
         if request_id not in self.awaited:
@@ -287,8 +287,8 @@ class Channel:
         for request_id in [r for r in self.pending_async if r < frame.request_id]:
             del self.pending_async[request_id]
 
-    def abandoned_matches(self) -> int:
-        """Given-up matches whose replies (and leases) may still come. One given up longer ago than
+    def abandoned_acquires(self) -> int:
+        """Given-up acquires whose replies (and leases) may still come. One given up longer ago than
         the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
         reclaims whatever it held."""
         horizon = time.monotonic() - self.timeout_s
@@ -319,10 +319,11 @@ class Channel:
 
 
 class PendingReply:
-    """A request sent whose reply is still to be collected (``KVCacheClient.request_async``)."""
+    """A request sent whose reply is still to be collected (``KVCacheClient.request_async``,
+    ``lookup_async``, ``acquire_async``)."""
 
-    kind = MsgKind.MATCH
-    reply_type: type = MatchReply
+    kind = MsgKind.ACQUIRE
+    reply_type: type = AcquireReply
 
     def __init__(self, channel: Channel, request_id: int, generation: int,
                  on_not_attached: Callable[[int, str], None] | None = None, kind: MsgKind | None = None,
@@ -386,8 +387,16 @@ class PendingReply:
             pass
 
 
-class PendingMatch(PendingReply):
-    """A match sent by ``KVCacheClient.match_async`` whose reply is still to be collected."""
+class PendingAcquire(PendingReply):
+    """An acquire sent by ``KVCacheClient.acquire_async`` whose reply (and the lease it may carry)
+    is still to be collected."""
 
-    kind = MsgKind.MATCH       # lookups are matches too (lock=false)
-    reply_type = MatchReply
+    kind = MsgKind.ACQUIRE
+    reply_type = AcquireReply
+
+
+class PendingLookup(PendingReply):
+    """A lookup sent by ``KVCacheClient.lookup_async`` whose reply is still to be collected."""
+
+    kind = MsgKind.LOOKUP
+    reply_type = LookupReply

@@ -1,7 +1,7 @@
 """The engine's synchronous client of the kvcached daemon.
 
 Made for an engine's scheduler thread: every call that waits has a bound (``timeout_s``) and
-raises ``DaemonUnavailable`` naming what it waited for, never hangs. Releases and backup
+raises ``DaemonUnavailable`` naming what it waited for, never hangs. Releases and
 commits are sent without waiting (they are off the request's critical path); their error
 replies, if any, are collected as they arrive and handed out by ``poll_errors()``. A
 background thread sends heartbeats on its own socket so that a long forward pass does not
@@ -22,12 +22,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from engine_client.channel import (LEASE_KINDS, Channel, DaemonDown, DaemonError, DaemonUnavailable, PendingMatch,
-                                    PendingReply)
+from engine_client.channel import (LEASE_KINDS, Channel, DaemonDown, DaemonError, DaemonUnavailable, PendingAcquire,
+                                    PendingLookup, PendingReply)
 from engine_client.connection import Connection, ConnectionKeeper, ConnectionState
 from proto import procfs
 from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
-from proto.replies import AttachInfo, MatchReply, from_wire
+from proto.replies import AcquireReply, AttachInfo, LookupReply, from_wire
 from proto.tokens import token_bytes
 from proto.paths import UntrustedSocket, check_socket  # noqa: F401 (engines catch UntrustedSocket from here)
 
@@ -211,65 +211,58 @@ class KVCacheClient(ConnectionKeeper):
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-              promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
-              policy: str = "") -> MatchReply:
-        """The one blocking round trip of a request: hits per tier, a lease on the L2 hit,
-        and (with reserve_backup) private L2 pages for the pages the daemon lacks."""
-        return self.match_async(token_ids, reserve_backup, promote_l3, generation, local_hit_tokens=local_hit_tokens,
-                                policy=policy).result()
+    def acquire(self, token_ids: Sequence[int] | np.ndarray, save: bool = False, promote: str = "wait",
+                generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "") -> AcquireReply:
+        """The one blocking round trip of a request (``acquire_async``, waited for): hits per tier,
+        a lease on the L2 hit, and (with save) private L2 pages reserved for the pages the daemon lacks."""
+        return self.acquire_async(token_ids, save, promote, generation, local_hit_tokens=local_hit_tokens,
+                                  policy=policy).result()
 
-    def match_async(self, token_ids: Sequence[int] | np.ndarray, reserve_backup: bool = False,
-                    promote_l3: bool = True, generation: int | None = None, *, local_hit_tokens: int = 0,
-                    policy: str = "", begun: bool = False, recompute: bool = False) -> PendingMatch:
-        """Send a match now and collect its reply later (``result()``), so that the round trip
-        overlaps the engine's own work (the connector sends a step's matches together).
-        Every pending match must end by ``result()`` or ``cancel()``: its reply may hold a lease.
-        ``generation``: the session it is for (DaemonDown at once if that one has ended).
-        With promote_l3 the daemon's cost model decides, under ``policy`` ("": the daemon's) and for
-        the tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 holds.
-        ``begun``: the match stands for the request's lookup (an L3 hit it declines may be promoted
-        in the background, as after a lookup). ``recompute``: the engine recomputes what lies beyond
-        its own hit whatever the reply says (it predicted a decline, ``proto.hints``): nothing is
-        promoted for it."""
+    def acquire_async(self, token_ids: Sequence[int] | np.ndarray, save: bool = False, promote: str = "wait",
+                      generation: int | None = None, *, local_hit_tokens: int = 0,
+                      policy: str = "") -> PendingAcquire:
+        """Send an acquire now and collect its reply later (``result()``), so that the round trip
+        overlaps the engine's own work (the connector sends a step's acquires together).
+        Every pending acquire must end by ``result()`` or ``cancel()``: its reply may hold a lease
+        (one given up is released when its reply comes). ``generation``: the session it is for
+        (DaemonDown at once if that one has ended). ``promote``: one of proto.messages.PROMOTE_MODES
+        ("wait": the daemon's cost model decides, under ``policy`` ("": the daemon's) and for the
+        tokens beyond the engine's own ``local_hit_tokens``, whether to promote what only L3 or the
+        remote store holds before replying; "recompute": the engine recomputes beyond its own hit
+        whatever the reply says, nothing is promoted; "none": no tier below L2 is weighed)."""
         session_id, generation = self._session(generation, live=True)
-        body = {
-            "session_id": session_id,
-            "token_ids": token_bytes(token_ids),
-            "reserve_backup": reserve_backup,
-            "promote_l3": promote_l3,
-            "local_hit_tokens": local_hit_tokens,
-            "policy": policy,
-        }
-        if begun:
-            body["begun"] = True
-        if recompute:
-            body["recompute"] = True
-        request_id = self._channel.begin(MsgKind.MATCH, body)
-        return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
+        request_id = self._channel.begin(MsgKind.ACQUIRE, {
+            "session_id": session_id, "token_ids": token_bytes(token_ids), "local_hit_tokens": local_hit_tokens,
+            "policy": policy, "save": save, "promote": promote})
+        return PendingAcquire(self._channel, request_id, generation, self._on_not_attached)
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False, generation: int | None = None,
+               *, local_hit_tokens: int = 0, policy: str = "", prefetch: bool = False) -> LookupReply:
+        """``lookup_async``, waited for."""
+        return self.lookup_async(token_ids, tp_group, generation, local_hit_tokens=local_hit_tokens, policy=policy,
+                                 prefetch=prefetch).result()
 
     def lookup_async(self, token_ids: Sequence[int] | np.ndarray, tp_group: bool = False,
                      generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "",
-                     promote_l3: bool = False) -> PendingMatch:
+                     prefetch: bool = False) -> PendingLookup:
         """Ask how much of a prefix is cached, changing nothing (no lease, no LRU update): the reply
-        (``result()``) has the hit per tier and no lease or pages, and the daemon's decision (where
-        the tokens beyond the engine's own ``local_hit_tokens`` should come from, under ``policy``).
-        promote_l3: L3 is a candidate too, and an L3 hit the decision declines may be promoted in
-        the background (what an engine's lookups ask for; a tool that only reads the hits does not).
-        tp_group: the least hit over every rank of this engine's tensor-parallel group. DaemonDown at
-        once while it is down."""
+        (``result()``) has the hit per tier and the daemon's decision (where the tokens beyond the
+        engine's own ``local_hit_tokens`` should come from, under ``policy``).
+        prefetch: what an engine's lookups ask: L3 and the remote store are candidates too, and an
+        L3 hit the decision declines may be promoted in the background (a tool that only reads the
+        hits does not). tp_group: the least hit over every rank of this engine's tensor-parallel
+        group. DaemonDown at once while it is down."""
         session_id, generation = self._session(generation, live=True)
-        request_id = self._channel.begin(MsgKind.MATCH, {
-            "session_id": session_id, "token_ids": token_bytes(token_ids),
-            "lock": False, "tp_group": tp_group, "local_hit_tokens": local_hit_tokens, "policy": policy,
-            "promote_l3": promote_l3})
-        return PendingMatch(self._channel, request_id, generation, self._on_not_attached)
+        request_id = self._channel.begin(MsgKind.LOOKUP, {
+            "session_id": session_id, "token_ids": token_bytes(token_ids), "local_hit_tokens": local_hit_tokens,
+            "policy": policy, "tp_group": tp_group, "prefetch": prefetch})
+        return PendingLookup(self._channel, request_id, generation, self._on_not_attached)
 
     def request_async(self, kind: MsgKind, body: dict[str, Any], reply_type: type,
                       generation: int | None = None) -> PendingReply:
         """Send a request of the session (of ``generation``) now; ``result()`` decodes its reply as
         ``reply_type`` later. DaemonDown at once unless that session is attached. Not for requests
-        whose reply may carry a lease (matches: ``match_async``)."""
+        whose reply may carry a lease (``acquire_async``)."""
         assert kind not in LEASE_KINDS, kind
         session_id, generation = self._session(generation, live=True)
         request_id = self._channel.begin(kind, {"session_id": session_id, **body})
@@ -284,7 +277,7 @@ class KVCacheClient(ConnectionKeeper):
         session = self._session(generation or None, live=False)
         if session is None:       # its session ended, and with it the lease
             return
-        logger.info("releasing lease %d granted by a match that was given up (cancelled or timed out)", lease_id)
+        logger.info("releasing lease %d granted by an acquire that was given up (cancelled or timed out)", lease_id)
         try:
             self._channel.send_async(MsgKind.RELEASE, {"session_id": session[0], "lease_id": lease_id})
         except DaemonUnavailable as exc:    # the session's end reclaims it
@@ -307,9 +300,11 @@ class KVCacheClient(ConnectionKeeper):
         session has ended (and the lease with it)."""
         return self._send_async(MsgKind.RELEASE, {"lease_id": lease_id}, generation)
 
-    def commit_backup(self, lease_id: int, host_page_ids: Sequence[int], generation: int | None = None) -> bool:
-        return self._send_async(MsgKind.BACKUP_COMMIT, {
-            "lease_id": lease_id, "host_page_ids": [int(p) for p in host_page_ids]}, generation)
+    def commit(self, lease_id: int, page_ids: Sequence[int], generation: int | None = None) -> bool:
+        """Publish the written reserved pages of a lease (a prefix of its reservation, in order) and
+        end it, without waiting. False: not sent, the session has ended (and the lease with it)."""
+        return self._send_async(MsgKind.COMMIT, {"lease_id": lease_id, "page_ids": [int(p) for p in page_ids]},
+                                generation)
 
     def _send_async(self, kind: MsgKind, body: dict[str, Any], generation: int | None) -> bool:
         """Send a request that is not waited for, to the session of ``generation`` (default: the
@@ -344,7 +339,7 @@ class KVCacheClient(ConnectionKeeper):
 
     def flush(self, timeout_s: float | None = None) -> list[DaemonError]:
         """Wait until the daemon has handled every release/commit sent so far, including the
-        releases of leases from matches given up; returns their errors like ``poll_errors``.
+        releases of leases from acquires given up; returns their errors like ``poll_errors``.
         DaemonDown at once while the daemon is down."""
         channel = self._channel
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -353,13 +348,13 @@ class KVCacheClient(ConnectionKeeper):
             return self.poll_errors()
         session_id, generation = self._session(None, live=True)
         heartbeat = {"session_id": session_id}
-        # The daemon answers one socket's requests in order, except a match that waits for an L3
+        # The daemon answers one socket's requests in order, except an acquire that waits for a
         # promotion, which is answered when the read is done: the heartbeat's reply comes after
-        # every other earlier reply, then late match replies are waited for. A given-up match's
+        # every other earlier reply, then late acquire replies are waited for. A given-up acquire's
         # reply triggers the release of its lease: that release needs a last round.
         if channel.pending_async or channel.abandoned:
             channel.request(MsgKind.HEARTBEAT, heartbeat, timeout_s, generation)
-        channel.absorb_until(lambda: channel.abandoned_matches() == 0, deadline)
+        channel.absorb_until(lambda: channel.abandoned_acquires() == 0, deadline)
         if channel.pending_async:
             channel.request(MsgKind.HEARTBEAT, heartbeat, max(0.001, deadline - time.monotonic()), generation)
         return self.poll_errors()

@@ -6,7 +6,7 @@ place (``_transition``). The heartbeat thread learns that the daemon is gone fro
 its socket's monitor (the daemon's end closed: its process exited), from the daemon's SHUTDOWN
 message (sent to each socket of a live session when it stops), or from a heartbeat whose reply
 does not come (a stalled daemon); the connection is then DOWN, a request that would wait for the
-daemon (a match, a lookup) raises ``DaemonDown`` at once, without sending anything, and one
+daemon (an acquire, a lookup) raises ``DaemonDown`` at once, without sending anything, and one
 already waiting gives up within DOWN_CHECK_INTERVAL_S.
 While DOWN, the heartbeat thread keeps probing, off every request's path: a heartbeat answered
 for the old session resumes it; a daemon that no longer knows it (restarted, or it expired the

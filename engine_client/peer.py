@@ -41,7 +41,7 @@ from engine_client.peer_memory import EpochFile, PeerError, _export_storage, _op
 from proto import counters, procfs
 from proto.counters import Counts
 from proto.messages import MsgKind
-from proto.replies import MatchReply, PeerListReply, PeerRegisterReply
+from proto.replies import AcquireReply, PeerListReply, PeerRegisterReply
 from proto.tokens import TOKEN_BYTES, token_bytes
 
 logger = logging.getLogger(__name__)
@@ -265,8 +265,8 @@ class PeerSharing:
 
     # ---- reader -----------------------------------------------------------------------------
 
-    def plan(self, reply: MatchReply) -> PeerPlan | None:
-        """The match's peer candidate, if its owner is opened here and usable (an owner not opened
+    def plan(self, reply: AcquireReply) -> PeerPlan | None:
+        """The acquire's peer candidate, if its owner is opened here and usable (an owner not opened
         yet is asked for: later requests may use it)."""
         if not reply.peer_id or not reply.peer_block_ids:
             return None

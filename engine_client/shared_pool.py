@@ -198,21 +198,18 @@ class SharedHostPool:
             raise
 
     @classmethod
-    def open(cls, path: str, offset_bytes: int, num_pages: int, geometry: KVGeometry, pin: bool, *,
+    def open(cls, path: str, num_pages: int, geometry: KVGeometry, pin: bool, *,
              pin_in_background: bool = False, pin_threads: int | None = None,
              pin_chunk_bytes: int | None = None, prefault: bool = True,
              device: torch.device | str | int | None = None, generations_path: str = "") -> "SharedHostPool":
-        """Map `num_pages` pages of `path` starting at `offset_bytes` (read-write, shared).
+        """Map the first `num_pages` pages of `path` (read-write, shared): page ids are absolute, the
+        pages span the daemon's whole segment from its start.
 
         With `pin`, register the range with CUDA for `device` (default: the current one) in chunks
         of `pin_chunk_bytes` (default: `whole_page_chunk_bytes`) on `pin_threads` threads,
         pre-faulting each chunk first (`prefault`); with `pin_in_background`, return before that is
         done (see the module note).
         """
-        if type(offset_bytes) is not int or offset_bytes < 0 or offset_bytes % mmap.ALLOCATIONGRANULARITY:
-            raise ValueError(
-                f"offset_bytes must be a non-negative multiple of {mmap.ALLOCATIONGRANULARITY}, "
-                f"got {offset_bytes!r}")
         if type(num_pages) is not int or num_pages < 1:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         geometry.validate()
@@ -225,15 +222,14 @@ class SharedHostPool:
         fd = os.open(path, os.O_RDWR)
         try:
             file_size = os.fstat(fd).st_size
-            if file_size < offset_bytes + nbytes:
+            if file_size < nbytes:
                 raise ValueError(
-                    f"{path} has {file_size} bytes; the region needs {offset_bytes + nbytes} "
-                    f"({num_pages} pages of {geometry.bytes_per_page} bytes at offset {offset_bytes})")
+                    f"{path} has {file_size} bytes; the region needs {nbytes} "
+                    f"({num_pages} pages of {geometry.bytes_per_page} bytes)")
             # Pinning pre-faults chunk by chunk on several threads; MAP_POPULATE would do it all
             # here, on one thread, first.
             flags = mmap.MAP_SHARED | (0 if pin else _MAP_POPULATE)
-            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                                offset=offset_bytes)
+            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             # The mmap holds its own duplicate of the descriptor; ours is not needed past here.
             os.close(fd)

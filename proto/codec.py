@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, cap_message, preview
-from proto.messages import MsgKind
+from proto.messages import MISMATCH_ADVICE, PROTOCOL_VERSION, RETIRED_KINDS, MsgKind
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID = 2**63 - 1
@@ -49,6 +49,11 @@ def decode(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         raise ProtocolError(ErrorCode.BAD_FRAME, f"kind must be an integer, got {preview(kind)}")
     known_kind = _KIND_BY_VALUE.get(kind)
     if known_kind is None:
+        retired = RETIRED_KINDS.get(kind)
+        if retired is not None:         # a peer of an earlier protocol: say so, never guess
+            raise ProtocolError(ErrorCode.UNKNOWN_KIND,
+                                f"message kind {kind} ({retired}) is not in protocol {PROTOCOL_VERSION}, the "
+                                f"daemon's: {MISMATCH_ADVICE}")
         raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind}")
     kind = known_kind
     if not isinstance(body, dict):

@@ -9,7 +9,10 @@ from typing import Any
 
 from proto.errors import ErrorCode, ProtocolError, preview
 
-PROTOCOL_VERSION = 1
+# Version 2 replaced MATCH and BACKUP_COMMIT by LOOKUP, ACQUIRE and COMMIT. An ATTACH of another
+# version is refused with one error naming both; a frame of a retired kind names its version.
+PROTOCOL_VERSION = 2
+MISMATCH_ADVICE = "upgrade the engine's kvcached-sidecar to the daemon's version"
 
 # Bytes per element of each dtype an engine may attach with (torch dtype names).
 DTYPE_ITEMSIZE = {
@@ -26,30 +29,46 @@ class MsgKind(enum.IntEnum):
     ATTACH = 1
     DETACH = 2
     HEARTBEAT = 3
-    MATCH = 4
-    RELEASE = 5
-    # 6 was BACKUP_RESERVE (MATCH with reserve_backup does it): unused, never reuse
-    BACKUP_COMMIT = 7
+    # 4 was MATCH (protocol 1: LOOKUP and ACQUIRE in one verb with flags): never reuse
+    RELEASE = 5            # end a lease, nothing published
+    # 6 was BACKUP_RESERVE (protocol 1's MATCH with reserve_backup did it): never reuse
+    # 7 was BACKUP_COMMIT (protocol 1: COMMIT is its successor): never reuse
     STATUS = 8
     ENGINE_REPORT = 9      # engine facts for status: transfer backends, the connector's counters
     # 10 and 11 were RESERVE_PAGES and COMMIT_PAGES (pages held ahead of backups): unused, never reuse
     PEER_REGISTER = 12     # the engine's KV tensors (CUDA IPC handles) and its GPU, for other engines to copy from
     PEER_PUBLISH = 13      # blocks of the engine's GPU cache that now hold pages, and blocks that no longer do
     PEER_LIST = 14         # the registrations of other engines of the namespace that this engine can open
+    LOOKUP = 15            # the hit per tier and the decision for a prompt; changes nothing
+    ACQUIRE = 16           # the request's lease: its L2 hit locked and, to save, pages reserved
+    COMMIT = 17            # publish the written reserved pages; ends the lease
     # replies (daemon -> engine)
     REPLY = 64
     ERROR = 65
     SHUTDOWN = 66          # unsolicited (request_id 0), to each socket of a live session: the daemon is stopping
 
 
-# Which restores a lookup or match takes (MATCH's policy; the daemon's --restore-policy): "cost",
+# Kinds of earlier protocols, by value: a frame of one is refused with its name and both versions.
+RETIRED_KINDS = {4: "MATCH", 6: "BACKUP_RESERVE", 7: "BACKUP_COMMIT", 10: "RESERVE_PAGES", 11: "COMMIT_PAGES"}
+
+
+# Which restores a lookup or acquire takes (their policy; the daemon's --restore-policy): "cost",
 # those the cost model says beat recompute; "always", the longest hit; "never", none.
 RESTORE_POLICIES = ("cost", "always", "never")
-# What a decision chooses (MatchReply.choice): "engine", no tier holds more than the engine's own hit;
+# What a decision chooses (the replies' choice): "engine", no tier holds more than the engine's own hit;
 # "l2", "l3", "remote", restore from that tier (L3, remote: promoted to L2 first); "peer", copy from
 # another engine's GPU cache (the reply's peer_* fields); "recompute", a tier holds more but
 # restoring it does not pay (or the policy is never).
 RESTORE_CHOICES = ("engine", "l2", "l3", "remote", "peer", "recompute")
+# What an ACQUIRE promotes into L2 for its request (``proto.schema.Acquire.promote``):
+# "none": nothing; the decision weighs L2 and peers only (a request whose first call is a save, or
+#   an engine configured not to promote).
+# "recompute": nothing now; the engine recomputes beyond its own hit (it predicted a decline,
+#   ``proto.hints``), the decision still weighs every tier (counted as predicted), and an L3 hit
+#   it declines may be promoted in the background, as after a LOOKUP with prefetch.
+# "wait": what the decision restores from L3 or the remote store is promoted before the reply;
+#   an L3 hit it declines may be promoted in the background.
+PROMOTE_MODES = ("none", "recompute", "wait")
 
 # The L2 page formats (KVGeometry.layout). "kv": K and V of a block apart, page [2, layers, *block];
 # "blocks": each layer's block is opaque bytes (an engine that packs K and V inside it), page [layers, *block].

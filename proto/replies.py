@@ -22,7 +22,6 @@ class AttachInfo(NamedTuple):
     session_id: int
     namespace_id: int
     shm_path: str
-    arena_offset_bytes: int
     num_pages: int
     bytes_per_page: int
     heartbeat_interval_s: float
@@ -58,36 +57,53 @@ class Decision(NamedTuple):
 NO_DECISION = Decision()
 
 
-class MatchReply(NamedTuple):
-    """The reply to MATCH. A lookup (lock=false) carries only hit_tokens: no lease, no page ids."""
+class LookupReply(NamedTuple):
+    """The reply to LOOKUP: the hit per tier (tier label -> leading tokens; "peer" for a session
+    registered for peer restores, "remote" where the store was asked), and the cost model's
+    decision: where the tokens beyond the engine's own hit come from (``choice``, one of
+    proto.messages.RESTORE_CHOICES), the leading tokens to hold after the restore (the engine's own
+    hit included), the predicted seconds to hold the longest hit through each candidate and
+    "recompute", and the policy applied."""
 
-    hit_tokens: dict[str, int]         # per tier label
-    lease_id: int | None               # None: nothing locked or reserved
+    hit_tokens: dict[str, int]
+    choice: str
+    restore_tokens: int
+    predicted_s: dict[str, float]
+    policy: str
+
+    @property
+    def decision(self) -> Decision:
+        return Decision(self.choice, self.restore_tokens, self.predicted_s)
+
+
+class AcquireReply(NamedTuple):
+    """The reply to ACQUIRE. ``lease_id`` None: nothing was locked or reserved (no L2 hit, nothing
+    reserved), and there is nothing to release or commit."""
+
+    hit_tokens: dict[str, int]         # per tier label, as in LookupReply
+    lease_id: int | None
     host_page_ids: list[int]           # L2 pages of the hit prefix, in order (under the lease)
-    backup_start_token: int            # the L2 hit: reserved pages hold pages from here on
-    backup_page_ids: list[int]         # private L2 pages reserved for the pages the daemon lacks
-    promoted_tokens: int = 0           # of the L2 hit, tokens just promoted from L3 for this match
-    # The peer candidate (a match of a session registered for peer restores; 0 and [] otherwise):
-    # another engine's blocks holding the leading pages, each at the epoch it was published at.
+    # The write generation each page of host_page_ids was published with: a reader trusts a page
+    # only while its word holds it (proto.generations).
+    host_page_generations: list[int] = []
+    reserved_start_token: int = 0      # the L2 hit: the reserved pages hold the pages from here on
+    reserved_page_ids: list[int] = []  # private L2 pages reserved for the request's saves (with save)
+    reserved_generation: int = 0       # what the writer of reserved_page_ids stamps once their bytes are complete
+    # Why no pages were reserved for saves of the pages beyond the L2 hit ("": it reserved what it
+    # could): "evicted_before_reuse", a path L3 holds that L2 would evict before its next use.
+    save_skipped: str = ""
+    promoted_tokens: int = 0           # of the L2 hit, tokens just promoted from L3 or the store for it
+    # The peer candidate (a session registered for peer restores; 0 and [] otherwise): another
+    # engine's blocks holding the leading pages, each at the epoch it was published at.
     peer_id: int = 0
     peer_block_ids: list[int] = []
     peer_epochs: list[int] = []
-    # The cost model's decision (a lookup's; a match's that may promote L3): where the tokens beyond
-    # the engine's own hit come from (proto.messages.RESTORE_CHOICES; "": no decision was asked for),
-    # the leading tokens to hold after the restore (the engine's own hit included), the predicted
-    # seconds to hold the longest hit through each candidate and "recompute", and the policy applied.
+    # The decision, as in LookupReply ("" and empty: none was taken: promote "none" and no peer).
+    # A restore from L2, L3 or the store names no more tokens than the lease can load.
     choice: str = ""
     restore_tokens: int = 0
     predicted_s: dict[str, float] = {}
     policy: str = ""
-    # Why no pages were reserved for saves of the pages beyond the L2 hit ("": it reserved what it
-    # could): "evicted_before_reuse", a path L3 holds that L2 would evict before its next use.
-    backup_skipped: str = ""
-    # The write generation each page of host_page_ids was published with (a reader trusts a page
-    # only while its word holds it), and the one the writer of backup_page_ids stamps once its
-    # bytes are complete (proto.generations).
-    host_page_generations: list[int] = []
-    backup_generation: int = 0
 
     @property
     def decision(self) -> Decision:
@@ -117,7 +133,7 @@ class PeerListReply(NamedTuple):
     peers: list[dict]
 
 
-Reply = TypeVar("Reply", AttachInfo, DetachReply, MatchReply, CommitReply, PeerRegisterReply, PeerListReply)
+Reply = TypeVar("Reply", AttachInfo, DetachReply, LookupReply, AcquireReply, CommitReply, PeerRegisterReply, PeerListReply)
 
 
 def to_wire(reply: NamedTuple) -> dict[str, Any]:

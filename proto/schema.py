@@ -1,7 +1,8 @@
 """Request bodies and their validation.
 
 Every field a peer sends is checked here, on the receiving side, before any state is touched.
-New fields go last and carry defaults, so older peers keep working.
+New fields go last and carry defaults, so older peers keep working; a field a request does not
+define is ignored (a newer peer's). No field's meaning depends on another's: each verb is one intent.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, preview
-from proto.messages import RESTORE_POLICIES, KVGeometry, MsgKind
+from proto.messages import MISMATCH_ADVICE, PROMOTE_MODES, PROTOCOL_VERSION, RESTORE_POLICIES, KVGeometry, MsgKind
 from proto.tokens import TOKEN_BYTES
 
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
@@ -74,6 +75,16 @@ def _page_ids(body: dict, name: str) -> list[int]:
 
 
 
+def check_protocol_version(body: dict) -> None:
+    """An ATTACH of another protocol version is refused before anything else of it is read (its
+    other fields may mean something else): one error naming both versions."""
+    version = body.get("protocol_version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.VERSION_MISMATCH,
+                            f"protocol version mismatch: daemon speaks {PROTOCOL_VERSION}, engine sent "
+                            f"{preview(version)}; {MISMATCH_ADVICE}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Attach:
     kind: ClassVar[MsgKind] = MsgKind.ATTACH
@@ -113,54 +124,77 @@ class SessionRequest:
         return cls(session_id=_int(body, "session_id"))
 
 
+def _policy(body: dict) -> str:
+    policy = _str(body, "policy", 16, "")
+    if policy and policy not in RESTORE_POLICIES:
+        raise _bad(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {preview(policy)}")
+    return policy
+
+
+def _local_hit_tokens(body: dict) -> int:
+    return _int(body, "local_hit_tokens", 0, MAX_TOKENS_PER_REQUEST, default=0)
+
+
 @dataclasses.dataclass(frozen=True)
-class Match:
-    kind: ClassVar[MsgKind] = MsgKind.MATCH
+class Lookup:
+    """The hit per tier of a prompt and the cost model's decision for it. Changes nothing: no
+    lease, no lock, no reservation, no LRU update, no page ids."""
+
+    kind: ClassVar[MsgKind] = MsgKind.LOOKUP
     session_id: int
     token_ids: bytes
-    reserve_backup: bool = False   # also reserve private L2 pages for the pages the daemon lacks
-    promote_l3: bool = True        # read pages only L3 holds into L2 before replying
-    # False: a lookup. Nothing is locked, reserved, promoted or touched (no lease, no LRU update,
-    # no page ids in the reply): only the hit per tier, which an engine may ask for many times.
-    lock: bool = True
-    # With lock=False: the hit of the session's whole tensor-parallel group, per tier the least
-    # over its ranks' namespaces (0 while a rank has none): a prefix is cached only where every
-    # rank holds its shard.
-    tp_group: bool = False
     # Leading tokens the engine holds itself (its GPU cache): the cost model prices what lies beyond.
     local_hit_tokens: int = 0
     # The restore policy for this request, one of RESTORE_POLICIES ("": the daemon's).
     policy: str = ""
-    # With lock=True: the match stands for the request's lookup (the connector's ``begin``): an L3
-    # hit its decision declines may be promoted in the background, as after a lookup.
-    begun: bool = False
-    # With lock=True: the engine admitted the request on a predicted decline (proto.hints) and
-    # recomputes what lies beyond its own hit whatever the reply says; nothing is promoted.
-    recompute: bool = False
+    # The hit of the session's whole tensor-parallel group: per tier the least over its ranks'
+    # namespaces (0 while a rank has none): a prefix is cached only where every rank holds its shard.
+    tp_group: bool = False
+    # What an engine's lookups ask: the lookup stands for a restore that may come from below L2, so
+    # L3 is a candidate of the decision (as for an ACQUIRE that promotes) and, for one rank (a
+    # group's ranks promote their own shards), the remote store is asked and an L3 hit the decision
+    # declines may be promoted in the background. False (a tool reading the hits): the decision
+    # weighs L2 and peers only.
+    prefetch: bool = False
 
     @classmethod
-    def parse(cls, body: dict) -> "Match":
-        request = cls(
+    def parse(cls, body: dict) -> "Lookup":
+        return cls(
             session_id=_int(body, "session_id"),
             token_ids=_token_bytes(body, "token_ids"),
-            reserve_backup=_bool(body, "reserve_backup", False),
-            promote_l3=_bool(body, "promote_l3", True),
-            lock=_bool(body, "lock", True),
+            local_hit_tokens=_local_hit_tokens(body),
+            policy=_policy(body),
             tp_group=_bool(body, "tp_group", False),
-            local_hit_tokens=_int(body, "local_hit_tokens", 0, MAX_TOKENS_PER_REQUEST, default=0),
-            policy=_str(body, "policy", 16, ""),
-            begun=_bool(body, "begun", False),
-            recompute=_bool(body, "recompute", False),
+            prefetch=_bool(body, "prefetch", False),
         )
-        if request.policy and request.policy not in RESTORE_POLICIES:
-            raise _bad(f"policy must be one of {RESTORE_POLICIES} (or empty: the daemon's), got {preview(request.policy)}")
-        if not request.lock and request.reserve_backup:
-            raise _bad("a lookup (lock=false) reserves nothing: reserve_backup must be false")
-        if request.recompute and not request.lock:
-            raise _bad("recompute is for matches (lock=true): a lookup restores nothing")
-        if request.tp_group and request.lock:
-            raise _bad("tp_group is for lookups (lock=false); each rank locks its own shard")
-        return request
+
+
+@dataclasses.dataclass(frozen=True)
+class Acquire:
+    """The request's lease: its L2 hit locked (what its loads read) and, with ``save``, private L2
+    pages reserved for the pages the daemon lacks (what its saves write, then COMMIT publishes)."""
+
+    kind: ClassVar[MsgKind] = MsgKind.ACQUIRE
+    session_id: int
+    token_ids: bytes
+    local_hit_tokens: int = 0      # as for Lookup
+    policy: str = ""               # as for Lookup
+    save: bool = False
+    promote: str = "none"          # one of PROMOTE_MODES (proto.messages)
+
+    @classmethod
+    def parse(cls, body: dict) -> "Acquire":
+        promote = _str(body, "promote", 16, "none")
+        if promote not in PROMOTE_MODES:
+            raise _bad(f"promote must be one of {PROMOTE_MODES}, got {preview(promote)}")
+        return cls(
+            session_id=_int(body, "session_id"),
+            token_ids=_token_bytes(body, "token_ids"),
+            local_hit_tokens=_local_hit_tokens(body),
+            policy=_policy(body),
+            save=_bool(body, "save", False),
+            promote=promote,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,19 +211,19 @@ class Release:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackupCommit:
-    kind: ClassVar[MsgKind] = MsgKind.BACKUP_COMMIT
+class Commit:
+    kind: ClassVar[MsgKind] = MsgKind.COMMIT
     session_id: int
     lease_id: int
-    host_page_ids: list[int]   # the reserved pages that were written, a prefix of the reservation
+    page_ids: list[int]        # the reserved pages that were written, a prefix of the reservation, in order
     ack: bool = True
 
     @classmethod
-    def parse(cls, body: dict) -> "BackupCommit":
+    def parse(cls, body: dict) -> "Commit":
         return cls(
             session_id=_int(body, "session_id"),
             lease_id=_int(body, "lease_id"),
-            host_page_ids=_page_ids(body, "host_page_ids"),
+            page_ids=_page_ids(body, "page_ids"),
             ack=_bool(body, "ack", True),
         )
 

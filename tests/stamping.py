@@ -10,13 +10,13 @@ def writers_stamp_their_pages(monkeypatch):
     """These tests play the engine in process: a commit stands for a save whose copy is complete,
     so the committed pages carry the lease's write generation, as the engine's stamp leaves them
     (proto.generations). Tests of the generations themselves stamp, or not, explicitly."""
-    commit_backup = DaemonState.commit_backup
+    commit = DaemonState.commit
 
-    def commit_written(self, session_id, lease_id, host_page_ids, *args, **kwargs):
-        lease = self.leases.get(lease_id)
-        if lease is not None and lease.session_id == session_id and host_page_ids:
-            written = [p for p in host_page_ids if p in lease.private_page_ids]
+    def commit_written(self, request, *args, **kwargs):
+        lease = self.leases.get(request.lease_id)
+        if lease is not None and lease.session_id == request.session_id and request.page_ids:
+            written = [p for p in request.page_ids if p in lease.private_page_ids]
             self.namespaces[lease.namespace_id].generations.shared[written] = lease.generation
-        return commit_backup(self, session_id, lease_id, host_page_ids, *args, **kwargs)
+        return commit(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(DaemonState, "commit_backup", commit_written)
+    monkeypatch.setattr(DaemonState, "commit", commit_written)

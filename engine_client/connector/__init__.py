@@ -27,16 +27,16 @@ so that its ``load`` queues the copies at the call, a round trip sooner. Where t
 admission hints (``engine_client.hints``, read from shared memory) show that it would decline every
 restore of the request (no L2 hit, no peer, no L3 hit long enough to win), ``begin``'s lookup is
 ready at once with "recompute": the engine admits the request with no round trip. Its match
-(``recompute``) is sent by the request's next connector call (its save, or a poll), which an
+(promote ``recompute``) is sent by the request's next connector call (its save, or a poll), which an
 engine makes once its forward is launched: the send, and the reply that brings the save's
 reservation, take the host while the GPU runs, not between admission and launch. A stale hint
 costs at most a restore not taken, never a wrong byte: loads only ever read under a lease.
 
-One lease per request. The request's first load or save sends one match with a reservation
-(``MATCH(reserve_backup)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
-for the pages the daemon lacks (what saves write). The replies of a step's matches are collected by
+One lease per request. The request's first load or save sends one acquire with a reservation
+(``ACQUIRE(save)``): it locks the L2 hit (what a load reads) and reserves private L2 pages
+for the pages the daemon lacks (what saves write). The replies of a step's acquires are collected by
 ``poll`` in one sweep, so a step costs one round trip at most, and nobody waits for it. When the
-request is finished and its transfers are done, the written pages are committed (``BACKUP_COMMIT``,
+request is finished and its transfers are done, the written pages are committed (``COMMIT``,
 which ends the lease) or, with none written, the lease is released.
 
 Loads go by groups of layers (``engine_client.kv_transfer``), an event per group: a prefill may

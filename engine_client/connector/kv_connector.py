@@ -183,8 +183,8 @@ class KVConnector(RequestTransfers, SessionPools, Reporting):
         predicted = request_id not in self._requests and self._predicts_recompute(token_ids, local_hit_tokens)
         if predicted:
             self.counters.add(counters.ENGINE_LOOKUPS_PREDICTED)
-        request = self._request(request_id, token_ids, promote_l3=not predicted, local_hit_tokens=local_hit_tokens,
-                                begun=True, recompute=predicted)
+        request = self._request(request_id, token_ids, "recompute" if predicted else "wait",
+                                local_hit_tokens=local_hit_tokens)
         return BegunLookup(self, request, page_aligned(local_hit_tokens, self.page_size))
 
     def _predicts_recompute(self, token_ids, local_hit_tokens: int) -> bool:
@@ -236,7 +236,8 @@ class KVConnector(RequestTransfers, SessionPools, Reporting):
             raise ValueError(f"tokens [{start_token}, {start_token + num_tokens}) are beyond the {len(token_ids)} given")
         # The request's match (if this call sends it) may promote what only L3 holds: the daemon's
         # cost model decides, for the tokens beyond those the engine holds (start_token).
-        request = self._request(request_id, token_ids, promote_l3=self.config.promote_l3, local_hit_tokens=start_token)
+        request = self._request(request_id, token_ids, "wait" if self.config.promote_l3 else "none",
+                                local_hit_tokens=start_token)
         if request.finished:
             raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
         if num_pages:
@@ -258,7 +259,7 @@ class KVConnector(RequestTransfers, SessionPools, Reporting):
         block_ids = self._block_ids(block_ids, end_page - start_page)
         # A request's first call a save: nothing is loaded, so nothing is promoted for it (the
         # reservation covers what L2 lacks, written from the engine's blocks).
-        request = self._request(request_id, tokens, promote_l3=False)
+        request = self._request(request_id, tokens, "none")
         if request.finished:
             raise ValueError(f"request {request_id!r} is finished: its blocks may be reused already")
         covered = min(len(request.token_ids), end_page * self.page_size)
@@ -372,8 +373,7 @@ class KVConnector(RequestTransfers, SessionPools, Reporting):
 
     # ---- the request's state machine ------------------------------------------------------------
 
-    def _request(self, request_id: Hashable, token_ids, promote_l3: bool, local_hit_tokens: int = 0,
-                 begun: bool = False, recompute: bool = False) -> Request:
+    def _request(self, request_id: Hashable, token_ids, promote: str, local_hit_tokens: int = 0) -> Request:
         """The open request of this id, or a new one with its lease asked for (``lease.Leases.open``)."""
         request = self._requests.get(request_id)
         if request is not None:
@@ -384,8 +384,7 @@ class KVConnector(RequestTransfers, SessionPools, Reporting):
         # For the session of the mapped pool (DaemonDown at the send if that one has ended): the
         # lease, if any, is that session's.
         request = self.leases.open(request_id, tokens, self.config, session_id=self._session.session_id,
-                                   generation=self._generation, promote_l3=promote_l3,
-                                   local_hit_tokens=local_hit_tokens, begun=begun, recompute=recompute)
+                                   generation=self._generation, promote=promote, local_hit_tokens=local_hit_tokens)
         self._requests[request_id] = request
         return request
 

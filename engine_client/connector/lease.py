@@ -1,12 +1,12 @@
 """A request's lease, got one way, and every lease and lookup call into the client.
 
 Whatever call opens a request (``begin``, ``load``, ``save``), its lease comes the same way:
-``open`` builds its match (the reservation for its saves included) and sends it (MATCHING), or,
+``open`` builds its acquire (the reservation for its saves included) and sends it (MATCHING), or,
 for a predicted decline, keeps it to be sent by the request's next call that needs the reply
 (DEFERRED); ``take_reply`` reads the reply into a ``state.Lease`` (LEASED) or fails the request
 (FAILED); ``end`` commits the pages its saves wrote, ending the lease, or releases it. The lookups
 (``lookups.py``) send and read theirs through ``send_lookup`` and ``lookup_answer``. Nothing else
-of the connector calls the client for a match, a commit or a release, or reads a match reply.
+of the connector calls the client for an acquire, a commit or a release, or reads an acquire reply.
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch
+from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingLookup
 from engine_client.connector.config import ConnectorConfig
 from engine_client.connector.state import Cause, Lease, Request, RequestState
 from proto import counters
 from proto.counters import Counts
-from proto.replies import Decision, MatchReply
+from proto.replies import AcquireReply, Decision, LookupReply
 
 
 def send_lookup(client: KVCacheClient, token_ids, *, tp_group: bool, local_hit_tokens: int, policy: str,
-                promote_l3: bool) -> PendingMatch:
+                prefetch: bool) -> PendingLookup:
     return client.lookup_async(token_ids, tp_group=tp_group, local_hit_tokens=local_hit_tokens, policy=policy,
-                               promote_l3=promote_l3)
+                               prefetch=prefetch)
 
 
-def lookup_answer(reply: MatchReply) -> tuple[Decision, dict[str, int]]:
+def lookup_answer(reply: LookupReply) -> tuple[Decision, dict[str, int]]:
     """A lookup's answer: the decision, and the leading tokens each tier holds."""
     return reply.decision, reply.hit_tokens
 
@@ -47,15 +47,15 @@ class Leases:
         self._skip = skip
 
     def open(self, request_id: Hashable, token_ids: np.ndarray, config: ConnectorConfig, *, session_id: int | None,
-             generation: int, promote_l3: bool, local_hit_tokens: int = 0, begun: bool = False,
-             recompute: bool = False) -> Request:
-        """A new request of these page-aligned tokens, its match sent, or kept (DEFERRED) where
-        ``recompute`` (a predicted decline) says nothing waits for its reply."""
-        arguments = dict(reserve_backup=config.save, promote_l3=promote_l3, generation=generation,
-                         local_hit_tokens=local_hit_tokens, policy=config.policy, begun=begun, recompute=recompute)
-        request = Request(request_id, token_ids, arguments, session_id=session_id, predicted=recompute,
+             generation: int, promote: str, local_hit_tokens: int = 0) -> Request:
+        """A new request of these page-aligned tokens, its acquire sent, or kept (DEFERRED) where
+        promote "recompute" (a predicted decline) says nothing waits for its reply."""
+        arguments = dict(save=config.save, promote=promote, generation=generation,
+                         local_hit_tokens=local_hit_tokens, policy=config.policy)
+        predicted = promote == "recompute"
+        request = Request(request_id, token_ids, arguments, session_id=session_id, predicted=predicted,
                           state=RequestState.DEFERRED)
-        if not recompute:
+        if not predicted:
             self.send(request)
         return request
 
@@ -64,11 +64,11 @@ class Leases:
         request.transition(RequestState.MATCHING)
         request.match_sent_at = time.monotonic()
         try:
-            request.match = self.client.match_async(request.token_ids, **request.match_arguments)
+            request.match = self.client.acquire_async(request.token_ids, **request.match_arguments)
         except DaemonUnavailable as exc:
             self.fail(request, exc)
         except BaseException:
-            # Nothing was leased: the request ends as one whose match failed, its saves skipped.
+            # Nothing was leased: the request ends as one whose acquire failed, its saves skipped.
             request.failure = Cause.SEND_FAILED
             request.transition(RequestState.FAILED)
             self.counters.add(counters.ENGINE_MATCH_FAILURES, 1, Cause.SEND_FAILED)
@@ -96,11 +96,11 @@ class Leases:
             return
         request.match = None
         lease = Lease(
-            lease_id=reply.lease_id, hit_pages=reply.backup_start_token // self.page_size,
+            lease_id=reply.lease_id, hit_pages=reply.reserved_start_token // self.page_size,
             host_page_ids=np.asarray(reply.host_page_ids, dtype=np.int64),
             host_page_generations=np.asarray(reply.host_page_generations, dtype=np.uint64),
-            reserved_page_ids=np.asarray(reply.backup_page_ids, dtype=np.int64), generation=reply.backup_generation,
-            reserve_skipped=Cause(reply.backup_skipped) if reply.backup_skipped else None,
+            reserved_page_ids=np.asarray(reply.reserved_page_ids, dtype=np.int64), generation=reply.reserved_generation,
+            reserve_skipped=Cause(reply.save_skipped) if reply.save_skipped else None,
             decision=reply.decision if reply.choice else None, tier_hit_tokens=reply.hit_tokens if reply.choice else {},
             peer_plan=self._peer_plan(peer, reply))
         request.lease = lease
@@ -115,8 +115,8 @@ class Leases:
         if config.save and len(lease.reserved_page_ids) < lacking and lease.reserve_skipped is None:
             self.counters.add(counters.ENGINE_RESERVATION_SHORT_PAGES, lacking - len(lease.reserved_page_ids))
 
-    def _peer_plan(self, peer, reply: MatchReply):
-        """Copy from another engine's GPU cache when the match's decision chose it (the daemon's
+    def _peer_plan(self, peer, reply: AcquireReply):
+        """Copy from another engine's GPU cache when the acquire's decision chose it (the daemon's
         cost model prices it against L2, L3 and recompute); None otherwise, or while its owner is
         not open here yet."""
         if peer is None or reply.choice != "peer":
@@ -167,7 +167,7 @@ class Leases:
             if not same_session:
                 sent = False
             elif written:
-                sent = self.client.commit_backup(lease.lease_id, list(written_page_ids), generation)
+                sent = self.client.commit(lease.lease_id, list(written_page_ids), generation)
             else:
                 sent = self.client.release(lease.lease_id, generation)
             if written and sent:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingMatch
+from engine_client.client import DaemonDown, DaemonError, DaemonUnavailable, KVCacheClient, PendingReply
 from engine_client.connector.lease import lookup_answer, send_lookup
 from engine_client.connector.state import Cause, Request, RequestState
 from proto import counters
@@ -29,7 +29,7 @@ class PendingLookup:
     daemon's decision (0 on any failure); ``decision()`` the whole of it; ``hit_tokens()`` what
     each tier holds."""
 
-    def __init__(self, lookup: "PrefixLookup", pending: PendingMatch | None):
+    def __init__(self, lookup: "PrefixLookup", pending: PendingReply | None):
         self._lookup = lookup
         self._pending = pending
         self._answer: tuple[Decision, dict[str, int]] | None = None if pending is not None else _NO_ANSWER
@@ -176,7 +176,7 @@ class PrefixLookup:
         self.counters.add(counters.ENGINE_LOOKUPS)
         try:
             pending = send_lookup(self.client, token_ids, tp_group=self.tp_group, local_hit_tokens=local_hit_tokens,
-                                  policy=self.policy, promote_l3=self.promote_l3)
+                                  policy=self.policy, prefetch=self.promote_l3)
             return PendingLookup(self, pending)
         except DaemonDown:                  # the client logs the outage once
             self.counters.add(counters.ENGINE_LOOKUP_FAILURES, 1, "daemon_down")
@@ -192,7 +192,7 @@ class PrefixLookup:
         the daemon is away)."""
         return self.lookup_async(token_ids, local_hit_tokens).result(timeout_s)
 
-    def _answer_of(self, pending: PendingMatch, timeout_s: float | None) -> tuple[Decision, dict[str, int]]:
+    def _answer_of(self, pending: PendingReply, timeout_s: float | None) -> tuple[Decision, dict[str, int]]:
         try:
             decision, hit_tokens = lookup_answer(pending.result(timeout_s))
         except DaemonDown:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def _open_pool(layout: KVLayout, geometry: KVGeometry, info: AttachInfo) -> SharedHostPool:
     """Map a session's L2 pool; on CUDA pin it for the device of the engine's tensors."""
     is_cuda = layout.device.type == "cuda"
-    return SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, geometry,
+    return SharedHostPool.open(info.shm_path, info.num_pages, geometry,
                                pin=is_cuda, device=layout.device if is_cuda else None,
                                generations_path=info.generations_path)
 
@@ -46,7 +46,7 @@ def _placeholder_pool(layout: KVLayout, geometry: KVGeometry) -> SharedHostPool:
     try:
         os.ftruncate(fd, geometry.bytes_per_page)
         is_cuda = layout.device.type == "cuda"
-        return SharedHostPool.open(f"/proc/self/fd/{fd}", 0, 1, geometry, pin=is_cuda,
+        return SharedHostPool.open(f"/proc/self/fd/{fd}", 1, geometry, pin=is_cuda,
                                    device=layout.device if is_cuda else None)
     finally:
         os.close(fd)

@@ -49,7 +49,7 @@ class Cause(str, enum.Enum):
     SAVING_OFF = "saving_off"
     BEYOND_LEASE = "beyond_lease"
     NO_SPACE = "no_space"
-    EVICTED_BEFORE_REUSE = "evicted_before_reuse"   # the daemon's choice (a reply's backup_skipped)
+    EVICTED_BEFORE_REUSE = "evicted_before_reuse"   # the daemon's choice (a reply's save_skipped)
     GAP = "gap"
     COMMIT_FAILED = "commit_failed"
 
@@ -138,7 +138,7 @@ class Request:
     session_id: int | None = None
     predicted: bool = False             # begun on a predicted decline: recomputed whatever the reply says
     state: RequestState = RequestState.MATCHING
-    match: Any = None                   # the client's PendingMatch while MATCHING
+    match: Any = None                   # the client's PendingAcquire while MATCHING
     match_sent_at: float = 0.0
     failure: Cause | None = None        # FAILED: why (loads fail, saves skip with it)
     lease: Lease = NO_LEASE

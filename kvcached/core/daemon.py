@@ -2,7 +2,7 @@
 
 The server loop decodes a request, calls one method here and sends back what it returns, or
 the ``ProtocolError`` it raises. Nothing here blocks or touches a socket, so every rule below
-is tested in-process. The facade keeps the request verbs (attach, lookup, match, commit) and
+is tested in-process. The facade keeps the request verbs (attach, lookup, acquire, commit, release) and
 composes the owners, each with its own state: the namespaces (``namespace_table.py``,
 ``namespaces.py``), the pool of chunks (``pool.py``), sessions and the one lease lifecycle
 (``sessions.py``), tiering (``tiering.py``: moves, write-through, promotion, checksums), L3
@@ -42,13 +42,13 @@ from proto.hints import NEVER
 from proto.messages import KVGeometry
 from proto.procfs import ProcessIdentity
 from proto.tokens import page_aligned, token_array
-from proto.replies import NO_DECISION, CommitReply, Decision, MatchReply
-from proto.schema import PeerPublish, PeerRegister
+from proto.replies import NO_DECISION, AcquireReply, CommitReply, Decision, LookupReply
+from proto.schema import Acquire, Commit, Lookup, PeerPublish, PeerRegister, Release
 
 logger = logging.getLogger(__name__)
 
 # Of the L2 pool (counted in its namespace's pages), at most this share is reserved by one session
-# at a time, over all its leases (the backup pages of its matches); a match's L3 promotion
+# at a time, over all its leases (the reserved pages of its acquires); an acquire's L3 promotion
 # reserves no more than that allowance either. Every reservation may evict cached prefixes, and a
 # session keeps what it holds while it lives. The default; ``session_share`` sets another.
 MAX_SESSION_RESERVED_SHARE = 0.5
@@ -200,45 +200,64 @@ class DaemonState:
     def expire_sessions(self) -> list[int]:
         return self.session_table.expire_sessions()
 
-    # ---- match, release, commit ----------------------------------------------------------
+    # ---- the request verbs: lookup, acquire, commit, release ------------------------------------
 
-    def match(self, session_id: int, token_bytes: bytes, reserve_backup: bool = False,
-              promote_l3: bool = False, promoted_tokens: int = 0, local_hit_tokens: int = 0,
-              policy: str = "", decision: Decision | None = None, recompute: bool = False,
-              remote_tokens: int = 0) -> MatchReply | TierMove:
-        """The hit per tier, a lease on the L2 hit and, with reserve_backup, private L2 pages for
+    def acquire(self, request: Acquire, remote_tokens: int = 0) -> AcquireReply | TierMove:
+        """The hit per tier, a lease on the L2 hit and, with ``save``, private L2 pages reserved for
         the pages the daemon lacks.
 
-        With promote_l3 the cost model decides (under ``policy``, for the tokens beyond the engine's
-        own ``local_hit_tokens``) whether the pages only L3 holds are worth restoring; if so, returns
-        instead the S2H move that must run first (planned from the same tree walk, the decision in
-        ``move.decision``); the caller runs it, finishes it, then matches again without promote_l3,
-        with that decision. The reply carries the decision.
+        With promote "wait" the cost model decides (under ``policy``, for the tokens beyond the
+        engine's own ``local_hit_tokens``) whether the pages only L3 holds are worth restoring; if
+        so, returns instead the S2H move that must run first (planned from the same tree walk, the
+        decision in ``move.decision``): the caller runs it, finishes it (``finish_move``), then
+        calls ``acquire_after`` with it, which answers. ``remote_tokens``: the leading tokens L2 and
+        the remote store hold together (what the store answered to ``remote_ask``), a candidate
+        with "wait"; where the model takes it, returns the R2H move that gets the store's pages into
+        L2 first, resumed alike.
 
-        With recompute, the engine admitted the request on a predicted decline (``proto.hints``)
-        and recomputes what lies beyond its own hit whatever the reply says: nothing is promoted;
-        the decision the model would have taken is counted under "predicted" and replied.
+        With promote "recompute" the engine recomputes what lies beyond its own hit whatever the
+        reply says (it predicted a decline, ``proto.hints``): nothing is promoted; the decision the
+        model would have taken is counted under "predicted" and replied. With "none" no tier below
+        L2 is weighed (a decision is taken only for a peer candidate)."""
+        return self._acquire(request, remote_tokens, None)
 
-        ``remote_tokens``: the leading tokens L2 and the remote store hold together (what the
-        store answered to ``remote_ask``), a candidate with promote_l3; where the model takes it,
-        returns the R2H move that gets the store's pages into L2 first, as for L3."""
-        session = self.session(session_id)
+    def acquire_after(self, request: Acquire, move: TierMove) -> AcquireReply:
+        """The reply to an ``acquire`` that returned ``move``, once the move is finished (or, for
+        a remote one, given up on): what it published is an L2 hit; the engine recomputes what it
+        could not give. The decision is the one the move was planned for."""
+        published = move.num_published_pages
+        if move.remote:
+            self.metrics.add(counters.REMOTE_RESTORES if published else counters.REMOTE_FALLBACKS)
+        else:
+            self.metrics.add(counters.PROMOTIONS if published else counters.PROMOTION_FALLBACKS)
+        reply = self._acquire(request, 0, move)
+        assert not isinstance(reply, TierMove)
+        return reply
+
+    def _acquire(self, request: Acquire, remote_tokens: int, after: TierMove | None) -> AcquireReply | TierMove:
+        session = self.session(request.session_id)
         namespace = self.namespaces[session.namespace_id]
         page_size = namespace.geometry.page_size
-        token_ids = token_array(token_bytes)
+        token_ids = token_array(request.token_ids)
         num_pages = len(token_ids) // page_size
         token_ids = token_ids[: num_pages * page_size]
-        local_hit_tokens = page_aligned(min(local_hit_tokens, len(token_ids)), page_size)
+        local_hit_tokens = page_aligned(min(request.local_hit_tokens, len(token_ids)), page_size)
+        policy = request.policy
+        # Whether this pass weighs the tiers below L2 (a resumed acquire took its decision already).
+        lower_tiers = request.promote != "none" and after is None
+        recompute = request.promote == "recompute"
+        decision: Decision | None = after.decision if after is not None else None
+        promoted_tokens = after.num_published_pages * page_size if after is not None else 0
 
         result = namespace.tree.match(token_ids, own_pages=local_hit_tokens // page_size)
         allowed = self.session_table.reservable_pages(session, namespace)
         peer_id, peer_block_ids, peer_epochs = self.peers.candidate(session.session_id, namespace, token_ids)
-        if decision is None and (promote_l3 or peer_block_ids or recompute):
+        if decision is None and (lower_tiers or peer_block_ids):
             decision = self._decide(namespace, local_hit_tokens, result.hit_tokens[Tier.L2],
-                                    result.hit_tokens.get(Tier.L3, 0) if promote_l3 or recompute else 0, policy,
+                                    result.hit_tokens.get(Tier.L3, 0) if lower_tiers else 0, policy,
                                     where="predicted" if recompute else "match",
                                     peer_tokens=len(peer_block_ids) * page_size,
-                                    remote_tokens=remote_tokens if promote_l3 or recompute else 0)
+                                    remote_tokens=remote_tokens if lower_tiers else 0)
             if decision.choice == "remote" and allowed > 0 and not recompute:
                 move = self.tiering.plan_remote_move(namespace, result, token_ids, remote_tokens // page_size, allowed)
                 if move is not None:
@@ -247,7 +266,7 @@ class DaemonState:
             if decision.choice == "l3" and allowed > 0 and not recompute:
                 start_page = result.hit_tokens[Tier.L2] // page_size
                 move = self.tiering.plan_move(namespace, result, token_ids, Tier.L3, Tier.L2, start_page,
-                                       min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
+                                              min(result.hit_tokens[Tier.L3] // page_size, start_page + allowed))
                 if move is not None:
                     move.decision = decision
                     return move
@@ -267,67 +286,65 @@ class DaemonState:
         # Lock the hit before reserving: the reservation may evict, and must not evict our own hit.
         if locked_node is not None:
             namespace.tree.lock(locked_node, Tier.L2)
-        backup_page_ids: list[int] = []
-        backup_generation = 0
-        backup_skipped = ""
-        if reserve_backup and num_pages > hit_pages and (promote_l3 or recompute) and allowed > 0 and \
-                self._backup_evicted_before_reuse(namespace, result, decision, policy,
-                                                  min(num_pages - hit_pages, allowed)):
-            backup_skipped = "evicted_before_reuse"
+        reserved_page_ids: list[int] = []
+        reserved_generation = 0
+        save_skipped = ""
+        if request.save and num_pages > hit_pages and lower_tiers and allowed > 0 and \
+                self._save_evicted_before_reuse(namespace, result, decision, policy,
+                                                min(num_pages - hit_pages, allowed)):
+            save_skipped = "evicted_before_reuse"
             self.metrics.add(counters.EVICTED_BEFORE_REUSE_SKIPS)
-        elif reserve_backup and num_pages > hit_pages:
+        elif request.save and num_pages > hit_pages:
             wanted = num_pages - hit_pages
             if wanted > allowed:
                 self.metrics.add(counters.RESERVATIONS_CAPPED)
-            backup_page_ids = self.pool.reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
-            if backup_page_ids:
-                backup_generation = next(self._generation_ids)
-                namespace.generations.reserve(backup_page_ids, backup_generation)
-            self.metrics.add(counters.RESERVED_PAGES, len(backup_page_ids))
+            reserved_page_ids = self.pool.reserve_l2(namespace, min(wanted, allowed)) if allowed > 0 else []
+            if reserved_page_ids:
+                reserved_generation = next(self._generation_ids)
+                namespace.generations.reserve(reserved_page_ids, reserved_generation)
+            self.metrics.add(counters.RESERVED_PAGES, len(reserved_page_ids))
         if session.session_id in self.peers.by_session:
             hits["peer"] = len(peer_block_ids) * page_size
             self.metrics.add(counters.HIT_TOKENS, hits["peer"], "peer", model=model)
-        if backup_skipped:
-            decided["backup_skipped"] = backup_skipped
-        host_page_generations = namespace.generations.published_of(host_page_ids)
-        if locked_node is None and not backup_page_ids:
-            return MatchReply(hits, None, host_page_ids, hit_tokens, [], promoted_tokens, peer_id, peer_block_ids,
-                              peer_epochs, **decided, host_page_generations=host_page_generations)
+        lease_id = None
+        if locked_node is not None or reserved_page_ids:
+            lease = self.session_table.grant(session, namespace,
+                                             token_ids[: (hit_pages + len(reserved_page_ids)) * page_size],
+                                             locked_node, hit_pages, reserved_page_ids, reserved_generation)
+            lease_id = lease.lease_id
+        return AcquireReply(hits, lease_id, host_page_ids, namespace.generations.published_of(host_page_ids),
+                            reserved_start_token=hit_tokens, reserved_page_ids=reserved_page_ids,
+                            reserved_generation=reserved_generation, save_skipped=save_skipped,
+                            promoted_tokens=promoted_tokens, peer_id=peer_id, peer_block_ids=peer_block_ids,
+                            peer_epochs=peer_epochs, **decided)
 
-        lease = self.session_table.grant(session, namespace, token_ids[: (hit_pages + len(backup_page_ids)) * page_size],
-                                         locked_node, hit_pages, backup_page_ids, backup_generation)
-        return MatchReply(hits, lease.lease_id, host_page_ids, hit_tokens, backup_page_ids, promoted_tokens,
-                          peer_id, peer_block_ids, peer_epochs, **decided,
-                          host_page_generations=host_page_generations, backup_generation=backup_generation)
-
-    def _decided(self, decision: Decision, policy: str, loadable_tokens: int | None = None) -> dict[str, Any]:
-        """A decision's reply fields (MatchReply's choice, restore_tokens, predicted_s, policy). A
-        match's reply names no more tokens to restore from L2 or L3 than its lease can load
+    def _decided(self, decision: Decision, policy: str, loadable_tokens: int) -> dict[str, Any]:
+        """A decision's reply fields (choice, restore_tokens, predicted_s, policy). An acquire's
+        reply names no more tokens to restore from L2 or L3 than its lease can load
         (``loadable_tokens``): a promotion may have failed, been cut to the session's allowance,
         or found no room."""
         if not decision.choice:
             return {}
-        if loadable_tokens is not None and decision.choice in ("l2", "l3", "remote"):
+        if decision.choice in ("l2", "l3", "remote"):
             decision = decision._replace(restore_tokens=min(decision.restore_tokens, loadable_tokens))
         return {**decision._asdict(), "policy": policy or self.cost.policy}
 
-    def lookup(self, session_id: int, token_bytes: bytes, tp_group: bool = False, local_hit_tokens: int = 0,
-               policy: str = "", promote_l3: bool = True, remote_tokens: int = 0) -> MatchReply:
+    def lookup(self, request: Lookup, remote_tokens: int = 0) -> LookupReply:
         """The hit per tier of a prefix, changing nothing: no lease, no lock, no reservation, no
         LRU update, and no page ids (they are only ever handed out under a lease). It carries the
         cost model's decision (under ``policy``) for the tokens beyond the engine's own
-        ``local_hit_tokens``; with promote_l3 False, L3 is no candidate.
+        ``local_hit_tokens``; without prefetch, L3 is no candidate.
 
         With tp_group, the hit of the session's tensor-parallel group: per tier, the least over
         the namespaces of every rank (the same geometry but for tp_rank); 0 while a rank has none.
         A prefix counts as cached only where every rank holds its shard. ``remote_tokens``: as for
-        ``match``, a candidate with promote_l3."""
-        session = self.session(session_id)
+        ``acquire``, a candidate with prefetch."""
+        session = self.session(request.session_id)
         geometry = self.namespaces[session.namespace_id].geometry
-        token_ids = token_array(token_bytes)
+        token_ids = token_array(request.token_ids)
         token_ids = token_ids[: page_aligned(len(token_ids), geometry.page_size)]
-        local_hit_tokens = page_aligned(min(local_hit_tokens, len(token_ids)), geometry.page_size)
-        if tp_group:
+        local_hit_tokens = page_aligned(min(request.local_hit_tokens, len(token_ids)), geometry.page_size)
+        if request.tp_group:
             namespaces = [self.geometry_to_namespace.get(dataclasses.replace(geometry, tp_rank=rank))
                           for rank in range(geometry.tp_size)]
         else:
@@ -344,9 +361,9 @@ class DaemonState:
                                                    for label in hits}
         assert hits is not None
         peer_tokens = 0
-        if not tp_group and session_id in self.peers.by_session:
+        if not request.tp_group and session.session_id in self.peers.by_session:
             # Tokens another engine's GPU cache can give (a candidate beside the tiers; no block ids
-            # in a lookup: the match that takes the lease names them).
+            # in a lookup: the acquire that takes the lease names them).
             namespace = self.namespaces[session.namespace_id]
             peer_tokens = len(self.peers.candidate(session.session_id, namespace, token_ids)[1]) * geometry.page_size
             hits["peer"] = peer_tokens
@@ -354,15 +371,16 @@ class DaemonState:
         self.metrics.add(counters.LOOKUPS, model=geometry.model_id)
         self.metrics.add(counters.LOOKUP_TOKENS, len(token_ids), model=geometry.model_id)
         self.metrics.add(counters.LOOKUP_HIT_TOKENS, hits["l2"], "l2", model=geometry.model_id)
-        if remote_tokens and promote_l3 and not tp_group:
+        if remote_tokens and request.prefetch and not request.tp_group:
             hits["remote"] = remote_tokens
             self.metrics.add(counters.LOOKUP_HIT_TOKENS, remote_tokens, "remote", model=geometry.model_id)
         else:
             remote_tokens = 0
         decision = self._decide(self.namespaces[session.namespace_id], local_hit_tokens, hits["l2"],
-                                hits.get("l3", 0) if promote_l3 else 0, policy, where="lookup", peer_tokens=peer_tokens,
-                                remote_tokens=remote_tokens)
-        return MatchReply(hits, None, [], hits["l2"], [], **self._decided(decision, policy))
+                                hits.get("l3", 0) if request.prefetch else 0, request.policy, where="lookup",
+                                peer_tokens=peer_tokens, remote_tokens=remote_tokens)
+        return LookupReply(hits, decision.choice, decision.restore_tokens, decision.predicted_s,
+                           request.policy or self.cost.policy)
 
     def peek(self, token_ids: np.ndarray, model_id: str | None = None, cache_salt: str = "",
              geometry: KVGeometry | None = None) -> list[PrefixHits]:
@@ -386,8 +404,9 @@ class DaemonState:
                                     {tier.label: count for tier, count in result.hit_tokens.items()}, ask))
         return found
 
-    def promote_in_background(self, session_id: int, token_bytes: bytes, looked_up: MatchReply) -> TierMove | None:
-        """After a lookup (of this session, for these tokens) whose decision declined an L3 hit: the
+    def promote_in_background(self, session_id: int, token_bytes: bytes,
+                              looked_up: LookupReply | AcquireReply) -> TierMove | None:
+        """After a lookup or acquire (of this session, for these tokens) whose decision declined an L3 hit: the
         S2H move of the pages only L3 holds, when the cost model says a later request would restore
         them from L2 rather than recompute them; None otherwise, or while this namespace has a
         background promotion pending already (one at a time). No request waits for it: its read
@@ -404,9 +423,9 @@ class DaemonState:
         return self.tiering.promote_in_background(namespace, token_bytes,
                                                   self.session_table.reservable_pages(session, namespace))
 
-    def _backup_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
+    def _save_evicted_before_reuse(self, namespace: Namespace, result, decision: Decision | None, policy: str,
                                      wanted: int) -> bool:
-        """Whether a save of this path (``wanted`` pages; L3 a candidate of the match's decision)
+        """Whether a save of this path (``wanted`` pages; L3 a candidate of the acquire's decision)
         would only rewrite into L2 what L3 holds (and what follows), for L2 to evict before the path
         is used again: the cost model declined (policy cost) to restore the pages only L3 holds, the
         namespace has fewer free pages than wanted, free chunks of the pool included (the rest would
@@ -417,7 +436,7 @@ class DaemonState:
         if decision is None or (policy or self.cost.policy) != "cost" or decision.choice == "l3":
             return False
         if result.hit_tokens.get(Tier.L3, 0) <= result.hit_tokens[Tier.L2]:
-            return False            # L3 holds nothing beyond the L2 hit: the save backs up new pages
+            return False            # L3 holds nothing beyond the L2 hit: the save writes new pages
         last_used = result.previous_access.get(Tier.L3)
         if last_used is None:
             return False
@@ -436,14 +455,14 @@ class DaemonState:
         held = self.tiering.held_page_ids(namespace, tier)
         return held + self.session_table.held_page_ids(namespace) if tier is Tier.L2 else held
 
-    def release(self, session_id: int, lease_id: int) -> None:
-        self.session_table.release(session_id, lease_id)
+    def release(self, request: Release) -> None:
+        self.session_table.release(request.session_id, request.lease_id)
 
-    def commit_backup(self, session_id: int, lease_id: int,
-                      host_page_ids: list[int]) -> tuple[CommitReply, TierMove | None]:
-        """Publish the backed-up pages (a prefix of the lease's reservation) and end the lease.
+    def commit(self, request: Commit) -> tuple[CommitReply, TierMove | None]:
+        """Publish the written reserved pages (a prefix of the lease's reservation) and end the lease.
 
         Also returns the write-through of the committed path to L3, when there is one to run."""
+        session_id, lease_id, host_page_ids = request.session_id, request.lease_id, request.page_ids
         self.session_table.count_commit_of_ended(session_id)
         _, lease = self.session_table.lease_of(session_id, lease_id)
         namespace = self.namespaces[lease.namespace_id]

@@ -23,10 +23,11 @@ from kvcached.server.liveness import open_pidfd
 from kvcached.server.lookup import LookupQuery, LookupRefused
 from kvcached.server.remote_store import RemoteUnavailable
 from kvcached.server.status import hide_salts
-from proto.errors import ErrorCode, ProtocolError, preview
+from proto.errors import ErrorCode, ProtocolError
 from proto.messages import PROTOCOL_VERSION
 from proto.replies import AttachInfo, DetachReply, PeerListReply, PeerRegisterReply, to_wire
-from proto.schema import Attach, BackupCommit, EngineReport, Match, PeerPublish, PeerRegister, Release, SessionRequest
+from proto.schema import (Acquire, Attach, Commit, EngineReport, Lookup, PeerPublish, PeerRegister, Release, SessionRequest,
+                          check_protocol_version)
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,7 @@ class RequestHandlers:
     """The request handlers of a ``Server``."""
 
     def _attach(self, body: dict) -> dict[str, Any]:
-        version = body.get("protocol_version")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(ErrorCode.VERSION_MISMATCH,
-                                f"daemon speaks protocol {PROTOCOL_VERSION}, engine sent {preview(version)}")
+        check_protocol_version(body)
         request = Attach.parse(body)
         pidfd, why = (open_pidfd(request.pid, request.pid_namespace_id, request.process_start_time)
                       if self.config.pid_watch else (None, "pid watching is off"))
@@ -70,7 +68,6 @@ class RequestHandlers:
             session_id=session.session_id,
             namespace_id=namespace.namespace_id,
             shm_path=self.segment.path,
-            arena_offset_bytes=0,           # page ids are absolute: the pages span the whole segment
             num_pages=namespace.num_pages,
             bytes_per_page=namespace.geometry.bytes_per_page,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -93,35 +90,39 @@ class RequestHandlers:
         self.state.heartbeat(SessionRequest.parse(body).session_id)
         return {}
 
-    def _match(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
-        request = Match.parse(body)
-        ask = self._remote_ask(request)
+    def _lookup(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        request = Lookup.parse(body)
+        prefetch = request.prefetch and not request.tp_group
+        ask = self._remote_ask(request.session_id, request.token_ids) if prefetch else None
         if ask is not None:
-            return self._match_remote(request, ask)
-        if not request.lock:
-            reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
-                                      request.local_hit_tokens, request.policy, request.promote_l3)
-            if request.promote_l3 and not request.tp_group:
-                self._after_reply.append(functools.partial(self._promote_in_background, request, reply))
-            return to_wire(reply)
-        outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                   promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
-                                   policy=request.policy, recompute=request.recompute)
+            return self._lookup_remote(request, ask)
+        reply = self.state.lookup(request)
+        if prefetch:
+            self._after_reply.append(functools.partial(self._promote_in_background, request.session_id,
+                                                       request.token_ids, reply))
+        return to_wire(reply)
+
+    def _acquire(self, body: dict) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        request = Acquire.parse(body)
+        ask = self._remote_ask(request.session_id, request.token_ids) if request.promote == "wait" else None
+        if ask is not None:
+            return self._acquire_remote(request, ask)
+        outcome = self.state.acquire(request)
         if isinstance(outcome, TierMove):
-            return self._match_after_promotion(request, outcome)
-        if request.begun and (request.promote_l3 or request.recompute):    # it stands for a lookup: declines alike
-            self._after_reply.append(functools.partial(self._promote_in_background, request, outcome))
+            return self._acquire_after(request, outcome)
+        if request.promote != "none":     # it stands for the request's lookup: a declined L3 hit alike
+            self._after_reply.append(functools.partial(self._promote_in_background, request.session_id,
+                                                       request.token_ids, outcome))
         return to_wire(outcome)
 
     def _release(self, body: dict) -> dict[str, Any] | None:
         request = Release.parse(body)
-        self.state.release(request.session_id, request.lease_id)
+        self.state.release(request)
         return {} if request.ack else None
 
     def _commit(self, body: dict) -> dict[str, Any] | None:
-        request = BackupCommit.parse(body)
-        reply, write_through = self.state.commit_backup(request.session_id, request.lease_id,
-                                                        request.host_page_ids)
+        request = Commit.parse(body)
+        reply, write_through = self.state.commit(request)
         self._write_through(write_through)
         return to_wire(reply) if request.ack else None
 

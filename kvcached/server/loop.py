@@ -7,7 +7,7 @@ order of creation, also when start-up fails halfway.
 
 Threads. The ROUTER socket belongs to one socket thread that blocks in ``zmq_poll`` and
 handles each request as it arrives: waking an event loop for every message cost more than the
-request itself (a match is a few microseconds of state work). The asyncio loop owns time and
+request itself (a lookup or an acquire is a few microseconds of state work). The asyncio loop owns time and
 file I/O: the session reaper, and tier moves (L2<->L3) that await the I/O thread pool; a reply
 that waits for such a move is handed back to the socket thread through an outbox and an
 inproc wake-up socket, since a ZeroMQ socket is used by one thread only. ``state_lock`` makes
@@ -114,9 +114,10 @@ class Server(RequestHandlers, TierMoves):
             MsgKind.ATTACH: self._attach,
             MsgKind.DETACH: self._detach,
             MsgKind.HEARTBEAT: self._heartbeat,
-            MsgKind.MATCH: self._match,
+            MsgKind.LOOKUP: self._lookup,
+            MsgKind.ACQUIRE: self._acquire,
+            MsgKind.COMMIT: self._commit,
             MsgKind.RELEASE: self._release,
-            MsgKind.BACKUP_COMMIT: self._commit,
             MsgKind.STATUS: self._status,
             MsgKind.ENGINE_REPORT: self._engine_report,
             MsgKind.PEER_REGISTER: self._peer_register,
@@ -136,7 +137,7 @@ class Server(RequestHandlers, TierMoves):
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
             # Pending tier moves first, while the socket thread still sends: each waits for its
-            # I/O, returns its private pages, and a waiting match gets its SHUTTING_DOWN reply.
+            # I/O, returns its private pages, and a waiting acquire gets its SHUTTING_DOWN reply.
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -105,8 +105,8 @@ def _declared_counters(families: _Families, declared: Iterable[Counter], counts:
 def _daemon_counters(families: _Families, snapshot: dict[str, Any]) -> None:
     by_model = snapshot.get("metrics_by_model", {})
     _declared_counters(families, counters.DAEMON, snapshot.get("metrics", {}), by_model)
-    # Derived, per model: what matches asked for and L2 did not have (after promotion). Both
-    # counters grow together, by a match's tokens and by at most as many hits: it never decreases.
+    # Derived, per model: what acquires asked for and L2 did not have (after promotion). Both
+    # counters grow together, by an acquire's tokens and by at most as many hits: it never decreases.
     match_tokens, hit_tokens_l2 = counters.MATCH_TOKENS.keys[""], counters.HIT_TOKENS.keys["l2"]
     for model, values in by_model.items():
         if match_tokens in values:
@@ -245,7 +245,7 @@ def cost_model_metrics(families: _Families, snapshot: dict[str, Any]) -> None:
         for where, counts in engine.get("decisions_total", {}).items():
             for choice, count in counts.items():
                 families.add(CounterMetricFamily, "kvcached_cost_model_decisions", "Restore decisions of lookups "
-                             "and matches, by choice (engine, l2, l3, peer, recompute)",
+                             "and acquires, by choice (engine, l2, l3, peer, recompute)",
                              {**engine_labels, "where": where, "choice": choice}, count)
         for where, counts in engine.get("policy_skips_total", {}).items():
             for source, count in counts.items():

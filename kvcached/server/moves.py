@@ -1,5 +1,5 @@
 """Tier moves the daemon's loop runs: L2<->L3 through the I/O threads, the remote store's gets
-and puts, and the matches that wait for them.
+and puts, and the lookups and acquires that wait for them.
 
 Mixed into ``Server`` (``loop.py``): it uses the server's state, ``state_lock``, ``storage``,
 ``executor``, ``index``, ``remote`` and ``_spawn``/``_spawn_threadsafe``. Each move runs on the
@@ -18,15 +18,15 @@ from typing import Any, Callable
 from kvcached.core import counters
 from kvcached.core.daemon import RemoteAsk, RemoteWrite
 from kvcached.core.storage import SlotLayout
-from kvcached.core.tier_ops import OpState, TierMove
+from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.server.io_workers import read_pages, write_pages
 from kvcached.server.l3_index_store import L3IndexStore
 from kvcached.server.remote_store import RemoteUnavailable
 from kvcached.server.storage_file import StorageFile
 from proto.page_keys import chain_page_keys
-from proto.replies import MatchReply, to_wire
-from proto.schema import Match
+from proto.replies import AcquireReply, LookupReply, to_wire
+from proto.schema import Acquire, Lookup
 
 logger = logging.getLogger(__name__)
 
@@ -118,39 +118,32 @@ class TierMoves:
             else:
                 self._spawn_threadsafe(self._run_move(write_through))
 
-    def _promote_in_background(self, request: Match, reply: MatchReply) -> None:
+    def _promote_in_background(self, session_id: int, token_ids: bytes, reply: LookupReply | AcquireReply) -> None:
         """Planned once the answer is sent (``_after_reply``): the promotion (if the model asks for
         one) runs on the loop, and no request waits for it, nor for its planning."""
         if self.storage is None:
             return
-        move = self.state.promote_in_background(request.session_id, request.token_ids, reply)
+        move = self.state.promote_in_background(session_id, token_ids, reply)
         if move is not None:
             self._spawn_threadsafe(self._run_move(move))
 
-    async def _match_after_promotion(self, request: Match, move: TierMove) -> dict[str, Any]:
-        """L3 -> L2 first (S2H), then the match sees the promoted pages as an L2 hit."""
-        page_size = self.state.namespaces[move.namespace_id].geometry.page_size
+    async def _acquire_after(self, request: Acquire, move: TierMove) -> dict[str, Any]:
+        """The move an acquire returned runs first (S2H from L3; R2H from the store, waited for at
+        most its deadline); then ``acquire_after`` answers, what the move published an L2 hit (the
+        engine recomputes what it could not give)."""
+        if not move.remote:
+            return await self._run_move(move, then=lambda ok: to_wire(self.state.acquire_after(request, move)))
+        await self._wait_remote_move(move)
+        with self.state_lock:
+            return to_wire(self.state.acquire_after(request, move))
 
-        def match_now(ok: bool) -> dict[str, Any]:
-            # On failure (or a page whose checksum failed) the engine recomputes what L3 could not give.
-            promoted_pages = move.num_published_pages
-            self.state.metrics.add(counters.PROMOTIONS if promoted_pages else counters.PROMOTION_FALLBACKS)
-            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promoted_tokens=promoted_pages * page_size,
-                                       local_hit_tokens=request.local_hit_tokens, policy=request.policy,
-                                       decision=move.decision)
-            assert not isinstance(outcome, TierMove)
-            return to_wire(outcome)
-
-        return await self._run_move(move, then=match_now)
-
-    def _remote_ask(self, request: Match) -> RemoteAsk | None:
-        """What to ask the store before this lookup or match: with a remote tier that is reachable
-        now, a request that asks for the lower tiers (promote_l3), one rank, the pages after its
-        L2 hit (``DaemonState.remote_ask``)."""
-        if self.remote is None or not request.promote_l3 or request.tp_group or request.recompute:
+    def _remote_ask(self, session_id: int, token_ids: bytes) -> RemoteAsk | None:
+        """What to ask the store before a lookup with prefetch or an acquire that waits for its
+        promotion: with a remote tier that is reachable now, the pages after the L2 hit
+        (``DaemonState.remote_ask``)."""
+        if self.remote is None:
             return None
-        ask = self.state.remote_ask(request.session_id, request.token_ids)
+        ask = self.state.remote_ask(session_id, token_ids)
         if ask is None:
             return None
         if not self.remote.available():
@@ -158,10 +151,9 @@ class TierMoves:
             return None
         return ask
 
-    async def _match_remote(self, request: Match, ask: RemoteAsk) -> dict[str, Any]:
+    async def _remote_held_tokens(self, ask: RemoteAsk) -> int:
         """Ask the store which following pages it holds (one call, its own deadline; a failure or
-        a late answer is a miss), then look up or match with them as a candidate; a match whose
-        decision takes them gets them into L2 first."""
+        a late answer is a miss): the leading tokens L2 and the store hold together (0: none)."""
         assert self.remote is not None
         started_s = time.perf_counter()
         try:
@@ -173,31 +165,31 @@ class TierMoves:
         self.remote.count(counters.REMOTE_LOOKUPS)
         self.remote.count(counters.REMOTE_LOOKUP_SECONDS, time.perf_counter() - started_s)
         self.remote.count(counters.REMOTE_LOOKUP_HELD_PAGES, held)
-        remote_tokens = (ask.start_page + held) * ask.page_size if held else 0
-        with self.state_lock:
-            if not request.lock:
-                reply = self.state.lookup(request.session_id, request.token_ids, request.tp_group,
-                                          request.local_hit_tokens, request.policy, request.promote_l3,
-                                          remote_tokens=remote_tokens)
-                self._promote_in_background(request, reply)
-                return to_wire(reply)
-            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promote_l3=request.promote_l3, local_hit_tokens=request.local_hit_tokens,
-                                       policy=request.policy, recompute=request.recompute,
-                                       remote_tokens=remote_tokens)
-            if not isinstance(outcome, TierMove):
-                if request.begun:
-                    self._promote_in_background(request, outcome)
-                return to_wire(outcome)
-        if not outcome.remote:
-            return await self._match_after_promotion(request, outcome)
-        return await self._match_after_remote(request, outcome)
+        return (ask.start_page + held) * ask.page_size if held else 0
 
-    async def _match_after_remote(self, request: Match, move: TierMove) -> dict[str, Any]:
-        """The store's pages into L2 (R2H), waited for at most their deadline; then the match sees
-        what was published as an L2 hit. Past the deadline the match goes on without them (the
-        engine recomputes), and the gets finish in the background: their pages stay reserved
-        until then, and are published if they verify."""
+    async def _lookup_remote(self, request: Lookup, ask: RemoteAsk) -> dict[str, Any]:
+        """A lookup with the store's answer as a candidate."""
+        remote_tokens = await self._remote_held_tokens(ask)
+        with self.state_lock:
+            reply = self.state.lookup(request, remote_tokens)
+            self._promote_in_background(request.session_id, request.token_ids, reply)
+            return to_wire(reply)
+
+    async def _acquire_remote(self, request: Acquire, ask: RemoteAsk) -> dict[str, Any]:
+        """An acquire with the store's answer as a candidate; one whose decision takes it (or L3)
+        gets the pages into L2 first."""
+        remote_tokens = await self._remote_held_tokens(ask)
+        with self.state_lock:
+            outcome = self.state.acquire(request, remote_tokens)
+            if not isinstance(outcome, TierMove):
+                self._promote_in_background(request.session_id, request.token_ids, outcome)
+                return to_wire(outcome)
+        return await self._acquire_after(request, outcome)
+
+    async def _wait_remote_move(self, move: TierMove) -> None:
+        """The store's pages into L2 (R2H), waited for at most their deadline. Past it the acquire
+        goes on without them (the engine recomputes), and the gets finish in the background: their
+        pages stay reserved until then, and are published if they verify."""
         assert self.remote is not None
         geometry = self.state.namespaces[move.namespace_id].geometry
         timeout_s = self.remote.get_timeout_s(len(move.private_page_ids) * geometry.bytes_per_page)
@@ -207,15 +199,6 @@ class TierMoves:
         except asyncio.TimeoutError:
             self.remote.count(counters.REMOTE_DEADLINE_MISSES, 1, "get")
             self.remote.note_failure("get", f"no pages within {timeout_s:.3f} s")
-        with self.state_lock:
-            published = move.num_published_pages if move.state is OpState.PUBLISHED else 0
-            self.state.metrics.add(counters.REMOTE_RESTORES if published else counters.REMOTE_FALLBACKS)
-            outcome = self.state.match(request.session_id, request.token_ids, request.reserve_backup,
-                                       promoted_tokens=published * geometry.page_size,
-                                       local_hit_tokens=request.local_hit_tokens, policy=request.policy,
-                                       decision=move.decision)
-            assert not isinstance(outcome, TierMove)
-            return to_wire(outcome)
 
     async def _run_remote_move(self, move: TierMove) -> None:
         """Get a move's pages from the store into its L2 pages, check each value, finish the move.
@@ -253,7 +236,7 @@ class TierMoves:
                 metrics.add(counters.REMOTE_HIT_PAGES, verified)
                 metrics.add(counters.REMOTE_BYTES, verified * bytes_per_page, "read")
                 metrics.observe(counters.IO_END_TO_END_SECONDS, seconds, "r2h")
-                if verified == len(move.private_page_ids):     # what a match waiting for such a get waits
+                if verified == len(move.private_page_ids):     # what an acquire waiting for such a get waits
                     self.state.cost.add_storage_sample("r2h", num_bytes, seconds)
             self.state.finish_move(move, ok)
 

@@ -38,7 +38,7 @@ COLUMNS: dict[str, dict[str, str]] = {
         "session": "a digest of the session id (the id itself is a capability and never shown)",
         "pid": "the engine's process id",
         "watched": "yes: its exit is seen at once (pidfd); no: heartbeats only",
-        "leases": "leases it holds (a match's locked hit and reserved pages)",
+        "leases": "leases it holds (an acquire's locked hit and reserved pages)",
         "age_s": "seconds since it attached",
         "idle_s": "seconds since its last request or heartbeat",
         "name": "the client name it attached with",

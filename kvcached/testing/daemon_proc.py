@@ -23,15 +23,15 @@ def commit_written(client, reply) -> None:
     play an engine that writes nothing; a page committed without its stamp is never read back."""
     from engine_client.shared_pool import PageGenerations
 
-    pages = np.asarray(reply.backup_page_ids, dtype=np.int64)
+    pages = np.asarray(reply.reserved_page_ids, dtype=np.int64)
     generations = PageGenerations(client.info.generations_path, client.info.num_pages)
     try:
-        claimed = generations.claim(pages, reply.backup_generation)
+        claimed = generations.claim(pages, reply.reserved_generation)
         assert claimed.all(), "pages of a live lease are still reserved for it"
-        generations.stamp(pages, reply.backup_generation)
+        generations.stamp(pages, reply.reserved_generation)
     finally:
         generations.close()
-    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    client.commit(reply.lease_id, reply.reserved_page_ids)
 
 
 def child_env() -> dict[str, str]:

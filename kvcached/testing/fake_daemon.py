@@ -4,12 +4,12 @@
 Its L2 pages are a real shared segment (a file in /dev/shm) that the connector maps as it maps
 the daemon's pool, with the pages' write generations beside it (``proto.generations``): a save
 claims and stamps pages, a load checks them, exactly as against the daemon. What it does not
-model: tiers below L2, eviction, the cost model (a match's decision is "l2" when L2 holds more
+model: tiers below L2, eviction, the cost model (an acquire's decision is "l2" when L2 holds more
 than the engine, else "recompute"), peers, tensor parallelism.
 
 Faults, for the tests to inject:
     hold_replies = True   replies stay unanswered (``ready()`` False) until ``deliver()``
-    refuse_next(n)        the next n matches are refused (DaemonError)
+    refuse_next(n)        the next n acquires are refused (DaemonError)
     end_session()         the session ends: its leases are reclaimed, waits fail, listeners told
     reattach()            a new session (the same segment), the re-attach listeners told
 """
@@ -28,8 +28,8 @@ import numpy as np
 from engine_client.client import Connection, ConnectionState, DaemonDown, DaemonError, DaemonUnavailable
 from proto import generations
 from proto.errors import ErrorCode
-from proto.messages import KVGeometry, MsgKind
-from proto.replies import AttachInfo, MatchReply
+from proto.messages import PROTOCOL_VERSION, KVGeometry, MsgKind
+from proto.replies import AcquireReply, AttachInfo, LookupReply
 from proto.tokens import token_array, token_bytes
 
 
@@ -43,9 +43,9 @@ class FakeLease:
 
 
 class FakePending:
-    """A reply to come (``PendingMatch``'s calls)."""
+    """A reply to come (the calls of the client's pending replies)."""
 
-    def __init__(self, daemon: "FakeDaemon", reply: MatchReply | None, error: Exception | None, generation: int):
+    def __init__(self, daemon: "FakeDaemon", reply: AcquireReply | LookupReply | None, error: Exception | None, generation: int):
         self._daemon = daemon
         self._reply = reply
         self._error = error
@@ -63,7 +63,7 @@ class FakePending:
     def _answered(self) -> bool:
         return not self._daemon.hold_replies or self._daemon.session_ended
 
-    def result(self, timeout_s: float | None = None) -> MatchReply:
+    def result(self, timeout_s: float | None = None) -> AcquireReply | LookupReply:
         if self._ended:
             raise RuntimeError("this request has already ended (result() or cancel() was called)")
         if self._daemon.session_ended:
@@ -125,8 +125,8 @@ class FakeDaemon:
         self.words = np.memmap(generations_path, dtype="<u8", mode="r+")
         self.free_page_ids = list(range(self.num_pages))
         self._generation += 1
-        self._info = AttachInfo(self._generation, 1, shm_path, 0, self.num_pages, geometry.bytes_per_page, 1.0, 10.0,
-                                1 << 20, os.getpid(), 0, generations_path=generations_path)
+        self._info = AttachInfo(self._generation, 1, shm_path, self.num_pages, geometry.bytes_per_page, 1.0, 10.0,
+                                1 << 20, os.getpid(), PROTOCOL_VERSION, generations_path=generations_path)
         return self._info
 
     def attach_later(self, geometry: KVGeometry, reason: str) -> None:
@@ -209,39 +209,38 @@ class FakeDaemon:
             listener(self._generation, self._info)
         return self._info
 
-    # ---- matches, lookups, commits, releases ----------------------------------------------------------
+    # ---- acquires, lookups, commits, releases ----------------------------------------------------------
 
-    def match_async(self, token_ids, reserve_backup: bool = False, promote_l3: bool = True,
-                    generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "",
-                    begun: bool = False, recompute: bool = False) -> FakePending:
+    def acquire_async(self, token_ids, save: bool = False, promote: str = "wait",
+                      generation: int | None = None, *, local_hit_tokens: int = 0, policy: str = "") -> FakePending:
         self._check_live(generation)
         if self._refusals:
             self._refusals -= 1
-            return FakePending(self, None, DaemonError(ErrorCode.INTERNAL, "refused by the test", MsgKind.MATCH),
+            return FakePending(self, None, DaemonError(ErrorCode.INTERNAL, "refused by the test", MsgKind.ACQUIRE),
                                self._generation)
-        return FakePending(self, self._answer(token_ids, local_hit_tokens, lock=True, reserve=reserve_backup),
+        return FakePending(self, self._answer(token_ids, local_hit_tokens, lock=True, reserve=save),
                            None, self._generation)
 
     def lookup_async(self, token_ids, tp_group: bool = False, generation: int | None = None, *,
-                     local_hit_tokens: int = 0, policy: str = "", promote_l3: bool = False) -> FakePending:
+                     local_hit_tokens: int = 0, policy: str = "", prefetch: bool = False) -> FakePending:
         self._check_live(generation)
         return FakePending(self, self._answer(token_ids, local_hit_tokens, lock=False, reserve=False), None,
                            self._generation)
 
-    def commit_backup(self, lease_id: int, host_page_ids: Sequence[int], generation: int | None = None) -> bool:
+    def commit(self, lease_id: int, page_ids: Sequence[int], generation: int | None = None) -> bool:
         lease = self.leases.get(lease_id)
         if lease is None:
-            self._errors.append(DaemonError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id}", MsgKind.BACKUP_COMMIT))
+            self._errors.append(DaemonError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id}", MsgKind.COMMIT))
             return True
-        if list(host_page_ids) != lease.reserved_page_ids[:len(host_page_ids)]:
-            raise AssertionError(f"a commit of pages {list(host_page_ids)} not a prefix of the reserved ones")
-        if not np.all(self.words[np.asarray(host_page_ids, dtype=np.int64)] == lease.generation):
+        if list(page_ids) != lease.reserved_page_ids[:len(page_ids)]:
+            raise AssertionError(f"a commit of pages {list(page_ids)} not a prefix of the reserved ones")
+        if not np.all(self.words[np.asarray(page_ids, dtype=np.int64)] == lease.generation):
             raise AssertionError("a commit of pages not stamped with the lease's generation")
         first = len(lease.hit_page_ids)
         page_size = self.geometry.page_size
-        for i, page_id in enumerate(host_page_ids):
+        for i, page_id in enumerate(page_ids):
             self.page_of[token_bytes(lease.token_ids[:(first + i + 1) * page_size])] = int(page_id)
-        self._end_lease(lease_id, committed=len(host_page_ids))
+        self._end_lease(lease_id, committed=len(page_ids))
         return True
 
     def release(self, lease_id: int, generation: int | None = None) -> bool:
@@ -260,7 +259,7 @@ class FakeDaemon:
         if self.closed or self.session_ended or generation not in (None, self._generation):
             raise DaemonDown("the session ended")
 
-    def _answer(self, token_ids, local_hit_tokens: int, *, lock: bool, reserve: bool) -> MatchReply:
+    def _answer(self, token_ids, local_hit_tokens: int, *, lock: bool, reserve: bool) -> AcquireReply | LookupReply:
         page_size = self.geometry.page_size
         tokens = token_array(token_bytes(token_ids))
         num_pages = len(tokens) // page_size
@@ -275,7 +274,7 @@ class FakeDaemon:
         choice, restore = ("l2", hit_tokens) if hit_tokens > own else ("recompute", own)
         decision = dict(choice=choice, restore_tokens=restore, policy="always")
         if not lock:
-            return MatchReply({"l2": hit_tokens}, None, [], 0, [], **decision)
+            return LookupReply({"l2": hit_tokens}, choice, restore, {}, "always")
         reserved = []
         generation = 0
         if reserve and num_pages > len(hit):
@@ -288,9 +287,9 @@ class FakeDaemon:
             lease_id = self._next_lease_id
             self._next_lease_id += 1
             self.leases[lease_id] = FakeLease(lease_id, tokens[:num_pages * page_size], hit, reserved, generation)
-        return MatchReply({"l2": hit_tokens}, lease_id, hit, hit_tokens, reserved,
-                          host_page_generations=[int(self.words[p]) for p in hit], backup_generation=generation,
-                          **decision)
+        return AcquireReply({"l2": hit_tokens}, lease_id, hit, [int(self.words[p]) for p in hit],
+                            reserved_start_token=hit_tokens, reserved_page_ids=reserved,
+                            reserved_generation=generation, **decision)
 
     def _end_lease(self, lease_id: int, committed: int) -> None:
         """Pages reserved and not committed are revoked (word 0) and free again."""

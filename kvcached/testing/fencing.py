@@ -81,7 +81,7 @@ def stalled_copy_scenario(daemon: DaemonProcess, seed: int, launcher: tuple[str,
             assert engine.read()["attached"] == engine.name
         with connect(daemon.socket_path, timeout_s=5.0) as observer:
             a_prepared = a.ask("prepare")
-            assert len(a_prepared["backup_page_ids"]) == PREFIX_PAGES, a_prepared
+            assert len(a_prepared["reserved_page_ids"]) == PREFIX_PAGES, a_prepared
             a_pid = a.ask("finish")["at_copy"]
             os.kill(a_pid, signal.SIGSTOP)
             time.sleep(GRACE_S + 0.5)                # past the grace: the stall itself

@@ -84,7 +84,7 @@ def main() -> int:
                 random_kv_(page, generator)
                 manager.l1_pool.kv[:, :, page_id].copy_(page)
             torch.save(manager.read_tokens_kv(plan.new_l1_page_ids[:PREFIX_PAGES]).cpu(), args.state)
-            say(prepared=args.name, cached_tokens=plan.num_cached_tokens, backup_page_ids=plan.backup_page_ids)
+            say(prepared=args.name, cached_tokens=plan.num_cached_tokens, reserved_page_ids=plan.reserved_page_ids)
         elif command == "finish":
             backed_up = manager.finish(plan)
             try:

@@ -14,6 +14,7 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import Tier
 from kvcached.testing.clock import FakeClock
 from proto.messages import KVGeometry
+from proto.schema import Acquire, Commit, Release
 
 GEOMETRY_A = KVGeometry("model-a", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
 GEOMETRY_B = KVGeometry("model-b", num_layers=2, num_kv_heads=8, head_dim=64, dtype="float32", page_size=16)
@@ -40,12 +41,12 @@ class FloodResult:
 
 def request(state: DaemonState, session_id: int, token_bytes: bytes) -> int:
     """One request's match (it reserves what L2 lacks) and the save of its pages; its L2 hit in tokens."""
-    reply = state.match(session_id, token_bytes, reserve_backup=True)
+    reply = state.acquire(Acquire(session_id, token_bytes, save=True))
     if reply.lease_id is not None:
-        if reply.backup_page_ids:
-            state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        if reply.reserved_page_ids:
+            state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
         else:
-            state.release(session_id, reply.lease_id)
+            state.release(Release(session_id, reply.lease_id))
     return reply.hit_tokens["l2"]
 
 

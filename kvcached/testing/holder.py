@@ -23,12 +23,12 @@ HOLDER = textwrap.dedent("""
     client.attach(geometry)
     rng = np.random.default_rng(int(sys.argv[3]))
     tokens = rng.integers(0, 50_000, size=64, dtype=np.int32)
-    first = client.match(tokens, reserve_backup=True)
-    client.commit_backup(first.lease_id, first.backup_page_ids)
+    first = client.acquire(tokens, save=True)
+    client.commit(first.lease_id, first.reserved_page_ids)
     assert client.flush() == []
-    held = client.match(tokens, reserve_backup=False)        # a lease on the committed pages
-    more = client.match(rng.integers(0, 50_000, size=64, dtype=np.int32), reserve_backup=True)
-    print(f"READY {len(held.host_page_ids)} {len(more.backup_page_ids)}", flush=True)
+    held = client.acquire(tokens)        # a lease on the committed pages
+    more = client.acquire(rng.integers(0, 50_000, size=64, dtype=np.int32), save=True)
+    print(f"READY {len(held.host_page_ids)} {len(more.reserved_page_ids)}", flush=True)
     time.sleep(600)
 """)
 

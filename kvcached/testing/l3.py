@@ -92,16 +92,16 @@ def back_up_random(client, num_pages: int, rng) -> np.ndarray:
     start = 0
     for end in list(range(step, num_pages, step)) + [num_pages]:
         # It holds what it backed up already itself: hitting that is no reuse of L2's copy.
-        reply = client.match(tokens[:end * PAGE], reserve_backup=True, local_hit_tokens=start * PAGE)
+        reply = client.acquire(tokens[:end * PAGE], save=True, local_hit_tokens=start * PAGE)
         start = end
-        assert reply.backup_start_token + len(reply.backup_page_ids) * PAGE == end * PAGE
+        assert reply.reserved_start_token + len(reply.reserved_page_ids) * PAGE == end * PAGE
         commit_written(client, reply)
         assert client.flush() == []
     return tokens
 
 
 def l2_l3(client, tokens) -> tuple[int, int]:
-    reply = client.match(tokens, promote_l3=False)
+    reply = client.acquire(tokens, promote="none")
     if reply.lease_id is not None:
         client.release(reply.lease_id)
     return reply.hit_tokens["l2"], reply.hit_tokens["l3"]

@@ -37,7 +37,7 @@ class TierControl:
         lookup starts no background promotion either). remote: the store is asked too (a lookup
         of the lower tiers, promote_l3, on a daemon without L3: nothing to promote), "remote" the
         leading tokens L2 and the store hold together."""
-        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32), promote_l3=remote).result()
+        reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32), prefetch=remote).result()
         return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0),
                 "remote": reply.hit_tokens.get("remote", 0)}
 
@@ -54,12 +54,12 @@ class TierControl:
                 client = clients[-1]
                 wanted = self.num_l2_pages - reserved
                 tokens = self._rng.integers(1, 2**31 - 1, size=wanted * self.geometry.page_size, dtype=np.int32)
-                reply = client.match(tokens, reserve_backup=True, promote_l3=False)
+                reply = client.acquire(tokens, save=True, promote="none")
                 if reply.lease_id is not None:
                     held.append((client, reply.lease_id))
-                if not reply.backup_page_ids:
+                if not reply.reserved_page_ids:
                     break                       # nothing more can be freed: what is left is leased
-                reserved += len(reply.backup_page_ids)
+                reserved += len(reply.reserved_page_ids)
                 if reserved < self.num_l2_pages:
                     extra = connect(self.daemon.socket_path, timeout_s=60.0, client_name="tier-control-extra")
                     clients.append(extra)
@@ -118,12 +118,12 @@ class TierControl:
         return self.client.status(check_integrity=True)["integrity"]
 
     def counts(self) -> dict[str, float]:
-        """The daemon's counters so far (status "metrics"), with its handling of MATCH requests as
-        ``match_seconds`` and ``match_count`` (status "histograms", request_seconds_match): every
+        """The daemon's counters so far (status "metrics"), with its handling of ACQUIRE requests as
+        ``acquire_seconds`` and ``acquire_count`` (status "histograms", request_seconds_acquire): every
         session's. Two of them around a run give what the run cost the daemon."""
         status = self.client.status()
-        histogram = status["histograms"].get("request_seconds_match", {"sum": 0.0, "count": 0})
-        return {**status["metrics"], "match_seconds": histogram["sum"], "match_count": histogram["count"]}
+        histogram = status["histograms"].get("request_seconds_acquire", {"sum": 0.0, "count": 0})
+        return {**status["metrics"], "acquire_seconds": histogram["sum"], "acquire_count": histogram["count"]}
 
     def cost_model(self) -> dict:
         """The daemon's cost model as its status shows it (per engine and direction, decisions)."""

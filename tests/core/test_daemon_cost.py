@@ -9,9 +9,10 @@ from kvcached.core.cost_model import STALE_DECLINES, CostModel, CostPriors
 from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
-from proto.replies import MatchReply
+from proto.replies import AcquireReply
 from tests.core.test_daemon_l3 import L3_BYTES, commit, only_in_l3
 from kvcached.testing.clock import FakeClock
+from proto.schema import Acquire, Lookup, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE, back_up, tokens
 from tests.server.test_metrics import exported, value
 
@@ -37,10 +38,10 @@ def test_a_lookup_carries_the_decision_and_status_counts_it(rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 6)
     state.finish_move(commit(state, session.session_id, prefix)[1], ok=True)
-    reply = state.lookup(session.session_id, prefix + tokens(rng, 1))
+    reply = state.lookup(Lookup(session.session_id, prefix + tokens(rng, 1), prefetch=True))
     assert (reply.choice, reply.restore_tokens, reply.policy) == ("l2", 6 * PAGE, "cost")
     assert set(reply.predicted_s) == {"l2", "recompute"} and reply.predicted_s["l2"] < reply.predicted_s["recompute"]
-    held = state.lookup(session.session_id, prefix, local_hit_tokens=6 * PAGE)
+    held = state.lookup(Lookup(session.session_id, prefix, local_hit_tokens=6 * PAGE, prefetch=True))
     assert (held.choice, held.restore_tokens) == ("engine", 6 * PAGE)
     engine = state.status()["cost_model"]["engines"][0]
     assert engine["namespace_id"] == namespace.namespace_id
@@ -57,23 +58,24 @@ def test_a_slow_l3_is_declined_while_l2_is_taken(rng):
     in_l3 = only_in_l3(state, session.session_id, rng, 4)
     in_l2 = tokens(rng, 4)
     state.finish_move(commit(state, session.session_id, in_l2)[1], ok=True)
-    assert state.lookup(session.session_id, in_l3).choice == "l3"        # by the prior: a fast disk
+    assert state.lookup(Lookup(session.session_id, in_l3, prefetch=True)).choice == "l3"        # by the prior: a fast disk
     slow_disk(state, rng)
 
-    declined = state.match(session.session_id, in_l3, promote_l3=True)
-    assert isinstance(declined, MatchReply) and declined.choice == "recompute"
+    declined = state.acquire(Acquire(session.session_id, in_l3, promote="wait"))
+    assert isinstance(declined, AcquireReply) and declined.choice == "recompute"
     assert declined.hit_tokens == {"l2": 0, "l3": 4 * PAGE} and declined.restore_tokens == 0 and not state.moves
-    taken = state.match(session.session_id, in_l2, promote_l3=True)
-    assert (taken.choice, taken.restore_tokens, taken.backup_start_token) == ("l2", 4 * PAGE, 4 * PAGE)
+    taken = state.acquire(Acquire(session.session_id, in_l2, promote="wait"))
+    assert (taken.choice, taken.restore_tokens, taken.reserved_start_token) == ("l2", 4 * PAGE, 4 * PAGE)
     assert taken.lease_id is not None and len(taken.host_page_ids) == 4
-    state.release(session.session_id, taken.lease_id)
+    state.release(Release(session.session_id, taken.lease_id))
 
-    forced = state.match(session.session_id, in_l3, promote_l3=True, policy="always")
+    request = Acquire(session.session_id, in_l3, policy="always", promote="wait")
+    forced = state.acquire(request)
     assert isinstance(forced, TierMove) and forced.direction == "s2h" and forced.decision.choice == "l3"
     state.finish_move(forced, ok=True)
-    after = state.match(session.session_id, in_l3, promoted_tokens=4 * PAGE, policy="always", decision=forced.decision)
+    after = state.acquire_after(request, forced)
     assert (after.choice, after.restore_tokens, after.hit_tokens["l2"]) == ("l3", 4 * PAGE, 4 * PAGE)
-    state.release(session.session_id, after.lease_id)
+    state.release(Release(session.session_id, after.lease_id))
     state.check_integrity()
 
 
@@ -84,11 +86,11 @@ def test_policy_never_restores_nothing_and_always_the_longest_hit(rng):
     session, _ = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, 5)
     slow_disk(state, rng)
-    never = state.lookup(session.session_id, prefix, local_hit_tokens=PAGE, policy="never")
+    never = state.lookup(Lookup(session.session_id, prefix, local_hit_tokens=PAGE, policy="never", prefetch=True))
     assert (never.choice, never.restore_tokens, never.policy) == ("recompute", PAGE, "never")
-    assert isinstance(state.match(session.session_id, prefix, promote_l3=True, policy="never"), MatchReply)
+    assert isinstance(state.acquire(Acquire(session.session_id, prefix, policy="never", promote="wait")), AcquireReply)
     assert not state.moves
-    always = state.lookup(session.session_id, prefix, policy="always")
+    always = state.lookup(Lookup(session.session_id, prefix, policy="always", prefetch=True))
     assert (always.choice, always.restore_tokens) == ("l3", 5 * PAGE)
     skips = state.status()["cost_model"]["engines"][0]["policy_skips_total"]
     assert skips == {"lookup": {"l3": 1}, "match": {"l3": 1}}
@@ -103,14 +105,14 @@ def test_samples_an_engine_reports_make_short_prefixes_recompute_and_long_ones_r
     short, long = tokens(rng, 1), tokens(rng, 8)
     back_up(state, session.session_id, short)
     back_up(state, session.session_id, long)
-    assert [state.lookup(session.session_id, t).choice for t in (short, long)] == ["l2", "l2"]
+    assert [state.lookup(Lookup(session.session_id, t, prefetch=True)).choice for t in (short, long)] == ["l2", "l2"]
     samples = []
     for num_pages in rng.integers(1, 16, size=16).tolist():
         samples.append(("h2d", num_pages * BYTES_PER_PAGE, 0.002 + num_pages * BYTES_PER_PAGE / 10e9))
     for num_tokens in rng.integers(16, 2048, size=16).tolist():
         samples.append(("prefill", num_tokens, 0.004 + num_tokens * 100e-6))
     state.engine_report(session.session_id, {}, samples + [("prefill", 8, 1.0)])     # too short: ignored
-    decided = [state.lookup(session.session_id, t) for t in (short, long)]
+    decided = [state.lookup(Lookup(session.session_id, t, prefetch=True)) for t in (short, long)]
     assert [(r.choice, r.restore_tokens) for r in decided] == [("recompute", 0), ("l2", 8 * PAGE)]
     cost = state.status()["cost_model"]
     directions = cost["engines"][0]["directions"]
@@ -127,14 +129,14 @@ def test_a_declined_l3_hit_is_promoted_in_the_background_one_at_a_time(rng):
     session, _ = state.attach(GEOMETRY, pid=1)
     first = only_in_l3(state, session.session_id, rng, 4)
     slow_disk(state, rng)
-    looked_up = state.lookup(session.session_id, first)
+    looked_up = state.lookup(Lookup(session.session_id, first, prefetch=True))
     assert looked_up.choice == "recompute" and not state.moves
     move = state.promote_in_background(session.session_id, first, looked_up)
     assert isinstance(move, TierMove) and move.direction == "s2h" and len(move.private_page_ids) == 4
-    assert state.promote_in_background(session.session_id, first, state.lookup(session.session_id, first)) is None
+    assert state.promote_in_background(session.session_id, first, state.lookup(Lookup(session.session_id, first, prefetch=True))) is None
     state.check_integrity()
     state.finish_move(move, ok=True)
-    looked_up = state.lookup(session.session_id, first)
+    looked_up = state.lookup(Lookup(session.session_id, first, prefetch=True))
     assert (looked_up.choice, looked_up.restore_tokens) == ("l2", 4 * PAGE)
     cost = state.status()["cost_model"]
     assert cost["background_promotions_total"] == 1 and cost["background_promotion_skips_busy_total"] == 1
@@ -142,7 +144,7 @@ def test_a_declined_l3_hit_is_promoted_in_the_background_one_at_a_time(rng):
     # always: the lookup chose L3 itself, nothing to do in the background.
     second = only_in_l3(state, session.session_id, rng, 3)
     assert state.promote_in_background(session.session_id, second,
-                                       state.lookup(session.session_id, second, policy="always")) is None
+                                       state.lookup(Lookup(session.session_id, second, policy="always", prefetch=True))) is None
     assert not state.moves
     state.check_integrity()
 
@@ -153,11 +155,11 @@ def test_no_background_promotion_where_a_later_l2_restore_would_not_win(rng):
     state = make_state(recompute_s_per_token=1e-9)
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, 4)
-    looked_up = state.lookup(session.session_id, prefix)
+    looked_up = state.lookup(Lookup(session.session_id, prefix, prefetch=True))
     assert looked_up.choice == "recompute"
     assert state.promote_in_background(session.session_id, prefix, looked_up) is None and not state.moves
     assert state.status()["cost_model"]["background_promotion_skips_no_gain_total"] == 1
-    assert state.lookup(session.session_id, prefix).hit_tokens["l2"] == 0
+    assert state.lookup(Lookup(session.session_id, prefix, prefetch=True)).hit_tokens["l2"] == 0
 
 
 def test_slow_storage_writes_do_not_stop_backups_to_l3(rng):
@@ -187,13 +189,13 @@ def declined_path_l2_full(state: DaemonState, session_id: int, rng) -> bytes:
     state.finish_move(move, ok=True)
     state.clock.advance(1.0)
     slow_disk(state, rng)
-    hits = state.lookup(session_id, prefix).hit_tokens          # a lookup: uses nothing
+    hits = state.lookup(Lookup(session_id, prefix, prefetch=True)).hit_tokens          # a lookup: uses nothing
     assert (hits["l2"], hits["l3"]) == (0, 4 * PAGE)
     return prefix
 
 
-@pytest.mark.parametrize("how", ["promote_l3", "recompute"])
-def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_nothing(how, rng):
+@pytest.mark.parametrize("promote", ["wait", "recompute"])
+def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_nothing(promote, rng):
     """A match (with a backup reservation; one that may promote L3, or a predicted decline's) of a
     path whose L3 hit the model declines, last used before the least recently used page of a full
     L2: no page is reserved (its copy would be evicted before its next use), the reply says why,
@@ -204,18 +206,18 @@ def test_a_save_of_a_declined_l3_path_l2_would_evict_before_its_reuse_reserves_n
     prefix = declined_path_l2_full(state, session.session_id, rng)
     l2_before = state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2)
     request = prefix + tokens(rng, 1)
-    skipped = state.match(session.session_id, request, reserve_backup=True, **{how: True})
-    assert isinstance(skipped, MatchReply) and skipped.choice == "recompute", skipped
-    assert (skipped.lease_id, skipped.backup_page_ids, skipped.backup_skipped) == (None, [], "evicted_before_reuse")
+    skipped = state.acquire(Acquire(session.session_id, request, save=True, promote=promote))
+    assert isinstance(skipped, AcquireReply) and skipped.choice == "recompute", skipped
+    assert (skipped.lease_id, skipped.reserved_page_ids, skipped.save_skipped) == (None, [], "evicted_before_reuse")
     assert state.metrics.counters["backup_policy_skips"] == 1
     assert value(exported(state.status()), "kvcached_policy_skips_total", direction="d2h",
                  reason="evicted_before_reuse") == 1
     assert state.namespaces[session.namespace_id].tree.owned_pages(Tier.L2) == l2_before
     state.check_integrity()
     state.clock.advance(1.0)
-    again = state.match(session.session_id, request, reserve_backup=True, **{how: True})
-    assert again.choice == "recompute" and again.backup_skipped == "" and len(again.backup_page_ids) == 5, again
-    state.release(session.session_id, again.lease_id)
+    again = state.acquire(Acquire(session.session_id, request, save=True, promote=promote))
+    assert again.choice == "recompute" and again.save_skipped == "" and len(again.reserved_page_ids) == 5, again
+    state.release(Release(session.session_id, again.lease_id))
     assert state.metrics.counters["backup_policy_skips"] == 1
     state.check_integrity()
 
@@ -235,13 +237,14 @@ def test_a_save_is_reserved_unless_the_model_declined_l3_and_l2_would_evict_its_
         policy = "never"
     elif case == "L3 restore taken":
         state.cost = CostModel(CostPriors())                  # the prior: a fast disk
-        move = state.match(session.session_id, request, reserve_backup=True, promote_l3=True)
+        acquire = Acquire(session.session_id, request, save=True, promote="wait")
+        move = state.acquire(acquire)
         assert isinstance(move, TierMove) and move.decision.choice == "l3"
         state.finish_move(move, ok=True)
-        reply = state.match(session.session_id, request, reserve_backup=True, promoted_tokens=4 * PAGE,
-                            decision=move.decision)
-        assert reply.backup_skipped == "" and reply.backup_start_token == 4 * PAGE and len(reply.backup_page_ids) == 1
-        state.release(session.session_id, reply.lease_id)
+        reply = state.acquire_after(acquire, move)
+        assert reply.promoted_tokens == 4 * PAGE
+        assert reply.save_skipped == "" and reply.reserved_start_token == 4 * PAGE and len(reply.reserved_page_ids) == 1
+        state.release(Release(session.session_id, reply.lease_id))
         state.check_integrity()
         return
     elif case == "room in L2":
@@ -252,11 +255,11 @@ def test_a_save_is_reserved_unless_the_model_declined_l3_and_l2_would_evict_its_
         if move is not None:
             state.finish_move(move, ok=True)
         l2_hit = 4
-    reply = state.match(session.session_id, request, reserve_backup=True, promote_l3=True, policy=policy)
-    assert isinstance(reply, MatchReply) and reply.backup_skipped == "", reply
-    assert reply.backup_start_token == l2_hit * PAGE and len(reply.backup_page_ids) == 5 - l2_hit, reply
+    reply = state.acquire(Acquire(session.session_id, request, policy=policy, save=True, promote="wait"))
+    assert isinstance(reply, AcquireReply) and reply.save_skipped == "", reply
+    assert reply.reserved_start_token == l2_hit * PAGE and len(reply.reserved_page_ids) == 5 - l2_hit, reply
     assert state.metrics.counters["backup_policy_skips"] == 0
-    state.release(session.session_id, reply.lease_id)
+    state.release(Release(session.session_id, reply.lease_id))
     state.check_integrity()
 
 
@@ -267,9 +270,9 @@ def test_one_slow_h2d_sample_an_engine_reports_stops_declining_l2_within_200_req
     session, _ = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 8)
     back_up(state, session.session_id, prefix)
-    assert state.lookup(session.session_id, prefix).choice == "l2"
+    assert state.lookup(Lookup(session.session_id, prefix, prefetch=True)).choice == "l2"
     state.engine_report(session.session_id, {}, [("h2d", 8 * BYTES_PER_PAGE, 1.0)])
-    choices = [state.lookup(session.session_id, prefix).choice for _ in range(200)]
+    choices = [state.lookup(Lookup(session.session_id, prefix, prefetch=True)).choice for _ in range(200)]
     assert choices.index("l2") == STALE_DECLINES and set(choices[:STALE_DECLINES]) == {"recompute"}
     cost = state.status()["cost_model"]
     assert cost["stale_line_resets_total"] == 1
@@ -290,9 +293,9 @@ def test_a_stale_storage_line_publishes_the_prior_hint_again(rng):
     state.publish_cost_hints()
     assert state.hints.head(namespace.hints_slot)["l3_min_tokens"] > max(prior_bound, 4 * PAGE)
     for _ in range(STALE_DECLINES):
-        reply = state.match(session.session_id, prefix, recompute=True)
+        reply = state.acquire(Acquire(session.session_id, prefix, promote="recompute"))
         assert reply.choice == "recompute"
     assert state.hints.head(namespace.hints_slot)["l3_min_tokens"] == prior_bound
     assert state.cost.storage["s2h"].mode == "prior"
-    assert state.lookup(session.session_id, prefix, promote_l3=True).choice == "l3"
+    assert state.lookup(Lookup(session.session_id, prefix, prefetch=True)).choice == "l3"
     state.check_integrity()

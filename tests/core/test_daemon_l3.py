@@ -9,6 +9,7 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
 from kvcached.testing.clock import FakeClock
+from proto.schema import Acquire, Commit, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE, extension_ends, tokens
 
 # 16 L2 pages and 32 L3 slots of 131072 bytes.
@@ -33,10 +34,10 @@ def commit(state, session_id, token_bytes):
     for end in extension_ends(state, session_id, len(token_bytes) // (4 * PAGE)):
         if write_through is not None:
             state.finish_move(write_through, ok=True)
-        reply = state.match(session_id, token_bytes[:end * 4 * PAGE], reserve_backup=True)
-        _, write_through = state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        reply = state.acquire(Acquire(session_id, token_bytes[:end * 4 * PAGE], save=True))
+        _, write_through = state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
         state.check_integrity()
-        page_ids += reply.backup_page_ids
+        page_ids += reply.reserved_page_ids
     return page_ids, write_through
 
 
@@ -53,9 +54,9 @@ def only_in_l3(state, session_id, rng, num_pages: int) -> bytes:
 
 
 def l2_l3_hits(state, session_id, token_bytes):
-    reply = state.match(session_id, token_bytes)
+    reply = state.acquire(Acquire(session_id, token_bytes))
     if reply.lease_id is not None:
-        state.release(session_id, reply.lease_id)
+        state.release(Release(session_id, reply.lease_id))
     return reply.hit_tokens["l2"] // PAGE, reply.hit_tokens["l3"] // PAGE
 
 
@@ -117,16 +118,16 @@ def test_promotion_restores_l2_residency_from_l3(state, clock, rng):
     state.finish_move(move, ok=True)
     state.check_integrity()
 
-    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    promotion = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     assert isinstance(promotion, TierMove) and promotion.direction == "s2h"
     assert promotion.start_page == 0 and len(promotion.private_page_ids) == 5
     state.check_integrity()
     assert state.finish_move(promotion, ok=True) == 5
     state.check_integrity()
-    reply = state.match(session.session_id, prefix)
+    reply = state.acquire(Acquire(session.session_id, prefix))
     assert reply.hit_tokens == {"l2": 5 * PAGE, "l3": 5 * PAGE}
     assert reply.host_page_ids == promotion.private_page_ids or len(reply.host_page_ids) == 5
-    state.release(session.session_id, reply.lease_id)
+    state.release(Release(session.session_id, reply.lease_id))
     state.check_integrity()
 
 
@@ -136,9 +137,9 @@ def test_published_promotion_survives_the_sessions_death(state, clock, rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     keeper, _ = state.attach(GEOMETRY, pid=2)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
-    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    promotion = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     state.finish_move(promotion, ok=True)
-    reply = state.match(session.session_id, prefix)              # the engine's lease on the promoted pages
+    reply = state.acquire(Acquire(session.session_id, prefix))              # the engine's lease on the promoted pages
     promoted = reply.host_page_ids
     clock.advance(2)
     state.heartbeat(keeper.session_id)
@@ -158,23 +159,23 @@ def test_a_promotion_reserves_no_more_than_the_sessions_allowance(state, rng):
 
     def reserve(num_pages: int):
         other = rng.integers(0, 50_000, size=num_pages * PAGE, dtype=np.int32).tobytes()
-        reply = state.match(session.session_id, other, reserve_backup=True, promote_l3=False)
-        assert len(reply.backup_page_ids) == num_pages
+        reply = state.acquire(Acquire(session.session_id, other, save=True))
+        assert len(reply.reserved_page_ids) == num_pages
         return reply
 
     ahead = reserve(namespace.num_pages // 2 - 3)
-    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    promotion = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     assert isinstance(promotion, TierMove) and len(promotion.private_page_ids) == 3
     state.finish_move(promotion, ok=True)
     state.check_integrity()
     assert l2_l3_hits(state, session.session_id, prefix) == (3, 8)
     assert state.metrics.counters["s2h_pages_cut_no_space"] == 0      # cut to the cap, not for room
     more = reserve(3)                                  # the cap is reached now
-    outcome = state.match(session.session_id, prefix, promote_l3=True)
+    outcome = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     assert not isinstance(outcome, TierMove) and outcome.hit_tokens["l2"] == 3 * PAGE
-    state.release(session.session_id, outcome.lease_id)
+    state.release(Release(session.session_id, outcome.lease_id))
     for reservation in (ahead, more):
-        state.release(session.session_id, reservation.lease_id)
+        state.release(Release(session.session_id, reservation.lease_id))
     state.check_integrity()
 
 
@@ -188,17 +189,17 @@ def test_a_promotion_cut_for_want_of_l2_room_is_counted(state, rng):
     for num_pages in (namespace.num_pages // 2, namespace.num_pages // 2 - 5):     # 11 of 16 pages
         other, _ = state.attach(GEOMETRY, pid=1)
         pages = rng.integers(0, 50_000, size=num_pages * PAGE, dtype=np.int32).tobytes()
-        reply = state.match(other.session_id, pages, reserve_backup=True, promote_l3=False)
-        assert len(reply.backup_page_ids) == num_pages
+        reply = state.acquire(Acquire(other.session_id, pages, save=True))
+        assert len(reply.reserved_page_ids) == num_pages
         held.append((other.session_id, reply.lease_id))
-    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    promotion = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     assert isinstance(promotion, TierMove) and len(promotion.private_page_ids) == 5
     assert state.metrics.counters["s2h_pages_cut_no_space"] == 3
     state.finish_move(promotion, ok=True)
     state.check_integrity()
     assert l2_l3_hits(state, session.session_id, prefix) == (5, 8)
     for other_id, lease_id in held:
-        state.release(other_id, lease_id)
+        state.release(Release(other_id, lease_id))
     state.check_integrity()
 
 
@@ -206,7 +207,7 @@ def test_failed_promotion_falls_back_without_leaks(state, rng):
     """A failed S2H returns its private L2 pages; L3 still holds the prefix; nothing is published."""
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
-    promotion = state.match(session.session_id, prefix, promote_l3=True)
+    promotion = state.acquire(Acquire(session.session_id, prefix, promote="wait"))
     private = set(promotion.private_page_ids)
     state.finish_move(promotion, ok=False)
     state.check_integrity()
@@ -243,7 +244,7 @@ def test_no_l3_means_no_moves(rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     _, move = commit(state, session.session_id, tokens(rng, 2))
     assert move is None and namespace.l3_allocator is None
-    outcome = state.match(session.session_id, tokens(rng, 2), promote_l3=True)
+    outcome = state.acquire(Acquire(session.session_id, tokens(rng, 2), promote="wait"))
     assert not isinstance(outcome, TierMove) and outcome.lease_id is None
 
 

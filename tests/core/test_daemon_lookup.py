@@ -1,4 +1,4 @@
-"""Lookups (MATCH with lock=false) in-process: they change nothing, and a TP group's hit is its least rank's."""
+"""Lookups (LOOKUP) in-process: they change nothing, and a TP group's hit is its least rank's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import Tier
 from proto.errors import ProtocolError
 from proto.messages import KVGeometry
-from proto.schema import Match
+from proto.replies import LookupReply
+from proto.schema import Acquire, Commit, Lookup
 from kvcached.testing.clock import FakeClock
 
 # 16384-byte pages: one 2 MiB arena per namespace holds 128 pages of 8 tokens.
@@ -28,8 +29,8 @@ def tokens(rng, num_pages: int) -> bytes:
 
 
 def back_up(state, session_id, token_bytes) -> None:
-    reply = state.match(session_id, token_bytes, reserve_backup=True)
-    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(session_id, token_bytes, save=True))
+    state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
 
 
 def test_a_lookup_locks_nothing_and_hands_out_no_pages():
@@ -40,9 +41,8 @@ def test_a_lookup_locks_nothing_and_hands_out_no_pages():
     prefix = tokens(np.random.default_rng(1), 5)
     back_up(state, session.session_id, prefix)
     for _ in range(3):
-        reply = state.lookup(session.session_id, prefix + tokens(np.random.default_rng(2), 2))
-        assert reply.hit_tokens["l2"] == 5 * PAGE and reply.lease_id is None
-        assert reply.host_page_ids == [] and reply.backup_page_ids == []
+        reply = state.lookup(Lookup(session.session_id, prefix + tokens(np.random.default_rng(2), 2), prefetch=True))
+        assert isinstance(reply, LookupReply) and reply.hit_tokens["l2"] == 5 * PAGE
     assert not state.leases and not session.lease_ids
     assert namespace.tree.protected_pages(Tier.L2) == 0
     state.check_integrity()
@@ -60,12 +60,12 @@ def test_a_lookup_does_not_change_which_prefix_is_evicted_first():
     back_up(state, session.session_id, newer)
     state.clock.advance(1.0)
     state.heartbeat(session.session_id)
-    assert state.lookup(session.session_id, older).hit_tokens["l2"] == 60 * PAGE
+    assert state.lookup(Lookup(session.session_id, older, prefetch=True)).hit_tokens["l2"] == 60 * PAGE
     state.clock.advance(1.0)
-    reply = state.match(session.session_id, tokens(rng, 10), reserve_backup=True)   # evicts 2 pages
-    assert len(reply.backup_page_ids) == 10
-    assert state.lookup(session.session_id, older).hit_tokens["l2"] < 60 * PAGE
-    assert state.lookup(session.session_id, newer).hit_tokens["l2"] == 60 * PAGE
+    reply = state.acquire(Acquire(session.session_id, tokens(rng, 10), save=True))   # evicts 2 pages
+    assert len(reply.reserved_page_ids) == 10
+    assert state.lookup(Lookup(session.session_id, older, prefetch=True)).hit_tokens["l2"] < 60 * PAGE
+    assert state.lookup(Lookup(session.session_id, newer, prefetch=True)).hit_tokens["l2"] == 60 * PAGE
     state.check_integrity()
 
 
@@ -78,26 +78,34 @@ def test_a_group_lookup_is_the_least_hit_over_the_ranks():
     rng = np.random.default_rng(4)
     prefix = tokens(rng, 6)
     back_up(state, rank0.session_id, prefix)
-    assert state.lookup(rank0.session_id, prefix).hit_tokens["l2"] == 6 * PAGE
-    assert state.lookup(rank0.session_id, prefix, tp_group=True).hit_tokens["l2"] == 0   # rank 1 is absent
+    assert state.lookup(Lookup(rank0.session_id, prefix, prefetch=True)).hit_tokens["l2"] == 6 * PAGE
+    assert state.lookup(Lookup(rank0.session_id, prefix, tp_group=True, prefetch=True)).hit_tokens["l2"] == 0   # rank 1 is absent
     rank1, _ = state.attach(geometries[1], pid=2)
     back_up(state, rank1.session_id, prefix[: 4 * PAGE * 4])                           # rank 1 holds 4 pages
-    assert state.lookup(rank0.session_id, prefix, tp_group=True).hit_tokens["l2"] == 4 * PAGE
-    assert state.lookup(rank1.session_id, prefix, tp_group=True).hit_tokens["l2"] == 4 * PAGE
+    assert state.lookup(Lookup(rank0.session_id, prefix, tp_group=True, prefetch=True)).hit_tokens["l2"] == 4 * PAGE
+    assert state.lookup(Lookup(rank1.session_id, prefix, tp_group=True, prefetch=True)).hit_tokens["l2"] == 4 * PAGE
     other_model, _ = state.attach(dataclasses.replace(geometries[1], model_id="other"), pid=3)
-    assert state.lookup(other_model.session_id, prefix, tp_group=True).hit_tokens["l2"] == 0
+    assert state.lookup(Lookup(other_model.session_id, prefix, tp_group=True, prefetch=True)).hit_tokens["l2"] == 0
     state.check_integrity()
 
 
-@pytest.mark.parametrize("body", [
-    {"lock": False, "reserve_backup": True},      # a lookup reserves nothing
-    {"lock": True, "tp_group": True},             # each rank locks its own shard
-    {"lock": 0},
+@pytest.mark.parametrize("verb, body", [
+    (Lookup, {"tp_group": 0}), (Lookup, {"prefetch": "yes"}), (Lookup, {"policy": "sometimes"}),
+    (Acquire, {"save": 1}), (Acquire, {"promote": "later"}), (Acquire, {"promote": True}),
 ])
-def test_contradictory_lookups_are_refused(body):
-    """A lookup that would reserve, a locked group match, and a mistyped lock are refused at parse."""
-    with pytest.raises(ProtocolError):
-        Match.parse({"session_id": 1, "token_ids": b"\0" * 4, **body})
+def test_mistyped_fields_are_refused(verb, body):
+    """A field of the wrong type or outside its set is refused at parse, naming the field."""
+    with pytest.raises(ProtocolError, match=next(iter(body))):
+        verb.parse({"session_id": 1, "token_ids": b"\0" * 4, **body})
+
+
+def test_a_field_of_another_verb_is_ignored():
+    """Fields a request does not define are ignored (proto.schema's rule, so that a newer peer's
+    fields do not break an older daemon): a LOOKUP carrying ACQUIRE's save and promote parses as the
+    same lookup, and an ACQUIRE carrying LOOKUP's tp_group and prefetch as the same acquire."""
+    base = {"session_id": 1, "token_ids": b"\0" * 8, "local_hit_tokens": 1, "policy": "always"}
+    assert Lookup.parse({**base, "save": True, "promote": "wait"}) == Lookup.parse(base)
+    assert Acquire.parse({**base, "tp_group": True, "prefetch": True}) == Acquire.parse(base)
 
 
 def test_a_router_peek_needs_no_session_and_changes_nothing():

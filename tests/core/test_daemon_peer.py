@@ -9,7 +9,7 @@ import pytest
 from kvcached.core.daemon import DaemonState
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
-from proto.schema import PeerPublish, PeerRegister
+from proto.schema import Acquire, Commit, Lookup, PeerPublish, PeerRegister, Release
 
 GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
 PAGE = GEOMETRY.page_size
@@ -66,19 +66,19 @@ def test_a_published_prefix_is_offered_to_other_engines(state, rng, seed):
     epochs = (2 * rng.integers(1, 1000, 5)).tolist()
     publish(state, a, tokens, blocks, epochs)
     state.check_integrity()
-    assert state.lookup(b.session_id, tokens.tobytes()).hit_tokens["peer"] == 5 * PAGE, f"seed {seed}"
-    reply = state.match(b.session_id, tokens.tobytes())
+    assert state.lookup(Lookup(b.session_id, tokens.tobytes(), prefetch=True)).hit_tokens["peer"] == 5 * PAGE, f"seed {seed}"
+    reply = state.acquire(Acquire(b.session_id, tokens.tobytes()))
     assert (reply.peer_id, reply.peer_block_ids, reply.peer_epochs) == (export_a.peer_id, blocks, epochs)
     assert reply.hit_tokens["peer"] == 5 * PAGE and reply.lease_id is None
-    assert state.lookup(a.session_id, tokens.tobytes()).hit_tokens["peer"] == 0
+    assert state.lookup(Lookup(a.session_id, tokens.tobytes(), prefetch=True)).hit_tokens["peer"] == 0
     listed = state.peer_list(b.session_id)
     assert [p["peer_id"] for p in listed] == [export_a.peer_id]
     assert listed[0]["epochs_path"] == export_a.epochs_path and listed[0]["pid"] == 1
     assert [p["peer_id"] for p in state.peer_list(a.session_id)] == [export_b.peer_id]
     # A session that did not register gets no candidate and no list.
     c = attach(state, 3)
-    assert "peer" not in state.lookup(c.session_id, tokens.tobytes()).hit_tokens
-    assert state.match(c.session_id, tokens.tobytes()).peer_id == 0 and state.peer_list(c.session_id) == []
+    assert "peer" not in state.lookup(Lookup(c.session_id, tokens.tobytes(), prefetch=True)).hit_tokens
+    assert state.acquire(Acquire(c.session_id, tokens.tobytes())).peer_id == 0 and state.peer_list(c.session_id) == []
 
 
 @pytest.mark.parametrize("what", ["device", "transport", "pid_namespace", "namespace"])
@@ -95,7 +95,7 @@ def test_only_engines_that_can_open_it_are_offered_a_registration(state, rng, wh
              transport="host" if what == "transport" else "cuda")
     tokens = rng.integers(0, 1 << 30, 2 * PAGE, dtype=np.int32)
     publish(state, a, tokens, [1, 2], [2, 2])
-    assert state.lookup(b.session_id, tokens.tobytes()).hit_tokens["peer"] == 0
+    assert state.lookup(Lookup(b.session_id, tokens.tobytes(), prefetch=True)).hit_tokens["peer"] == 0
     assert state.peer_list(b.session_id) == []
 
 
@@ -108,40 +108,40 @@ def test_the_longest_run_wins_and_removals_apply_first(state, rng, seed):
     tokens = rng.integers(0, 1 << 30, 4 * PAGE, dtype=np.int32)
     publish(state, a, tokens, [1, 2], [2, 2])
     publish(state, b, tokens, [5, 6, 7], [4, 4, 4])
-    assert state.match(c.session_id, tokens.tobytes()).peer_id == export_b.peer_id, f"seed {seed}"
+    assert state.acquire(Acquire(c.session_id, tokens.tobytes())).peer_id == export_b.peer_id, f"seed {seed}"
     # b reuses block 6 for page 2 of another prefix: removed, then published there.
     other = rng.integers(0, 1 << 30, 3 * PAGE, dtype=np.int32)
     publish(state, b, other, [8, 9, 6], [2, 2, 6], removed=[6])
     state.check_integrity()
-    reply = state.match(c.session_id, tokens.tobytes())
+    reply = state.acquire(Acquire(c.session_id, tokens.tobytes()))
     assert (reply.peer_id, reply.peer_block_ids) == (export_a.peer_id, [1, 2])
-    assert state.match(c.session_id, other.tobytes()).peer_block_ids == [8, 9, 6]
+    assert state.acquire(Acquire(c.session_id, other.tobytes())).peer_block_ids == [8, 9, 6]
 
 
 def test_the_peer_is_chosen_by_the_cost_model_and_loses_once_its_copies_measure_slow(state, rng, seed):
     """A match of a registered session with a peer candidate carries the cost model's decision even
-    without promote_l3: at the d2d prior the peer (6 pages) beats L2 (4 pages) and restores all 6;
+    promoting nothing ("none"): at the d2d prior the peer (6 pages) beats L2 (4 pages) and restores all 6;
     once the engine reports d2d copies of 0.5 s, the match and the lookup take L2 instead (peer
-    fields still named). A match with no peer candidate and no promote_l3 asks no decision."""
+    fields still named). An acquire with no peer candidate that promotes nothing asks no decision."""
     a, b = attach(state, 1), attach(state, 2)
     register(state, a)
     register(state, b)
     tokens = rng.integers(0, 1 << 30, 6 * PAGE, dtype=np.int32)
-    backup = state.match(b.session_id, tokens[: 4 * PAGE].tobytes(), reserve_backup=True)
-    state.commit_backup(b.session_id, backup.lease_id, backup.backup_page_ids)
+    backup = state.acquire(Acquire(b.session_id, tokens[: 4 * PAGE].tobytes(), save=True))
+    state.commit(Commit(b.session_id, backup.lease_id, backup.reserved_page_ids))
     assert backup.choice == ""                       # nothing published yet: no candidate, no decision
     publish(state, a, tokens, rng.choice(NUM_BLOCKS, 6, replace=False).tolist(), [2] * 6)
-    reply = state.match(b.session_id, tokens.tobytes(), promote_l3=False)
+    reply = state.acquire(Acquire(b.session_id, tokens.tobytes()))
     assert (reply.choice, reply.restore_tokens, reply.hit_tokens["l2"]) == ("peer", 6 * PAGE, 4 * PAGE), f"seed {seed}"
     assert len(reply.peer_block_ids) == 6 and reply.predicted_s["peer"] < reply.predicted_s["l2"]
-    state.release(b.session_id, reply.lease_id)
+    state.release(Release(b.session_id, reply.lease_id))
     bytes_per_page = GEOMETRY.bytes_per_page
     state.engine_report(b.session_id, {}, [("d2d", n * bytes_per_page, 0.5 + n * 1e-6)
                                            for n in rng.integers(1, 32, size=8).tolist()])
-    reply = state.match(b.session_id, tokens.tobytes(), promote_l3=False)
+    reply = state.acquire(Acquire(b.session_id, tokens.tobytes()))
     assert (reply.choice, reply.restore_tokens, len(reply.peer_block_ids)) == ("l2", 4 * PAGE, 6), f"seed {seed}"
-    state.release(b.session_id, reply.lease_id)
-    looked_up = state.lookup(b.session_id, tokens.tobytes())
+    state.release(Release(b.session_id, reply.lease_id))
+    looked_up = state.lookup(Lookup(b.session_id, tokens.tobytes(), prefetch=True))
     assert (looked_up.choice, looked_up.restore_tokens) == ("l2", 4 * PAGE)
     skips = state.status()["cost_model"]["engines"][0]["policy_skips_total"]
     assert skips == {"lookup": {"peer": 1}, "match": {"peer": 1}}
@@ -169,7 +169,7 @@ def test_a_session_end_takes_its_registration_and_residency(state, ended, rng, e
     state.check_integrity()
     assert ended == [export_a]
     assert namespace.peers.blocks(export_a.peer_id) == 0 and namespace.tree.num_nodes == 0
-    assert state.lookup(b.session_id, tokens.tobytes()).hit_tokens["peer"] == 0
+    assert state.lookup(Lookup(b.session_id, tokens.tobytes(), prefetch=True)).hit_tokens["peer"] == 0
     assert state.peer_list(b.session_id) == []
 
 

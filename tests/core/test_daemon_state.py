@@ -10,6 +10,7 @@ from kvcached.core.tiers import IntegrityError, Tier
 from proto.errors import ErrorCode, ProtocolError
 from proto.messages import KVGeometry
 from kvcached.testing.clock import FakeClock
+from proto.schema import Acquire, Commit, Release
 
 # 131072-byte pages: a 2 MiB pool holds exactly 16 pages of 8 tokens.
 GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
@@ -34,10 +35,10 @@ def back_up(state, session_id, token_bytes) -> list[int]:
     """Back up a prefix, in extensions of at most what one session may reserve at once."""
     page_ids = []
     for end in extension_ends(state, session_id, len(token_bytes) // (4 * PAGE)):
-        reply = state.match(session_id, token_bytes[:end * 4 * PAGE], reserve_backup=True)
-        state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        reply = state.acquire(Acquire(session_id, token_bytes[:end * 4 * PAGE], save=True))
+        state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
         state.check_integrity()
-        page_ids += reply.backup_page_ids
+        page_ids += reply.reserved_page_ids
     return page_ids
 
 
@@ -58,12 +59,12 @@ def test_backup_then_match_returns_the_committed_pages(state, rng):
     committed = back_up(state, a.session_id, prefix)
     assert len(committed) == 5
 
-    reply = state.match(b.session_id, prefix + tokens(rng, 1)[: 4 * 3])   # plus a partial page
+    reply = state.acquire(Acquire(b.session_id, prefix + tokens(rng, 1)[: 4 * 3]))   # plus a partial page
     state.check_integrity()
     assert reply.hit_tokens == {"l2": 5 * PAGE}
     assert reply.host_page_ids == committed
     assert namespace.tree.protected_pages(Tier.L2) == 5
-    state.release(b.session_id, reply.lease_id)
+    state.release(Release(b.session_id, reply.lease_id))
     state.check_integrity()
     assert namespace.tree.protected_pages(Tier.L2) == 0
 
@@ -73,14 +74,14 @@ def test_extending_a_cached_prefix_reserves_only_missing_pages(state, rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     head, tail = tokens(rng, 3), tokens(rng, 2)
     first = back_up(state, session.session_id, head)
-    reply = state.match(session.session_id, head + tail, reserve_backup=True)
-    assert reply.hit_tokens["l2"] == 3 * PAGE and reply.backup_start_token == 3 * PAGE
-    assert len(reply.backup_page_ids) == 2
-    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(session.session_id, head + tail, save=True))
+    assert reply.hit_tokens["l2"] == 3 * PAGE and reply.reserved_start_token == 3 * PAGE
+    assert len(reply.reserved_page_ids) == 2
+    state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids))
     state.check_integrity()
-    again = state.match(session.session_id, head + tail)
-    assert again.host_page_ids == first + reply.backup_page_ids
-    state.release(session.session_id, again.lease_id)
+    again = state.acquire(Acquire(session.session_id, head + tail))
+    assert again.host_page_ids == first + reply.reserved_page_ids
+    state.release(Release(session.session_id, again.lease_id))
     state.check_integrity()
 
 
@@ -93,21 +94,21 @@ def test_pressure_evicts_lru_prefixes_but_never_leased_ones(state, clock, rng):
         back_up(state, session.session_id, prefixes[-1])
         clock.advance(1.0)
         state.heartbeat(session.session_id)
-    state.match(session.session_id, prefixes[0])               # oldest, but leased now
+    state.acquire(Acquire(session.session_id, prefixes[0]))               # oldest, but leased now
     clock.advance(1.0)
     state.heartbeat(session.session_id)
     state.check_integrity()
 
     newcomer = tokens(rng, 6)               # needs 5 more pages than are free: evicts one prefix
-    reply = state.match(session.session_id, newcomer, reserve_backup=True)
+    reply = state.acquire(Acquire(session.session_id, newcomer, save=True))
     state.check_integrity()
-    assert len(reply.backup_page_ids) == 6
-    hits = [state.match(session.session_id, p).hit_tokens["l2"] // PAGE for p in prefixes]
+    assert len(reply.reserved_page_ids) == 6
+    hits = [state.acquire(Acquire(session.session_id, p)).hit_tokens["l2"] // PAGE for p in prefixes]
     # prefixes[0] is leased: kept although oldest. prefixes[1] is the LRU unleased one: evicted.
     assert hits == [5, 0, 5]
     assert state.metrics.counters["evicted_pages_l2"] == 5
     for lease in list(state.leases.values()):
-        state.release(session.session_id, lease.lease_id)
+        state.release(Release(session.session_id, lease.lease_id))
     state.check_integrity()
 
 
@@ -116,11 +117,11 @@ def test_reservation_is_best_effort_when_everything_is_leased(state, rng):
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = tokens(rng, 16)
     back_up(state, session.session_id, prefix)
-    held = state.match(session.session_id, prefix)
-    reply = state.match(session.session_id, tokens(rng, 2), reserve_backup=True)
-    assert reply.backup_page_ids == [] and reply.lease_id is None
+    held = state.acquire(Acquire(session.session_id, prefix))
+    reply = state.acquire(Acquire(session.session_id, tokens(rng, 2), save=True))
+    assert reply.reserved_page_ids == [] and reply.lease_id is None
     assert state.metrics.counters["backup_reserve_failures"] == 1
-    state.release(session.session_id, held.lease_id)
+    state.release(Release(session.session_id, held.lease_id))
     state.check_integrity()
 
 
@@ -128,18 +129,18 @@ def test_release_twice_and_foreign_lease_are_refused_without_change(state, rng):
     """Releasing a lease twice raises UNKNOWN_LEASE; touching another session's lease raises NOT_LEASED."""
     a, namespace = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
-    reply = state.match(a.session_id, tokens(rng, 2), reserve_backup=True)
+    reply = state.acquire(Acquire(a.session_id, tokens(rng, 2), save=True))
     with pytest.raises(ProtocolError) as error:
-        state.release(b.session_id, reply.lease_id)
+        state.release(Release(b.session_id, reply.lease_id))
     assert error.value.code == ErrorCode.NOT_LEASED
     with pytest.raises(ProtocolError) as error:
-        state.commit_backup(b.session_id, reply.lease_id, reply.backup_page_ids)
+        state.commit(Commit(b.session_id, reply.lease_id, reply.reserved_page_ids))
     assert error.value.code == ErrorCode.NOT_LEASED
     state.check_integrity()
     assert namespace.l2_allocator.num_free == 14
-    state.release(a.session_id, reply.lease_id)
+    state.release(Release(a.session_id, reply.lease_id))
     with pytest.raises(ProtocolError) as error:
-        state.release(a.session_id, reply.lease_id)
+        state.release(Release(a.session_id, reply.lease_id))
     assert error.value.code == ErrorCode.UNKNOWN_LEASE
     state.check_integrity()
     assert namespace.l2_allocator.num_free == 16
@@ -148,16 +149,16 @@ def test_release_twice_and_foreign_lease_are_refused_without_change(state, rng):
 def test_commit_checks_page_ids(state, rng):
     """Commit refuses out-of-range ids (BAD_PAGES) and ids that are not a prefix of the reservation (NOT_LEASED)."""
     session, namespace = state.attach(GEOMETRY, pid=1)
-    reply = state.match(session.session_id, tokens(rng, 3), reserve_backup=True)
+    reply = state.acquire(Acquire(session.session_id, tokens(rng, 3), save=True))
     with pytest.raises(ProtocolError) as error:
-        state.commit_backup(session.session_id, reply.lease_id, [16])
+        state.commit(Commit(session.session_id, reply.lease_id, [16]))
     assert error.value.code == ErrorCode.BAD_PAGES
     with pytest.raises(ProtocolError) as error:
-        state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids[1:])
+        state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids[1:]))
     assert error.value.code == ErrorCode.NOT_LEASED
     state.check_integrity()
     # A prefix of the reservation is fine: the rest returns to the free pool.
-    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids[:2])
+    state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids[:2]))
     state.check_integrity()
     assert namespace.tree.owned_pages(Tier.L2) == 2 and namespace.l2_allocator.num_free == 14
 
@@ -167,11 +168,11 @@ def test_concurrent_backups_of_one_prefix_keep_one_copy(state, rng):
     a, namespace = state.attach(GEOMETRY, pid=1)
     b, _ = state.attach(GEOMETRY, pid=2)
     prefix = tokens(rng, 4)
-    first = state.match(a.session_id, prefix, reserve_backup=True)
-    second = state.match(b.session_id, prefix, reserve_backup=True)
-    assert set(first.backup_page_ids).isdisjoint(second.backup_page_ids)
-    state.commit_backup(a.session_id, first.lease_id, first.backup_page_ids)
-    result, _ = state.commit_backup(b.session_id, second.lease_id, second.backup_page_ids)
+    first = state.acquire(Acquire(a.session_id, prefix, save=True))
+    second = state.acquire(Acquire(b.session_id, prefix, save=True))
+    assert set(first.reserved_page_ids).isdisjoint(second.reserved_page_ids)
+    state.commit(Commit(a.session_id, first.lease_id, first.reserved_page_ids))
+    result, _ = state.commit(Commit(b.session_id, second.lease_id, second.reserved_page_ids))
     state.check_integrity()
     assert result.new_pages == 0 and result.duplicate_pages == 4
     assert namespace.tree.owned_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 12
@@ -185,8 +186,8 @@ def test_expired_session_loses_its_leases(state, clock, rng):
     alive, _ = state.attach(GEOMETRY, pid=2)
     prefix = tokens(rng, 4)
     back_up(state, dead.session_id, prefix)
-    state.match(dead.session_id, prefix)
-    state.match(dead.session_id, tokens(rng, 3), reserve_backup=True)
+    state.acquire(Acquire(dead.session_id, prefix))
+    state.acquire(Acquire(dead.session_id, tokens(rng, 3), save=True))
     assert namespace.tree.protected_pages(Tier.L2) == 4 and namespace.l2_allocator.num_free == 9
     clock.advance(1.0)
     state.heartbeat(alive.session_id)
@@ -201,7 +202,7 @@ def test_expired_session_loses_its_leases(state, clock, rng):
     assert namespace.l2_allocator.num_free == 9
     assert state.status()["namespaces"][0]["tiers"]["l2"]["quarantined_pages"] == 3
     with pytest.raises(ProtocolError) as error:
-        state.match(dead.session_id, prefix)
+        state.acquire(Acquire(dead.session_id, prefix))
     assert error.value.code == ErrorCode.NOT_ATTACHED
 
 
@@ -215,7 +216,7 @@ def test_namespaces_are_isolated(state, rng):
     assert ns_a is not ns_b
     prefix = tokens(rng, 2)
     back_up(two, a.session_id, prefix)
-    assert two.match(b.session_id, prefix).hit_tokens["l2"] == 0
+    assert two.acquire(Acquire(b.session_id, prefix)).hit_tokens["l2"] == 0
     with pytest.raises(ProtocolError) as error:
         two.attach(KVGeometry("third", 4, 4, 128, "float32", 8), pid=3)
     assert error.value.code == ErrorCode.OUT_OF_SPACE
@@ -234,7 +235,7 @@ def test_integrity_check_detects_a_page_both_owned_and_free(state, rng):
 def test_integrity_check_detects_a_lost_private_page(state, rng):
     """check_integrity fails when a reserved page is neither owned, free nor private (capacity accounting)."""
     session, namespace = state.attach(GEOMETRY, pid=1)
-    reply = state.match(session.session_id, tokens(rng, 2), reserve_backup=True)
+    reply = state.acquire(Acquire(session.session_id, tokens(rng, 2), save=True))
     state.leases[reply.lease_id].private_page_ids.pop()
     with pytest.raises(IntegrityError, match="capacity"):
         state.check_integrity()
@@ -273,14 +274,14 @@ def test_one_session_reserves_at_most_its_share_of_l2(clock, rng, share):
     state = DaemonState(2 << 20, max_namespaces=1, session_timeout_s=1.5, clock=clock, session_share=share)
     session, namespace = state.attach(GEOMETRY, pid=1)
     cap = int(namespace.num_pages * share)
-    first = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
-    assert len(first.backup_page_ids) == cap
-    second = state.match(session.session_id, tokens(rng, 4), reserve_backup=True)
-    assert second.backup_page_ids == []
+    first = state.acquire(Acquire(session.session_id, tokens(rng, 16), save=True))
+    assert len(first.reserved_page_ids) == cap
+    second = state.acquire(Acquire(session.session_id, tokens(rng, 4), save=True))
+    assert second.reserved_page_ids == []
     assert state.metrics.counters["reservations_capped"] == 2 - (cap == 16)
-    state.release(session.session_id, first.lease_id)
-    again = state.match(session.session_id, tokens(rng, 16), reserve_backup=True)
-    assert len(again.backup_page_ids) == cap
+    state.release(Release(session.session_id, first.lease_id))
+    again = state.acquire(Acquire(session.session_id, tokens(rng, 16), save=True))
+    assert len(again.reserved_page_ids) == cap
     state.check_integrity()
 
 

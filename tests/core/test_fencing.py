@@ -12,6 +12,7 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.tiers import IntegrityError
 from proto.errors import ErrorCode, ProtocolError
 from kvcached.testing.clock import FakeClock
+from proto.schema import Acquire, Commit, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE, tokens
 
 TIMEOUT_S, GRACE_S = 1.5, 30.0
@@ -39,11 +40,11 @@ def holding(state, rng, pid: int = 7, watched: bool = False):
     session, namespace = state.attach(GEOMETRY, pid=pid, pid_watched=watched, pid_namespace_id=NS_ID,
                                       process_start_time=START)
     hit = tokens(rng, 2)
-    reply = state.match(session.session_id, hit, reserve_backup=True)
-    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
-    after_hit = state.match(session.session_id, hit + tokens(rng, 3), reserve_backup=True)
-    fresh = state.match(session.session_id, tokens(rng, 4), reserve_backup=True)
-    writable = set(after_hit.backup_page_ids) | set(fresh.backup_page_ids)
+    reply = state.acquire(Acquire(session.session_id, hit, save=True))
+    state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids))
+    after_hit = state.acquire(Acquire(session.session_id, hit + tokens(rng, 3), save=True))
+    fresh = state.acquire(Acquire(session.session_id, tokens(rng, 4), save=True))
+    writable = set(after_hit.reserved_page_ids) | set(fresh.reserved_page_ids)
     assert len(writable) == 7 and after_hit.hit_tokens["l2"] == 2 * PAGE and fresh.hit_tokens["l2"] == 0
     state.check_integrity()
     return session, namespace, (after_hit, fresh), writable
@@ -73,13 +74,13 @@ def test_an_unwatched_session_that_expires_quarantines_what_it_could_write_until
     # Everything else can be given out; the quarantined pages cannot.
     # (one session may reserve only half of the pages: a second one takes the rest)
     third, _ = state.attach(GEOMETRY, pid=9)
-    grabbed = [state.match(holder.session_id, tokens(rng, 16), reserve_backup=True) for holder in (other, third)]
-    grabbed_pages = set(grabbed[0].backup_page_ids) | set(grabbed[1].backup_page_ids)
+    grabbed = [state.acquire(Acquire(holder.session_id, tokens(rng, 16), save=True)) for holder in (other, third)]
+    grabbed_pages = set(grabbed[0].reserved_page_ids) | set(grabbed[1].reserved_page_ids)
     assert len(grabbed_pages) == namespace.num_pages - 7
     assert not grabbed_pages & writable
     state.check_integrity()
     for holder, reply in zip((other, third), grabbed):
-        state.release(holder.session_id, reply.lease_id)
+        state.release(Release(holder.session_id, reply.lease_id))
     state.detach(third.session_id)
     keep_alive(state, clock, other, GRACE_S - 2.0 - 0.5)
     assert l2(state)["quarantined_pages"] == 7
@@ -166,12 +167,12 @@ def test_a_commit_from_an_ended_session_is_refused_and_counted(state, clock):
     existed is refused too but not counted as one."""
     rng = np.random.default_rng(6)
     stale, namespace, (after_hit, fresh), _ = holding(state, rng)
-    third = state.match(stale.session_id, tokens(rng, 1), reserve_backup=True)   # its last page under the cap
+    third = state.acquire(Acquire(stale.session_id, tokens(rng, 1), save=True))   # its last page under the cap
     clock.advance(TIMEOUT_S + 0.1)
     state.expire_sessions()
-    for commit in (lambda: state.commit_backup(stale.session_id, after_hit.lease_id, after_hit.backup_page_ids),
-                   lambda: state.commit_backup(stale.session_id, fresh.lease_id, fresh.backup_page_ids[:2]),
-                   lambda: state.commit_backup(12345, third.lease_id, third.backup_page_ids)):
+    for commit in (lambda: state.commit(Commit(stale.session_id, after_hit.lease_id, after_hit.reserved_page_ids)),
+                   lambda: state.commit(Commit(stale.session_id, fresh.lease_id, fresh.reserved_page_ids[:2])),
+                   lambda: state.commit(Commit(12345, third.lease_id, third.reserved_page_ids))):
         with pytest.raises(ProtocolError) as error:
             commit()
         assert error.value.code == ErrorCode.NOT_ATTACHED
@@ -193,7 +194,7 @@ def test_time_the_daemon_did_not_run_is_not_counted_against_sessions(state, cloc
     clock.advance(2.0)                               # the daemon was stopped
     assert state.note_running(0.3) == pytest.approx(1.7)
     assert state.expire_sessions() == []
-    state.match(session.session_id, tokens(rng, 1))      # alive: a request refreshes it
+    state.acquire(Acquire(session.session_id, tokens(rng, 1)))      # alive: a request refreshes it
     for _ in range(14):
         clock.advance(0.1)
         state.note_running(0.3)

@@ -19,6 +19,7 @@ from kvcached.core.tree import PrefixTree
 from proto import hints
 from proto.hints import NEVER
 from proto.messages import KVGeometry
+from proto.schema import Acquire, Commit
 
 PAGE = 4
 BUCKETS = 64            # few buckets: collisions happen, and must be counted right
@@ -181,8 +182,8 @@ def test_the_daemon_state_keeps_one_slot_per_namespace_and_publishes_its_l3_boun
     state.engine_report(a_session.session_id, {}, [("prefill", n, n * 1e-9) for n in (100, 2000, 30000)])
     assert before < NEVER and state.hints.head(a.hints_slot)["l3_min_tokens"] == NEVER
     tokens = rng.integers(0, 1000, size=3 * PAGE, dtype="<i4")
-    reply = state.match(a_session.session_id, tokens.tobytes(), reserve_backup=True)
-    state.commit_backup(a_session.session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(a_session.session_id, tokens.tobytes(), save=True))
+    state.commit(Commit(a_session.session_id, reply.lease_id, reply.reserved_page_ids))
     assert state.hints.l2_roots(a.hints_slot)[hints.bucket(tokens[:PAGE].tobytes(), state.hints.num_buckets)] == 1
     state.check_integrity()
     state.detach(b_session.session_id)

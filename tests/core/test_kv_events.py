@@ -16,6 +16,7 @@ from kvcached.core.kv_events import (REMOTE_WHERE, TIER_WHERE, EventBuffer, Even
                                     encode_batches, encode_in_slices)
 from kvcached.core.tiers import Tier
 from proto.messages import KVGeometry
+from proto.schema import Acquire, Commit
 
 # 131072-byte pages: a 2 MiB pool holds exactly 16 pages of 8 tokens.
 GEOMETRY = KVGeometry("m", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float32", page_size=8)
@@ -52,8 +53,8 @@ class Sink:
 def commit(state, session_id, token_bytes, held_pages: int = 0) -> None:
     """Save a path of which the engine holds the first ``held_pages`` itself (hitting them in L2
     is no reuse)."""
-    reply = state.match(session_id, token_bytes, reserve_backup=True, local_hit_tokens=held_pages * PAGE)
-    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(session_id, token_bytes, local_hit_tokens=held_pages * PAGE, save=True))
+    state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
     state.check_integrity()
 
 

@@ -18,6 +18,7 @@ from kvcached.core.tier_ops import TierMove
 from kvcached.core.tiers import Tier
 from kvcached.testing.clock import FakeClock
 from proto.page_keys import ROOT_KEY, chain_page_keys, page_key
+from proto.schema import Acquire, Commit, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE
 
 OTHER_GEOMETRY = dataclasses.replace(GEOMETRY, model_id="other")
@@ -66,10 +67,10 @@ class SimulatedTiers:
         self.l3: dict[int, bytes] = {}
 
     def back_up(self, session_id: int, token_bytes: bytes) -> None:
-        reply = self.state.match(session_id, token_bytes, reserve_backup=True)
-        for page in reply.backup_page_ids:
+        reply = self.state.acquire(Acquire(session_id, token_bytes, save=True))
+        for page in reply.reserved_page_ids:
             self.l2[page] = self.rng.bytes(32)
-        _, move = self.state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        _, move = self.state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
         if move is not None:
             self.finish(move)
         self.state.check_integrity()
@@ -84,15 +85,14 @@ class SimulatedTiers:
         self.state.finish_move(move, ok=True)
 
     def promote(self, session_id: int, token_bytes: bytes):
-        """A match that promotes from L3 first, as the server runs it; the lease is released."""
-        outcome = self.state.match(session_id, token_bytes, promote_l3=True)
-        promoted = 0
+        """An acquire that promotes from L3 first, as the server runs it; the lease is released."""
+        request = Acquire(session_id, token_bytes, promote="wait")
+        outcome = self.state.acquire(request)
         if isinstance(outcome, TierMove):
             self.finish(outcome)
-            promoted = outcome.num_published_pages * PAGE
-            outcome = self.state.match(session_id, token_bytes, promoted_tokens=promoted)
+            outcome = self.state.acquire_after(request, outcome)
         if outcome.lease_id is not None:
-            self.state.release(session_id, outcome.lease_id)
+            self.state.release(Release(session_id, outcome.lease_id))
         self.state.check_integrity()
         return outcome
 
@@ -409,8 +409,7 @@ def test_a_temporary_l3_records_nothing():
     rng = np.random.default_rng(3)
     session, namespace = state.attach(GEOMETRY, pid=1)
     assert namespace.l3_checksums is None and namespace.index_key == ""
-    reply = state.match(session.session_id, rng.integers(0, 1 << 30, size=2 * PAGE, dtype=np.int32).tobytes(),
-                        reserve_backup=True)
-    _, move = state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(session.session_id, rng.integers(0, 1 << 30, size=2 * PAGE, dtype=np.int32).tobytes(), save=True))
+    _, move = state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids))
     assert state.finish_move(move, ok=True) == 2
     state.check_integrity()

@@ -16,6 +16,7 @@ from kvcached.core.pool import CHUNK_SCAN_INTERVAL_S, PRESSURE_QUIET_S
 from kvcached.core.tiers import IntegrityError, Tier
 from proto.messages import KVGeometry
 from kvcached.testing.clock import FakeClock
+from proto.schema import Acquire, Commit, Lookup, Release
 from tests.core.test_l3_index import ReplayedIndex, SimulatedTiers, index_matches_tree
 
 PAGE = 8
@@ -46,17 +47,17 @@ def back_up(state: DaemonState, session_id: int, token_bytes: bytes) -> list[int
     num_pages = len(token_bytes) // (4 * PAGE)
     page_ids = []
     for end in list(range(step, num_pages, step)) + [num_pages]:
-        reply = state.match(session_id, token_bytes[:end * 4 * PAGE], reserve_backup=True)
-        _, write_through = state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
+        reply = state.acquire(Acquire(session_id, token_bytes[:end * 4 * PAGE], save=True))
+        _, write_through = state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
         if write_through is not None:
             state.finish_move(write_through, ok=True)
-        page_ids += reply.backup_page_ids
+        page_ids += reply.reserved_page_ids
     state.check_integrity()
     return page_ids
 
 
 def l2_hit_pages(state: DaemonState, session_id: int, token_bytes: bytes) -> int:
-    return state.lookup(session_id, token_bytes).hit_tokens["l2"] // PAGE
+    return state.lookup(Lookup(session_id, token_bytes, prefetch=True)).hit_tokens["l2"] // PAGE
 
 
 def l2_status(state: DaemonState, geometry: KVGeometry) -> dict:
@@ -145,8 +146,8 @@ def test_an_active_namespace_gives_up_only_chunks_colder_than_what_the_taker_cou
     assert l2_status(state, second_geometry)["evicted_pages"] == 0
     clock.advance(1)
     for prefix in prefixes[4:]:                                     # the first touches what it kept
-        reply = state.match(first.session_id, prefix)
-        state.release(first.session_id, reply.lease_id)
+        reply = state.acquire(Acquire(first.session_id, prefix))
+        state.release(Release(first.session_id, reply.lease_id))
     clock.advance(CHUNK_SCAN_INTERVAL_S + 1)
     back_up(state, second.session_id, tokens(rng, 200))          # 56 free: its two older prefixes go
     assert state.metrics.counters["chunks_taken_l2"] == 2, "a chunk warmer than the taker's own pages moved"
@@ -165,12 +166,12 @@ def test_chunks_holding_leased_private_or_quarantined_pages_never_change_hands(c
     leased, plain = tokens(rng, 128), tokens(rng, 128)
     back_up(state, holder.session_id, leased)
     back_up(state, holder.session_id, plain)
-    lease = state.match(holder.session_id, leased)
+    lease = state.acquire(Acquire(holder.session_id, leased))
     reserver, _ = state.attach(SMALL, pid=2)
-    reservation = state.match(reserver.session_id, tokens(rng, 128), reserve_backup=True)
+    reservation = state.acquire(Acquire(reserver.session_id, tokens(rng, 128), save=True))
     silent, _ = state.attach(SMALL, pid=3)
-    state.match(silent.session_id, tokens(rng, 128), reserve_backup=True)
-    assert {page_id // 128 for page_id in reservation.backup_page_ids} == {2}
+    state.acquire(Acquire(silent.session_id, tokens(rng, 128), save=True))
+    assert {page_id // 128 for page_id in reservation.reserved_page_ids} == {2}
     live = [holder.session_id, reserver.session_id]
 
     def wait(seconds: float) -> None:
@@ -194,8 +195,8 @@ def test_chunks_holding_leased_private_or_quarantined_pages_never_change_hands(c
     assert l2_hit_pages(state, holder.session_id, leased) == 128 and l2_hit_pages(state, holder.session_id, plain) == 0
     state.check_integrity()
 
-    state.release(holder.session_id, lease.lease_id)
-    state.release(reserver.session_id, reservation.lease_id)
+    state.release(Release(holder.session_id, lease.lease_id))
+    state.release(Release(reserver.session_id, reservation.lease_id))
     wait(30.0)
     assert not state.quarantines
     for session_id in (holder.session_id, reserver.session_id):   # idle: one-use pages may take all of it

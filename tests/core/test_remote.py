@@ -13,6 +13,7 @@ from kvcached.core.tier_ops import OpState, TierMove
 from kvcached.core.tiers import Tier
 from kvcached.testing.clock import FakeClock
 from proto.page_keys import chain_page_keys
+from proto.schema import Acquire, Commit, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE, tokens
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
@@ -96,9 +97,9 @@ def attach(state) -> int:
 
 
 def commit(state, session_id, token_bytes) -> list[int]:
-    reply = state.match(session_id, token_bytes, reserve_backup=True)
-    state.commit_backup(session_id, reply.lease_id, reply.backup_page_ids)
-    return reply.backup_page_ids
+    reply = state.acquire(Acquire(session_id, token_bytes, save=True))
+    state.commit(Commit(session_id, reply.lease_id, reply.reserved_page_ids))
+    return reply.reserved_page_ids
 
 
 def test_a_commit_writes_its_new_pages_through_locked_until_finished(state, sink, rng):
@@ -146,7 +147,8 @@ def test_a_remote_restore_publishes_only_the_verified_pages(state, rng):
     hit."""
     session_id = attach(state)
     prefix = tokens(rng, 5)
-    move = state.match(session_id, prefix, promote_l3=True, remote_tokens=5 * PAGE)
+    request = Acquire(session_id, prefix, promote="wait")
+    move = state.acquire(request, remote_tokens=5 * PAGE)
     assert isinstance(move, TierMove) and move.remote and move.direction == "r2h"
     assert move.start_page == 0 and len(move.private_page_ids) == 5
     namespace = state.namespaces[move.namespace_id]
@@ -156,9 +158,10 @@ def test_a_remote_restore_publishes_only_the_verified_pages(state, rng):
     assert move.state is OpState.PUBLISHED and move.num_published_pages == 3
     assert state.metrics.counters["remote_checksum_mismatches"] == 1
     state.check_integrity()
-    reply = state.match(session_id, prefix, decision=move.decision, promoted_tokens=3 * PAGE)
+    reply = state.acquire_after(request, move)
+    assert reply.promoted_tokens == 3 * PAGE
     assert reply.hit_tokens["l2"] == 3 * PAGE and reply.choice == "remote" and reply.restore_tokens == 3 * PAGE
-    state.release(session_id, reply.lease_id)
+    state.release(Release(session_id, reply.lease_id))
     state.check_integrity()
 
 
@@ -168,7 +171,7 @@ def test_a_failed_or_empty_remote_restore_frees_its_pages(state, rng):
     session_id = attach(state)
     for ok, verified in ((False, 0), (True, 0)):
         prefix = tokens(rng, 4)
-        move = state.match(session_id, prefix, promote_l3=True, remote_tokens=4 * PAGE)
+        move = state.acquire(Acquire(session_id, prefix, promote="wait"), remote_tokens=4 * PAGE)
         move.num_verified_pages = verified
         state.finish_move(move, ok=ok)
         assert move.state is OpState.FAILED

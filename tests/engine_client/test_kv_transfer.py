@@ -69,7 +69,7 @@ class Case:
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
                                   dtype=torch.uint8).numpy().tobytes())
-        self.pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=device == "cuda")
+        self.pool = SharedHostPool.open(path, NUM_HOST_PAGES, geometry, pin=device == "cuda")
 
     def block_layer(self, block: int, layer: int) -> torch.Tensor:
         return block_layer(self.kind, self.tensors, block, layer)
@@ -254,7 +254,7 @@ def test_a_layered_load_of_a_one_layer_engine_with_a_workspace_of_one_page_is_bi
     with open(path, "wb") as f:
         f.write(torch.randint(0, 256, (NUM_HOST_PAGES * geometry.bytes_per_page,), generator=generator,
                               dtype=torch.uint8).numpy().tobytes())
-    pool = SharedHostPool.open(path, 0, NUM_HOST_PAGES, geometry, pin=False)
+    pool = SharedHostPool.open(path, NUM_HOST_PAGES, geometry, pin=False)
     try:
         transfer = KVTransfer(layout, pool, backend="torch", workspace_bytes=layout.page_bytes)
         first = int(rng.integers(0, NUM_HOST_PAGES - 5))
@@ -476,7 +476,7 @@ def many_chunk_load(device: str, seed: int, rng) -> tuple[str, int]:
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (num_pages * geometry.bytes_per_page,), generator=generator,
                                   dtype=torch.uint8).numpy().tobytes())
-        pool = SharedHostPool.open(path, 0, num_pages, geometry, pin=device == "cuda")
+        pool = SharedHostPool.open(path, num_pages, geometry, pin=device == "cuda")
         try:
             transfer = KVTransfer(layout, pool, backend="auto", workspace_bytes=layout.page_bytes)
             chunk_pages = transfer.lanes["load"].chunk_pages

@@ -39,27 +39,26 @@ def random_bytes(num_bytes: int, generator: torch.Generator) -> bytes:
     return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator).numpy().tobytes()
 
 
-def test_pages_view_the_region_at_the_offset_in_both_directions():
-    """Bytes written to the file at the region show up in .pages, and writes to .pages land in the file,
-    while the bytes before and after the region are left alone."""
+def test_pages_view_the_file_in_both_directions():
+    """Bytes written to the file show up in .pages, and writes to .pages land in the file, while
+    the bytes after the pages are left alone."""
     generator = torch.Generator().manual_seed(1)
     num_pages = 3
-    offset = mmap.ALLOCATIONGRANULARITY
     region_bytes = num_pages * GEOMETRY.bytes_per_page
-    file_bytes = offset + region_bytes + mmap.ALLOCATIONGRANULARITY
+    file_bytes = region_bytes + mmap.ALLOCATIONGRANULARITY
     with shm_segment(file_bytes) as path:
         outside = random_bytes(file_bytes, generator)
         file_fd = os.open(path, os.O_RDWR)
         try:
             os.pwrite(file_fd, outside, 0)
-            with SharedHostPool.open(path, offset, num_pages, GEOMETRY, pin=False) as pool:
+            with SharedHostPool.open(path, num_pages, GEOMETRY, pin=False) as pool:
                 assert tuple(pool.pages.shape) == (num_pages, *GEOMETRY.page_shape)
                 assert pool.pages.dtype == torch_dtype(GEOMETRY.dtype)
-                assert pool.pages.view(torch.uint8).flatten().numpy().tobytes() == outside[offset:offset + region_bytes]
+                assert pool.pages.view(torch.uint8).flatten().numpy().tobytes() == outside[:region_bytes]
 
                 written = random_bytes(GEOMETRY.bytes_per_page, generator)
                 pool.pages[1].view(torch.uint8).flatten().copy_(torch.frombuffer(bytearray(written), dtype=torch.uint8))
-                page_1_at = offset + GEOMETRY.bytes_per_page
+                page_1_at = GEOMETRY.bytes_per_page
                 assert os.pread(file_fd, GEOMETRY.bytes_per_page, page_1_at) == written
             after = os.pread(file_fd, file_bytes, 0)
         finally:
@@ -68,21 +67,13 @@ def test_pages_view_the_region_at_the_offset_in_both_directions():
     assert after[page_1_at + GEOMETRY.bytes_per_page:] == outside[page_1_at + GEOMETRY.bytes_per_page:]
 
 
-@pytest.mark.parametrize("offset", [1, mmap.ALLOCATIONGRANULARITY // 2, -mmap.ALLOCATIONGRANULARITY])
-def test_offset_must_be_a_non_negative_multiple_of_the_allocation_granularity(offset):
-    """A misaligned or negative offset raises ValueError."""
-    with shm_segment(4 * mmap.ALLOCATIONGRANULARITY) as path:
-        with pytest.raises(ValueError, match="multiple of"):
-            SharedHostPool.open(path, offset, 1, GEOMETRY, pin=False)
-
-
 def test_region_past_the_end_of_the_file_is_refused():
-    """A region that does not fit in the file raises ValueError naming the sizes."""
+    """Pages that do not fit in the file raise ValueError naming the sizes."""
     num_pages = 4
-    with shm_segment(mmap.ALLOCATIONGRANULARITY + num_pages * GEOMETRY.bytes_per_page - 1) as path:
+    with shm_segment(num_pages * GEOMETRY.bytes_per_page - 1) as path:
         with pytest.raises(ValueError, match="the region needs"):
-            SharedHostPool.open(path, mmap.ALLOCATIONGRANULARITY, num_pages, GEOMETRY, pin=False)
-        with SharedHostPool.open(path, mmap.ALLOCATIONGRANULARITY, num_pages - 1, GEOMETRY, pin=False) as pool:
+            SharedHostPool.open(path, num_pages, GEOMETRY, pin=False)
+        with SharedHostPool.open(path, num_pages - 1, GEOMETRY, pin=False) as pool:
             assert pool.num_pages == num_pages - 1
 
 
@@ -91,21 +82,21 @@ def test_num_pages_must_be_positive(num_pages):
     """Mapping zero or a negative number of pages raises ValueError."""
     with shm_segment(mmap.ALLOCATIONGRANULARITY) as path:
         with pytest.raises(ValueError, match="num_pages"):
-            SharedHostPool.open(path, 0, num_pages, GEOMETRY, pin=False)
+            SharedHostPool.open(path, num_pages, GEOMETRY, pin=False)
 
 
 def test_missing_file_is_not_created():
     """Opening a path that does not exist raises FileNotFoundError and creates no file."""
     path = f"/dev/shm/kvcached-test-missing-{uuid.uuid4().hex}"
     with pytest.raises(FileNotFoundError):
-        SharedHostPool.open(path, 0, 1, GEOMETRY, pin=False)
+        SharedHostPool.open(path, 1, GEOMETRY, pin=False)
     assert not os.path.exists(path)
 
 
 def test_close_is_idempotent_and_ends_access():
     """close() twice is fine; afterwards .pages raises RuntimeError and the pool reports closed."""
     with shm_segment(GEOMETRY.bytes_per_page) as path:
-        pool = SharedHostPool.open(path, 0, 1, GEOMETRY, pin=False)
+        pool = SharedHostPool.open(path, 1, GEOMETRY, pin=False)
         assert not pool.closed
         pool.close()
         pool.close()
@@ -119,7 +110,7 @@ def test_close_with_a_live_view_refuses_and_keeps_the_pool_usable():
     read the shared bytes; once the slice is dropped, close() succeeds."""
     generator = torch.Generator().manual_seed(2)
     with shm_segment(2 * GEOMETRY.bytes_per_page) as path:
-        pool = SharedHostPool.open(path, 0, 2, GEOMETRY, pin=False)
+        pool = SharedHostPool.open(path, 2, GEOMETRY, pin=False)
         page_bits = pool.pages.view(torch.int16)
         page_bits.copy_(torch.randint(-2**15, 2**15, page_bits.shape, dtype=torch.int16, generator=generator))
         expected = page_bits.clone()
@@ -141,7 +132,7 @@ def test_pin_without_cuda_raises_and_leaves_no_descriptor_open():
     with shm_segment(GEOMETRY.bytes_per_page) as path:
         fds_before = set(os.listdir("/proc/self/fd"))
         with pytest.raises(RuntimeError, match="needs CUDA"):
-            SharedHostPool.open(path, 0, 1, GEOMETRY, pin=True)
+            SharedHostPool.open(path, 1, GEOMETRY, pin=True)
         assert set(os.listdir("/proc/self/fd")) <= fds_before
 
 
@@ -150,7 +141,7 @@ def test_pin_without_cuda_raises_and_leaves_no_descriptor_open():
 def test_pinned_pool_is_page_locked_and_unpinned_on_close():
     """With pin=True on a GPU, .pages reports pinned memory and pin_seconds is measured; close() succeeds."""
     with shm_segment(4 * GEOMETRY.bytes_per_page) as path:
-        pool = SharedHostPool.open(path, 0, 4, GEOMETRY, pin=True)
+        pool = SharedHostPool.open(path, 4, GEOMETRY, pin=True)
         assert pool.is_pinned and pool.pages.is_pinned()
         assert pool.pin_seconds > 0
         pool.close()
@@ -213,7 +204,7 @@ class FakeCuda:
 
 
 def pinned_pool(path: str, num_pages: int, **options) -> SharedHostPool:
-    return SharedHostPool.open(path, 0, num_pages, GEOMETRY, pin=True, pin_chunk_bytes=CHUNK_BYTES,
+    return SharedHostPool.open(path, num_pages, GEOMETRY, pin=True, pin_chunk_bytes=CHUNK_BYTES,
                                device=0, **options)
 
 
@@ -325,7 +316,7 @@ def test_bad_pin_options_are_refused(monkeypatch, pin_threads, pin_chunk_bytes):
     FakeCuda().install(monkeypatch)
     with shm_segment(GEOMETRY.bytes_per_page) as path:
         with pytest.raises(ValueError, match="pin_threads|pin_chunk_bytes"):
-            SharedHostPool.open(path, 0, 1, GEOMETRY, pin=True, pin_threads=pin_threads,
+            SharedHostPool.open(path, 1, GEOMETRY, pin=True, pin_threads=pin_threads,
                                 pin_chunk_bytes=pin_chunk_bytes, device=0)
 
 
@@ -337,7 +328,7 @@ def test_chunked_pinning_on_a_gpu_pins_every_chunk(background):
     without background pinning; close() unpins them."""
     num_pages = 4 * PAGES_PER_CHUNK + 1
     with shm_segment(num_pages * GEOMETRY.bytes_per_page) as path:
-        pool = SharedHostPool.open(path, 0, num_pages, GEOMETRY, pin=True, pin_chunk_bytes=CHUNK_BYTES,
+        pool = SharedHostPool.open(path, num_pages, GEOMETRY, pin=True, pin_chunk_bytes=CHUNK_BYTES,
                                    pin_in_background=background)
         pool.wait_until_pinned(timeout_s=30)
         pool.check_integrity()

@@ -24,9 +24,8 @@ def test_status_table_and_json(daemon, rng):
     with the tiers' page counts and the attached session."""
     with connect(daemon.socket_path, timeout_s=5.0, client_name="cli-test") as client:
         client.attach(GEOMETRY)
-        reply = client.match(rng.integers(0, 1000, size=64, dtype=np.int32),
-                             reserve_backup=True)
-        client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        reply = client.acquire(rng.integers(0, 1000, size=64, dtype=np.int32), save=True)
+        client.commit(reply.lease_id, reply.reserved_page_ids)
         assert client.flush() == []
         table = subprocess.run(status_command(daemon.socket_path), env=child_env(), cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=30)

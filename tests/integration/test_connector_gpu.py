@@ -75,10 +75,10 @@ def fragment_l2(socket_path: str, geometry, rng):
     client.attach(geometry)
     leases = []
     while True:
-        reply = client.match(rng.integers(0, 100_000, size=P, dtype=np.int32), reserve_backup=True)
-        if not reply.backup_page_ids:
+        reply = client.acquire(rng.integers(0, 100_000, size=P, dtype=np.int32), save=True)
+        if not reply.reserved_page_ids:
             break
-        leases.append((reply.backup_page_ids[0], reply.lease_id))
+        leases.append((reply.reserved_page_ids[0], reply.lease_id))
     for _, lease_id in sorted(leases)[::2]:
         client.release(lease_id)
     assert client.flush() == []

@@ -184,7 +184,7 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
         cost.connector.flush()                  # the model, and what it publishes, moved
         control = TierControl(daemon, cost.connector.geometry)
         prefix = random_tokens(rng, 6 * P)
-        matches_before = control.counts()["match_count"]
+        matches_before = control.counts()["acquire_count"]
         stop_process(daemon.proc.pid)
         try:
             predicted = cost.connector.begin("a", prefix)
@@ -197,7 +197,7 @@ def test_a_predicted_decline_admits_without_a_round_trip_and_its_match_still_res
         always.connector.poll()
         cost.connector.flush()
         always.connector.flush()                # both sockets' requests so far handled
-        assert control.counts()["match_count"] == matches_before + 1        # always's alone
+        assert control.counts()["acquire_count"] == matches_before + 1        # always's alone
         cost.connector.save("a", prefix, list(range(6)))
         cost.connector.request_finished("a")
         cost.settle()
@@ -250,7 +250,7 @@ def test_a_predicted_request_ends_cleanly_whatever_becomes_of_its_unsent_match(r
         engine = engine_of(daemon, 41, "never")      # never: every begin is a predicted decline
         connector = engine.connector
         control = TierControl(daemon, connector.geometry)
-        matches_before = control.counts()["match_count"]
+        matches_before = control.counts()["acquire_count"]
         given_up = connector.begin("given-up", random_tokens(rng, 4 * P))
         assert given_up.ready() and given_up.decision().choice == "recompute"
         given_up.cancel()
@@ -258,17 +258,17 @@ def test_a_predicted_request_ends_cleanly_whatever_becomes_of_its_unsent_match(r
         connector.poll()
         connector.flush()
         assert connector.num_open_requests == 0
-        assert control.counts()["match_count"] == matches_before      # nothing was sent
+        assert control.counts()["acquire_count"] == matches_before      # nothing was sent
 
         failing = random_tokens(rng, 4 * P)
         connector.begin("failing", failing)
-        send = connector.client.match_async
+        send = connector.client.acquire_async
 
         def refuse(*args, **kwargs):
-            connector.client.match_async = send
+            connector.client.acquire_async = send
             raise RuntimeError("injected: the client refused the send")
 
-        connector.client.match_async = refuse
+        connector.client.acquire_async = refuse
         with pytest.raises(RuntimeError, match="injected"):
             connector.save("failing", failing, list(range(4)))
         connector.poll()

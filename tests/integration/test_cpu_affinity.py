@@ -44,8 +44,8 @@ def test_daemon_socket_cpu_pins_the_socket_and_io_threads_only():
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
             tokens = np.random.default_rng().integers(1, 2**31 - 1, size=32, dtype=np.int32)
-            reply = client.match(tokens, reserve_backup=True)
-            assert len(reply.backup_page_ids) == 2
+            reply = client.acquire(tokens, save=True)
+            assert len(reply.reserved_page_ids) == 2
             client.release(reply.lease_id)
             assert client.flush() == []
             threads = threads_allowed_cpus(daemon.proc.pid)
@@ -94,7 +94,7 @@ def test_a_client_pinned_to_a_cpu_yields_it_right_after_sending_an_awaited_reque
             yields = []
             monkeypatch.setattr(client_module.os, "sched_yield", lambda: yields.append(1))
             tokens = np.random.default_rng().integers(1, 2**31 - 1, size=32, dtype=np.int32)
-            pending = client.match_async(tokens, reserve_backup=True)
+            pending = client.acquire_async(tokens, save=True)
             sent_yields = len(yields)
             lease_id = pending.result().lease_id            # a miss whose reservation is leased
             before_release = len(yields)

@@ -47,24 +47,24 @@ def test_l2_pressure_evicts_lru_prefixes_but_never_leased_ones(rng):
         reader.attach(SMALL)
         prefixes = [rng.integers(0, 150_000, size=10 * 16, dtype=np.int32) for _ in range(3)]
         for tokens in prefixes:
-            reply = writer.match(tokens, reserve_backup=True)
-            assert len(reply.backup_page_ids) == 10
-            writer.commit_backup(reply.lease_id, reply.backup_page_ids)
+            reply = writer.acquire(tokens, save=True)
+            assert len(reply.reserved_page_ids) == 10
+            writer.commit(reply.lease_id, reply.reserved_page_ids)
         assert writer.flush() == []
-        held = reader.match(prefixes[0])            # oldest prefix, now leased by the reader
+        held = reader.acquire(prefixes[0])            # oldest prefix, now leased by the reader
         assert held.hit_tokens["l2"] == 160
         assert writer.status(check_integrity=True)["integrity"] == "ok"
 
         newcomer = rng.integers(0, 150_000, size=12 * 16, dtype=np.int32)   # 12 > 2 free pages
-        reply = writer.match(newcomer, reserve_backup=True)
-        assert len(reply.backup_page_ids) == 12
-        writer.commit_backup(reply.lease_id, reply.backup_page_ids)
+        reply = writer.acquire(newcomer, save=True)
+        assert len(reply.reserved_page_ids) == 12
+        writer.commit(reply.lease_id, reply.reserved_page_ids)
         assert writer.flush() == []
         status = writer.status(check_integrity=True)
         assert status["integrity"] == "ok"
         hits = []
         for tokens in prefixes:
-            probe = writer.match(tokens, promote_l3=False)     # look at L2 alone
+            probe = writer.acquire(tokens, promote="none")     # look at L2 alone
             hits.append(probe.hit_tokens["l2"])
             if probe.lease_id is not None:
                 writer.release(probe.lease_id)

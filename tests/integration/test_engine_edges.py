@@ -123,7 +123,7 @@ def test_connect_waits_for_a_daemon_started_after_the_engine():
             geometry = KVGeometry("edge-late", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16",
                                   page_size=16)
             client.attach(geometry)
-            assert client.match(np.arange(32, dtype=np.int32)).hit_tokens["l2"] == 0
+            assert client.acquire(np.arange(32, dtype=np.int32)).hit_tokens["l2"] == 0
     finally:
         daemon.cleanup()
 

@@ -15,10 +15,10 @@ PAGE = GEOMETRY.page_size
 
 def request(client, tokens: np.ndarray) -> int:
     """One request's match (reserving what L2 lacks) and the save of its pages; its L2 hit in tokens."""
-    reply = client.match(tokens, reserve_backup=True)
+    reply = client.acquire(tokens, save=True)
     if reply.lease_id is not None:
-        if reply.backup_page_ids:
-            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+        if reply.reserved_page_ids:
+            client.commit(reply.lease_id, reply.reserved_page_ids)
         else:
             client.release(reply.lease_id)
     return reply.hit_tokens["l2"]

@@ -69,7 +69,7 @@ def test_client_raises_when_daemon_is_killed(daemon):
     daemon.stop(signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(DaemonUnavailable, match="within timeout_s=1.0|unavailable"):
-        client.match(np.arange(16, dtype=np.int32))
+        client.acquire(np.arange(16, dtype=np.int32))
     assert time.monotonic() - started < 5.0       # a hang is unbounded; 1 s plus scheduling slack
     client.close()       # must not hang either
 

@@ -35,7 +35,7 @@ def stale_writer_scenario(daemon: DaemonProcess, seed: int, expect_expiry: bool)
             assert engine.read()["attached"] == engine.name
         with connect(daemon.socket_path, timeout_s=5.0) as observer:
             prepared = a.ask("prepare")
-            assert len(prepared["backup_page_ids"]) == PREFIX_PAGES, prepared
+            assert len(prepared["reserved_page_ids"]) == PREFIX_PAGES, prepared
             os.kill(a.proc.pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             if expect_expiry:      # heartbeats only: the daemon ends A's session
@@ -108,7 +108,7 @@ def test_a_daemon_stopped_for_two_seconds_keeps_a_healthy_engines_session():
             # A heartbeat that timed out during the pause leaves the engine DOWN until its next probe.
             wait_until(lambda: engine.is_attached(), 10.0, f"the engine attached again: {engine.connection}")
             assert engine.generation == 1 and engine.is_attached(1)     # the first session, never replaced
-            reply = engine.match(np.arange(16, dtype=np.int32))
+            reply = engine.acquire(np.arange(16, dtype=np.int32))
             assert reply.hit_tokens["l2"] == 0
             assert "sessions_expired" not in observer.status()["metrics"]
     finally:
@@ -179,5 +179,5 @@ def test_an_engine_stalled_between_its_checks_and_its_copy_never_serves_wrong_by
     assert restored["integrity"] == "ok" and final["integrity"] == "ok", f"seed {seed}: {outcome}"
     assert outcome["a_finished"]["backed_up"] == 0, f"seed {seed}: {outcome}"
     if watch != "pid-watched":      # the stale writer's pages really were B's
-        assert outcome["b_prepared"]["backup_page_ids"] == outcome["a_prepared"]["backup_page_ids"], outcome
+        assert outcome["b_prepared"]["reserved_page_ids"] == outcome["a_prepared"]["reserved_page_ids"], outcome
         assert outcome["a_finished"]["stats"]["save_skipped_pages_stale_generation"] == PREFIX_PAGES, outcome

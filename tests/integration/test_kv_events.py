@@ -116,7 +116,7 @@ def test_events_tell_a_router_what_l2_and_l3_hold(rng, seed):
             first = rng.integers(0, 150_000, size=5 * PAGE + 3, dtype=np.int32)
             for held_pages, num_pages in ((0, 3), (3, 5)):
                 # It holds the pages it saved itself: hitting them is no reuse (which eviction spares).
-                reply = client.match(first[:num_pages * PAGE], reserve_backup=True, local_hit_tokens=held_pages * PAGE)
+                reply = client.acquire(first[:num_pages * PAGE], save=True, local_hit_tokens=held_pages * PAGE)
                 commit_written(client, reply)
                 assert client.flush() == []
                 wait_until_settled(client)

@@ -105,7 +105,7 @@ def test_l3_file_truncated_underneath_falls_back_to_recompute(rng):
             client.attach(GEOMETRY)
             tokens = evicted_prefix(client, rng)
             os.truncate(l3_path, 0)
-            reply = client.match(tokens)
+            reply = client.acquire(tokens)
             assert reply.hit_tokens["l2"] == 0 and reply.promoted_tokens == 0
             status = client.status(check_integrity=True)
             assert status["integrity"] == "ok"
@@ -165,7 +165,7 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
             raise OSError(errno.EIO, "injected read error")
 
         monkeypatch.setattr(io_workers, "_preadv", failing_preadv)
-        reply = client.match(tokens)
+        reply = client.acquire(tokens)
         assert reply.hit_tokens["l2"] == 0 and reply.promoted_tokens == 0
         status = client.status(check_integrity=True)
         assert status["integrity"] == "ok" and status["io"]["s2h"]["failures"] == 1
@@ -180,7 +180,7 @@ def test_read_error_falls_back_and_write_error_is_counted(inprocess_daemon, monk
         assert l3["private_pages"] == 0 and l3["free_pages"] + l3["owned_pages"] == l3["capacity_pages"]
 
         monkeypatch.undo()                  # the disk recovers: the next promotion works
-        reply = client.match(tokens)
+        reply = client.acquire(tokens)
         assert reply.hit_tokens["l2"] == 6 * PAGE and reply.promoted_tokens == 6 * PAGE
         client.release(reply.lease_id)
         assert client.flush() == []
@@ -196,7 +196,7 @@ def test_l3_file_removed_underneath_keeps_serving_from_the_open_file(rng):
             client.attach(GEOMETRY)
             tokens = evicted_prefix(client, rng)
             os.unlink(l3_path)
-            reply = client.match(tokens)
+            reply = client.acquire(tokens)
             assert reply.hit_tokens["l2"] == 6 * PAGE and reply.promoted_tokens == 6 * PAGE
             client.release(reply.lease_id)
             status = client.status(check_integrity=True)
@@ -220,16 +220,16 @@ def hold_reads(monkeypatch) -> threading.Event:
     return gate
 
 
-def test_match_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch, rng):
-    """A match slower than the client's timeout (a slow L3 read) raises DaemonUnavailable; the lease its
+def test_an_acquire_that_times_out_does_not_leak_its_lease(inprocess_daemon, monkeypatch, rng):
+    """An acquire slower than the client's timeout (a slow L3 read) raises DaemonUnavailable; the lease its
     late reply carries is released by the client, so the daemon is left holding nothing."""
     with connect(inprocess_daemon.socket_path, timeout_s=5.0) as client:
         client.attach(GEOMETRY)
         tokens = evicted_prefix(client, rng)
         gate = hold_reads(monkeypatch)
         client._channel.timeout_s = 0.1
-        with pytest.raises(DaemonUnavailable, match="MATCH"):
-            client.match(tokens)
+        with pytest.raises(DaemonUnavailable, match="ACQUIRE"):
+            client.acquire(tokens)
         client._channel.timeout_s = 5.0
         gate.set()                            # the promotion completes, its reply comes late
         assert client.flush() == []           # waits for the late reply and releases its lease
@@ -245,7 +245,7 @@ def test_flush_waits_for_the_late_reply_of_a_cancelled_promoting_match(inprocess
         client.attach(GEOMETRY)
         tokens = evicted_prefix(client, rng)
         gate = hold_reads(monkeypatch)
-        pending = client.match_async(tokens)
+        pending = client.acquire_async(tokens)
         assert client.status()["leases"] == 0      # answered before the match: the read is held
         pending.cancel()
         gate.set()
@@ -266,7 +266,7 @@ def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_no
             client.attach(GEOMETRY)
             tokens = evicted_prefix(client, rng)
             gate = hold_reads(monkeypatch)
-            pending = client.match_async(tokens)
+            pending = client.acquire_async(tokens)
             client.status()                      # handled after the match: its move is spawned
             loop, server = RUNNING_SERVERS[-1]
             state = server.state

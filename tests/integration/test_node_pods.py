@@ -126,7 +126,7 @@ def test_engines_in_pods_share_prefixes_and_a_stalled_killed_one_corrupts_nothin
             assert {s["client_name"]: s["pid_watched"] for s in sessions} == dict.fromkeys(("pod-A", "pod-B", "pod-C"), False)
             assert {s["pid"] for s in sessions} == {1}           # each is its pod's first process
 
-            assert len(a.ask("prepare")["backup_page_ids"]) == PREFIX_PAGES
+            assert len(a.ask("prepare")["reserved_page_ids"]) == PREFIX_PAGES
             a_pid = a.ask("finish")["at_copy"]
             a.send("")
             assert a.read()["backed_up"] == PREFIX_PAGES
@@ -137,7 +137,7 @@ def test_engines_in_pods_share_prefixes_and_a_stalled_killed_one_corrupts_nothin
             for engine in (a, b):
                 assert engine.ask(f"prefix {seed + 10}")["prefix"] == seed + 10
             a_prepared = a.ask("prepare")
-            assert len(a_prepared["backup_page_ids"]) == PREFIX_PAGES, a_prepared
+            assert len(a_prepared["reserved_page_ids"]) == PREFIX_PAGES, a_prepared
             assert a.ask("finish")["at_copy"] == a_pid
             os.kill(a_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
@@ -160,7 +160,7 @@ def test_engines_in_pods_share_prefixes_and_a_stalled_killed_one_corrupts_nothin
         a.close(a_pid)
         b.close()
         c.close()
-    assert b_prepared["backup_page_ids"] == a_prepared["backup_page_ids"], (a_prepared, b_prepared)
+    assert b_prepared["reserved_page_ids"] == a_prepared["reserved_page_ids"], (a_prepared, b_prepared)
     assert a_finished["backed_up"] == 0, a_finished
     assert a_finished["stats"]["save_skipped_pages_stale_generation"] == PREFIX_PAGES, a_finished
     assert restored["restored_tokens"] == PREFIX_PAGES * 16, restored

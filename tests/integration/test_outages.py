@@ -133,7 +133,7 @@ def test_sigterm_makes_the_client_down_at_once(daemon, caplog):
         assert connection.session_ended and "shutting down" in connection.reason, connection
         started = time.monotonic()
         with pytest.raises(DaemonDown):
-            client.match(np.arange(4 * PAGE, dtype=np.int32))
+            client.acquire(np.arange(4 * PAGE, dtype=np.int32))
         assert time.monotonic() - started < 1.0       # not the 5 s timeout
         assert len(engine_warnings(caplog)) == 1, engine_warnings(caplog)
 
@@ -156,7 +156,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
         before = prefill_and_finish(engine, random_tokens(rng, 4 * PAGE), seed)
         assert before[1] == 4
         stale = engine.prepare(random_tokens(rng, 5 * PAGE))           # open across the outage
-        assert stale.lease_id is not None and len(stale.backup_page_ids) == 5
+        assert stale.lease_id is not None and len(stale.reserved_page_ids) == 5
         caplog.clear()
 
         daemon.stop(signal.SIGKILL)
@@ -199,9 +199,9 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
             sorted(os.path.basename(path) for path in current_inodes)
 
         # The request prepared before the outage: finished in L1 only.
-        untouched = engine.host_pool.pages[stale.backup_page_ids].clone()
+        untouched = engine.host_pool.pages[stale.reserved_page_ids].clone()
         assert engine.finish(stale) == 0
-        assert torch.equal(engine.host_pool.pages[stale.backup_page_ids].view(torch.int16),
+        assert torch.equal(engine.host_pool.pages[stale.reserved_page_ids].view(torch.int16),
                            untouched.view(torch.int16)), "an old plan's save was written into the new pool"
         assert engine.stats()["save_skipped_pages_session_lost"] == 5
         assert engine.client.flush() == []       # no release or commit of the old session reached the new one
@@ -300,7 +300,7 @@ def test_a_copy_being_queued_when_the_session_ends_keeps_the_pool_until_it_is_do
         segment = os.path.join("/dev/shm", segment_name(daemon.socket_path))
         queued = engine.prepare(random_tokens(rng, 4 * PAGE))
         later = engine.prepare(random_tokens(rng, 3 * PAGE))
-        assert len(queued.backup_page_ids) == 4 and len(later.backup_page_ids) == 3
+        assert len(queued.reserved_page_ids) == 4 and len(later.reserved_page_ids) == 3
         generator = torch.Generator().manual_seed(seed)
         kv = engine.l1_pool.kv
         for page in queued.new_l1_page_ids + later.new_l1_page_ids:
@@ -353,7 +353,7 @@ def test_a_stalled_daemon_is_down_then_attached_again(daemon, caplog):
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         wait_until(lambda: client.is_attached(), 15.0, "attached again after SIGCONT")
-        assert client.match(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0
+        assert client.acquire(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0
         assert len(engine_warnings(caplog)) == 1, engine_warnings(caplog)
 
 
@@ -387,7 +387,7 @@ def test_reattach_names_the_ended_session_only_once_drained(daemon, monkeypatch)
         wait_until(lambda: client.is_attached(3), 5.0, "re-attached without a drain")
         wait_until(lambda: len(learned) == 2, 10.0, "the listener learned generation 3")
         assert sent == [ended, None] and [g for g, _ in learned] == [2, 3]
-        assert client.match(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0   # the new session is live
+        assert client.acquire(np.arange(4 * PAGE, dtype=np.int32)).hit_tokens["l2"] == 0   # the new session is live
 
 
 def test_the_connector_drains_an_ended_session_so_its_quarantine_ends_at_the_reattach(monkeypatch):
@@ -412,7 +412,7 @@ def test_the_connector_drains_an_ended_session_so_its_quarantine_ends_at_the_rea
 
         monkeypatch.setattr(client, "_beat", stalled_beat)
         plan = engine.prepare(random_tokens(rng, 6 * PAGE))
-        assert len(plan.backup_page_ids) == 6, f"seed {seed}"
+        assert len(plan.reserved_page_ids) == 6, f"seed {seed}"
         with connect(daemon.socket_path, timeout_s=5.0) as observer:
             def quarantined():
                 return sum(q["pages"] for q in observer.status()["quarantines"])

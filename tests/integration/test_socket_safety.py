@@ -222,7 +222,7 @@ def test_an_engine_refuses_a_daemon_socket_of_another_uid_unless_told_to_expect_
         assert accepted.returncode == 0, accepted.stderr
         with connect(daemon.socket_path, timeout_s=5.0, daemon_uid=owner) as client:
             client.attach(GEOMETRY)
-            assert client.match(rng.integers(0, 50_000, size=16, dtype=np.int32)).hit_tokens["l2"] == 0
+            assert client.acquire(rng.integers(0, 50_000, size=16, dtype=np.int32)).hit_tokens["l2"] == 0
         monkeypatch.setenv("KVCACHED_DAEMON_UID", str(owner))
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
@@ -247,10 +247,10 @@ def test_ipc_urls_work_for_serve_status_and_connect(scratch, rng):
         with connect(url, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
             tokens = rng.integers(0, 50_000, size=8 * GEOMETRY.page_size, dtype=np.int32)
-            reply = client.match(tokens, reserve_backup=True)
-            client.commit_backup(reply.lease_id, reply.backup_page_ids)
+            reply = client.acquire(tokens, save=True)
+            client.commit(reply.lease_id, reply.reserved_page_ids)
             assert client.flush() == []
-            hit = client.match(tokens)
+            hit = client.acquire(tokens)
             assert hit.hit_tokens["l2"] == len(tokens)
             client.release(hit.lease_id)
         status = subprocess.run([sys.executable, "-m", "kvcached.cli", "status", "--socket", url, "--json"],

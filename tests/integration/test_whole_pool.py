@@ -80,17 +80,17 @@ def test_a_second_geometry_takes_space_from_an_idle_first_one(tmp_path, rng, see
             assert l2_of(status, "e2e-model")["capacity_pages"] == NUM_PAGES
             assert l2_of(status, "wide-model")["capacity_pages"] == 0
             tokens = rng.integers(0, 150_000, size=256 * PAGE, dtype=np.int32)
-            reply = wide.match(tokens, reserve_backup=True)
-            assert len(reply.backup_page_ids) == 256, (seed, reply)
-            pool = SharedHostPool.open(info.shm_path, info.arena_offset_bytes, info.num_pages, WIDE, pin=False)
+            reply = wide.acquire(tokens, save=True)
+            assert len(reply.reserved_page_ids) == 256, (seed, reply)
+            pool = SharedHostPool.open(info.shm_path, info.num_pages, WIDE, pin=False)
             try:
                 pages = pool.byte_view().view(-1, WIDE.bytes_per_page)
                 noise = torch.from_numpy(rng.integers(0, 256, size=(256, WIDE.bytes_per_page), dtype=np.uint8))
-                pages[torch.tensor(reply.backup_page_ids)] = noise
+                pages[torch.tensor(reply.reserved_page_ids)] = noise
                 del pages
             finally:
                 pool.close()
-            wide.commit_backup(reply.lease_id, reply.backup_page_ids)
+            wide.commit(reply.lease_id, reply.reserved_page_ids)
             assert wide.flush() == []
             status = wide.status(check_integrity=True)
         assert status["integrity"] == "ok"

@@ -59,7 +59,7 @@ def bystander(daemon):
 
 def assert_still_serving(client, daemon) -> None:
     tokens = np.random.randint(0, 50_000, size=32, dtype=np.int32)      # seeded (kvcached/testing/pytest_plugin.py)
-    reply = client.match(tokens)
+    reply = client.acquire(tokens)
     assert reply.hit_tokens["l2"] == 0
     assert daemon.alive()
     assert client.status(check_integrity=True)["integrity"] == "ok"
@@ -83,14 +83,14 @@ def test_malformed_msgpack_gets_bad_frame(daemon, peer, bystander):
     """Bytes that are not msgpack get a BAD_FRAME error reply; the daemon keeps serving others."""
     assert_error(peer.send_raw(b"\xc1\xff\x00garbage"), ErrorCode.BAD_FRAME, request_id=0)
     assert_error(peer.send_raw(msgpack.packb({"not": "an array"})), ErrorCode.BAD_FRAME, request_id=0)
-    assert_error(peer.request(MsgKind.MATCH, ["body", "is", "a", "list"]), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.ACQUIRE, ["body", "is", "a", "list"]), ErrorCode.BAD_FRAME)
     assert_still_serving(bystander, daemon)
 
 
 def test_unknown_kind_gets_unknown_kind(daemon, peer, bystander):
     """A message kind the protocol does not define, or a reply kind sent as a request, is refused."""
     assert_error(peer.request(250, {}), ErrorCode.UNKNOWN_KIND)
-    for retired in (6, 10, 11):          # BACKUP_RESERVE, RESERVE_PAGES, COMMIT_PAGES: kinds no longer served
+    for retired in (4, 6, 7, 10, 11):    # MATCH, BACKUP_RESERVE, BACKUP_COMMIT, RESERVE_PAGES, COMMIT_PAGES: retired
         assert_error(peer.request(retired, {"session_id": bystander.info.session_id}), ErrorCode.UNKNOWN_KIND)
     assert_error(peer.request(MsgKind.REPLY, {}), ErrorCode.UNKNOWN_KIND)
     assert_still_serving(bystander, daemon)
@@ -101,6 +101,46 @@ def test_wrong_protocol_version_is_refused(daemon, peer, bystander):
     assert_error(peer.request(MsgKind.ATTACH, attach_body(protocol_version=PROTOCOL_VERSION + 1)),
                  ErrorCode.VERSION_MISMATCH)
     assert len(bystander.status()["sessions"]) == 1
+    assert_still_serving(bystander, daemon)
+
+
+def v1_attach_body() -> dict:
+    """What a protocol 1 engine sent to attach (its AttachInfo then carried arena_offset_bytes)."""
+    return {"protocol_version": 1, "pid": 1, "geometry": GEOMETRY.to_wire(), "client_name": "engine-v1"}
+
+
+def test_a_version_1_engine_gets_one_error_naming_both_versions(daemon, peer, bystander):
+    """A protocol 1 engine's ATTACH gets one VERSION_MISMATCH error whose message names the daemon's
+    version (2) and the engine's (1) and says what to upgrade; no session is made, and the daemon
+    logs one line for it, not a traceback."""
+    reply = peer.request(MsgKind.ATTACH, v1_attach_body())
+    assert_error(reply, ErrorCode.VERSION_MISMATCH)
+    message = reply.body["message"]
+    assert message == ("protocol version mismatch: daemon speaks 2, engine sent 1; "
+                       "upgrade the engine's kvcached-sidecar to the daemon's version"), message
+    assert "\n" not in message
+    assert len(bystander.status()["sessions"]) == 1
+    assert_still_serving(bystander, daemon)
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_version_1_match_frame_gets_a_clear_error_not_a_misread(daemon, peer, bystander):
+    """A protocol 1 engine's MATCH (kind 4) and BACKUP_COMMIT (kind 7) frames, well formed for that
+    protocol, each get an UNKNOWN_KIND error naming the retired kind and the daemon's version: no
+    lease is taken, nothing is committed, and the daemon serves on."""
+    session_id = bystander.info.session_id
+    tokens = np.arange(16, dtype="<i4").tobytes()
+    match = {"session_id": session_id, "token_ids": tokens, "reserve_backup": True, "promote_l3": True,
+             "lock": True}
+    reply = peer.request(4, match)
+    assert_error(reply, ErrorCode.UNKNOWN_KIND)
+    assert reply.body["message"].startswith("message kind 4 (MATCH) is not in protocol 2"), reply.body
+    reply = peer.request(7, {"session_id": session_id, "lease_id": 1, "host_page_ids": [0]})
+    assert_error(reply, ErrorCode.UNKNOWN_KIND)
+    assert reply.body["message"].startswith("message kind 7 (BACKUP_COMMIT) is not in protocol 2"), reply.body
+    status = bystander.status(check_integrity=True)
+    assert status["integrity"] == "ok" and status["leases"] == 0, status["leases"]
     assert_still_serving(bystander, daemon)
 
 
@@ -124,28 +164,37 @@ def test_missing_and_mistyped_fields_are_refused(daemon, peer, bystander):
     """Each field a peer sends is validated: missing or mistyped fields get BAD_FRAME."""
     session_id = bystander.info.session_id
     assert_error(peer.request(MsgKind.ATTACH, {"protocol_version": PROTOCOL_VERSION, "pid": 1}), ErrorCode.BAD_FRAME)
-    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id}), ErrorCode.BAD_FRAME)
-    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id, "token_ids": b"abc"}), ErrorCode.BAD_FRAME)
-    assert_error(peer.request(MsgKind.MATCH, {"session_id": session_id, "token_ids": [1, 2, 3]}), ErrorCode.BAD_FRAME)
+    for kind in (MsgKind.LOOKUP, MsgKind.ACQUIRE):
+        assert_error(peer.request(kind, {"session_id": session_id}), ErrorCode.BAD_FRAME)
+        assert_error(peer.request(kind, {"session_id": session_id, "token_ids": b"abc"}), ErrorCode.BAD_FRAME)
+        assert_error(peer.request(kind, {"session_id": session_id, "token_ids": [1, 2, 3]}), ErrorCode.BAD_FRAME)
+    tokens = np.arange(8, dtype="<i4").tobytes()
+    for bad in ({"save": 1}, {"promote": "later"}, {"promote": True}):
+        assert_error(peer.request(MsgKind.ACQUIRE, {"session_id": session_id, "token_ids": tokens, **bad}),
+                     ErrorCode.BAD_FRAME)
+    for bad in ({"prefetch": 1}, {"tp_group": "yes"}):
+        assert_error(peer.request(MsgKind.LOOKUP, {"session_id": session_id, "token_ids": tokens, **bad}),
+                     ErrorCode.BAD_FRAME)
     assert_error(peer.request(MsgKind.RELEASE, {"session_id": session_id, "lease_id": -1}), ErrorCode.BAD_FRAME)
-    assert_error(peer.request(MsgKind.BACKUP_COMMIT, {"session_id": session_id, "lease_id": 1,
-                                                      "host_page_ids": ["x"]}), ErrorCode.BAD_FRAME)
-    commit = {"session_id": session_id, "lease_id": 1, "host_page_ids": [0]}
-    for bad in ({"host_page_ids": [1.0]}, {"host_page_ids": "0"}, {"lease_id": None}, {"ack": 1}):
-        assert_error(peer.request(MsgKind.BACKUP_COMMIT, {**commit, **bad}), ErrorCode.BAD_FRAME)
+    assert_error(peer.request(MsgKind.COMMIT, {"session_id": session_id, "lease_id": 1,
+                                               "page_ids": ["x"]}), ErrorCode.BAD_FRAME)
+    commit = {"session_id": session_id, "lease_id": 1, "page_ids": [0]}
+    for bad in ({"page_ids": [1.0]}, {"page_ids": "0"}, {"lease_id": None}, {"ack": 1}):
+        assert_error(peer.request(MsgKind.COMMIT, {**commit, **bad}), ErrorCode.BAD_FRAME)
     assert_still_serving(bystander, daemon)
 
 
 def test_unknown_session_is_refused(daemon, peer, bystander):
     """A request naming a session the daemon never issued gets NOT_ATTACHED."""
-    assert_error(peer.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b"\x00" * 16}), ErrorCode.NOT_ATTACHED)
+    for kind in (MsgKind.LOOKUP, MsgKind.ACQUIRE):
+        assert_error(peer.request(kind, {"session_id": 12345, "token_ids": b"\x00" * 16}), ErrorCode.NOT_ATTACHED)
     assert_still_serving(bystander, daemon)
 
 
 def test_oversize_frame_is_refused(daemon, peer, bystander):
     """A frame over max_frame_bytes gets FRAME_TOO_LARGE, not a disconnect or a crash."""
     huge = {"session_id": bystander.info.session_id, "token_ids": b"\x01\x00\x00\x00" * (5 << 20)}
-    assert_error(peer.request(MsgKind.MATCH, huge), ErrorCode.FRAME_TOO_LARGE)
+    assert_error(peer.request(MsgKind.ACQUIRE, huge), ErrorCode.FRAME_TOO_LARGE)
     assert_still_serving(bystander, daemon)
 
 
@@ -155,19 +204,18 @@ def test_page_ids_out_of_range_or_not_leased(daemon, bystander, rng):
     other.attach(GEOMETRY)
     try:
         tokens = rng.integers(0, 50_000, size=64, dtype=np.int32)
-        mine = bystander.match(tokens, reserve_backup=True)
-        theirs = other.match(tokens[::-1].copy(), reserve_backup=True)
-        assert mine.backup_page_ids and theirs.backup_page_ids
+        mine = bystander.acquire(tokens, save=True)
+        theirs = other.acquire(tokens[::-1].copy(), save=True)
+        assert mine.reserved_page_ids and theirs.reserved_page_ids
         num_pages = bystander.info.num_pages
 
         with pytest.raises(DaemonError) as error:
-            bystander.request_raw(MsgKind.BACKUP_COMMIT, {"session_id": bystander.info.session_id,
-                                                          "lease_id": mine.lease_id, "host_page_ids": [num_pages]})
+            bystander.request_raw(MsgKind.COMMIT, {"session_id": bystander.info.session_id,
+                                                   "lease_id": mine.lease_id, "page_ids": [num_pages]})
         assert error.value.code == ErrorCode.BAD_PAGES
         with pytest.raises(DaemonError) as error:
-            bystander.request_raw(MsgKind.BACKUP_COMMIT, {"session_id": bystander.info.session_id,
-                                                          "lease_id": mine.lease_id,
-                                                          "host_page_ids": theirs.backup_page_ids})
+            bystander.request_raw(MsgKind.COMMIT, {"session_id": bystander.info.session_id,
+                                                   "lease_id": mine.lease_id, "page_ids": theirs.reserved_page_ids})
         assert error.value.code == ErrorCode.NOT_LEASED
         with pytest.raises(DaemonError) as error:     # someone else's lease
             bystander.request_raw(MsgKind.RELEASE, {"session_id": bystander.info.session_id,
@@ -187,7 +235,7 @@ def test_page_ids_out_of_range_or_not_leased(daemon, bystander, rng):
 def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander, rng):
     """The second release of a lease gets UNKNOWN_LEASE, delivered through poll/flush, not raised inline."""
     tokens = rng.integers(0, 50_000, size=16, dtype=np.int32)
-    reply = bystander.match(tokens, reserve_backup=True)
+    reply = bystander.acquire(tokens, save=True)
     bystander.release(reply.lease_id)
     bystander.release(reply.lease_id)      # does not block or raise here
     errors = bystander.flush()
@@ -199,7 +247,7 @@ def test_release_twice_reports_unknown_lease_asynchronously(daemon, bystander, r
 def test_unacknowledged_release_replies_only_on_error(daemon, bystander, rng):
     """A release sent with ack=False gets no reply when it succeeds, and an error reply when it fails."""
     tokens = rng.integers(0, 50_000, size=16, dtype=np.int32)
-    reply = bystander.match(tokens, reserve_backup=True)
+    reply = bystander.acquire(tokens, save=True)
     peer = RawPeer(daemon.socket_path)
     try:
         session_id = bystander.info.session_id
@@ -231,13 +279,14 @@ def test_engine_report_shows_in_status(daemon, bystander):
 
 
 def test_bad_restore_policies_and_cost_samples_are_refused_and_feed_nothing(daemon, peer, bystander):
-    """A match or lookup naming an unknown policy, or a negative engine hit, and an engine report
+    """An acquire or lookup naming an unknown policy, or a negative engine hit, and an engine report
     whose cost samples are malformed (unknown direction, negative or non-finite seconds, a float
     size, too many) get BAD_FRAME; the cost model takes in none of them."""
     session_id = bystander.info.session_id
-    match = {"session_id": session_id, "token_ids": np.arange(8, dtype="<i4").tobytes()}
-    for bad in ({"policy": "sometimes"}, {"policy": 1}, {"local_hit_tokens": -4}, {"lock": False, "policy": "x"}):
-        assert_error(peer.request(MsgKind.MATCH, {**match, **bad}), ErrorCode.BAD_FRAME)
+    request = {"session_id": session_id, "token_ids": np.arange(8, dtype="<i4").tobytes()}
+    for kind in (MsgKind.LOOKUP, MsgKind.ACQUIRE):
+        for bad in ({"policy": "sometimes"}, {"policy": 1}, {"local_hit_tokens": -4}):
+            assert_error(peer.request(kind, {**request, **bad}), ErrorCode.BAD_FRAME)
     report = {"session_id": session_id, "report": {}}
     for samples in ([["s2h", 4096, 0.1]], [["h2d", 4096, -1.0]], [["h2d", 4096, float("nan")]],
                     [["h2d", 4096.0, 0.1]], [["prefill", 64]], "h2d", [["h2d", 1, 0.1]] * 1025):
@@ -267,9 +316,9 @@ def test_error_replies_and_log_lines_never_echo_a_whole_value(daemon, peer):
     huge_list = list(range(300_000))
     geometry = dict(GEOMETRY.to_wire())
     cases = [
-        (MsgKind.MATCH, {"session_id": big_string, "token_ids": b""}, ErrorCode.BAD_FRAME),
+        (MsgKind.ACQUIRE, {"session_id": big_string, "token_ids": b""}, ErrorCode.BAD_FRAME),
         (MsgKind.RELEASE, {"session_id": 1, "lease_id": huge_list}, ErrorCode.BAD_FRAME),
-        (MsgKind.BACKUP_COMMIT, {"session_id": 1, "lease_id": 1, "host_page_ids": [big_string]}, ErrorCode.BAD_FRAME),
+        (MsgKind.COMMIT, {"session_id": 1, "lease_id": 1, "page_ids": [big_string]}, ErrorCode.BAD_FRAME),
         (MsgKind.ATTACH, attach_body(protocol_version=huge_list), ErrorCode.VERSION_MISMATCH),
         (MsgKind.ATTACH, attach_body(geometry={**geometry, "num_layers": big_string}), ErrorCode.GEOMETRY_MISMATCH),
         (MsgKind.ATTACH, attach_body(geometry={**geometry, **{f"f{i}": i for i in range(100_000)}}),
@@ -294,7 +343,7 @@ def test_refused_requests_are_summarised_per_interval_not_logged_one_by_one(daem
     sent = {"NOT_ATTACHED": 0, "BAD_FRAME": 0}
     for index in range(400):
         if index % 3:
-            assert_error(peer.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b""}), ErrorCode.NOT_ATTACHED)
+            assert_error(peer.request(MsgKind.ACQUIRE, {"session_id": 12345, "token_ids": b""}), ErrorCode.NOT_ATTACHED)
             sent["NOT_ATTACHED"] += 1
         else:
             assert_error(peer.send_raw(b"\xc1 not msgpack"), ErrorCode.BAD_FRAME, request_id=0)
@@ -321,7 +370,7 @@ def test_each_refused_request_is_logged_at_debug():
         raw = RawPeer(daemon.socket_path)
         try:
             for _ in range(25):
-                assert_error(raw.request(MsgKind.MATCH, {"session_id": 12345, "token_ids": b""}),
+                assert_error(raw.request(MsgKind.ACQUIRE, {"session_id": 12345, "token_ids": b""}),
                              ErrorCode.NOT_ATTACHED)
         finally:
             raw.close()

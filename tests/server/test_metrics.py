@@ -16,6 +16,7 @@ from kvcached.core.metrics import SECONDS_BUCKETS, Metrics
 from kvcached.server.metrics import StatusCollector
 from proto.counters import ENGINE, Counter, Counts
 from proto.messages import KVGeometry
+from proto.schema import Acquire, Commit, Lookup, Release
 
 GEOMETRIES = [KVGeometry(model, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=8)
               for model in ("model-a", "model-b")]
@@ -50,12 +51,12 @@ def test_hits_misses_and_evictions_are_counted_per_model(rng):
         model, page_size = GEOMETRIES[which].model_id, GEOMETRIES[which].page_size
         num_pages = int(rng.integers(1, 40 if which == 0 else 4))
         tokens = rng.integers(0, 1 << 30, size=num_pages * page_size, dtype=np.int32).tobytes()
-        reply = state.match(sessions[which], tokens, reserve_backup=True)
+        reply = state.acquire(Acquire(sessions[which], tokens, save=True))
         if reply.lease_id:
-            state.commit_backup(sessions[which], reply.lease_id, reply.backup_page_ids)
-        again = state.match(sessions[which], tokens)
+            state.commit(Commit(sessions[which], reply.lease_id, reply.reserved_page_ids))
+        again = state.acquire(Acquire(sessions[which], tokens))
         if again.lease_id:
-            state.release(sessions[which], again.lease_id)
+            state.release(Release(sessions[which], again.lease_id))
         expected[model]["matched"] += 2 * num_pages * page_size
         expected[model]["matches"] += 2
         expected[model]["hit"] += reply.hit_tokens["l2"] + again.hit_tokens["l2"]
@@ -101,7 +102,7 @@ def test_counting_what_no_declaration_names_raises_and_counts_nothing(rng):
     amount = int(rng.integers(1, 1000))
     tomorrow = Counter("a_counter_of_tomorrow", "kvcached_tomorrow", "not declared")
     for counter, label in (("matches", ""), (tomorrow, ""), (counters.HIT_TOKENS, "l4"), (counters.HIT_TOKENS, ""),
-                           (counters.MATCHES, "l2"), (counters.REMOTE_CONNECTS, ""), (counters.REQUEST_SECONDS, "match")):
+                           (counters.MATCHES, "l2"), (counters.REMOTE_CONNECTS, ""), (counters.REQUEST_SECONDS, "acquire")):
         with pytest.raises(KeyError):
             metrics.add(counter, amount, label, model="model-a")
     for histogram, label in ((counters.REQUEST_SECONDS, "no_such_kind"), (counters.MATCHES, "")):
@@ -186,11 +187,11 @@ def test_the_cost_model_is_exported_under_names_of_its_own(rng):
                         + [("prefill", 256, 0.01)] * 3 + [("prefill", 4, 1.0)])
     state.cost.add_storage_sample("s2h", 10 * page_bytes, 0.5)
     prefix = rng.integers(0, 1 << 30, 6 * 8, dtype=np.int32).tobytes()
-    reply = state.match(session.session_id, prefix, reserve_backup=True)
-    state.commit_backup(session.session_id, reply.lease_id, reply.backup_page_ids)
+    reply = state.acquire(Acquire(session.session_id, prefix, save=True))
+    state.commit(Commit(session.session_id, reply.lease_id, reply.reserved_page_ids))
     for _ in range(int(rng.integers(1, 5))):
-        state.lookup(session.session_id, prefix)
-    state.lookup(session.session_id, prefix, policy="never")
+        state.lookup(Lookup(session.session_id, prefix, prefetch=True))
+    state.lookup(Lookup(session.session_id, prefix, policy="never", prefetch=True))
     snapshot = state.status()
     cost = snapshot["cost_model"]
     (engine,) = cost["engines"]

@@ -1,4 +1,4 @@
-"""The socket thread's order of work: a match's reply goes out before the work the handler leaves
+"""The socket thread's order of work: a lookup's reply goes out before the work the handler leaves
 for after it (planning the background promotion of an L3 hit it declined), so that no engine waits
 for that planning; a refused request leaves none behind."""
 
@@ -11,6 +11,7 @@ from kvcached.config import DaemonConfig
 from kvcached.server.loop import Server
 from proto import codec
 from proto.messages import MsgKind
+from proto.schema import Release
 from tests.core.test_daemon_cost import make_state, slow_disk
 from tests.core.test_daemon_l3 import only_in_l3
 from tests.core.test_daemon_state import GEOMETRY
@@ -40,53 +41,55 @@ def wired(tmp_path):
         context.term()
 
 
-def handle_next(server: Server, dealer: zmq.Socket, request_id: int, body: dict) -> None:
-    dealer.send(codec.encode(MsgKind.MATCH, request_id, body))
+def handle_next(server: Server, dealer: zmq.Socket, request_id: int, body: dict,
+                kind: MsgKind = MsgKind.LOOKUP) -> None:
+    dealer.send(codec.encode(kind, request_id, body))
     identity, payload = server.socket.recv_multipart()
     server._handle(identity, payload)
 
 
-@pytest.mark.parametrize("begun", [False, True], ids=["lookup", "begun-match"])
-def test_a_declined_l3_hits_reply_is_sent_before_its_background_promotion_is_planned(wired, rng, begun):
-    """A lookup (and a match that stands for one) of a prefix only a slow L3 holds: the decision is
-    recompute, and when the background promotion is planned, the reply is already at the engine."""
+@pytest.mark.parametrize("kind", [MsgKind.LOOKUP, MsgKind.ACQUIRE], ids=["lookup", "acquire"])
+def test_a_declined_l3_hits_reply_is_sent_before_its_background_promotion_is_planned(wired, rng, kind):
+    """A lookup with prefetch (and an acquire that promotes) of a prefix only a slow L3 holds: the
+    decision is recompute, and when the background promotion is planned, the reply is already at
+    the engine."""
     server, dealer, session_id = wired
     prefix = only_in_l3(server.state, session_id, rng, 4)
     slow_disk(server.state, rng)
     planned = []
     plan = server._promote_in_background
 
-    def planning(request, reply):
+    def planning(session_id, token_ids, reply):
         planned.append((reply.choice, dealer.poll(REPLY_WAIT_MS)))
-        plan(request, reply)
+        plan(session_id, token_ids, reply)
 
     server._promote_in_background = planning
-    body = {"session_id": session_id, "token_ids": prefix, "promote_l3": True, "policy": "cost"}
-    body.update({"reserve_backup": True, "begun": True} if begun else {"lock": False})
-    handle_next(server, dealer, 7, body)
+    body = {"session_id": session_id, "token_ids": prefix, "policy": "cost"}
+    body.update({"save": True, "promote": "wait"} if kind == MsgKind.ACQUIRE else {"prefetch": True})
+    handle_next(server, dealer, 7, body, kind)
     assert planned == [("recompute", zmq.POLLIN)]
     reply = codec.decode(dealer.recv())
     assert (reply.kind, reply.request_id, reply.body["choice"]) == (MsgKind.REPLY, 7, "recompute")
     if reply.body.get("lease_id") is not None:
-        server.state.release(session_id, reply.body["lease_id"])
+        server.state.release(Release(session_id, reply.body["lease_id"]))
     server.state.check_integrity()
 
 
 def test_a_refused_request_leaves_no_work_for_after_the_next_reply(wired, rng):
-    """A match the daemon refuses (an unknown session) after its handler left work for after its
+    """A lookup the daemon refuses (an unknown session) after its handler left work for after its
     reply: that work is dropped, not run after the next request's reply."""
     server, dealer, session_id = wired
     ran = []
-    match = server._handlers[MsgKind.MATCH]
+    lookup = server._handlers[MsgKind.LOOKUP]
 
     def leaves_work_then_fails(body):
         server._after_reply.append(lambda: ran.append(body["session_id"]))
-        return match(body)
+        return lookup(body)
 
-    server._handlers[MsgKind.MATCH] = leaves_work_then_fails
-    handle_next(server, dealer, 1, {"session_id": session_id + 1, "token_ids": b"", "lock": False})
+    server._handlers[MsgKind.LOOKUP] = leaves_work_then_fails
+    handle_next(server, dealer, 1, {"session_id": session_id + 1, "token_ids": b""})
     assert codec.decode(dealer.recv()).kind is MsgKind.ERROR
-    handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b"", "lock": False})
+    handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b""})
     assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
     assert ran == [session_id]
 
@@ -95,17 +98,17 @@ def test_work_after_a_reply_that_fails_is_counted_and_the_next_request_is_served
     """Work left for after a reply raises: the reply is out already, the failure is counted as an
     internal error, and the next request is answered as usual."""
     server, dealer, session_id = wired
-    match = server._handlers[MsgKind.MATCH]
+    lookup = server._handlers[MsgKind.LOOKUP]
 
     def leaves_failing_work(body):
         server._after_reply.append(lambda: 1 / 0)
-        return match(body)
+        return lookup(body)
 
-    server._handlers[MsgKind.MATCH] = leaves_failing_work
-    handle_next(server, dealer, 1, {"session_id": session_id, "token_ids": b"", "lock": False})
+    server._handlers[MsgKind.LOOKUP] = leaves_failing_work
+    handle_next(server, dealer, 1, {"session_id": session_id, "token_ids": b""})
     assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
     assert server.state.metrics.counters["errors_internal"] == 1
-    server._handlers[MsgKind.MATCH] = match
-    handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b"", "lock": False})
+    server._handlers[MsgKind.LOOKUP] = lookup
+    handle_next(server, dealer, 2, {"session_id": session_id, "token_ids": b""})
     assert codec.decode(dealer.recv()).kind is MsgKind.REPLY
     assert server.state.metrics.counters["errors_internal"] == 1

@@ -41,7 +41,7 @@ def test_vllm_decodes_the_daemons_events(rng):
         with connect(daemon.socket_path, timeout_s=5.0) as client:
             client.attach(GEOMETRY)
             prefix = rng.integers(0, 150_000, size=4 * PAGE, dtype=np.int32)
-            commit_written(client, client.match(prefix, reserve_backup=True))
+            commit_written(client, client.acquire(prefix, save=True))
             assert client.flush() == []
             for _ in range(3):
                 back_up_random(client, NUM_L2_PAGES // 2, rng)

@@ -1,5 +1,5 @@
-"""match_async over the wire: a real daemon process, replies kept for the pending match they
-answer, and no lease left behind by a match that is given up."""
+"""acquire_async over the wire: a real daemon process, replies kept for the pending acquire they
+answer, and no lease left behind by a acquire that is given up."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def client(daemon):
 
 def back_up(client, rng, num_pages: int) -> np.ndarray:
     tokens = rng.integers(1, 2**31 - 1, size=num_pages * GEOMETRY.page_size, dtype=np.int32)
-    reply = client.match(tokens, reserve_backup=True)
-    assert len(reply.backup_page_ids) == num_pages
-    client.commit_backup(reply.lease_id, reply.backup_page_ids)
+    reply = client.acquire(tokens, save=True)
+    assert len(reply.reserved_page_ids) == num_pages
+    client.commit(reply.lease_id, reply.reserved_page_ids)
     assert client.flush() == []
     return tokens
 
@@ -47,11 +47,11 @@ def assert_idle_and_sound(client) -> dict:
     return status
 
 
-def test_replies_reach_their_own_pending_match_whatever_the_order(client, rng):
-    """Three matches in flight, collected last to first, with a blocking request in between: each
+def test_replies_reach_their_own_pending_acquire_whatever_the_order(client, rng):
+    """Three acquires in flight, collected last to first, with a blocking request in between: each
     result is the reply to its own tokens (the hit lengths differ), and no lease is left after."""
     prefixes = [back_up(client, rng, num_pages) for num_pages in (1, 3, 5)]
-    pending = [client.match_async(tokens) for tokens in prefixes]
+    pending = [client.acquire_async(tokens) for tokens in prefixes]
     assert client.status()["leases"] == 3      # a blocking request while they are in flight; each holds a lease
     replies = [p.result() for p in reversed(pending)][::-1]
     for tokens, reply in zip(prefixes, replies):
@@ -61,28 +61,28 @@ def test_replies_reach_their_own_pending_match_whatever_the_order(client, rng):
     assert_idle_and_sound(client)
 
 
-def test_pending_match_reserves_backup_pages_like_match(client, rng):
+def test_pending_acquire_reserves_pages_like_acquire(client, rng):
     tokens = rng.integers(1, 2**31 - 1, size=4 * GEOMETRY.page_size, dtype=np.int32)
-    reply = client.match_async(tokens, reserve_backup=True).result()
-    assert reply.backup_start_token == 0 and len(reply.backup_page_ids) == 4
-    client.commit_backup(reply.lease_id, reply.backup_page_ids)
-    again = client.match(tokens)
+    reply = client.acquire_async(tokens, save=True).result()
+    assert reply.reserved_start_token == 0 and len(reply.reserved_page_ids) == 4
+    client.commit(reply.lease_id, reply.reserved_page_ids)
+    again = client.acquire(tokens)
     assert again.hit_tokens["l2"] == len(tokens)
     client.release(again.lease_id)
     assert_idle_and_sound(client)
 
 
 @pytest.mark.parametrize("reply_arrived", [False, True], ids=["before-reply", "after-reply"])
-def test_cancelled_match_leaves_no_lease(client, reply_arrived, rng):
-    """A cancelled match's lease (on a hit, plus reserved backup pages) is released whether its reply
+def test_cancelled_acquire_leaves_no_lease(client, reply_arrived, rng):
+    """A cancelled acquire's lease (on a hit, plus reserved pages) is released whether its reply
     had arrived when it was cancelled or arrives later: afterwards no lease is left and every
     reserved page is free again."""
     cached = back_up(client, rng, 2)
     free_before = free_l2_pages(client.status())
     tokens = np.concatenate([cached, rng.integers(1, 2**31 - 1, size=3 * GEOMETRY.page_size, dtype=np.int32)])
-    pending = client.match_async(tokens, reserve_backup=True)
+    pending = client.acquire_async(tokens, save=True)
     if reply_arrived:
-        client.status()          # the daemon answers in order: the match's reply is in by now
+        client.status()          # the daemon answers in order: the acquire's reply is in by now
     pending.cancel()
     status = assert_idle_and_sound(client)
     assert free_l2_pages(status) == free_before
@@ -91,7 +91,7 @@ def test_cancelled_match_leaves_no_lease(client, reply_arrived, rng):
 
 
 def test_result_twice_is_an_error(client, rng):
-    pending = client.match_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
+    pending = client.acquire_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
     reply = pending.result()
     assert reply.lease_id is None and reply.hit_tokens["l2"] == 0
     with pytest.raises(RuntimeError, match="already ended"):
@@ -100,11 +100,11 @@ def test_result_twice_is_an_error(client, rng):
     assert_idle_and_sound(client)
 
 
-def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch, rng):
-    """An exception inside result() (here: a failure while receiving) gives the match up: its lease
+def test_acquire_interrupted_while_waiting_leaves_no_lease(client, monkeypatch, rng):
+    """An exception inside result() (here: a failure while receiving) gives the acquire up: its lease
     is released once its reply arrives."""
     tokens = back_up(client, rng, 2)
-    pending = client.match_async(tokens, reserve_backup=True)
+    pending = client.acquire_async(tokens, save=True)
     channel = client._channel
 
     def broken_receive(deadline):
@@ -117,11 +117,11 @@ def test_match_interrupted_while_waiting_leaves_no_lease(client, monkeypatch, rn
     assert_idle_and_sound(client)
 
 
-def test_dropped_pending_match_leaves_no_lease(client, rng):
-    """A pending match dropped without result() or cancel() (an exception between match_async and
+def test_dropped_pending_acquire_leaves_no_lease(client, rng):
+    """A pending acquire dropped without result() or cancel() (an exception between acquire_async and
     result, say) is given up when it is collected: no lease is left."""
     tokens = back_up(client, rng, 3)
-    pending = client.match_async(tokens)
+    pending = client.acquire_async(tokens)
     del pending
     gc.collect()
     assert_idle_and_sound(client)
@@ -130,7 +130,7 @@ def test_dropped_pending_match_leaves_no_lease(client, rng):
 def test_result_after_close_is_a_clear_error(daemon, rng):
     client = connect(daemon.socket_path, timeout_s=5.0)
     client.attach(GEOMETRY)
-    pending = client.match_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
+    pending = client.acquire_async(rng.integers(1, 2**31 - 1, size=16, dtype=np.int32))
     client.close()
     with pytest.raises(DaemonUnavailable, match="closed"):
         pending.result()
@@ -138,8 +138,8 @@ def test_result_after_close_is_a_clear_error(daemon, rng):
 
 
 def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
-    """A match sent to a stopped daemon (SIGSTOP; a patient one, whose session outlasts the stop):
-    wait(0.05) is False and the match is still pending; resumed, wait() is True once the reply is
+    """A acquire sent to a stopped daemon (SIGSTOP; a patient one, whose session outlasts the stop):
+    wait(0.05) is False and the acquire is still pending; resumed, wait() is True once the reply is
     in, and result() is that reply (the prefix's hit), its lease then released; no lease is left."""
     process = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     try:
@@ -148,7 +148,7 @@ def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
             tokens = back_up(client, rng, 3)
             stop_process(process.proc.pid)
             try:
-                pending = client.match_async(tokens)
+                pending = client.acquire_async(tokens)
                 assert not pending.wait(0.05), "a reply from a stopped daemon"
                 assert not pending.ready()
             finally:
@@ -163,12 +163,12 @@ def test_wait_for_a_reply_gives_nothing_up_when_it_is_not_in_time(rng):
 
 
 def test_wait_for_a_reply_that_cannot_come_returns_at_once(daemon, client, rng):
-    """A match in flight when the daemon is SIGKILLed: once the client knows the session is gone,
+    """A acquire in flight when the daemon is SIGKILLed: once the client knows the session is gone,
     wait(60) returns True at once (well before its bound) and result() raises DaemonDown, rather
     than the wait sitting out its timeout for a reply that cannot come."""
     tokens = back_up(client, rng, 2)
     stop_process(daemon.proc.pid)
-    pending = client.match_async(tokens)
+    pending = client.acquire_async(tokens)
     daemon.stop(signal.SIGKILL)
     deadline = time.monotonic() + 30
     while client.state is not ConnectionState.DOWN:
