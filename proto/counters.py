@@ -86,12 +86,12 @@ class Counts(collections.Counter):
 # report holds that no declaration here makes (an engine of another version) is shown in status,
 # not exported.
 
-# Why a request's match failed; a request that failed so fails its loads and skips its saves.
+# Why a request's acquire failed; a request that failed so fails its loads and skips its saves.
 MATCH_FAILURE_CAUSES = ("daemon_down", "daemon_unavailable", "match_refused", "no_reply", "send_failed")
 REQUEST_FAILURES = (*MATCH_FAILURE_CAUSES, "given_up", "closing")
 LOAD_FAILURE_REASONS = (*REQUEST_FAILURES, "not_cached", "session_lost", "stale_generation", "transfer_failed",
                         "peer_changed", "request_finished", "unknown")
-# Why a save's pages were not written; also a reply's backup_skipped (the daemon's choice).
+# Why a save's pages were not written; also an acquire reply's save_skipped (the daemon's choice).
 SAVE_SKIP_REASONS = (*REQUEST_FAILURES, "saving_off", "beyond_lease", "no_space", "evicted_before_reuse",
                      "session_lost", "transfer_failed", "stale_generation", "gap", "commit_failed")
 LOOKUP_FAILURE_CAUSES = ("daemon_down", "unavailable", "refused", "no_reply")
@@ -104,21 +104,21 @@ ENGINE_LOADED_PAGES = Counter("loaded_pages", "kvcached_engine_transfer_pages", 
 ENGINE_SAVED_PAGES = Counter("saved_pages", "kvcached_engine_transfer_pages", "", fixed={"direction": "d2h"})
 ENGINE_LOADS = Counter("loads", "kvcached_engine_loads", "Loads an engine asked for")
 ENGINE_SAVES = Counter("saves", "kvcached_engine_saves", "Saves an engine asked for")
-ENGINE_MATCHES = Counter("matches", "kvcached_engine_matches", "Matches an engine's requests got a reply to")
+ENGINE_MATCHES = Counter("matches", "kvcached_engine_matches", "Acquires an engine's requests got a reply to")
 ENGINE_LOOKUPS = Counter("lookups", "kvcached_engine_lookups", "Lookups an engine sent")
 ENGINE_LOOKUPS_PREDICTED = Counter("lookups_predicted_recompute", "kvcached_engine_lookups_predicted", "Lookups an "
-                                   "engine answered itself, from the published hints (recompute), sending a match "
+                                   "engine answered itself, from the published hints (recompute), sending an acquire "
                                    "without waiting for it")
 ENGINE_LOOKUP_HIT_TOKENS = Counter("lookup_hit_tokens", "kvcached_engine_lookup_hit_tokens", "Tokens an engine's "
                                    "lookups found cached")
 ENGINE_LOOKUP_CHOICES = Counter("lookup_choice_{}", "kvcached_engine_lookup_choices", "Decisions an engine's lookups "
                                 "got, by choice", "choice", RESTORE_CHOICES)
 ENGINE_PREDICTION_MISSES = Counter("prediction_misses", "kvcached_engine_prediction_misses", "Requests an engine "
-                                   "admitted on a predicted recompute whose match chose a restore")
+                                   "admitted on a predicted recompute whose acquire chose a restore")
 ENGINE_PROMOTED_TOKENS = Counter("promoted_tokens", "kvcached_engine_promoted_tokens", "Tokens promoted from L3 for "
-                                 "an engine's matches")
+                                 "an engine's acquires")
 ENGINE_RESERVATION_SHORT_PAGES = Counter("reservation_short_pages", "kvcached_engine_reservation_short_pages", "Pages "
-                                         "an engine's matches wanted for saves and were not reserved")
+                                         "an engine's acquires wanted for saves and were not reserved")
 ENGINE_COMMITTED_PAGES = Counter("committed_pages", "kvcached_engine_committed_pages", "Saved pages an engine "
                                  "committed")
 ENGINE_SAVE_CACHED_PAGES = Counter("save_pages_cached", "kvcached_engine_save_cached_pages", "Pages a save found in "
@@ -134,7 +134,7 @@ ENGINE_SAVE_SKIPPED_PAGES = Counter("save_skipped_pages_{}", "kvcached_engine_sa
 # Status only: the sums of the two above over their reasons.
 ENGINE_LOAD_FAILED_PAGES_SUM = Counter("load_failed_pages", None, "kvcached_engine_load_failed_pages_total summed")
 ENGINE_SAVE_SKIPPED_PAGES_SUM = Counter("save_skipped_pages", None, "kvcached_engine_save_skipped_pages_total summed")
-ENGINE_MATCH_FAILURES = Counter("match_failures_{}", "kvcached_engine_match_failures", "Matches that failed, by "
+ENGINE_MATCH_FAILURES = Counter("match_failures_{}", "kvcached_engine_match_failures", "Acquires that failed, by "
                                 "reason", "reason", MATCH_FAILURE_CAUSES)
 ENGINE_LOOKUP_FAILURES = Counter("lookup_failures_{}", "kvcached_engine_lookup_failures", "Lookups that failed, by "
                                  "reason", "reason", LOOKUP_FAILURE_CAUSES)

@@ -24,13 +24,13 @@ QUARANTINE_END_CAUSES = ("reattach", "process_gone", "grace")
 
 # ---- status "metrics" --------------------------------------------------------------------------
 
-MATCHES = Counter("matches", "kvcached_matches", "Matches handled (requests that may lease pages)", per_model=True)
-MATCH_TOKENS = Counter("match_tokens", "kvcached_match_tokens", "Tokens (whole pages) of the prompts matched",
+MATCHES = Counter("matches", "kvcached_matches", "Acquires handled (requests that may lease pages)", per_model=True)
+MATCH_TOKENS = Counter("match_tokens", "kvcached_match_tokens", "Tokens (whole pages) of the prompts acquired",
                        per_model=True)
-HIT_TOKENS = Counter("hit_tokens_{}", "kvcached_hit_tokens", "Leading tokens of matched prompts the tier held (l2: "
+HIT_TOKENS = Counter("hit_tokens_{}", "kvcached_hit_tokens", "Leading tokens of acquired prompts the tier held (l2: "
                      "after any promotion from L3; peer: another engine's GPU cache)", "tier", (*TIERS, "peer"),
                      per_model=True)
-LOOKUPS = Counter("lookups", "kvcached_lookups", "Lookups handled (side-effect free matches)", per_model=True)
+LOOKUPS = Counter("lookups", "kvcached_lookups", "Lookups handled (they change nothing)", per_model=True)
 LOOKUP_TOKENS = Counter("lookup_tokens", "kvcached_lookup_tokens", "Tokens (whole pages) looked up", per_model=True)
 LOOKUP_HIT_TOKENS = Counter("lookup_hit_tokens_{}", "kvcached_lookup_hit_tokens", "Leading tokens of looked-up "
                             "prompts the tier held (remote: L2 and the remote store together; peer: another "
