@@ -22,7 +22,7 @@ engine has its blocks, the load or the save. Per request, wall clock on the engi
 
 ``ms_with_lookup`` is the two together. ``--via load`` times the other way an engine may take (a
 lookup without a lease, then a load or save that sends the match itself): there ``ms`` includes
-the match's round trip and ``lookup_ms`` is 0.
+the acquire's round trip and ``lookup_ms`` is 0.
 
 and right after each, in the same loop, a raw copy of the same byte count between a device buffer
 and a cudaHostAlloc'd buffer (torch copy_ non_blocking, then synchronize): ``raw_dma_ms``.

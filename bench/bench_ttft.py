@@ -37,7 +37,7 @@ is the engine's recompute TTFT over it (target <= 1.3).
 
 Each restore row also says where its samples' TTFT went (``phases_ms``, per timed request, from
 the request's ``PendingLoad``): ``to_load`` (arrival to its load: admission and the lookup's round
-trip), ``to_copies`` (load to its copies queued: the match's round trip), ``copies`` (queued to
+trip), ``to_copies`` (load to its copies queued: the acquire's round trip), ``copies`` (queued to
 the load seen done), ``to_token`` (done to the first token: the prefill not under the load), and
 ``device_copies`` (the device time of the load's copies, from their start on the load lane).
 
@@ -642,7 +642,7 @@ def policy_tier_row(point: Point, tier: str, policy: str, samples: PolicySamples
 
 def ttft_phases(request) -> dict[str, float]:
     """Where a restored request's TTFT went (ms), from its PendingLoad's times: to_load (arrival to
-    load(): admission, the lookup's round trip), to_copies (load() to its copies queued: the match's
+    load(): admission, the lookup's round trip), to_copies (load() to its copies queued: the acquire's
     round trip and the step that took the reply in), copies (queued to the load seen done), to_token
     (done to the first token: the prefill's part not under the load); and device_copies, the
     device time of the load's copies (the connector's LoadResult.transfer_s: from the copies'

@@ -3,12 +3,12 @@
 Any Linux box, no GPU. Each drill prints and records one row {"drill", "expect", "measured",
 "pass"} in bench/results/cpu/drills.json:
 
-  1 stale writer      A prepares (its match reserves backup pages), starts its save and is
+  1 stale writer      A prepares (its acquire reserves pages), starts its save and is
                       SIGSTOPped between its checks and its copy, past the session grace, while B
                       backs up the same prefix and commits; A resumes and goes on with its copy;
                       C restores the prefix: every page equal to B's bytes, every run, with A's pid
                       watched and with A in another pid namespace (unshare --pid, unwatched)
-    SIGKILL           engines SIGKILLed mid-backup (a lease on a committed prefix and a match's
+    SIGKILL           engines SIGKILLed mid-backup (a lease on a committed prefix and an acquire's
                       reserved pages each): every lease gone within 1 s
   2 daemon SIGKILLed  100 consecutive prepare() calls against a plain miss of the same run
   3 daemon restarted  SIGKILL + restart: the engine's next L2 hit, without restarting it, and

@@ -4,7 +4,7 @@
        │   └───────────────────result───────────────────────────────────────▲
        └───────────── the request ends first (abort, preemption, close) ──▶ CANCELLED ◀── IN_FLIGHT
 
-MATCHING: the connector has the load, its copies are not queued yet (the match's round trip, an L3
+MATCHING: the connector has the load, its copies are not queued yet (the acquire's round trip, an L3
 promotion). IN_FLIGHT: copies queued for ``num_tokens`` tokens; a layer-by-layer prefill may read
 them, its attention of layer i waiting on the GPU for layer i. DONE: the connector's result, the
 only state in which the loaded blocks may be published (the prefix cache, a save). A DONE load

@@ -102,7 +102,7 @@ def step_until_admitted(setup: Setup, request, decoding) -> None:
 
 
 def wait_until_ready(pending, message: str) -> None:
-    """Until a reply (a lookup's, a match's) is in the client's hands, at most 10 s."""
+    """Until a reply (a lookup's, an acquire's) is in the client's hands, at most 10 s."""
     deadline = time.monotonic() + 10
     while not pending.ready():
         assert time.monotonic() < deadline, message

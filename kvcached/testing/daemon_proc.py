@@ -18,7 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def commit_written(client, reply) -> None:
-    """Commit a match's backup pages as an engine does once its copy into them is complete: claim
+    """Commit an acquire's reserved pages as an engine does once its copy into them is complete: claim
     them, stamp them with the lease's write generation (proto.generations), then commit. These tests
     play an engine that writes nothing; a page committed without its stamp is never read back."""
     from engine_client.shared_pool import PageGenerations

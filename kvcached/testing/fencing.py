@@ -66,7 +66,7 @@ UNSHARE_PID = ("unshare", "--pid", "--fork")
 
 
 def stalled_copy_scenario(daemon: DaemonProcess, seed: int, launcher: tuple[str, ...]) -> dict:
-    """Engine A prepares a prefix (its match reserves backup pages), starts its save, and is
+    """Engine A prepares a prefix (its acquire reserves pages), starts its save, and is
     SIGSTOPped between the connector's checks and its copy into L2, past the session grace; engine
     B then backs up the same prefix with other KV; A resumes and goes on with its copy; engine C
     restores the prefix."""

@@ -3,7 +3,7 @@
     python -m kvcached.testing.fencing_engine --socket S --name A --prefix-seed 1 --kv-seed 2 --state F
 
 Commands (one per line), each answered by one JSON line on stdout:
-  prepare   prepare the prefix made from --prefix-seed (the match reserves backup pages), then
+  prepare   prepare the prefix made from --prefix-seed (the acquire reserves pages), then
             "prefill" it with random KV from --kv-seed (never zeros); the KV of its full pages
             is saved to --state
   finish    finish the prepared request (its save's DMA and commit), then flush

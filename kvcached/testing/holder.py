@@ -1,5 +1,5 @@
-"""A holder: an engine process that takes leases (one on a committed prefix, one on a match's
-reserved backup pages) and then sleeps, for the tests and drills that kill it mid-backup."""
+"""A holder: an engine process that takes leases (one on a committed prefix, one on an acquire's
+reserved pages) and then sleeps, for the tests and drills that kill it mid-backup."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def test_published_promotion_survives_the_sessions_death(state, clock, rng):
 
 def test_a_promotion_reserves_no_more_than_the_sessions_allowance(state, rng):
     """A match's L3 promotion takes L2 pages under the same per-session cap as its reservations:
-    with backup pages reserved by another of its matches, it promotes only what the session may
+    with pages reserved by another of its acquires, it promotes only what the session may
     still reserve; with none left, none."""
     session, namespace = state.attach(GEOMETRY, pid=1)
     prefix = only_in_l3(state, session.session_id, rng, num_pages=8)

@@ -180,7 +180,7 @@ def test_concurrent_backups_of_one_prefix_keep_one_copy(state, rng):
 
 def test_expired_session_loses_its_leases(state, clock, rng):
     """A session silent for longer than session_timeout_s is ended and every lease it held is
-    reclaimed: its locked prefix becomes evictable, its private backup pages are quarantined (its
+    reclaimed: its locked prefix becomes evictable, its private reserved pages are quarantined (its
     process may still write them), neither free nor reserved."""
     dead, namespace = state.attach(GEOMETRY, pid=1)
     alive, _ = state.attach(GEOMETRY, pid=2)

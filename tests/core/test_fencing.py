@@ -35,8 +35,8 @@ def l2(state) -> dict:
 
 
 def holding(state, rng, pid: int = 7, watched: bool = False):
-    """A session holding pages it may write under two match leases: 3 backup pages after a locked
-    2-page hit, and 4 backup pages of a prefix the daemon has none of. Returns the leases too."""
+    """A session holding pages it may write under two leases: 3 reserved pages after a locked
+    2-page hit, and 4 reserved pages of a prefix the daemon has none of. Returns the leases too."""
     session, namespace = state.attach(GEOMETRY, pid=pid, pid_watched=watched, pid_namespace_id=NS_ID,
                                       process_start_time=START)
     hit = tokens(rng, 2)
@@ -60,7 +60,7 @@ def keep_alive(state, clock, session, seconds: float, step_s: float = 0.5) -> No
 
 def test_an_unwatched_session_that_expires_quarantines_what_it_could_write_until_the_grace(state, clock):
     """A session whose pid is not watched expires after session_timeout_s; the pages it could still
-    write (the backup pages of its two match leases) are then quarantined: counted in
+    write (the reserved pages of its two leases) are then quarantined: counted in
     integrity and status, never handed to another session, until session_grace_s after its last
     sign of life, when they are free."""
     rng = np.random.default_rng(1)

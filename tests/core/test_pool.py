@@ -157,7 +157,7 @@ def test_an_active_namespace_gives_up_only_chunks_colder_than_what_the_taker_cou
 
 
 def test_chunks_holding_leased_private_or_quarantined_pages_never_change_hands(clock, rng):
-    """Chunk 0 holds a prefix under a lease, chunk 2 a session's reserved backup pages, chunk 3
+    """Chunk 0 holds a prefix under a lease, chunk 2 a session's reserved pages, chunk 3
     the pages of a session that went silent (quarantined: it may still write them): a second
     geometry that asks for the whole pool gets chunk 1 only. Once the lease and the reservation
     are released, the quarantine has ended and the first geometry is idle, it gets the other three."""

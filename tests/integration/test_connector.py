@@ -77,7 +77,7 @@ def test_a_finished_requests_blocks_are_released_once_its_gathers_are_done_not_i
     a preempted request under its id once it is released): a second save under it is a request of
     its own. Once the DMA completes the pages of both are committed, and each request that held its
     blocks is released once. (The daemon is stopped while the first save and request_finished are
-    called, so that the match's reply is not in yet and the request does hold its blocks; its
+    called, so that the acquire's reply is not in yet and the request does hold its blocks; its
     heartbeats are slow, as in the test below, so that the pause costs no session.)"""
     daemon = DaemonProcess(extra_args=PATIENT_DAEMON).start()
     rng = np.random.default_rng(SEED + 40)

@@ -23,7 +23,7 @@ def l2(status: dict) -> dict:
 
 def test_sigkilled_engines_lose_leases_through_their_pids(daemon):
     """Engines killed with SIGKILL mid-backup (each holding a lease on a committed prefix and a
-    match's reserved backup pages) have every lease reclaimed because their processes are gone
+    acquire's reserved pages) have every lease reclaimed because their processes are gone
     (seen through their pids, not by missed heartbeats); their pages are free or evictable at
     once, none quarantined. (How soon: bench/drills.py measures it.)"""
     holders = [start_holder(daemon.socket_path, seed=seed) for seed in (1, 2)]

@@ -22,7 +22,7 @@ STALL_S = 2.5                    # past the session timeout
 
 
 def stale_writer_scenario(daemon: DaemonProcess, seed: int, expect_expiry: bool) -> dict:
-    """Engine A prepares a prefix (its match reserves backup pages) and is SIGSTOPped past the
+    """Engine A prepares a prefix (its acquire reserves pages) and is SIGSTOPped past the
     session timeout; engine B backs up the same prefix with other KV and commits; A resumes and
     finishes; engine C restores the prefix. Returns C's result with the daemon's last status."""
     a_state, b_state = (os.path.join(daemon.socket_dir, f"{n}.kv") for n in "ab")
@@ -59,7 +59,7 @@ def stale_writer_scenario(daemon: DaemonProcess, seed: int, expect_expiry: bool)
 @pytest.mark.parametrize("pid_watch", [True, False], ids=["pid-watched", "heartbeats-only"])
 def test_an_engine_stalled_past_its_session_never_overwrites_pages_given_to_another(pid_watch):
     """C restores exactly B's bytes, all 8 pages from L2, although A (whose match had reserved
-    backup pages) was SIGSTOPped past the session timeout and finished its backup after B's
+    reserved pages) was SIGSTOPped past the session timeout and finished its backup after B's
     commit. With the pid watched, A keeps its session through the stall; with heartbeats only, A's
     session ends and its pages stay quarantined while B backs up."""
     seed = 1000 + pid_watch

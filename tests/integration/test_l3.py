@@ -290,8 +290,8 @@ def test_a_promoting_match_cut_short_by_shutdown_gets_shutting_down_and_leaks_no
 
 def shutdown_cancelled_every_task(server) -> bool:
     """Whether the server's shutdown has begun and cancelled every task it had (a task cancelled
-    before its I/O started is gone already). stop_event is set after the match's task was spawned
-    (both are queued on the loop in that order), so the match's task is among them."""
+    before its I/O started is gone already). stop_event is set after the acquire's task was spawned
+    (both are queued on the loop in that order), so the acquire's task is among them."""
     if not server.stop_event.is_set():
         return False
     try:
