@@ -288,13 +288,16 @@ class Channel:
             del self.pending_async[request_id]
 
     def abandoned_acquires(self) -> int:
-        """Given-up acquires whose replies (and leases) may still come. One given up longer ago than
-        the timeout is forgotten: the daemon evidently dropped its reply, and the session's end
-        reclaims whatever it held."""
+        """Given-up acquires whose replies (and leases) a flush still waits for: those given up
+        within the timeout. One given up longer ago is not waited for (an acquire that waits for a
+        promotion is answered once the read is done; or the daemon dropped its reply), but stays
+        known, so that its lease is still released if its reply comes (the session's end reclaims
+        it otherwise). Other given-up requests hold nothing: past the timeout they are forgotten."""
         horizon = time.monotonic() - self.timeout_s
-        for request_id in [r for r, (_, given_up, _) in self.abandoned.items() if given_up < horizon]:
+        for request_id in [r for r, (kind, given_up, _) in self.abandoned.items()
+                           if given_up < horizon and kind not in LEASE_KINDS]:
             del self.abandoned[request_id]
-        return sum(1 for kind, _, _ in self.abandoned.values() if kind in LEASE_KINDS)
+        return sum(1 for kind, given_up, _ in self.abandoned.values() if kind in LEASE_KINDS and given_up >= horizon)
 
     def absorb_until(self, done: Callable[[], bool], deadline: float) -> None:
         """Take in replies as they come until done() or the deadline."""

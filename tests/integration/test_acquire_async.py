@@ -10,9 +10,12 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
+from engine_client.channel import Channel
 from engine_client.client import ConnectionState, DaemonDown, DaemonUnavailable, connect
-from proto.messages import KVGeometry
+from proto import codec
+from proto.messages import KVGeometry, MsgKind
 from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
 GEOMETRY = KVGeometry("async-model", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", page_size=16)
@@ -179,3 +182,35 @@ def test_wait_for_a_reply_that_cannot_come_returns_at_once(daemon, client, rng):
     assert time.monotonic() - started < 30, "the wait sat out its bound"
     with pytest.raises(DaemonDown):
         pending.result()
+
+
+def test_a_given_up_acquire_answered_after_a_flush_still_has_its_lease_released(tmp_path):
+    """An acquire that waits for a promotion is answered once the read is done, after the replies
+    to later requests. Given up, and outlived by a flush's heartbeat (the flush stops waiting for
+    it once the client's timeout has passed), its reply, when it comes, still hands its lease to be
+    released (``on_orphan_lease``, with the generation it was sent for). A daemon over a real
+    ipc:// socket, scripted here to answer in that order."""
+    context = zmq.Context()
+    daemon = context.socket(zmq.ROUTER)
+    daemon.bind(f"ipc://{tmp_path}/kvcached.sock")
+    channel = Channel(context, str(tmp_path / "kvcached.sock"), timeout_s=0.05)
+    orphans = []
+    channel.on_orphan_lease = lambda lease_id, generation: orphans.append((lease_id, generation))
+    try:
+        acquire_id = channel.begin(MsgKind.ACQUIRE, {"session_id": 1, "promote": "wait"})
+        engine, acquire = daemon.recv_multipart()
+        assert codec.decode(acquire).request_id == acquire_id
+        channel.abandon(acquire_id, MsgKind.ACQUIRE, generation=3)
+        time.sleep(2 * channel.timeout_s)          # the promotion's read takes longer than the timeout
+        heartbeat_id = channel.begin(MsgKind.HEARTBEAT, {"session_id": 1})
+        engine, _ = daemon.recv_multipart()
+        daemon.send_multipart([engine, codec.encode(MsgKind.REPLY, heartbeat_id, {})])
+        assert channel.wait_for(heartbeat_id, MsgKind.HEARTBEAT, timeout_s=5.0) == {}
+        assert channel.abandoned_acquires() == 0, "a flush waits for a reply older than the timeout"
+        daemon.send_multipart([engine, codec.encode(MsgKind.REPLY, acquire_id, {"lease_id": 42})])
+        channel.absorb_until(lambda: bool(orphans), time.monotonic() + 5.0)
+        assert orphans == [(42, 3)], "the late reply's lease was never handed on to be released"
+    finally:
+        channel.close()
+        daemon.close(0)
+        context.term()
