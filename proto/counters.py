@@ -87,8 +87,8 @@ class Counts(collections.Counter):
 # not exported.
 
 # Why a request's acquire failed; a request that failed so fails its loads and skips its saves.
-MATCH_FAILURE_CAUSES = ("daemon_down", "daemon_unavailable", "match_refused", "no_reply", "send_failed")
-REQUEST_FAILURES = (*MATCH_FAILURE_CAUSES, "given_up", "closing")
+ACQUIRE_FAILURE_CAUSES = ("daemon_down", "daemon_unavailable", "match_refused", "no_reply", "send_failed")
+REQUEST_FAILURES = (*ACQUIRE_FAILURE_CAUSES, "given_up", "closing")
 LOAD_FAILURE_REASONS = (*REQUEST_FAILURES, "not_cached", "session_lost", "stale_generation", "transfer_failed",
                         "peer_changed", "request_finished", "unknown")
 # Why a save's pages were not written; also an acquire reply's save_skipped (the daemon's choice).
@@ -104,7 +104,7 @@ ENGINE_LOADED_PAGES = Counter("loaded_pages", "kvcached_engine_transfer_pages", 
 ENGINE_SAVED_PAGES = Counter("saved_pages", "kvcached_engine_transfer_pages", "", fixed={"direction": "d2h"})
 ENGINE_LOADS = Counter("loads", "kvcached_engine_loads", "Loads an engine asked for")
 ENGINE_SAVES = Counter("saves", "kvcached_engine_saves", "Saves an engine asked for")
-ENGINE_MATCHES = Counter("matches", "kvcached_engine_matches", "Acquires an engine's requests got a reply to")
+ENGINE_ACQUIRES = Counter("matches", "kvcached_engine_matches", "Acquires an engine's requests got a reply to")
 ENGINE_LOOKUPS = Counter("lookups", "kvcached_engine_lookups", "Lookups an engine sent")
 ENGINE_LOOKUPS_PREDICTED = Counter("lookups_predicted_recompute", "kvcached_engine_lookups_predicted", "Lookups an "
                                    "engine answered itself, from the published hints (recompute), sending an acquire "
@@ -134,8 +134,8 @@ ENGINE_SAVE_SKIPPED_PAGES = Counter("save_skipped_pages_{}", "kvcached_engine_sa
 # Status only: the sums of the two above over their reasons.
 ENGINE_LOAD_FAILED_PAGES_SUM = Counter("load_failed_pages", None, "kvcached_engine_load_failed_pages_total summed")
 ENGINE_SAVE_SKIPPED_PAGES_SUM = Counter("save_skipped_pages", None, "kvcached_engine_save_skipped_pages_total summed")
-ENGINE_MATCH_FAILURES = Counter("match_failures_{}", "kvcached_engine_match_failures", "Acquires that failed, by "
-                                "reason", "reason", MATCH_FAILURE_CAUSES)
+ENGINE_ACQUIRE_FAILURES = Counter("match_failures_{}", "kvcached_engine_match_failures", "Acquires that failed, by "
+                                  "reason", "reason", ACQUIRE_FAILURE_CAUSES)
 ENGINE_LOOKUP_FAILURES = Counter("lookup_failures_{}", "kvcached_engine_lookup_failures", "Lookups that failed, by "
                                  "reason", "reason", LOOKUP_FAILURE_CAUSES)
 ENGINE_REFUSALS = Counter("daemon_refusals_{}", "kvcached_engine_refusals", "Requests of an engine the daemon "

@@ -71,7 +71,7 @@ class Leases:
             # Nothing was leased: the request ends as one whose acquire failed, its saves skipped.
             request.failure = Cause.SEND_FAILED
             request.transition(RequestState.FAILED)
-            self.counters.add(counters.ENGINE_MATCH_FAILURES, 1, Cause.SEND_FAILED)
+            self.counters.add(counters.ENGINE_ACQUIRE_FAILURES, 1, Cause.SEND_FAILED)
             raise
 
     def take_reply(self, request: Request, config: ConnectorConfig, peer=None, timeout_s: float | None = None) -> None:
@@ -107,7 +107,7 @@ class Leases:
         request.written = np.zeros(len(lease.reserved_page_ids), dtype=bool)
         request.queued = np.zeros(len(lease.reserved_page_ids), dtype=bool)
         request.transition(RequestState.LEASED)
-        self.counters.add(counters.ENGINE_MATCHES)
+        self.counters.add(counters.ENGINE_ACQUIRES)
         self.counters.add(counters.ENGINE_PROMOTED_TOKENS, reply.promoted_tokens)
         if request.predicted and reply.choice and reply.choice not in ("recompute", "engine"):
             self.counters.add(counters.ENGINE_PREDICTION_MISSES)    # a restore the model would have taken
@@ -139,7 +139,7 @@ class Leases:
             cause = Cause.NO_REPLY
         request.match, request.failure = None, cause
         request.transition(RequestState.FAILED)
-        self.counters.add(counters.ENGINE_MATCH_FAILURES, 1, cause)
+        self.counters.add(counters.ENGINE_ACQUIRE_FAILURES, 1, cause)
         if cause is not Cause.DAEMON_DOWN:
             why = exc if exc is not None else f"no reply within {reply_timeout_s} s"
             self._warn_once(cause, f"a match failed ({cause}): {why}")

@@ -1,6 +1,6 @@
 """The online cost model: whether restoring a cached prefix beats recomputing it, learned from the
 times the engines and the daemon measure on this machine. No I/O; the daemon asks it at every
-lookup and restoring match, and feeds it samples.
+lookup and acquire that may restore, and feeds it samples.
 
 Each direction is a line, ``seconds = fixed_s + size * slope_s`` (size in bytes for transfers, in
 tokens for prefill), learned from the last ``WINDOW`` samples (size, seconds):
@@ -235,7 +235,7 @@ class CostModel:
         """Where the tokens beyond the engine's own hit (local_tokens) should come from: the leading
         tokens L2, L3, another engine's GPU cache (peer_tokens) and the remote store (remote_tokens:
         L2's hit and the pages the store holds after it) hold; 0: no candidate. Counted
-        under ``where``. Runs on the daemon's socket thread for every lookup and restoring match:
+        under ``where``. Runs on the daemon's socket thread for every lookup and acquire that may restore:
         plain arithmetic, no allocation beyond the reply's."""
         policy = policy or self.policy
         assert policy in RESTORE_POLICIES, policy

@@ -24,9 +24,9 @@ QUARANTINE_END_CAUSES = ("reattach", "process_gone", "grace")
 
 # ---- status "metrics" --------------------------------------------------------------------------
 
-MATCHES = Counter("matches", "kvcached_matches", "Acquires handled (requests that may lease pages)", per_model=True)
-MATCH_TOKENS = Counter("match_tokens", "kvcached_match_tokens", "Tokens (whole pages) of the prompts acquired",
-                       per_model=True)
+ACQUIRES = Counter("matches", "kvcached_matches", "Acquires handled (requests that may lease pages)", per_model=True)
+ACQUIRE_TOKENS = Counter("match_tokens", "kvcached_match_tokens", "Tokens (whole pages) of the prompts acquired",
+                         per_model=True)
 HIT_TOKENS = Counter("hit_tokens_{}", "kvcached_hit_tokens", "Leading tokens of acquired prompts the tier held (l2: "
                      "after any promotion from L3; peer: another engine's GPU cache)", "tier", (*TIERS, "peer"),
                      per_model=True)
@@ -46,12 +46,12 @@ COMMITTED_PAGES = Counter("backup_pages_committed", "kvcached_committed_pages", 
 DUPLICATE_PAGES = Counter("backup_pages_duplicate", "kvcached_duplicate_pages", "Saved pages another engine had "
                           "committed first (freed)")
 RESERVED_PAGES = Counter("backup_pages_reserved", "kvcached_reserved_pages", "L2 pages reserved for engines' saves")
-RESERVATION_FAILURES = Counter("backup_reserve_failures", "kvcached_reservation_failures", "Matches that wanted "
+RESERVATION_FAILURES = Counter("backup_reserve_failures", "kvcached_reservation_failures", "Acquires that wanted "
                                "pages for saves and got none")
 RESERVATIONS_CAPPED = Counter("reservations_capped", "kvcached_reservations_capped", "Reservations cut to a "
                               "session's share of a namespace")
-PROMOTIONS = Counter("promotions", "kvcached_promotions", "Matches served after an L3 -> L2 promotion")
-PROMOTION_FALLBACKS = Counter("restore_fallbacks", "kvcached_fallbacks", "Matches whose restore failed (the engine "
+PROMOTIONS = Counter("promotions", "kvcached_promotions", "Acquires served after an L3 -> L2 promotion")
+PROMOTION_FALLBACKS = Counter("restore_fallbacks", "kvcached_fallbacks", "Acquires whose restore failed (the engine "
                               "recomputes), by reason", fixed={"reason": "promotion_failed"})
 REMOTE_FALLBACKS = Counter("remote_restore_fallbacks", "kvcached_fallbacks", "", fixed={"reason": "remote_failed"})
 IO_PUBLISHED_PAGES = Counter("{}_pages_published", "kvcached_io_published_pages", "Pages an L3 write (h2s), "
@@ -129,7 +129,7 @@ REMOTE_BYTES = Counter("remote_bytes_{}", "kvcached_remote_bytes", "Page bytes r
 REMOTE_CHECKSUM_MISMATCHES = Counter("remote_checksum_mismatches", "kvcached_remote_checksum_mismatches", "Values "
                                      "the remote store gave that were not the page asked for (another page, torn, a "
                                      "wrong checksum): dropped, recomputed")
-REMOTE_RESTORES = Counter("remote_restores", "kvcached_remote_restores", "Matches served after a restore from the "
+REMOTE_RESTORES = Counter("remote_restores", "kvcached_remote_restores", "Acquires served after a restore from the "
                           "remote store")
 REMOTE_GET_CALLS = Counter("remote_get_calls", "kvcached_remote_get_calls", "Restores whose gets the remote store "
                            "answered")
@@ -166,7 +166,7 @@ REMOTE_DEADLINE_MISSES = Counter("remote_deadline_misses_{}", "kvcached_remote_d
 REMOTE_SKIPS = Counter("remote_skips_{}", "kvcached_remote_skips", "Remote store calls not made: the store was "
                        "unreachable (breaker open) or too many writes in flight", "op", REMOTE_OPS)
 REMOTE_WRITE_BACKLOG_SKIPS = Counter("remote_skips_put_backlog", "kvcached_remote_skips", "", fixed={"op": "put"})
-REMOTE_LOOKUPS = Counter("remote_exist_calls", "kvcached_remote_lookups", "Lookups and matches that asked the remote "
+REMOTE_LOOKUPS = Counter("remote_exist_calls", "kvcached_remote_lookups", "Lookups and acquires that asked the remote "
                          "store which following pages it holds")
 REMOTE_LOOKUP_SECONDS = Counter("remote_exist_seconds", "kvcached_remote_lookup_seconds", "Seconds those questions "
                                 "took (the latency they add to a request)")

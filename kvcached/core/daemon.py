@@ -277,8 +277,8 @@ class DaemonState:
         host_page_ids = list(result.page_ids[Tier.L2])
         hit_pages = hit_tokens // page_size
         model = namespace.geometry.model_id
-        self.metrics.add(counters.MATCHES, model=model)
-        self.metrics.add(counters.MATCH_TOKENS, num_pages * page_size, model=model)
+        self.metrics.add(counters.ACQUIRES, model=model)
+        self.metrics.add(counters.ACQUIRE_TOKENS, num_pages * page_size, model=model)
         self.metrics.add(counters.HIT_TOKENS, hit_tokens, "l2", model=model)
         if Tier.L3 in result.hit_tokens:
             self.metrics.add(counters.HIT_TOKENS, result.hit_tokens[Tier.L3], "l3", model=model)

@@ -1,7 +1,7 @@
 """Which resident pages a tier frees first: a reuse-aware LRU over the prefix tree's leaves.
 
 - Eviction knows reuse (S3-FIFO's idea on a tree of leaves): a node resident in a tier is
-  "reused" there once a match hits it (insertion is not use). Leaves never reused go first, oldest
+  "reused" there once an acquire hits it (insertion is not use). Leaves never reused go first, oldest
   first, so a flood of one-use prompts churns among themselves; reused leaves go first only while
   reused pages exceed MAIN_SHARE of the tier's pages (or nothing else is evictable), so old
   reuse cannot hold the whole tier and a new working set still gets room to be reused. The flag

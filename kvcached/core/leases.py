@@ -1,11 +1,11 @@
 """Sessions and leases: who holds which pages.
 
-A lease is the only way an engine holds daemon pages: it locks the tree path of a match (so
-those L2 pages are never evicted or reused while the engine reads them) and owns the private
-pages reserved for a backup. It ends exactly once, by release, by commit, or by reclaim when its
-session ends; the legal transitions live in ``_LEGAL_TRANSITIONS`` and nowhere else. The private pages of a lease reclaimed while its
-process may still be alive go to a ``Quarantine``, not back to the allocator (see "Fencing" in
-docs/architecture.md).
+A lease is the only way an engine holds daemon pages: it locks the tree path of an acquire's hit
+(so those L2 pages are never evicted or reused while the engine reads them) and owns the private
+pages reserved for the request's saves. It ends exactly once, by release, by commit, or by
+reclaim when its session ends; the legal transitions live in ``_LEGAL_TRANSITIONS`` and nowhere
+else. The private pages of a lease reclaimed while its process may still be alive go to a
+``Quarantine``, not back to the allocator (see "Fencing" in docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sessions and the one lease lifecycle: a lease is granted on a match, and ends exactly once, by
+"""Sessions and the one lease lifecycle: a lease is granted on an acquire, and ends exactly once, by
 release, by commit, or by reclaim when its session ends (``LeaseState``'s transitions); the private
 pages of a lease reclaimed while its process may still write them go to a ``Quarantine`` (see
 "Fencing" in docs/architecture.md). No I/O: the server reports a watched process's exit
@@ -192,13 +192,13 @@ class SessionTable:
     def reservable_pages(self, session: Session, namespace: Namespace) -> int:
         """How many more L2 pages this session may reserve: ``session_share`` of the namespace's
         pages, less the private pages of all its leases. One cap for every path that reserves L2
-        pages for a session (a match's backup pages or its L3 promotion)."""
+        pages for a session (an acquire's reserved pages or its L3 promotion)."""
         held = sum(len(self.leases[lease_id].private_page_ids) for lease_id in session.lease_ids)
         return max(0, int(namespace.num_pages * self.session_share) - held)
 
     def grant(self, session: Session, namespace: Namespace, token_ids, locked_node: TreeNode | None, hit_pages: int,
               private_page_ids: list[int], generation: int) -> Lease:
-        """A lease on a match: ``locked_node`` (the deepest node of its L2 hit, locked by the caller)
+        """A lease on an acquire: ``locked_node`` (the deepest node of its L2 hit, locked by the caller)
         is unlocked and ``private_page_ids`` are freed (or quarantined) when it ends."""
         lease = Lease(
             lease_id=next(self._lease_ids),

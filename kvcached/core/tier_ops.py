@@ -57,7 +57,7 @@ class TierMove:
     page_checksums: list[int] = dataclasses.field(default_factory=list)
     page_keys: list[bytes] = dataclasses.field(default_factory=list)
     num_published_pages: int = 0         # s2h: the leading pages whose checksums matched (all without an index)
-    decision: Any = None                 # s2h for a match: the cost model's decision that asked for it
+    decision: Any = None                 # s2h for an acquire: the cost model's decision that asked for it
     source_generations: list[int] = dataclasses.field(default_factory=list)   # h2s: the L2 pages' published ones
     remote: bool = False                 # r2h: the pages come from the remote store (no source pages)
     # r2h, set by the I/O layer before the move is finished: the leading pages whose values held

@@ -1,5 +1,5 @@
 """Tiering: the copies between tiers the daemon plans and the I/O layer runs: write-through of
-committed L2 pages to L3 (H2S), promotion of pages only L3 holds (S2H, for a match or in the
+committed L2 pages to L3 (H2S), promotion of pages only L3 holds (S2H, for an acquire or in the
 background), gets from the remote store into L2 (R2H) and write-through to it (H2R).
 
 A move's destination pages are private to it while it runs, and the tree nodes it reads from or
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteAsk(NamedTuple):
-    """What the I/O layer asks the remote store before a lookup or match: which of pages
+    """What the I/O layer asks the remote store before a lookup or acquire: which of pages
     [start_page, end_page) of this path it holds (their keys chain from page 0)."""
     namespace_id: int
     namespace_key: str

@@ -107,10 +107,10 @@ def _daemon_counters(families: _Families, snapshot: dict[str, Any]) -> None:
     _declared_counters(families, counters.DAEMON, snapshot.get("metrics", {}), by_model)
     # Derived, per model: what acquires asked for and L2 did not have (after promotion). Both
     # counters grow together, by an acquire's tokens and by at most as many hits: it never decreases.
-    match_tokens, hit_tokens_l2 = counters.MATCH_TOKENS.keys[""], counters.HIT_TOKENS.keys["l2"]
+    match_tokens, hit_tokens_l2 = counters.ACQUIRE_TOKENS.keys[""], counters.HIT_TOKENS.keys["l2"]
     for model, values in by_model.items():
         if match_tokens in values:
-            families.add(CounterMetricFamily, "kvcached_miss_tokens", "Tokens of matched prompts L2 did not "
+            families.add(CounterMetricFamily, "kvcached_miss_tokens", "Tokens of acquired prompts L2 did not "
                          "hold after promotion: recomputed, unless the engine's own GPU cache held them",
                          {"model": model}, values[match_tokens] - values.get(hit_tokens_l2, 0))
 
@@ -230,7 +230,7 @@ def cost_model_metrics(families: _Families, snapshot: dict[str, Any]) -> None:
     per engine (``model``, ``namespace``) and direction its line's fixed term, slope, sample count
     and mode; the storage lines (the daemon's one L3 file: ``s2h`` reads, ``h2s`` writes) with
     empty ``model`` and ``namespace``; the decisions per choice and the hits not restored per
-    source, each by ``where`` (``lookup``, ``match``, ``predicted``); the policy; the background
+    source, each by ``where`` (``lookup``, ``match`` (an acquire), ``predicted``); the policy; the background
     promotions."""
     cost = snapshot.get("cost_model")
     if not cost:

@@ -60,10 +60,10 @@ COLUMNS: dict[str, dict[str, str]] = {
         "e2e_s": "mean seconds from a move's enqueue to its completion",
     },
     "rates (with --follow: over the interval since the previous snapshot)": {
-        "matches/s": "matches handled per second",
-        "hit": "per tier: leading tokens of matched prompts the tier held, per second (l2: after promotion)",
-        "miss": "tokens of matched prompts L2 did not hold (after promotion), per second: recomputed unless in the engine's GPU cache",
-        "hit rate": "l2 hit tokens / matched tokens over the interval",
+        "matches/s": "acquires handled per second",
+        "hit": "per tier: leading tokens of acquired prompts the tier held, per second (l2: after promotion)",
+        "miss": "tokens of acquired prompts L2 did not hold (after promotion), per second: recomputed unless in the engine's GPU cache",
+        "hit rate": "l2 hit tokens / acquired tokens over the interval",
         "lookups/s": "side-effect-free lookups per second",
         "load": "bytes engines loaded from L2 into GPU memory (h2d), GB/s (10^9 bytes)",
         "save": "bytes engines saved from GPU memory into L2 (d2h), GB/s",
@@ -77,7 +77,7 @@ COLUMNS: dict[str, dict[str, str]] = {
         "samples": "samples taken in since start",
         "fixed_ms": "the line's fixed term, milliseconds",
         "slope": "its slope, as a bandwidth (GiB/s) or, for prefill, microseconds per token",
-        "decisions": "restore choices taken per lookup and match, by choice",
+        "decisions": "restore choices taken per lookup and acquire, by choice",
         "policy skips": "hits not restored, by the tier skipped",
     },
     "other": {

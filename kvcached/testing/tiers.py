@@ -35,7 +35,7 @@ class TierControl:
     def hits(self, token_ids, remote: bool = False) -> dict[str, int]:
         """Leading tokens of token_ids each tier holds (whole pages); changes nothing (a plain
         lookup starts no background promotion either). remote: the store is asked too (a lookup
-        of the lower tiers, promote_l3, on a daemon without L3: nothing to promote), "remote" the
+        with prefetch, on a daemon without L3: nothing to promote), "remote" the
         leading tokens L2 and the store hold together."""
         reply = self.client.lookup_async(np.asarray(token_ids, dtype=np.int32), prefetch=remote).result()
         return {"l2": reply.hit_tokens.get("l2", 0), "l3": reply.hit_tokens.get("l3", 0),

@@ -102,10 +102,10 @@ def test_counting_what_no_declaration_names_raises_and_counts_nothing(rng):
     amount = int(rng.integers(1, 1000))
     tomorrow = Counter("a_counter_of_tomorrow", "kvcached_tomorrow", "not declared")
     for counter, label in (("matches", ""), (tomorrow, ""), (counters.HIT_TOKENS, "l4"), (counters.HIT_TOKENS, ""),
-                           (counters.MATCHES, "l2"), (counters.REMOTE_CONNECTS, ""), (counters.REQUEST_SECONDS, "acquire")):
+                           (counters.ACQUIRES, "l2"), (counters.REMOTE_CONNECTS, ""), (counters.REQUEST_SECONDS, "acquire")):
         with pytest.raises(KeyError):
             metrics.add(counter, amount, label, model="model-a")
-    for histogram, label in ((counters.REQUEST_SECONDS, "no_such_kind"), (counters.MATCHES, "")):
+    for histogram, label in ((counters.REQUEST_SECONDS, "no_such_kind"), (counters.ACQUIRES, "")):
         with pytest.raises(KeyError):
             metrics.observe(histogram, 0.001, label)
     assert metrics.snapshot() == {} and metrics.model_snapshot() == {} and metrics.histogram_snapshot() == {}
