@@ -76,15 +76,16 @@ class Leases:
 
     def take_reply(self, request: Request, config: ConnectorConfig, peer=None, timeout_s: float | None = None) -> None:
         """Take the match's reply if it is here (or comes within timeout_s; with None, a reply
-        later than ``config.reply_timeout_s`` fails the request): MATCHING -> LEASED or FAILED. A
-        DEFERRED match is sent first."""
+        later than ``config.reply_timeout_s`` fails the request, and one that cannot come, its
+        session known ended, fails it at once): MATCHING -> LEASED or FAILED. A DEFERRED match is
+        sent first."""
         if request.state is RequestState.DEFERRED:
             self.send(request)
         if request.state is not RequestState.MATCHING:
             return
         pending = request.match
         try:
-            if timeout_s is None and not pending.ready():
+            if timeout_s is None and not pending.wait(0):      # wait(0): in, or none can come
                 if time.monotonic() - request.match_sent_at < config.reply_timeout_s:
                     return
                 pending.cancel()        # a late reply's lease is released by the client

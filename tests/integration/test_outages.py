@@ -20,10 +20,13 @@ import engine_client.client as client_module
 import engine_client.connection as connection_module
 from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, DaemonDown, connect
+from engine_client.connector import ConnectorConfig, LoadResult
 from kvcached.server.shm import segment_name
 from proto import codec
 from proto.messages import PROTOCOL_VERSION, MsgKind
 from kvcached.testing.daemon_proc import DaemonProcess, stop_process, wait_until
+from kvcached.testing.connector_engine import P, Engine
+from kvcached.testing.connector_engine import random_tokens as connector_tokens
 from kvcached.testing.engine_proc import GEOMETRY
 from kvcached.testing.managers import PAGE, can_run_small_shm, engine_warnings, make_manager, prefill_and_finish, random_tokens, segment_mapped
 
@@ -511,3 +514,23 @@ def test_a_restart_succeeds_where_shm_cannot_hold_two_pools(sig, idle):
 
     report = run_in_small_shm(sig, seed=(4103 if sig == "KILL" else 4104) + 10 * idle, idle=idle)
     assert report["restarted"] and report["both_hit_bit_exact"] and report["idle"] is idle, report
+
+
+def test_a_load_waiting_for_its_acquire_fails_as_soon_as_the_daemon_is_known_down(daemon):
+    """A load whose acquire is in flight (the daemon stopped) when the daemon is SIGKILLed: once the
+    client knows the session ended, polls fail the load as daemon_down within 5 s, not as no_reply
+    once its reply timeout (60 s here) has passed for a reply that cannot come."""
+    rng = np.random.default_rng(4111)
+    engine = Engine(daemon.socket_path, config=ConnectorConfig(report_interval_s=0, policy="always",
+                                                               reply_timeout_s=60.0))
+    try:
+        tokens = connector_tokens(rng, 4 * P)
+        stop_process(daemon.proc.pid)
+        engine.connector.load("r", tokens, [0, 1, 2, 3], 4 * P)
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: engine.connector.client.connection.session_ended, 10.0, "the client to know it down")
+        engine.poll_until(lambda: engine.loads, "the load's end", timeout_s=5.0)
+        assert [load._replace(transfer_s=0.0) for load in engine.loads] == \
+            [LoadResult("r", 0, [0, 1, 2, 3], "daemon_down", 0.0)], engine.loads
+    finally:
+        engine.close()
