@@ -129,7 +129,7 @@ def main() -> None:
                 drop_file_cache(l3_path)
 
                 started = time.perf_counter()
-                plan = engine.prepare(tokens, backup=False)
+                plan = engine.prepare(tokens, save=False)
                 l3_to_l1_s = time.perf_counter() - started
                 after = engine.client.status()
                 assert plan.restored_tokens == full_pages * geometry.page_size, (plan.restored_tokens, full_pages)

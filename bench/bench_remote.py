@@ -128,7 +128,7 @@ def run(args) -> dict:
                     store_first = i % 2 == 0          # alternate which goes first
                     store_s = store_get_seconds(store, keys, geo.bytes_per_page, buffer[(i % DESTINATION_REGIONS) * region_bytes:]) if store_first else None
                     started = time.perf_counter()
-                    plan = reader.prepare(tokens, backup=False)
+                    plan = reader.prepare(tokens, save=False)
                     prepare_s = time.perf_counter() - started
                     if not store_first:
                         store_s = store_get_seconds(store, keys, geo.bytes_per_page, buffer[(i % DESTINATION_REGIONS) * region_bytes:])

@@ -314,7 +314,7 @@ def drill_restart_l2_hit() -> dict:
         writer.client.flush()
         hit_s, exact = None, False
         while time.monotonic() - back_at < 10.0:
-            plan = engine.prepare(tokens, backup=False)
+            plan = engine.prepare(tokens, save=False)
             if plan.restored_tokens == len(tokens):
                 hit_s = time.monotonic() - back_at
                 exact = torch.equal(engine.read_tokens_kv(plan.l1_page_ids).view(torch.int16),

@@ -69,7 +69,7 @@ class RequestPlan:
     reserved_page_ids: list[int]        # the private L2 pages reserved for them
     restore_seconds: float = 0.0        # wall time of the load, from queueing to its result
     finished: bool = False
-    backup: bool = True                 # save the new full pages at finish
+    save: bool = True                   # save the new full pages at finish
     request_id: int | None = None       # the connector's, while the request is open there
 
 
@@ -122,7 +122,7 @@ class CacheManager:
 
     # ---- per request ----------------------------------------------------------------------------
 
-    def prepare(self, token_ids: Sequence[int] | np.ndarray, backup: bool = True) -> RequestPlan:
+    def prepare(self, token_ids: Sequence[int] | np.ndarray, save: bool = True) -> RequestPlan:
         """L1 match, then the daemon's match (one round trip), then the load of what L2 adds.
 
         A daemon that is down or does not answer, or a load that fails, is not the request's
@@ -157,7 +157,7 @@ class CacheManager:
                 result = self._load(request_id, tokens, new_l1_page_ids[:num_loadable], first)
                 restore_seconds = time.perf_counter() - started
                 num_loaded = result.num_tokens // page_size
-            if not backup:                  # nothing to save: the lease ends now
+            if not save:                    # nothing to save: the lease ends now
                 self._end_request(request_id)
         except BaseException:
             self._end_request(request_id)   # nothing of it writes the pages freed below any more
@@ -181,7 +181,7 @@ class CacheManager:
             restored_tokens=num_loaded * page_size, l2_hit_tokens=lease.hit_tokens,
             lease_id=lease.lease_id if is_open else None, reserved_start_token=lease.hit_tokens,
             reserved_page_ids=lease.reserved_page_ids.tolist() if is_open else [],
-            restore_seconds=restore_seconds, backup=backup, request_id=request_id if is_open else None)
+            restore_seconds=restore_seconds, save=save, request_id=request_id if is_open else None)
         self._open_plans.append(plan)
         return plan
 

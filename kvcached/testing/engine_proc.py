@@ -78,14 +78,14 @@ def run_restore(manager: CacheManager, state_path: str, seed: int) -> dict:
     # Another request holds the first L1 pages, so our destinations differ from the source pages.
     other_tokens = np.random.default_rng(seed).integers(0, 150_000, size=11 * GEOMETRY.page_size, dtype=np.int32)
     started = time.perf_counter()
-    other_request = manager.prepare(other_tokens, backup=False)
+    other_request = manager.prepare(other_tokens, save=False)
     other_prepare_seconds = time.perf_counter() - started
     results = []
     for entry in saved:
         tokens = entry["tokens"]
         full_tokens = len(tokens) // GEOMETRY.page_size * GEOMETRY.page_size
         started = time.perf_counter()
-        plan = manager.prepare(tokens, backup=False)
+        plan = manager.prepare(tokens, save=False)
         prepare_seconds = time.perf_counter() - started
         check_all(manager)
         restored = manager.read_tokens_kv(plan.l1_page_ids).cpu()

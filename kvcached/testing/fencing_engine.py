@@ -93,7 +93,7 @@ def main() -> int:
                 errors = [str(exc)]
             say(finished=args.name, backed_up=backed_up, errors=errors, stats=manager.stats())
         elif command == "restore":
-            plan = manager.prepare(tokens, backup=False)
+            plan = manager.prepare(tokens, save=False)
             expected = torch.load(args.compare)
             restored = manager.read_tokens_kv(plan.l1_page_ids).cpu()
             equal_pages = sum(torch.equal(restored[i].view(torch.int16), expected[i].view(torch.int16))

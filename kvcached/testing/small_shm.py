@@ -45,7 +45,7 @@ def hit_exactly(reader, tokens: np.ndarray, expected: torch.Tensor, timeout_s: f
     started = time.monotonic()
 
     def restored():
-        plan = reader.prepare(tokens, backup=False)
+        plan = reader.prepare(tokens, save=False)
         if plan.restored_tokens == len(tokens):
             return plan
         reader.abort(plan)

@@ -66,7 +66,7 @@ def test_failed_restore_recomputes_and_keeps_nothing_locked(manager, monkeypatch
         raise RuntimeError("injected transfer failure")
 
     monkeypatch.setattr(KVTransfer, "load", broken_load)
-    plan = manager.prepare(tokens, backup=False)
+    plan = manager.prepare(tokens, save=False)
     assert plan.l2_hit_tokens == 6 * PAGE and plan.restored_tokens == 0 and plan.num_cached_tokens == 0
     assert len(plan.new_l1_page_ids) == 6 and plan.lease_id is None
     assert manager.stats()["load_failed_pages_transfer_failed"] == 6

@@ -76,7 +76,7 @@ def test_one_kv_head_and_one_token_pages_are_accepted(daemon, num_kv_heads, page
     reader = CacheManager.attach(connect(daemon.socket_path), geometry, num_l1_pages=64)
     try:
         assert writer.connector.geometry == geometry
-        reader.prepare(random_tokens(rng, 3 * page_size), backup=False)   # other L1 pages than the writer's
+        reader.prepare(random_tokens(rng, 3 * page_size), save=False)   # other L1 pages than the writer's
         tokens = random_tokens(rng, 5 * page_size)
         plan = writer.prepare(tokens)
         kv = writer.l1_pool.kv
@@ -85,7 +85,7 @@ def test_one_kv_head_and_one_token_pages_are_accepted(daemon, num_kv_heads, page
             kv[:, :, page] = (torch.randn(kv[:, :, page].shape, generator=generator) + 0.5).to(kv.dtype)
         expected = writer.read_tokens_kv(plan.new_l1_page_ids)
         assert writer.finish(plan) == 5 and writer.client.flush() == []
-        restored = reader.prepare(tokens, backup=False)
+        restored = reader.prepare(tokens, save=False)
         assert restored.restored_tokens == len(tokens), f"seed {seed}"
         assert torch.equal(reader.read_tokens_kv(restored.l1_page_ids).view(torch.int16), expected.view(torch.int16))
         reader.finish(restored)
@@ -167,7 +167,7 @@ def test_register_at_max_namespaces_runs_without_the_cache_then_attaches_by_itse
         assert expected is not None, "no backup within 10 s of the attach"
         assert second.client.flush() == []
         second.l1_pool.free(second.l1_index.evict(second.l1_index.num_cached_pages))
-        restored = second.prepare(tokens, backup=False)
+        restored = second.prepare(tokens, save=False)
         assert restored.restored_tokens == len(tokens), f"seed {seed}"
         assert torch.equal(second.read_tokens_kv(restored.l1_page_ids).view(torch.int16), expected.view(torch.int16))
         second.finish(restored)

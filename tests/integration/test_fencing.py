@@ -142,7 +142,7 @@ def test_an_engine_whose_session_is_not_known_valid_still_loads_and_saves(daemon
         plan = reader.prepare(tokens)
         assert plan.l2_hit_tokens == 8 * E2E.page_size, f"seed {seed}"
         assert plan.restored_tokens == 8 * E2E.page_size, f"seed {seed}"
-        written = writer.read_tokens_kv(writer.prepare(tokens[:8 * E2E.page_size], backup=False).l1_page_ids)
+        written = writer.read_tokens_kv(writer.prepare(tokens[:8 * E2E.page_size], save=False).l1_page_ids)
         restored = reader.read_tokens_kv(plan.l1_page_ids[:8])
         assert torch.equal(restored.view(torch.int16), written.view(torch.int16)), f"seed {seed}"
         assert reader.stats().get("load_failed_pages", 0) == 0

@@ -176,7 +176,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
         assert backed_up == 6 and writer.client.flush() == []
 
         def restored():
-            plan = engine.prepare(tokens, backup=False)
+            plan = engine.prepare(tokens, save=False)
             if plan.restored_tokens == len(tokens):
                 return plan
             engine.abort(plan)
@@ -218,7 +218,7 @@ def test_engine_reattaches_after_a_daemon_restart(daemon, caplog):
         new_tokens, new_kv = wait_until(backed_up_new, 5.0, "a backup into the new daemon")
         assert engine.client.flush() == []
         forget_l1(writer)
-        plan = writer.prepare(new_tokens, backup=False)
+        plan = writer.prepare(new_tokens, save=False)
         assert plan.restored_tokens == len(new_tokens)
         assert torch.equal(writer.read_tokens_kv(plan.l1_page_ids).view(torch.int16), new_kv.view(torch.int16))
         writer.finish(plan)
