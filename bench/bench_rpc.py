@@ -1,7 +1,7 @@
-"""Match round trip, measured from another process, against plain ZeroMQ + msgpack.
+"""Acquire round trip, measured from another process, against plain ZeroMQ + msgpack.
 
-The daemon holds 10,000 prefixes in its tree; the client matches a 64-token and an 8,192-token
-prefix (both cached, so each match also creates a lease that is released without waiting, as an
+The daemon holds 10,000 prefixes in its tree; the client acquires a 64-token and an 8,192-token
+prefix (both cached, so each acquire also creates a lease that is released without waiting, as an
 engine does). The baseline, in the same run: a plain synchronous ZeroMQ ROUTER server in another
 process that decodes the same msgpack request and answers with a reply of the same shape.
 
