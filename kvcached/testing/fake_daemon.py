@@ -53,12 +53,15 @@ class FakePending:
         self._ended = False
 
     def ready(self) -> bool:
+        """Whether the reply has come (as the client's: not whether one can still come)."""
         if self._ended:
             raise RuntimeError("this request has already ended (result() or cancel() was called)")
-        return self._answered()
+        return not self._daemon.hold_replies
 
     def wait(self, timeout_s: float) -> bool:
-        return self._answered()         # nothing here answers while a test waits: held stays held
+        """True once the reply is in or none can come (the session ended); nothing here answers
+        while a test waits: held stays held."""
+        return self._answered()
 
     def _answered(self) -> bool:
         return not self._daemon.hold_replies or self._daemon.session_ended
