@@ -71,7 +71,7 @@ class EngineConnector(Protocol):
     # nothing given up), result(timeout_s) (lookup's answer; 0 if not in by then), cancel() and give_up(waited_s)
     # (cancel(), counted as a lookup with no reply). KVConnector has it.
     # Optional, where can_begin is true: begin(cid, token_ids, local_hit_tokens) -> the same, but the
-    # lookup is the request's match (EngineConfig.begin_lookups): the load that follows sends nothing;
+    # lookup is the request's acquire (EngineConfig.begin_lookups): the load that follows sends nothing;
     # a cancelled one ends the request cid. KVConnector has it (one rank).
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:

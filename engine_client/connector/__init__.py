@@ -6,7 +6,7 @@ Shaped like vLLM's KV-connector v1, per scheduler step and never waiting on the 
     n = connector.lookup(token_ids, local_hit_tokens=h) # side-effect free; the daemon's decision: hold
                                                         # n leading tokens (restore [h, n)), recompute the rest
     ... the engine allocates its own blocks for the request ...
-    connector.load(rid, token_ids, block_ids, n)        # queued: a match takes the lease, the DMA and
+    connector.load(rid, token_ids, block_ids, n)        # queued: an acquire takes the lease, the DMA and
                                                         # scatter follow its reply (poll)
     connector.poll()                                    # once per step: replies in, transfers queued
     connector.finished().loads                          # LoadResult per load: loaded or failed blocks
@@ -22,11 +22,11 @@ model: each transfer's time (CUDA events; no host wait) and the engine's prefill
 (``report_prefill``) go to the daemon with the periodic report.
 
 An engine whose scheduler holds the connector may instead ``begin(rid, token_ids, hit)``: a
-lookup that is the request's match (the decision, the lease and the reservation in one round trip),
+lookup that is the request's acquire (the decision, the lease and the reservation in one round trip),
 so that its ``load`` queues the copies at the call, a round trip sooner. Where the daemon's
 admission hints (``engine_client.hints``, read from shared memory) show that it would decline every
 restore of the request (no L2 hit, no peer, no L3 hit long enough to win), ``begin``'s lookup is
-ready at once with "recompute": the engine admits the request with no round trip. Its match
+ready at once with "recompute": the engine admits the request with no round trip. Its acquire
 (promote ``recompute``) is sent by the request's next connector call (its save, or a poll), which an
 engine makes once its forward is launched: the send, and the reply that brings the save's
 reservation, take the host while the GPU runs, not between admission and launch. A stale hint
@@ -61,7 +61,7 @@ Re-attach: ``session.py``.
 Peer restores (``ConnectorConfig.peer``, ``engine_client/peer.py``): the engine's tensors are
 registered for other engines on its GPU to copy from; the engine says which blocks it is about to
 write (``will_write_blocks``) and which hold a prompt's pages (``blocks_cached``), published at
-``poll``. A match whose decision is "peer" (another engine's blocks, priced by the daemon's cost
+``poll``. An acquire whose decision is "peer" (another engine's blocks, priced by the daemon's cost
 model against L2, L3 and recompute) loads from them, GPU to GPU, each copy's time a "d2d" sample;
 blocks that engine changed during the copy are reported failed (``peer_changed``).
 
@@ -72,7 +72,7 @@ is shorter than asked loads what it has and reports the rest failed.
 
 Modules, one concern each: ``config`` (ConnectorConfig), ``lookups`` (PrefixLookup, PendingLookup,
 BegunLookup), ``state`` (RequestState and its transitions, the causes), ``lease`` (the one way a
-request gets its lease; every match, commit and release call), ``jobs`` (copies by route),
+request gets its lease; every acquire, commit and release call), ``jobs`` (copies by route),
 ``transfers`` (a request's loads and saves), ``session`` (the mapped pool follows the session),
 ``reporting`` (counters and cost samples), ``kv_connector`` (KVConnector).
 """
