@@ -224,14 +224,15 @@ class DaemonState:
     def acquire_after(self, request: Acquire, move: TierMove) -> AcquireReply:
         """The reply to an ``acquire`` that returned ``move``, once the move is finished (or, for
         a remote one, given up on): what it published is an L2 hit; the engine recomputes what it
-        could not give. The decision is the one the move was planned for."""
+        could not give. The decision is the one the move was planned for. An acquire whose session
+        ended meanwhile is refused (NOT_ATTACHED), and counted neither served nor fallen back."""
+        reply = self._acquire(request, 0, move)
+        assert not isinstance(reply, TierMove)
         published = move.num_published_pages
         if move.remote:
             self.metrics.add(counters.REMOTE_RESTORES if published else counters.REMOTE_FALLBACKS)
         else:
             self.metrics.add(counters.PROMOTIONS if published else counters.PROMOTION_FALLBACKS)
-        reply = self._acquire(request, 0, move)
-        assert not isinstance(reply, TierMove)
         return reply
 
     def _acquire(self, request: Acquire, remote_tokens: int, after: TierMove | None) -> AcquireReply | TierMove:

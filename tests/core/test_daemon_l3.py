@@ -9,6 +9,7 @@ from kvcached.core.daemon import DaemonState
 from kvcached.core.tier_ops import IllegalOpTransition, OpState, TierMove
 from kvcached.core.tiers import Tier
 from kvcached.testing.clock import FakeClock
+from proto.errors import ErrorCode, ProtocolError
 from proto.schema import Acquire, Commit, Release
 from tests.core.test_daemon_state import GEOMETRY, PAGE, extension_ends, tokens
 
@@ -201,6 +202,29 @@ def test_a_promotion_cut_for_want_of_l2_room_is_counted(state, rng):
     for other_id, lease_id in held:
         state.release(Release(other_id, lease_id))
     state.check_integrity()
+
+
+@pytest.mark.parametrize("read_ok", [True, False], ids=["published", "failed"])
+def test_an_acquire_whose_session_ended_during_its_promotion_is_refused_and_not_counted_served(state, rng, read_ok):
+    """The session of an acquire that waits for its L3 promotion ends while the read runs: the
+    move still ends (published or its pages returned), the acquire is refused (NOT_ATTACHED) and
+    no lease is left; it is counted neither as served after a promotion nor as a fallback."""
+    session, namespace = state.attach(GEOMETRY, pid=1)
+    prefix = only_in_l3(state, session.session_id, rng, num_pages=4)
+    keeper, _ = state.attach(GEOMETRY, pid=2)
+    request = Acquire(session.session_id, prefix, save=True, promote="wait")
+    promotion = state.acquire(request)
+    assert isinstance(promotion, TierMove)
+    state.detach(session.session_id)
+    state.finish_move(promotion, ok=read_ok)
+    with pytest.raises(ProtocolError) as refused:
+        state.acquire_after(request, promotion)
+    assert refused.value.code == ErrorCode.NOT_ATTACHED
+    state.check_integrity()
+    assert not state.leases and not state.moves
+    counted = state.metrics.counters
+    assert (counted["promotions"], counted["restore_fallbacks"]) == (0, 0), counted
+    assert l2_l3_hits(state, keeper.session_id, prefix) == (4 if read_ok else 0, 4)
 
 
 def test_failed_promotion_falls_back_without_leaks(state, rng):
