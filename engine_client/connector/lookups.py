@@ -35,10 +35,12 @@ class PendingLookup:
         self._answer: tuple[Decision, dict[str, int]] | None = None if pending is not None else _NO_ANSWER
 
     def ready(self) -> bool:
+        """Whether ``result()`` answers without waiting: the reply is in, or none can come (the
+        session known ended: it answers 0). Never waits."""
         if self._answer is not None:
             return True
         try:
-            return self._pending.ready()
+            return self._pending.wait(0)
         except (DaemonUnavailable, RuntimeError):
             return True
 

@@ -22,7 +22,7 @@ from engine_client.cache_manager import CacheManager
 from engine_client.client import ConnectionState, DaemonDown, connect
 from engine_client.connector import ConnectorConfig, LoadResult
 from kvcached.server.shm import segment_name
-from proto import codec
+from proto import codec, counters
 from proto.messages import PROTOCOL_VERSION, MsgKind
 from kvcached.testing.daemon_proc import DaemonProcess, stop_process, wait_until
 from kvcached.testing.connector_engine import P, Engine
@@ -532,5 +532,25 @@ def test_a_load_waiting_for_its_acquire_fails_as_soon_as_the_daemon_is_known_dow
         engine.poll_until(lambda: engine.loads, "the load's end", timeout_s=5.0)
         assert [load._replace(transfer_s=0.0) for load in engine.loads] == \
             [LoadResult("r", 0, [0, 1, 2, 3], "daemon_down", 0.0)], engine.loads
+    finally:
+        engine.close()
+
+
+def test_a_lookup_in_flight_is_ready_as_soon_as_the_daemon_is_known_down(daemon):
+    """A lookup_async in flight (the daemon stopped) when the daemon is SIGKILLed: once the client
+    knows the session ended, ready() is True (within 5 s; no reply can come) and result() is 0,
+    counted daemon_down, so that an engine polling ready() admits the request at once rather than
+    after its lookup timeout."""
+    rng = np.random.default_rng(4112)
+    engine = Engine(daemon.socket_path)
+    try:
+        stop_process(daemon.proc.pid)
+        pending = engine.connector.lookup_async(connector_tokens(rng, 4 * P))
+        assert not pending.ready()
+        daemon.stop(signal.SIGKILL)
+        wait_until(lambda: engine.connector.client.connection.session_ended, 10.0, "the client to know it down")
+        wait_until(pending.ready, 5.0, "the lookup to be ready")
+        assert pending.result() == 0
+        assert engine.connector.lookups.counters.value(counters.ENGINE_LOOKUP_FAILURES, "daemon_down") == 1
     finally:
         engine.close()
