@@ -81,11 +81,12 @@ class FakePending:
         return self._reply
 
     def cancel(self) -> None:
-        """Give it up: the lease of its reply is released (as the client does)."""
+        """Give it up: the lease of its reply is released (as the client does), unless its session
+        ended (the lease went with it: the client sends nothing)."""
         if not self._ended:
             self._ended = True
             if self._reply is not None and self._reply.lease_id is not None:
-                self._daemon.release(self._reply.lease_id)
+                self._daemon.release(self._reply.lease_id, self.generation)
 
 
 class FakeDaemon:
@@ -231,6 +232,8 @@ class FakeDaemon:
                            self._generation)
 
     def commit(self, lease_id: int, page_ids: Sequence[int], generation: int | None = None) -> bool:
+        if self._ended(generation):
+            return False                # not sent, as the client's: the lease went with the session
         lease = self.leases.get(lease_id)
         if lease is None:
             self._errors.append(DaemonError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id}", MsgKind.COMMIT))
@@ -247,6 +250,8 @@ class FakeDaemon:
         return True
 
     def release(self, lease_id: int, generation: int | None = None) -> bool:
+        if self._ended(generation):
+            return False                # not sent, as the client's: the lease went with the session
         if lease_id not in self.leases:
             self._errors.append(DaemonError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id}", MsgKind.RELEASE))
             return True
@@ -257,6 +262,11 @@ class FakeDaemon:
         """The bytes of one L2 page (a copy)."""
         size = self.geometry.bytes_per_page
         return np.array(self.segment[page_id * size:(page_id + 1) * size])
+
+    def _ended(self, generation: int | None) -> bool:
+        """Whether the session of ``generation`` (None: the current one) ended: the client then
+        sends no commit or release for it."""
+        return self.session_ended or generation not in (None, self._generation)
 
     def _check_live(self, generation: int | None) -> None:
         if self.closed or self.session_ended or generation not in (None, self._generation):

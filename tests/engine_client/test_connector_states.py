@@ -201,6 +201,23 @@ def test_the_end_of_the_session_fails_a_request_waiting_for_its_reply(setup, rng
     assert request.state is S.FAILED and request.failure is Cause.DAEMON_DOWN
 
 
+def test_a_request_whose_session_ended_sends_nothing_and_sees_no_refusal(setup, rng):
+    """As against the client: a request whose acquire reply (a lease) is held when the session
+    ends fails daemon_down and, given up, sends no release for its lease (it went with the
+    session), so that no refusal reaches the connector's counters."""
+    s = setup()
+    tokens, _ = saved(s, rng, 2)
+    s.daemon.hold_replies = True
+    s.connector.load("r", tokens, [4, 5], 2 * P)
+    s.daemon.end_session()
+    s.connector.poll()
+    s.connector.request_finished("r")
+    s.settle()
+    stats = s.connector.stats()
+    assert [r.reason for r in s.loads] == ["daemon_down"], s.loads
+    assert not [key for key in stats if key.startswith("daemon_refusals")], stats
+
+
 def test_ending_a_request_whose_lease_is_not_ending_raises_and_changes_nothing(setup, rng):
     """The connector's own moves go through the table: ending a LEASED request (its transfers not
     settled, not finished) raises IllegalTransition, and the request stays open and LEASED."""
