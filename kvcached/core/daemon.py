@@ -357,7 +357,7 @@ class DaemonState:
                 rank_hits = {tier.label: 0 for tier in tiers}
             else:
                 rank_hits = {tier.label: count
-                             for tier, count in namespace.tree.match(token_ids, touch=False).hit_tokens.items()}
+                             for tier, count in namespace.tree.match(token_ids, touch=False, split=False).hit_tokens.items()}
             hits = rank_hits if hits is None else {label: min(hits[label], rank_hits.get(label, 0))
                                                    for label in hits}
         assert hits is not None
@@ -388,7 +388,7 @@ class DaemonState:
         """For routers that ask (POST /lookup): the hit per tier of a prefix in every namespace of
         ``model_id`` whose salt is ``cache_salt``, or in the namespace of ``geometry``. Needs no
         session and changes nothing a request could see: no lease, lock, reservation, LRU touch,
-        decision or count (the match may split a tree node at the hit's end, as every lookup does)."""
+        decision or count, nor the tree's shape."""
         if geometry is not None:
             namespace = self.geometry_to_namespace.get(geometry)
             namespaces = [namespace] if namespace is not None else []
@@ -399,7 +399,7 @@ class DaemonState:
         for namespace in namespaces:
             page_size = namespace.geometry.page_size
             path = token_ids[: page_aligned(len(token_ids), page_size)]
-            result = namespace.tree.match(path, touch=False)
+            result = namespace.tree.match(path, touch=False, split=False)
             ask = self.tiering.remote_ask_after(namespace, path, result) if self.remote_enabled else None
             found.append(PrefixHits(namespace.namespace_id, namespace.geometry,
                                     {tier.label: count for tier, count in result.hit_tokens.items()}, ask))
@@ -537,7 +537,7 @@ class DaemonState:
         token_ids = token_array(token_bytes)
         page_size = namespace.geometry.page_size
         num_pages = len(token_ids) // page_size
-        result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False)
+        result = namespace.tree.match(token_ids[: num_pages * page_size], touch=False, split=False)
         return self.tiering.remote_ask_after(namespace, token_ids, result)
 
     def finish_remote_write(self, write: RemoteWrite, num_sent: int) -> None:

@@ -127,18 +127,23 @@ class PrefixTree:
 
     # ---- match ---------------------------------------------------------------------------
 
-    def match(self, token_ids, touch: bool = True, own_pages: int = 0) -> MatchResult:
+    def match(self, token_ids, touch: bool = True, own_pages: int = 0, split: bool = True) -> MatchResult:
         """Longest cached prefix (page-aligned) per tier; splits the last node at the match end.
 
         touch=False (a lookup): no node's LRU time changes, so asking changes no eviction order.
+        split=False (a read that only counts, e.g. LOOKUP): a hit ending inside an edge leaves the
+        tree's shape as it was; the hit and page ids count that edge's matching pages, and
+        ``last_node`` stops at the deepest whole node (never lock it for the partial pages).
         A touched hit node is reused in its tier where it reaches beyond ``own_pages``, the
         leading pages the caller holds itself (its own GPU cache; a write-through copying the
         path): a copy nobody reads from is not used."""
+        assert split or not touch, "a match that touches its hit splits at its end"
         data = self.token_bytes(token_ids)
         page_bytes = self._page_bytes
         end = len(data)
         node = self._root
         path: list[TreeNode] = []
+        partial_pages = 0           # with split=False: the matching pages of the last, unsplit edge
         pos = 0
         while pos < end:
             child = node.children.get(data[pos:pos + page_bytes])
@@ -153,7 +158,10 @@ class PrefixTree:
             # The edge matches only partly: split it at the last matching page boundary, so
             # every hit is made of whole nodes.
             num_common = self.num_common_pages(data, pos, key)
-            child = self._split(child, num_common)
+            if split:
+                child = self._split(child, num_common)
+            else:
+                partial_pages = num_common
             path.append(child)
             pos += num_common * page_bytes
             break
@@ -168,9 +176,13 @@ class PrefixTree:
             tier_page_ids: list[int] = []
             deepest = previous = None
             end_bytes = 0
-            for path_node in path:
+            for index, path_node in enumerate(path):
                 node_page_ids = path_node.page_ids[tier]
                 if node_page_ids is None:
+                    break
+                if partial_pages and index == len(path) - 1:
+                    tier_page_ids.extend(node_page_ids[:partial_pages])
+                    previous = path_node.last_access[tier]
                     break
                 tier_page_ids.extend(node_page_ids)
                 previous = path_node.last_access[tier]

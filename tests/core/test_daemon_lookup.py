@@ -142,6 +142,6 @@ def test_a_router_peek_needs_no_session_and_changes_nothing():
     nodes = [node for node in namespace.tree.nodes() if node is not namespace.tree.root]
     for node in nodes:
         assert (node.last_access[Tier.L2], node.reused[Tier.L2], node.ref_count[Tier.L2]) == (backed_up_at, False, 0)
-    assert len(nodes) == 2          # split at the 3-page hit: the hit is made of whole nodes
+    assert len(nodes) == 1          # not split at the 3-page hit: the tree keeps its shape
     assert (state.metrics.snapshot(), len(state.leases)) == before
     state.check_integrity()

@@ -68,6 +68,27 @@ def test_tiers_hit_independently(rng):
     tree.check_integrity()
 
 
+def test_a_match_without_split_counts_a_partial_edge_and_leaves_the_shape(rng):
+    """split=False (what a lookup asks): a hit ending inside an edge counts that edge's matching
+    pages in each tier, the same hit and page ids a splitting match finds, with no node added; the
+    deepest whole node is the last node (none here: the only node is the partial one)."""
+    tree = _tree()
+    tokens = _tokens(rng, 6)
+    l2_page_ids, l3_page_ids = _page_ids(rng, 6), _page_ids(rng, 6, low=200_000)
+    tree.insert(tokens, L2, l2_page_ids)
+    tree.insert(tokens, L3, l3_page_ids)
+    for query in (tokens[:4 * PAGE], np.concatenate([tokens[:4 * PAGE], _tokens(rng, 1)])):
+        peeked = tree.match(query, touch=False, split=False)
+        assert tree.num_nodes == 1
+        assert peeked.hit_tokens == {L2: 4 * PAGE, L3: 4 * PAGE}
+        assert peeked.page_ids == {L2: l2_page_ids[:4], L3: l3_page_ids[:4]}
+        assert peeked.last_node == {L2: None, L3: None}
+        tree.check_integrity()
+    split = tree.match(tokens[:4 * PAGE], touch=False)
+    assert tree.num_nodes == 2 and split.page_ids == peeked.page_ids
+    tree.check_integrity()
+
+
 def test_split_on_partial_match_keeps_every_tier(rng):
     """A match ending inside a node splits it; each tier's pages and locks survive on both halves."""
     tree = _tree()

@@ -39,18 +39,22 @@ def committed(client, rng, num_pages: int) -> np.ndarray:
 
 
 def tree_facts(client) -> dict:
-    """What a request could change in the daemon: its leases, each tier's pages by state, and every
-    counter but the lookups' own (``lookup*``) and the cost model's count of decisions."""
+    """What a request could change in the daemon: its leases, each tier's pages by state, the tree's
+    shape (its node count), and every counter but the lookups' own (``lookup*``) and the cost model's
+    count of decisions."""
     status = client.status(check_integrity=True)
     assert status["integrity"] == "ok"
     metrics = {name: value for name, value in status["metrics"].items() if not name.startswith("lookup")}
-    return {"leases": status["leases"], "tiers": status["namespaces"][0]["tiers"], "metrics": metrics}
+    namespace = status["namespaces"][0]
+    return {"leases": status["leases"], "tiers": namespace["tiers"], "tree_nodes": namespace["tree_nodes"],
+            "metrics": metrics}
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 def test_a_lookup_changes_nothing_in_the_tree(client, rng, prefetch):
     """Lookups of the older of two cached prefixes (whole, longer than cached, and a part of it)
-    leave the leases, the pages of each tier and the counters as they were, and the LRU order too:
+    leave the leases, the pages of each tier, the tree's nodes (a hit ending inside an edge does not
+    split it) and the counters as they were, and the LRU order too:
     a save that must evict then evicts the older prefix's pages, not the newer one's. (An acquire of it instead
     would have made it the newer: see test_an_acquire_touches_what_it_hits.)"""
     older = committed(client, rng, PREFIX_PAGES)
