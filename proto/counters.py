@@ -91,9 +91,10 @@ ACQUIRE_FAILURE_CAUSES = ("daemon_down", "daemon_unavailable", "match_refused", 
 REQUEST_FAILURES = (*ACQUIRE_FAILURE_CAUSES, "given_up", "closing")
 LOAD_FAILURE_REASONS = (*REQUEST_FAILURES, "not_cached", "session_lost", "stale_generation", "transfer_failed",
                         "peer_changed", "request_finished", "unknown")
-# Why a save's pages were not written; also an acquire reply's save_skipped (the daemon's choice).
+# Why a save's pages were not written; also an acquire reply's save_skipped (the daemon's choice;
+# "unknown": one this side does not know).
 SAVE_SKIP_REASONS = (*REQUEST_FAILURES, "saving_off", "beyond_lease", "no_space", "evicted_before_reuse",
-                     "session_lost", "transfer_failed", "stale_generation", "gap", "commit_failed")
+                     "session_lost", "transfer_failed", "stale_generation", "gap", "commit_failed", "unknown")
 LOOKUP_FAILURE_CAUSES = ("daemon_down", "unavailable", "refused", "no_reply")
 REFUSED_KINDS = (*(kind.name.lower() for kind in MsgKind), "request")
 LOAD_PATHS = ("whole", "whole_many_runs", "layered")

@@ -35,6 +35,17 @@ def lookup_answer(reply: LookupReply) -> tuple[Decision, dict[str, int]]:
     return reply.decision, reply.hit_tokens
 
 
+def _save_skip_cause(save_skipped: str) -> Cause | None:
+    """An acquire reply's save_skipped as a Cause; one this connector does not know (a newer daemon
+    of the same protocol version may add one) is UNKNOWN, so that the lease is still taken and ended."""
+    if not save_skipped:
+        return None
+    try:
+        return Cause(save_skipped)
+    except ValueError:
+        return Cause.UNKNOWN
+
+
 class Leases:
     """Opens, answers and ends the leases of one connector's requests."""
 
@@ -101,7 +112,7 @@ class Leases:
             host_page_ids=np.asarray(reply.host_page_ids, dtype=np.int64),
             host_page_generations=np.asarray(reply.host_page_generations, dtype=np.uint64),
             reserved_page_ids=np.asarray(reply.reserved_page_ids, dtype=np.int64), generation=reply.reserved_generation,
-            reserve_skipped=Cause(reply.save_skipped) if reply.save_skipped else None,
+            reserve_skipped=_save_skip_cause(reply.save_skipped),
             decision=reply.decision if reply.choice else None, tier_hit_tokens=reply.hit_tokens if reply.choice else {},
             peer_plan=self._peer_plan(peer, reply))
         request.lease = lease

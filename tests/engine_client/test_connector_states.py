@@ -297,3 +297,29 @@ def test_after_the_session_ends_its_pool_is_dropped_and_a_new_sessions_pool_swap
     assert [(r.num_tokens, r.failed_block_ids) for r in s.loads] == [(3 * P, [])]
     for src, dst in zip(source, destination):
         assert torch.equal(s.block(dst), s.block(src)), (src, dst)
+
+
+def test_a_save_skip_cause_this_connector_does_not_know_is_counted_unknown_and_the_lease_still_ends(
+        setup, rng, monkeypatch):
+    """An acquire reply whose save_skipped is a cause newer than this connector (a daemon of the
+    same protocol version may add one) leases the request as usual: its loads fill, its saves
+    beyond the hit are skipped as "unknown", and its lease ends (none left on the daemon)."""
+    s = setup()
+    tokens, source = saved(s, rng, 2)
+    answer = s.daemon._answer
+
+    def newer_cause(*args, **kwargs):
+        reply = answer(*args, **kwargs)
+        if not kwargs.get("lock"):
+            return reply
+        return reply._replace(save_skipped="a_cause_of_a_newer_daemon", reserved_page_ids=[], reserved_generation=0)
+    monkeypatch.setattr(s.daemon, "_answer", newer_cause)
+    longer = np.concatenate([tokens, tokens_of(rng, 2)])
+    s.connector.load("r", longer, [8, 9], 2 * P)
+    s.connector.save("r", longer, [8, 9, 10, 11])
+    s.connector.request_finished("r")
+    s.settle()
+    assert path_of(s, "r") == [S.DEFERRED, S.MATCHING, S.LEASED, S.ENDING, S.ENDED]
+    assert [(r.request_id, r.failed_block_ids, r.reason) for r in s.loads] == [("r", [], None)]
+    assert s.connector.stats()["save_skipped_pages_unknown"] == 2
+    assert not s.daemon.leases
