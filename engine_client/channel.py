@@ -14,7 +14,7 @@ import zmq
 from zmq.utils import monitor as zmq_monitor
 
 from proto import codec
-from proto.errors import ErrorCode
+from proto.errors import ErrorCode, ProtocolError
 from proto.messages import MsgKind
 from proto.replies import AcquireReply, LookupReply, from_wire
 
@@ -308,8 +308,14 @@ class Channel:
             self._absorb(frame)
 
     def _orphan_lease_of(self, frame: codec.Frame, generation: int) -> None:
-        if frame.kind == MsgKind.REPLY and frame.body.get("lease_id") is not None and self.on_orphan_lease is not None:
-            self.on_orphan_lease(frame.body["lease_id"], generation)
+        if frame.kind == MsgKind.REPLY:
+            self.orphan_lease_of(frame.body, generation)
+
+    def orphan_lease_of(self, body: Any, generation: int) -> None:
+        """Hand the lease a reply body names (if any) to on_orphan_lease: nobody will end it."""
+        lease_id = body.get("lease_id") if type(body) is dict else None
+        if type(lease_id) is int and self.on_orphan_lease is not None:
+            self.on_orphan_lease(lease_id, generation)
 
     def close(self) -> None:
         # Replies still awaited are void: closing detaches the session, whose leases the daemon reclaims.
@@ -372,7 +378,13 @@ class PendingReply:
             if exc.code == ErrorCode.NOT_ATTACHED and self._on_not_attached is not None:
                 self._on_not_attached(self.generation, exc.message)
             raise
-        return from_wire(self.reply_type, body)
+        try:
+            return from_wire(self.reply_type, body)
+        except ProtocolError:
+            # Nobody gets this reply: the lease it names would be held for the rest of the session.
+            if self.kind in LEASE_KINDS:
+                self._channel.orphan_lease_of(body, self.generation)
+            raise
 
     def cancel(self) -> None:
         """Give the request up: the lease of its reply, whenever that comes, is released."""

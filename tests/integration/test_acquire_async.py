@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import zmq
 from engine_client.channel import Channel
 from engine_client.client import ConnectionState, DaemonDown, DaemonUnavailable, connect
 from proto import codec
+from proto.errors import ProtocolError
 from proto.messages import KVGeometry, MsgKind
 from kvcached.testing.daemon_proc import PATIENT_DAEMON, DaemonProcess, stop_process
 
@@ -214,3 +216,24 @@ def test_a_given_up_acquire_answered_after_a_flush_still_has_its_lease_released(
         channel.close()
         daemon.close(0)
         context.term()
+
+
+class NewerAcquireReply(NamedTuple):
+    """An acquire reply as a client of a newer protocol would read it: a field the daemon does not send."""
+
+    lease_id: int | None
+    a_field_of_a_newer_protocol: int
+
+
+def test_an_acquire_reply_that_does_not_decode_has_its_lease_released(client, rng):
+    """A reply to an acquire that does not decode (here: a field it lacks) raises ProtocolError from
+    result(), and the lease it names is released: none is left, every reserved page free again."""
+    cached = back_up(client, rng, 2)
+    free_before = free_l2_pages(client.status())
+    tokens = np.concatenate([cached, rng.integers(1, 2**31 - 1, size=2 * GEOMETRY.page_size, dtype=np.int32)])
+    pending = client.acquire_async(tokens, save=True)
+    pending.reply_type = NewerAcquireReply
+    with pytest.raises(ProtocolError, match="a_field_of_a_newer_protocol"):
+        pending.result()
+    status = assert_idle_and_sound(client)
+    assert free_l2_pages(status) == free_before
