@@ -4,6 +4,7 @@ later (``PendingReply``); the errors a request raises.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -89,6 +90,9 @@ class Channel:
         # would ever end (heartbeats keep the session alive), so it is handed to on_orphan_lease
         # with the generation of the session it was asked for.
         self.abandoned: dict[int, tuple[MsgKind, float, int]] = {}   # request id -> (kind, when given up, generation)
+        # Requests whose PendingReply was dropped unended, (request id, kind, generation): appended on
+        # whatever thread the garbage collector ran, given up here at the owner's next send or drain.
+        self.dropped: collections.deque[tuple[int, MsgKind, int]] = collections.deque()
         # Requests sent by begin() whose replies are still to be collected by wait_for() (None
         # until the reply arrives).
         self.awaited: dict[int, codec.Frame | None] = {}
@@ -100,6 +104,7 @@ class Channel:
         self.yield_after_send = False      # set when ZeroMQ's I/O thread is pinned (connect's cpu)
 
     def send(self, kind: MsgKind, body: dict[str, Any]) -> int:
+        self.give_up_dropped()
         request_id = next(self._request_ids)
         try:
             self.socket.send(codec.encode(kind, request_id, body), flags=zmq.NOBLOCK)
@@ -179,6 +184,11 @@ class Channel:
         elif kind in LEASE_KINDS:
             self._orphan_lease_of(frame, generation)
 
+    def give_up_dropped(self) -> None:
+        """Give up the requests whose PendingReply was dropped unended (``dropped``)."""
+        while self.dropped:
+            self.abandon(*self.dropped.popleft())
+
     def _receive(self, deadline: float) -> codec.Frame | None:
         # A reply usually comes within tens of microseconds: polling for it is cheaper than
         # sleeping in the kernel and paying a wake-up (large on virtual machines). Never past the
@@ -256,6 +266,7 @@ class Channel:
         """Take in what the socket holds without waiting: error replies to earlier fire-and-forget
         requests, replies to awaited ones. (Asking ZMQ_EVENTS first: an empty socket's zmq.Again
         costs tens of microseconds, and a scheduler drains once per step.)"""
+        self.give_up_dropped()
         while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._absorb(codec.decode(self.socket.recv(flags=zmq.NOBLOCK)))
 
@@ -394,12 +405,13 @@ class PendingReply:
                 self._channel.abandon(self._request_id, self.kind, self.generation)
 
     def __del__(self) -> None:
-        # Dropped without result() or cancel() (say, an exception in between): give it up, so that
-        # its lease is released rather than held for the rest of the session.
-        try:
-            self.cancel()
-        except Exception:
-            pass
+        # Dropped without result() or cancel() (say, an exception in between): it must be given up,
+        # so that its lease is released rather than held for the rest of the session. The collector
+        # may run this on any thread and the channel is its owner's: only noted here (a deque's
+        # append is thread-safe), given up by the owner at its next send or drain.
+        if not getattr(self, "_ended", True) and not self._channel.closed:
+            self._ended = True
+            self._channel.dropped.append((self._request_id, self.kind, self.generation))
 
 
 class PendingAcquire(PendingReply):

@@ -352,6 +352,7 @@ class KVCacheClient(ConnectionKeeper):
         # promotion, which is answered when the read is done: the heartbeat's reply comes after
         # every other earlier reply, then late acquire replies are waited for. A given-up acquire's
         # reply triggers the release of its lease: that release needs a last round.
+        channel.give_up_dropped()       # their releases are sent now, and waited for below
         if channel.pending_async or channel.abandoned:
             channel.request(MsgKind.HEARTBEAT, heartbeat, timeout_s, generation)
         channel.absorb_until(lambda: channel.abandoned_acquires() == 0, deadline)

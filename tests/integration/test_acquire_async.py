@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 from typing import NamedTuple
 
@@ -237,3 +238,33 @@ def test_an_acquire_reply_that_does_not_decode_has_its_lease_released(client, rn
         pending.result()
     status = assert_idle_and_sound(client)
     assert free_l2_pages(status) == free_before
+
+
+def test_a_pending_acquire_dropped_on_another_thread_is_given_up_by_the_owner(daemon, client, rng, monkeypatch):
+    """A pending acquire whose last reference goes on another thread (the garbage collector may run
+    on any, the heartbeat thread's included) does not use the client's single-thread channel
+    there: nothing is sent or given up on that thread. Its lease is released at the owner's next
+    use of the client: once a flush returns, the daemon holds none."""
+    tokens = back_up(client, rng, 2)
+    channel = client._channel
+    threads_of_use = []
+    for name in ("send", "abandon", "drain"):
+        real = getattr(channel, name)
+
+        def recorded(*args, _real=real, **kwargs):
+            threads_of_use.append(threading.get_ident())
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(channel, name, recorded)
+    held = [client.acquire_async(tokens)]
+    assert client.status()["leases"] == 1          # the acquire's reply is in, its lease held
+    threads_of_use.clear()
+    dropper = threading.Thread(target=lambda: (held.pop(), gc.collect()))
+    dropper.start()
+    dropper.join()
+    assert not held and threads_of_use == [], "the channel was used on the thread that dropped the acquire"
+    assert client.flush() == []
+    assert not channel.pending_async, "the flush returned before the dropped acquire's release was handled"
+    with connect(daemon.socket_path, timeout_s=5.0, client_name="observer") as observer:
+        assert observer.status()["leases"] == 0, "the flush returned before the dropped acquire's release was handled"
+    assert set(threads_of_use) == {threading.get_ident()}
+    assert_idle_and_sound(client)
