@@ -93,6 +93,7 @@ class Channel:
         # Requests whose PendingReply was dropped unended, (request id, kind, generation): appended on
         # whatever thread the garbage collector ran, given up here at the owner's next send or drain.
         self.dropped: collections.deque[tuple[int, MsgKind, int]] = collections.deque()
+        self._warned_abandoned_full = False
         # Requests sent by begin() whose replies are still to be collected by wait_for() (None
         # until the reply arrives).
         self.awaited: dict[int, codec.Frame | None] = {}
@@ -181,6 +182,11 @@ class Channel:
         if frame is None:
             if len(self.abandoned) < MAX_PENDING_ASYNC:
                 self.abandoned[request_id] = (kind, time.monotonic(), generation)
+            elif kind in LEASE_KINDS and not self._warned_abandoned_full:
+                self._warned_abandoned_full = True
+                logger.warning("%d requests given up are awaited already: the lease of a late %s reply with no "
+                               "record is released under the session current when it comes (logged once)",
+                               MAX_PENDING_ASYNC, kind.name)
         elif kind in LEASE_KINDS:
             self._orphan_lease_of(frame, generation)
 
@@ -277,10 +283,15 @@ class Channel:
             return
         if frame.request_id in self.awaited:
             self.awaited[frame.request_id] = frame
-        else:
-            kind, _, generation = self.abandoned.pop(frame.request_id, (None, 0.0, 0))
+        elif frame.request_id in self.abandoned:
+            kind, _, generation = self.abandoned.pop(frame.request_id)
             if kind in LEASE_KINDS:
                 self._orphan_lease_of(frame, generation)
+        else:
+            # A reply nobody keeps a record of (given up beyond the MAX_PENDING_ASYNC records, or
+            # forgotten): a lease it names is nobody's. Released under the current session (the
+            # daemon refuses it if it was another's; an ended session's went with it).
+            self._orphan_lease_of(frame, 0)
         if frame.kind == MsgKind.ERROR:
             kind = self.pending_async.pop(frame.request_id, None)
             if kind is not None:

@@ -274,6 +274,8 @@ class KVCacheClient(ConnectionKeeper):
         return self._send_async(kind, body, generation)
 
     def _release_orphan(self, lease_id: int, generation: int) -> None:
+        if self._connection.state in (ConnectionState.DETACHED, ConnectionState.CLOSED):
+            return                # no session: the daemon reclaimed its leases when it ended
         session = self._session(generation or None, live=False)
         if session is None:       # its session ended, and with it the lease
             return

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
+from engine_client import channel as channel_module
 from engine_client.channel import Channel
 from engine_client.client import ConnectionState, DaemonDown, DaemonUnavailable, connect
 from proto import codec
@@ -268,3 +269,32 @@ def test_a_pending_acquire_dropped_on_another_thread_is_given_up_by_the_owner(da
         assert observer.status()["leases"] == 0, "the flush returned before the dropped acquire's release was handled"
     assert set(threads_of_use) == {threading.get_ident()}
     assert_idle_and_sound(client)
+
+
+def test_a_late_acquire_reply_beyond_the_given_up_records_still_has_its_lease_released(tmp_path, monkeypatch):
+    """More acquires given up than the channel keeps records of (MAX_PENDING_ASYNC, here 1): the late
+    reply of one without a record still hands the lease it names on to be released (under the
+    current session: generation 0), as the one with a record does under its own. A daemon over a
+    real ipc:// socket, scripted here."""
+    monkeypatch.setattr(channel_module, "MAX_PENDING_ASYNC", 1)
+    context = zmq.Context()
+    daemon = context.socket(zmq.ROUTER)
+    daemon.bind(f"ipc://{tmp_path}/kvcached.sock")
+    channel = Channel(context, str(tmp_path / "kvcached.sock"), timeout_s=5.0)
+    orphans = []
+    channel.on_orphan_lease = lambda lease_id, generation: orphans.append((lease_id, generation))
+    try:
+        acquire_ids = [channel.begin(MsgKind.ACQUIRE, {"session_id": 1, "promote": "wait"}) for _ in range(2)]
+        engine = None
+        for acquire_id in acquire_ids:
+            engine, _ = daemon.recv_multipart()
+            channel.abandon(acquire_id, MsgKind.ACQUIRE, generation=3)
+        assert len(channel.abandoned) == 1
+        for lease_id, acquire_id in zip((41, 42), acquire_ids):
+            daemon.send_multipart([engine, codec.encode(MsgKind.REPLY, acquire_id, {"lease_id": lease_id})])
+        channel.absorb_until(lambda: len(orphans) == 2, time.monotonic() + 5.0)
+        assert orphans == [(41, 3), (42, 0)], "a late reply's lease was never handed on to be released"
+    finally:
+        channel.close()
+        daemon.close(0)
+        context.term()
