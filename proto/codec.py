@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, cap_message, preview
-from proto.messages import MISMATCH_ADVICE, PROTOCOL_VERSION, RETIRED_KINDS, MsgKind
+from proto.messages import PROTOCOL_VERSION, RETIRED_KINDS, MsgKind, mismatch_advice
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID = 2**63 - 1
@@ -53,7 +53,7 @@ def decode(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         if retired is not None:         # a peer of an earlier protocol: say so, never guess
             raise ProtocolError(ErrorCode.UNKNOWN_KIND,
                                 f"message kind {kind} ({retired}) is not in protocol {PROTOCOL_VERSION}, the "
-                                f"daemon's: {MISMATCH_ADVICE}")
+                                f"daemon's: {mismatch_advice(PROTOCOL_VERSION - 1)}")   # its sender is older
         raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind}")
     kind = known_kind
     if not isinstance(body, dict):

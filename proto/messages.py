@@ -12,7 +12,15 @@ from proto.errors import ErrorCode, ProtocolError, preview
 # Version 2 replaced MATCH and BACKUP_COMMIT by LOOKUP, ACQUIRE and COMMIT. An ATTACH of another
 # version is refused with one error naming both; a frame of a retired kind names its version.
 PROTOCOL_VERSION = 2
-MISMATCH_ADVICE = "upgrade the engine's kvcached-sidecar to the daemon's version"
+
+
+def mismatch_advice(engine_version: Any) -> str:
+    """Which side to upgrade, from the engine's protocol version and the daemon's (PROTOCOL_VERSION)."""
+    if type(engine_version) is int and engine_version > PROTOCOL_VERSION:
+        return "upgrade the kvcached daemon to the engine's version"
+    if type(engine_version) is int and engine_version < PROTOCOL_VERSION:
+        return "upgrade the engine's kvcached-sidecar to the daemon's version"
+    return "run the engine's kvcached-sidecar and the daemon at one version"
 
 # Bytes per element of each dtype an engine may attach with (torch dtype names).
 DTYPE_ITEMSIZE = {

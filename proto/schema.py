@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from proto.errors import ErrorCode, ProtocolError, preview
-from proto.messages import MISMATCH_ADVICE, PROMOTE_MODES, PROTOCOL_VERSION, RESTORE_POLICIES, KVGeometry, MsgKind
+from proto.messages import PROMOTE_MODES, PROTOCOL_VERSION, RESTORE_POLICIES, KVGeometry, MsgKind, mismatch_advice
 from proto.tokens import TOKEN_BYTES
 
 MAX_TOKENS_PER_REQUEST = 1 << 20          # 4 MiB of int32 token ids
@@ -82,7 +82,7 @@ def check_protocol_version(body: dict) -> None:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.VERSION_MISMATCH,
                             f"protocol version mismatch: daemon speaks {PROTOCOL_VERSION}, engine sent "
-                            f"{preview(version)}; {MISMATCH_ADVICE}")
+                            f"{preview(version)}; {mismatch_advice(version)}")
 
 
 @dataclasses.dataclass(frozen=True)

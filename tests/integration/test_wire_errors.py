@@ -97,9 +97,13 @@ def test_unknown_kind_gets_unknown_kind(daemon, peer, bystander):
 
 
 def test_wrong_protocol_version_is_refused(daemon, peer, bystander):
-    """Attach with another protocol version gets VERSION_MISMATCH and creates no session."""
-    assert_error(peer.request(MsgKind.ATTACH, attach_body(protocol_version=PROTOCOL_VERSION + 1)),
-                 ErrorCode.VERSION_MISMATCH)
+    """Attach with another protocol version gets VERSION_MISMATCH and creates no session; an engine
+    newer than the daemon is told to upgrade the daemon, not itself."""
+    reply = peer.request(MsgKind.ATTACH, attach_body(protocol_version=PROTOCOL_VERSION + 1))
+    assert_error(reply, ErrorCode.VERSION_MISMATCH)
+    assert reply.body["message"] == (
+        f"protocol version mismatch: daemon speaks {PROTOCOL_VERSION}, engine sent {PROTOCOL_VERSION + 1}; "
+        "upgrade the kvcached daemon to the engine's version"), reply.body
     assert len(bystander.status()["sessions"]) == 1
     assert_still_serving(bystander, daemon)
 
