@@ -51,29 +51,33 @@ class FakePending:
         self._error = error
         self.generation = generation
         self._ended = False
+        # Whether the reply is in: at once, or (held) at deliver() while its session lasts.
+        self.arrived = not daemon.hold_replies
+        if not self.arrived:
+            daemon.held.append(self)
 
     def ready(self) -> bool:
         """Whether the reply has come (as the client's: not whether one can still come)."""
         if self._ended:
             raise RuntimeError("this request has already ended (result() or cancel() was called)")
-        return not self._daemon.hold_replies
+        return self.arrived
 
     def wait(self, timeout_s: float) -> bool:
         """True once the reply is in or none can come (the session ended); nothing here answers
         while a test waits: held stays held."""
-        return self._answered()
+        return self.arrived or self._session_gone()
 
-    def _answered(self) -> bool:
-        return not self._daemon.hold_replies or self._daemon.session_ended
+    def _session_gone(self) -> bool:
+        return self._daemon.session_ended or self.generation != self._daemon.generation
 
     def result(self, timeout_s: float | None = None) -> AcquireReply | LookupReply:
+        """As the client's: a reply in is returned, also one whose session has ended since."""
         if self._ended:
             raise RuntimeError("this request has already ended (result() or cancel() was called)")
-        if self._daemon.session_ended:
+        if not self.arrived:
             self.cancel()
-            raise DaemonDown("the session ended")
-        if not self._answered():
-            self.cancel()
+            if self._session_gone():
+                raise DaemonDown("the session ended")
             raise DaemonUnavailable(f"no reply within {timeout_s} s")
         self._ended = True
         if self._error is not None:
@@ -97,6 +101,7 @@ class FakeDaemon:
         self._dir = tempfile.mkdtemp(prefix="kvcached-fake-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.socket_path = os.path.join(self._dir, "none.sock")
         self.hold_replies = False
+        self.held: list[FakePending] = []        # replies held, to be answered by deliver()
         self.session_ended = False
         self.cost_samples: list[tuple[str, int, float]] = []
         self.reports: list[dict[str, Any]] = []
@@ -190,8 +195,12 @@ class FakeDaemon:
     # ---- faults -------------------------------------------------------------------------------------
 
     def deliver(self) -> None:
-        """Answer the replies held so far (and those to come)."""
+        """Answer the replies held so far (those of the live session: an ended one's never come),
+        and those to come."""
         self.hold_replies = False
+        for pending in self.held:
+            pending.arrived = not self.session_ended and pending.generation == self._generation
+        self.held = []
 
     def refuse_next(self, count: int = 1) -> None:
         self._refusals += count

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_client.client import DaemonDown
 from engine_client.connector import Cause, ConnectorConfig, IllegalTransition, KVConnector, RequestState
 from engine_client.connector.state import _NEXT_STATES, Request
 from kvcached.testing.blocks import random_bits
@@ -323,3 +324,23 @@ def test_a_save_skip_cause_this_connector_does_not_know_is_counted_unknown_and_t
     assert [(r.request_id, r.failed_block_ids, r.reason) for r in s.loads] == [("r", [], None)]
     assert s.connector.stats()["save_skipped_pages_unknown"] == 2
     assert not s.daemon.leases
+
+
+def test_the_fake_daemon_returns_a_reply_in_before_the_session_ended_as_the_client_does(setup, rng):
+    """As the real client's pending reply: one whose reply was in when the session ended returns it
+    (its lease went with the session); one held then raises DaemonDown, also after a later
+    deliver() (no reply comes for an ended session)."""
+    s = setup()
+    tokens, _ = saved(s, rng, 2)
+    daemon = s.daemon
+    arrived = daemon.acquire_async(tokens)
+    daemon.hold_replies = True
+    held = daemon.acquire_async(tokens)
+    daemon.end_session()
+    daemon.deliver()
+    assert arrived.ready() and arrived.wait(0) and held.wait(0)
+    reply = arrived.result()
+    assert reply.hit_tokens["l2"] == 2 * P and reply.lease_id is not None
+    with pytest.raises(DaemonDown):
+        held.result()
+    assert not daemon.leases
